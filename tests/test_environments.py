@@ -1,0 +1,280 @@
+"""Cluster environments read from plain dicts: good values, bad values, every scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit.environments import (
+    DDPKIT_LAUNCHED,
+    ClusterEnvironment,
+    KubeflowEnvironment,
+    LocalEnvironment,
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+    detect_environment,
+    environment_variables,
+    expand_slurm_nodelist,
+)
+
+
+def summary(env: ClusterEnvironment) -> tuple:
+    return (env.main_address, env.main_port, env.world_size(), env.global_rank(), env.local_rank(),
+            env.node_rank(), env.creates_processes_externally)
+
+
+# --- Local ---------------------------------------------------------------------------------
+
+
+def test_local_defaults_to_one_process_with_a_free_port() -> None:
+    env = LocalEnvironment({})
+    assert (env.main_address, env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (
+        "127.0.0.1", 1, 0, 0, 0)
+    assert 1 <= env.main_port <= 65535
+    assert env.creates_processes_externally is False
+    assert env.main_port == env.main_port  # chosen once, not on every read
+
+
+def test_local_reads_torch_variables() -> None:
+    env = LocalEnvironment({"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29501", "WORLD_SIZE": "4", "RANK": "3",
+                            "LOCAL_RANK": "1", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert summary(env) == ("10.0.0.5", 29501, 4, 3, 1, 1, True)
+
+
+def test_local_derives_rank_from_node_and_local_rank() -> None:
+    env = LocalEnvironment({"WORLD_SIZE": "4", "LOCAL_RANK": "1", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                            "MASTER_PORT": "29500"})
+    assert env.global_rank() == 3
+
+
+def test_getters_do_not_write_the_environment() -> None:
+    env_vars: dict[str, str] = {}
+    env = LocalEnvironment(env_vars)
+    _ = (env.main_address, env.main_port, env.world_size(), env.global_rank())
+    assert env_vars == {}
+
+
+def test_environment_variables_export() -> None:
+    env = LocalEnvironment({"MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "1"})
+    assert environment_variables(env) == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2",
+                                          "RANK": "1", "LOCAL_RANK": "0", "NODE_RANK": "0"}
+
+
+@pytest.mark.parametrize(
+    ("variables", "names"),
+    [
+        ({"WORLD_SIZE": "2", "RANK": "2"}, ["RANK=2", "WORLD_SIZE=2", "0..1"]),
+        ({"WORLD_SIZE": "2", "RANK": "-1"}, ["RANK=-1", ">= 0"]),
+        ({"WORLD_SIZE": "two"}, ["WORLD_SIZE='two'", "not an integer"]),
+        ({"WORLD_SIZE": "0"}, ["WORLD_SIZE=0", ">= 1"]),
+        ({"MASTER_PORT": "http"}, ["MASTER_PORT='http'", "TCP port"]),
+        ({"MASTER_PORT": "70000"}, ["MASTER_PORT=70000", "1..65535"]),
+        ({"WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, ["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"]),
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "3"}, ["LOCAL_WORLD_SIZE=3", "WORLD_SIZE=2"]),
+    ],
+)
+def test_local_rejects_bad_values_naming_variable_and_value(variables: dict[str, str], names: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        LocalEnvironment({"MASTER_PORT": "29500", **variables})
+    for name in names:
+        assert name in str(info.value)
+
+
+# --- torchrun --------------------------------------------------------------------------------
+
+TORCHRUN = {"MASTER_ADDR": "node0", "MASTER_PORT": "29400", "WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1",
+            "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "abc"}
+
+
+def test_torchelastic_reads_torchrun_variables() -> None:
+    assert TorchElasticEnvironment.detect(TORCHRUN)
+    assert summary(TorchElasticEnvironment(TORCHRUN)) == ("node0", 29400, 8, 5, 1, 1, True)
+
+
+def test_torchelastic_bad_values() -> None:
+    with pytest.raises(ValueError, match="RANK=8 is not smaller than WORLD_SIZE=8"):
+        TorchElasticEnvironment({**TORCHRUN, "RANK": "8"})
+    with pytest.raises(ValueError, match="LOCAL_RANK=4 is not smaller than LOCAL_WORLD_SIZE=4"):
+        TorchElasticEnvironment({**TORCHRUN, "LOCAL_RANK": "4"})
+    with pytest.raises(ValueError, match="MASTER_PORT is not set.*torchrun"):
+        TorchElasticEnvironment({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"})
+
+
+# --- SLURM -------------------------------------------------------------------------------------
+
+SLURM = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "6", "SLURM_LOCALID": "2",
+         "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234567",
+         "SLURM_JOB_NAME": "train"}
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[1-2],b3,c[08-10]", ["a1", "a2", "b3", "c08", "c09", "c10"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("host.example.com", ["host.example.com"]),
+        ("n[9-11]", ["n9", "n10", "n11"]),
+    ],
+)
+def test_expand_slurm_nodelist(nodelist: str, hosts: list[str]) -> None:
+    assert expand_slurm_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["node[1-", "node[a-b]", "node[4-2]"])
+def test_expand_slurm_nodelist_rejects_garbage(nodelist: str) -> None:
+    with pytest.raises(ValueError, match="SLURM_NODELIST"):
+        expand_slurm_nodelist(nodelist)
+
+
+def test_slurm_reads_srun_variables_and_derives_port_from_job_id() -> None:
+    assert SLURMEnvironment.detect(SLURM)
+    assert summary(SLURMEnvironment(SLURM)) == ("gpu07", 15000 + 4567, 8, 6, 2, 1, True)
+
+
+def test_slurm_master_variables_override() -> None:
+    env = SLURMEnvironment({**SLURM, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "30000"})
+    assert (env.main_address, env.main_port) == ("10.1.1.1", 30000)
+
+
+def test_slurm_interactive_job_is_not_detected() -> None:
+    assert not SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "bash"})
+    assert not SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "interactive"})
+    assert not SLURMEnvironment.detect({})
+
+
+def test_slurm_ntasks_without_ntasks_per_node_is_refused_with_a_hint() -> None:
+    variables = {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"}
+    with pytest.raises(ValueError, match="--ntasks-per-node"):
+        SLURMEnvironment(variables)
+
+
+def test_slurm_bad_values() -> None:
+    with pytest.raises(ValueError, match="SLURM_PROCID=8 is not smaller than SLURM_NTASKS=8"):
+        SLURMEnvironment({**SLURM, "SLURM_PROCID": "8"})
+    with pytest.raises(ValueError, match="SLURM_LOCALID=4 is not smaller than SLURM_NTASKS_PER_NODE=4"):
+        SLURMEnvironment({**SLURM, "SLURM_LOCALID": "4"})
+    with pytest.raises(ValueError, match="SLURM_NODEID=2 is not smaller than SLURM_NNODES=2"):
+        SLURMEnvironment({**SLURM, "SLURM_NODEID": "2"})
+    with pytest.raises(ValueError, match="SLURM_JOB_ID='abc'"):
+        SLURMEnvironment({**SLURM, "SLURM_JOB_ID": "abc"})
+
+
+# --- LSF ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def rankfile(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    path = tmp_path / "rankfile"
+    path.write_text("batch1\nh1\nh1\nh2\nh2\n")
+    return str(path)
+
+
+def lsf(rankfile: str, **overrides: str) -> dict[str, str]:
+    return {"LSB_JOBID": "123456", "LSB_DJOB_RANKFILE": rankfile, "JSM_NAMESPACE_SIZE": "4",
+            "JSM_NAMESPACE_RANK": "3", "JSM_NAMESPACE_LOCAL_RANK": "1", **overrides}
+
+
+def test_lsf_reads_jsrun_variables_and_rankfile(rankfile: str) -> None:
+    variables = lsf(rankfile)
+    assert LSFEnvironment.detect(variables)
+    env = LSFEnvironment(variables, hostname="h2")
+    assert summary(env) == ("h1", 10000 + 456, 4, 3, 1, 1, True)
+
+
+def test_lsf_uses_lsb_hosts_without_rankfile() -> None:
+    variables = lsf("", LSB_HOSTS="batch1 h1 h1 h2 h2")
+    del variables["LSB_DJOB_RANKFILE"]
+    env = LSFEnvironment(variables, hostname="h1.cluster.org")
+    assert (env.main_address, env.node_rank()) == ("h1", 0)
+
+
+def test_lsf_bad_values(rankfile: str) -> None:
+    with pytest.raises(ValueError, match="cannot be read"):
+        LSFEnvironment(lsf("/nonexistent/rankfile"), hostname="h1")
+    with pytest.raises(ValueError, match=r"\('elsewhere'\) is not among the compute hosts"):
+        LSFEnvironment(lsf(rankfile), hostname="elsewhere")
+    with pytest.raises(ValueError, match="JSM_NAMESPACE_RANK=4 is not smaller than JSM_NAMESPACE_SIZE=4"):
+        LSFEnvironment(lsf(rankfile, JSM_NAMESPACE_RANK="4"), hostname="h1")
+
+
+# --- MPI ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+         "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1"},
+        {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+        {"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_LOCAL_RANK": "1",
+         "MV2_COMM_WORLD_LOCAL_SIZE": "2"},
+    ],
+    ids=["openmpi", "mpich-intel", "mvapich"],
+)
+def test_mpi_flavours(variables: dict[str, str]) -> None:
+    variables = {**variables, "MASTER_ADDR": "head", "MASTER_PORT": "29999"}
+    assert MPIEnvironment.detect(variables)
+    assert summary(MPIEnvironment(variables)) == ("head", 29999, 4, 3, 1, 1, True)
+
+
+def test_mpi_single_node_needs_no_master_addr_and_derives_one_port_per_job() -> None:
+    base = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "3141"}
+    rank0 = MPIEnvironment(base)
+    rank1 = MPIEnvironment({**base, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    assert rank0.main_address == "127.0.0.1"
+    assert rank0.main_port == rank1.main_port
+    assert 20000 <= rank0.main_port < 30000
+
+
+def test_mpi_bad_values() -> None:
+    multi_node = {"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    with pytest.raises(ValueError, match="MASTER_ADDR is not set.*mpirun -x MASTER_ADDR"):
+        MPIEnvironment(multi_node)
+    with pytest.raises(ValueError, match="PMI_RANK=4 is not smaller than PMI_SIZE=4"):
+        MPIEnvironment({**multi_node, "PMI_RANK": "4", "MASTER_ADDR": "head"})
+    with pytest.raises(ValueError, match="MPI_LOCALRANKID is not set"):
+        MPIEnvironment({"PMI_RANK": "0", "PMI_SIZE": "1"})
+
+
+# --- Kubeflow ----------------------------------------------------------------------------------
+
+KUBEFLOW = {"KUBERNETES_PORT": "tcp://10.0.0.1:443", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
+            "WORLD_SIZE": "3", "RANK": "2"}
+
+
+def test_kubeflow_one_process_per_pod() -> None:
+    assert KubeflowEnvironment.detect(KUBEFLOW)
+    assert summary(KubeflowEnvironment(KUBEFLOW)) == ("job-master-0", 23456, 3, 2, 0, 2, True)
+    with pytest.raises(ValueError, match="RANK=3 is not smaller than WORLD_SIZE=3"):
+        KubeflowEnvironment({**KUBEFLOW, "RANK": "3"})
+
+
+# --- detection order ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({}, LocalEnvironment),
+        (TORCHRUN, TorchElasticEnvironment),
+        ({**SLURM, **TORCHRUN}, TorchElasticEnvironment),  # torchrun inside an allocation
+        (SLURM, SLURMEnvironment),
+        ({**SLURM, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+         MPIEnvironment),
+        (KUBEFLOW, KubeflowEnvironment),
+        ({**SLURM, DDPKIT_LAUNCHED: "1", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+          "MASTER_PORT": "29500"}, LocalEnvironment),
+    ],
+    ids=["nothing", "torchrun", "torchrun-in-slurm", "slurm", "mpi-in-slurm", "kubeflow", "ddpkit-in-slurm"],
+)
+def test_detect_environment_order(variables: dict[str, str], expected: type) -> None:
+    assert type(detect_environment(variables)) is expected
+
+
+def test_lsf_detected(rankfile: str) -> None:
+    variables = lsf(rankfile)
+    assert not SLURMEnvironment.detect(variables) and LSFEnvironment.detect(variables)
