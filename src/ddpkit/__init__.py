@@ -1,0 +1,42 @@
+"""ddpkit: data-parallel PyTorch training over many processes, GPUs and nodes.
+
+The engine underneath is ``torch.distributed`` (Gloo on CPU, NCCL on GPU). Public pieces:
+``ddpkit.distributed`` (connection and collectives), ``ddpkit.environments`` (SLURM, LSF,
+MPI, torchrun, Kubeflow, local) and ``ddpkit.testing`` (a multi-rank pool for tests).
+"""
+
+from ddpkit.distributed import (
+    AllGatherGrad,
+    all_gather_ddp_if_available,
+    barrier,
+    broadcast_object,
+    destroy_dist_connection,
+    gather_all_tensors,
+    get_rank,
+    get_world_size,
+    init_dist_connection,
+    register_ddp_comm_hook,
+    sync_ddp,
+    sync_ddp_if_available,
+)
+from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllGatherGrad",
+    "ClusterEnvironment",
+    "LocalEnvironment",
+    "all_gather_ddp_if_available",
+    "barrier",
+    "broadcast_object",
+    "destroy_dist_connection",
+    "detect_environment",
+    "gather_all_tensors",
+    "get_rank",
+    "get_world_size",
+    "init_dist_connection",
+    "register_ddp_comm_hook",
+    "sync_ddp",
+    "sync_ddp_if_available",
+]
