@@ -67,6 +67,8 @@ def _worker_main(rank: int, world_size: int, store_path: str, pg_timeout: float,
     import torch
     import torch.distributed as dist
 
+    from ddpkit.distributed import destroy_dist_connection
+
     torch.set_num_threads(threads)
     # On SIGUSR1 the parent asks for this worker's stack (it is about to kill a hung pool).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
@@ -88,8 +90,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, pg_timeout: float,
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             payload = pickle.dumps(("error", traceback.format_exc()))
         conn.send_bytes(payload)
-    dist.barrier()  # see ddpkit.distributed.destroy_dist_connection
-    dist.destroy_process_group()
+    destroy_dist_connection()
     conn.close()
 
 
