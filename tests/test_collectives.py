@@ -235,6 +235,17 @@ def test_broadcast_object_from_any_rank(pool: WorkerPool) -> None:
         pool.world_size)
 
 
+def broadcast_large() -> int:
+    payload = bytes(range(256)) * 4096 if dist.get_rank() == 0 else None  # 1 MiB
+    received = broadcast_object(payload)
+    assert received == bytes(range(256)) * 4096
+    return len(received)
+
+
+def test_broadcast_object_large_payload(pool2: WorkerPool) -> None:
+    assert pool2.run(broadcast_large, timeout=30) == [1 << 20] * 2
+
+
 def broadcast_bad_src() -> str:
     try:
         broadcast_object(1, src=dist.get_world_size())

@@ -15,15 +15,19 @@ from ddpkit.distributed import init_dist_connection, register_ddp_comm_hook
 from ddpkit.environments import LocalEnvironment, find_free_port
 from ddpkit.testing import WorkerPool
 
+# numpy is blocked, as on a fresh machine: torch does not depend on it (broadcast_object_list does).
 CONNECT = textwrap.dedent(
     """
+    import sys
+    sys.modules["numpy"] = None
     import torch
-    from ddpkit.distributed import destroy_dist_connection, init_dist_connection, sync_ddp
+    from ddpkit.distributed import broadcast_object, destroy_dist_connection, init_dist_connection, sync_ddp
     from ddpkit.environments import detect_environment
     env = detect_environment()
     init_dist_connection(env)
     total = sync_ddp(torch.tensor([env.global_rank() + 1.0])).item()
-    print(f"rank {env.global_rank()} of {env.world_size()} total {total}", flush=True)
+    message = broadcast_object({"from": env.global_rank()}, src=1)
+    print(f"rank {env.global_rank()} of {env.world_size()} total {total} message {message}", flush=True)
     destroy_dist_connection()
     """
 )
@@ -45,7 +49,8 @@ def test_two_processes_connect_through_the_environment() -> None:
         for process in processes:
             process.kill()
     assert [p.returncode for p in processes] == [0, 0], outputs
-    assert "rank 0 of 2 total 3.0" in outputs[0] and "rank 1 of 2 total 3.0" in outputs[1]
+    assert "rank 0 of 2 total 3.0 message {'from': 1}" in outputs[0]
+    assert "rank 1 of 2 total 3.0 message {'from': 1}" in outputs[1]
 
 
 def connect_again(world_size: int) -> str:
