@@ -115,7 +115,7 @@ def init_dist_connection(
 
 
 def _check_existing_group(rank: int, size: int, backend: str | None) -> None:
-    existing = {"global_rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    existing: dict[str, Any] = {"global_rank": dist.get_rank(), "world_size": dist.get_world_size()}
     wanted: dict[str, Any] = {"global_rank": rank, "world_size": size}
     if backend is not None:
         existing["backend"] = str(dist.get_backend())

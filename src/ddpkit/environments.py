@@ -99,6 +99,13 @@ class _ResolvedEnvironment:
     _node_rank: int
     _external: bool
 
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        raise NotImplementedError  # each environment parses its own variables
+
+    @classmethod
+    def detect(cls, env: Mapping[str, str] | None = None) -> bool:
+        raise NotImplementedError
+
     @property
     def main_address(self) -> str:
         return self._main_address
@@ -592,6 +599,6 @@ def detect_environment(env: Mapping[str, str] | None = None) -> ClusterEnvironme
     if DDPKIT_LAUNCHED in env:
         return LocalEnvironment(env)
     for candidate in _DETECTION_ORDER:
-        if candidate.detect(env):  # type: ignore[attr-defined]
-            return candidate(env)  # type: ignore[return-value]
+        if candidate.detect(env):
+            return candidate(env)
     return LocalEnvironment(env)
