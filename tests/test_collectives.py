@@ -256,3 +256,15 @@ def broadcast_bad_src() -> str:
 
 def test_broadcast_object_rejects_a_src_outside_the_group(pool2: WorkerPool) -> None:
     assert pool2.run(broadcast_bad_src, timeout=30) == ["src=2 is not a rank of the group, whose ranks are 0..1."] * 2
+
+
+def gather_objects() -> list[object]:
+    from ddpkit.distributed import all_gather_object
+
+    rank = dist.get_rank()
+    return all_gather_object({"rank": rank, "names": ["w"] * rank})
+
+
+def test_all_gather_object(pool: WorkerPool) -> None:
+    expected = [{"rank": r, "names": ["w"] * r} for r in range(pool.world_size)]
+    assert pool.run(gather_objects, timeout=30) == [expected] * pool.world_size

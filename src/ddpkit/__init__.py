@@ -1,13 +1,16 @@
 """ddpkit: data-parallel PyTorch training over many processes, GPUs and nodes.
 
 The engine underneath is ``torch.distributed`` (Gloo on CPU, NCCL on GPU). Public pieces:
-``ddpkit.distributed`` (connection and collectives), ``ddpkit.environments`` (SLURM, LSF,
-MPI, torchrun, Kubeflow, local) and ``ddpkit.testing`` (a multi-rank pool for tests).
+``ddpkit.DistributedDataParallel``, ``ddpkit.distributed`` (connection and collectives),
+``ddpkit.environments`` (SLURM, LSF, MPI, torchrun, Kubeflow, local) and ``ddpkit.testing``
+(a multi-rank pool for tests).
 """
 
+from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import (
     AllGatherGrad,
     all_gather_ddp_if_available,
+    all_gather_object,
     barrier,
     broadcast_object,
     destroy_dist_connection,
@@ -26,8 +29,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AllGatherGrad",
     "ClusterEnvironment",
+    "DistributedDataParallel",
     "LocalEnvironment",
     "all_gather_ddp_if_available",
+    "all_gather_object",
     "barrier",
     "broadcast_object",
     "destroy_dist_connection",

@@ -29,6 +29,7 @@ __all__ = [
     "AllGatherGrad",
     "ReduceOpLike",
     "all_gather_ddp_if_available",
+    "all_gather_object",
     "barrier",
     "broadcast_object",
     "destroy_dist_connection",
@@ -451,9 +452,23 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     data = payload.to(device)
     dist.broadcast(data, src=global_src, group=group)
-    if rank == src:
-        return obj
-    data = data.cpu()
+    return obj if rank == src else _unpickle(data)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order of ``group``; ``[obj]`` in one process.
+
+    Pickles into a byte tensor and reuses ``gather_all_tensors`` (byte strings of any length);
+    unlike torch's ``all_gather_object`` this needs no numpy.
+    """
+    if not distributed_available():
+        return [obj]
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return [_unpickle(piece) for piece in gather_all_tensors(payload.to(_communication_device(group)), group)]
+
+
+def _unpickle(data: Tensor) -> Any:
+    data = data.cpu().contiguous()
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # a memcpy; tolist() is O(n) Python
 
 

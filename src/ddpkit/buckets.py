@@ -1,0 +1,120 @@
+"""Gradient buckets: which parameters are reduced together, their flat buffers, and the
+``GradBucket`` view that torch-style communication hooks receive.
+
+Parameters are taken in reverse order of registration (roughly the order backward produces
+their gradients), grouped by dtype and device, and cut into buckets of at most ``cap_bytes``;
+the first bucket of each kind is smaller (``first_cap_bytes``) so that communication starts
+early in backward, as torch's Reducer does. Every rank builds the same buckets because the
+order comes from one rank's parameter list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["Bucket", "GradBucket", "assign_buckets"]
+
+DEFAULT_CAP_BYTES = 25 * 1024 * 1024
+DEFAULT_FIRST_CAP_BYTES = 1024 * 1024
+
+
+def assign_buckets(
+    tensors: Sequence[Tensor], cap_bytes: int = DEFAULT_CAP_BYTES, first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES
+) -> list[list[int]]:
+    """Split ``tensors`` (already in launch order) into buckets of indices.
+
+    A bucket holds one dtype and one device; it closes when the next tensor would take it past
+    its cap (a tensor larger than the cap gets a bucket of its own). Buckets are ordered by
+    their first tensor, so bucket 0 holds the first tensors of ``tensors``.
+    """
+    if cap_bytes <= 0 or first_cap_bytes <= 0:
+        raise ValueError(f"bucket caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}.")
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    closed_for_kind: dict[tuple[torch.dtype, torch.device], int] = {}
+    buckets: list[list[int]] = []
+    for index, tensor in enumerate(tensors):
+        kind = (tensor.dtype, tensor.device)
+        size = tensor.numel() * tensor.element_size()
+        cap = first_cap_bytes if closed_for_kind.get(kind, 0) == 0 else cap_bytes
+        members, used = open_buckets.get(kind, ([], 0))
+        if members and used + size > cap:
+            buckets.append(members)
+            closed_for_kind[kind] = closed_for_kind.get(kind, 0) + 1
+            members, used = [], 0
+        members.append(index)
+        open_buckets[kind] = (members, used + size)
+    buckets.extend(members for members, _ in open_buckets.values() if members)
+    return sorted(buckets, key=lambda members: members[0])
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One bucket's parameters and the flat buffer their gradients are reduced in."""
+
+    index: int
+    parameters: list[torch.nn.Parameter]
+    names: list[str]
+    buffer: Tensor
+    views: list[Tensor]
+    ready: list[bool] = field(default_factory=list)
+    pending: int = 0
+
+    @classmethod
+    def build(cls, index: int, parameters: list[torch.nn.Parameter], names: list[str]) -> Bucket:
+        total = sum(p.numel() for p in parameters)
+        buffer = torch.zeros(total, dtype=parameters[0].dtype, device=parameters[0].device)
+        views, offset = [], 0
+        for parameter in parameters:
+            views.append(buffer[offset : offset + parameter.numel()].view_as(parameter))
+            offset += parameter.numel()
+        bucket = cls(index, parameters, names, buffer, views)
+        bucket.reset()
+        return bucket
+
+    def reset(self) -> None:
+        """Forget which gradients arrived: the start of a new backward."""
+        self.ready = [False] * len(self.parameters)
+        self.pending = len(self.parameters)
+
+
+class GradBucket:
+    """What a torch-style communication hook receives: torch ``GradBucket``'s methods.
+
+    ``buffer()`` is the flat tensor to reduce; the hook returns a future whose value is the
+    reduced flat tensor (or a one-element list of it, as older torch hooks return).
+    """
+
+    def __init__(self, bucket: Bucket, is_last: bool) -> None:
+        self._bucket = bucket
+        self._buffer = bucket.buffer
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def get_tensors(self) -> list[Tensor]:
+        """The pre-1.10 torch spelling, still used by hooks written against it."""
+        return [self._buffer]
+
+    def gradients(self) -> list[Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[Tensor]:
+        return list(self._bucket.parameters)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, buffer: Tensor) -> None:
+        if buffer.shape != self._buffer.shape:
+            raise ValueError(
+                f"set_buffer needs a tensor of the bucket's shape {tuple(self._buffer.shape)}, got {tuple(buffer.shape)}."
+            )
+        self._buffer.copy_(buffer)

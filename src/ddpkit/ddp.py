@@ -1,0 +1,416 @@
+"""``DistributedDataParallel``: pytorch-pfn-extras' module, with torch Reducer's overlap.
+
+How a step goes:
+
+1. Construction checks that every rank has the same parameters and buffers (by name, shape
+   and dtype; registration order may differ), raising on every rank otherwise, then copies the
+   group's first rank's values to all. Buckets follow that rank's reverse registration order.
+2. During backward, each parameter's post-accumulate-grad hook copies its gradient into its
+   bucket, already multiplied by 1/world_size (one pass, torch's arithmetic). Buckets launch
+   their asynchronous all-reduce strictly in index order: bucket i starts as soon as it and
+   every bucket before it are complete. So every rank issues the same collectives in the
+   same order, whatever its graph, and never waits for a bucket another rank cannot fill.
+3. At the end of backward (an autograd callback) the buckets still incomplete are filled
+   with zeros where a rank has no gradient and launched; with ``negotiate_grads`` one small
+   all-reduce of "who has a gradient" follows, so a parameter with no gradient on any rank
+   keeps ``grad=None``; then every reduction is awaited and copied back before backward
+   returns, so the optimizer sees averaged gradients.
+4. Buffers are broadcast from the group's first rank after backward, and before a forward
+   when forwards ran without a backward (evaluation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from ddpkit.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, GradBucket, assign_buckets
+from ddpkit.distributed import all_gather_object, distributed_available
+
+__all__ = ["DistributedDataParallel"]
+
+ProcessGroup = Any
+TensorsFunction = Callable[[Sequence[Tensor], ProcessGroup], None]
+
+# torch DDP keyword arguments that ddpkit honours; any other is ignored with a warning.
+_HONOURED_KWARGS = {
+    "bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "static_graph",
+    "device_ids", "output_device", "dim",
+}
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper: gradients averaged over ``process_group`` after every backward.
+
+    Arguments follow pytorch-pfn-extras; torch DDP's keyword arguments are accepted:
+    ``bucket_cap_mb`` (25), ``gradient_as_bucket_view`` (``.grad`` are views into the bucket
+    buffers: no copy back, less memory), ``find_unused_parameters`` (an alias of
+    ``negotiate_grads``), ``static_graph`` (a promise that every rank uses every parameter
+    in every step: negotiation is skipped), ``device_ids``/``output_device`` (one device per
+    process). Others are ignored with one warning naming them.
+
+    ``reduce_function(tensors, group)`` replaces the whole reduction (in place, after
+    backward, no overlap); ``broadcast_function(tensors, group)`` replaces the broadcasts of
+    parameters at construction and of buffers.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        broadcast_buffers: bool = True,
+        negotiate_grads: bool = True,
+        process_group: ProcessGroup = None,
+        reduce_function: TensorsFunction | None = None,
+        broadcast_function: TensorsFunction | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if not distributed_available():
+            raise RuntimeError(
+                "DistributedDataParallel needs a process group, and none exists yet. Connect first, e.g. "
+                "ddpkit.init_dist_connection(ddpkit.detect_environment()), then wrap the model."
+            )
+        ignored = sorted(set(kwargs) - _HONOURED_KWARGS)
+        if ignored:
+            warnings.warn(f"ddpkit.DistributedDataParallel ignores these torch DDP arguments: {', '.join(ignored)}.",
+                          stacklevel=2)
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.negotiate_grads = bool(kwargs.get("find_unused_parameters", negotiate_grads))
+        self.static_graph = bool(kwargs.get("static_graph", False))
+        self.gradient_as_bucket_view = bool(kwargs.get("gradient_as_bucket_view", False))
+        #: When False (inside ``no_sync``), backward accumulates gradients locally.
+        self.require_backward_grad_sync = True
+        self._reduce_function = reduce_function
+        self._broadcast_function = broadcast_function
+        self._rank = dist.get_rank(process_group)
+        if self._rank < 0:
+            raise ValueError(
+                f"Global rank {dist.get_rank()} is not a member of the process group given to DistributedDataParallel "
+                f"(members: {dist.get_process_group_ranks(process_group)})."
+            )
+        self._world_size = dist.get_world_size(process_group)
+        self._source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        self.device = self._check_device(module, kwargs.get("device_ids"))
+
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                f"{type(module).__name__} has no parameters that require grad, so there is nothing to synchronise. "
+                "Wrap the module you train (or set requires_grad=True on its parameters)."
+            )
+        launch_order = self._check_same_module_everywhere(module)
+        self._broadcast_state()
+
+        by_name = dict(named)
+        ordered = [by_name[name] for name in launch_order if name in by_name]
+        ordered_names = [name for name in launch_order if name in by_name]
+        cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
+        groups = assign_buckets(ordered, cap_bytes=cap, first_cap_bytes=min(cap, DEFAULT_FIRST_CAP_BYTES))
+        self._buckets = [Bucket.build(i, [ordered[j] for j in g], [ordered_names[j] for j in g])
+                         for i, g in enumerate(groups)]
+        self._location: dict[int, tuple[Bucket, int]] = {
+            id(p): (bucket, slot) for bucket in self._buckets for slot, p in enumerate(bucket.parameters)
+        }
+        self._scale = 1.0 / self._world_size
+        self._comm_state: object = None
+        self._comm_hook: Callable[[object, GradBucket], torch.futures.Future[Any]] | None = None
+        # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
+        self._pre_sync_hooks: OrderedDict[int, Callable[[DistributedDataParallel], None]] = OrderedDict()
+        self._in_backward = False
+        self._overlap = True
+        self._next_bucket = 0
+        self._in_flight: list[tuple[Bucket, Any]] = []
+        self._buffers_stale = False
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in ordered]
+
+    # -----------------------------------------------------------------------------------------
+    # Construction helpers
+
+    def _check_device(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None) -> torch.device:
+        devices = {t.device for t in [*module.parameters(), *module.buffers()]}
+        if len(devices) > 1:
+            raise ValueError(
+                f"The module's tensors are on several devices {sorted(map(str, devices))}; ddpkit needs one device per "
+                "process. Move the module with module.to(device) before wrapping it."
+            )
+        device = devices.pop() if devices else torch.device("cpu")
+        if device.type == "cuda":
+            wanted = device_ids[0] if device_ids else torch.cuda.current_device()
+            expected = torch.device("cuda", wanted) if isinstance(wanted, int) else torch.device(wanted)
+            if device != expected:
+                raise ValueError(
+                    f"The module is on {device} but this process's device is {expected}. Call "
+                    "torch.cuda.set_device(local_rank) and module.to(local_rank) before wrapping, with device_ids=[local_rank]."
+                )
+        return device
+
+    def _check_same_module_everywhere(self, module: nn.Module) -> list[str]:
+        """Compare parameter and buffer names, shapes and dtypes across ranks; raise on all if they differ.
+
+        Returns the group's first rank's parameter names in reverse registration order: the
+        order in which buckets are built and launched, identical on every rank.
+        """
+        mine = {
+            "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()],
+            "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()],
+        }
+        everyone = all_gather_object(mine, self.process_group)
+        reference = everyone[0]
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            for kind in ("parameters", "buffers"):
+                problem = _first_difference(reference[kind], theirs[kind], rank)
+                if problem is not None:
+                    raise ValueError(
+                        f"The {kind} of the wrapped module differ between ranks of the group: {problem}. "
+                        "Every rank must build the same model before wrapping it."
+                    )
+        return [name for name, *_ in reversed(reference["parameters"])]
+
+    def _broadcast_state(self) -> None:
+        """Give every rank the group's first rank's parameters and buffers."""
+        tensors = [p.data for _, p in sorted(self.module.named_parameters())]
+        tensors += [b for _, b in sorted(self.module.named_buffers())]
+        self._broadcast(tensors)
+
+    def _broadcast(self, tensors: list[Tensor]) -> None:
+        if not tensors or self._world_size == 1:
+            return
+        if self._broadcast_function is not None:
+            self._broadcast_function(tensors, self.process_group)
+            return
+        # One message per dtype: many small broadcasts cost a round trip each.
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.broadcast(flat, src=self._source, group=self.process_group)
+            if self._rank != 0:
+                offset = 0
+                for tensor in group:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+    # -----------------------------------------------------------------------------------------
+    # Forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self._buffers_stale:
+            self._sync_buffers()  # forwards without backward (evaluation) since the last sync
+        self._buffers_stale = True
+        if self.device.type != "cpu":
+            args, kwargs = _to_device((args, kwargs), self.device)
+        return self.module(*args, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        self._broadcast(list(self.module.buffers()))  # read afresh: buffers may have been reassigned
+        self._buffers_stale = False
+
+    # -----------------------------------------------------------------------------------------
+    # Backward
+
+    def _on_gradient_ready(self, parameter: Tensor) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        bucket, slot = self._location[id(parameter)]
+        if bucket.ready[slot]:
+            return  # a second hook call in the same backward (e.g. retain_graph reuse): already counted
+        self._copy_into_bucket(parameter, bucket, slot)
+        bucket.ready[slot] = True
+        bucket.pending -= 1
+        if bucket.pending == 0 and self._overlap:
+            self._launch_complete_buckets()
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._overlap = self._reduce_function is None and not self._pre_sync_hooks
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _copy_into_bucket(self, parameter: Tensor, bucket: Bucket, slot: int) -> None:
+        view, grad = bucket.views[slot], parameter.grad
+        scale = self._comm_hook is None and self._reduce_function is None
+        if grad is None:
+            view.zero_()
+        elif grad is view:
+            if scale:
+                view.mul_(self._scale)
+        elif scale:
+            torch.mul(grad, self._scale, out=view)  # copy and divide in one pass, as torch's Reducer
+        else:
+            view.copy_(grad)
+        if self.gradient_as_bucket_view and grad is not None and grad is not view:
+            parameter.grad = view
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            self._launch(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self._comm_hook is not None:
+            is_last = bucket.index == len(self._buckets) - 1
+            future = self._comm_hook(self._comm_state, GradBucket(bucket, is_last))
+            self._in_flight.append((bucket, future))
+        else:
+            work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            self._in_flight.append((bucket, work))
+
+    def _finish_backward(self) -> None:
+        """End of backward: complete, launch and await every bucket; copy results back."""
+        try:
+            for bucket in self._buckets[self._next_bucket :]:
+                for slot, ready in enumerate(bucket.ready):
+                    if not ready:  # no gradient in this backward: an accumulated one (no_sync), or zeros
+                        self._copy_into_bucket(bucket.parameters[slot], bucket, slot)
+                bucket.pending = 0
+            if self._reduce_function is not None:
+                self._reduce_with_custom_function(self._reduce_function)
+            else:
+                for hook in list(self._pre_sync_hooks.values()):
+                    hook(self)
+                self._launch_complete_buckets()
+            used_anywhere = self._negotiate() if self.negotiate_grads and not self.static_graph else None
+            self._await_and_copy_back(used_anywhere)
+            if self.broadcast_buffers:
+                self._sync_buffers()
+        finally:
+            self._in_backward = False
+            self._next_bucket = 0
+            self._in_flight = []
+            for bucket in self._buckets:
+                bucket.reset()
+
+    def _reduce_with_custom_function(self, reduce_function: TensorsFunction) -> None:
+        """The user's function reduces every gradient in place (views into the buckets)."""
+        reduce_function([view for bucket in self._buckets for view in bucket.views], self.process_group)
+        self._next_bucket = len(self._buckets)
+
+    def _negotiate(self) -> Tensor:
+        """How many ranks have a gradient for each parameter (one small all-reduce)."""
+        used = torch.tensor(
+            [p.grad is not None for bucket in self._buckets for p in bucket.parameters],
+            dtype=torch.int32, device=self._buckets[0].buffer.device,
+        )
+        dist.all_reduce(used, group=self.process_group)
+        return used
+
+    def _await_and_copy_back(self, used_anywhere: Tensor | None) -> None:
+        for bucket, pending in self._in_flight:
+            if isinstance(pending, dist.Work):
+                pending.wait()
+            else:
+                result = pending.wait()
+                result = result[0] if isinstance(result, (list, tuple)) else result
+                if result is not bucket.buffer:
+                    bucket.buffer.copy_(result)
+        used = used_anywhere.tolist() if used_anywhere is not None else None
+        position = -1
+        for bucket in self._buckets:
+            for parameter, view in zip(bucket.parameters, bucket.views):
+                position += 1
+                if used is not None and used[position] == 0:
+                    continue  # no rank has a gradient: keep None, as without DDP
+                if parameter.grad is view:
+                    continue
+                if parameter.grad is None or self.gradient_as_bucket_view:
+                    parameter.grad = view if self.gradient_as_bucket_view else view.clone()
+                else:
+                    parameter.grad.copy_(view)
+
+    # -----------------------------------------------------------------------------------------
+    # Public API
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block averages them all.
+
+        Only the backward must happen inside (torch DDP also needs the forward inside).
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, *args: Any, **kwargs: Any) -> RemovableHandle | None:
+        """``register_comm_hook(hook)``: ``hook(ddp_module)`` runs before each synchronisation and
+        sees the complete local gradients (so registering one turns overlap off); returns a handle.
+
+        ``register_comm_hook(state, hook)``: torch's ``hook(state, bucket) -> Future[Tensor]``
+        replaces each bucket's all-reduce; it receives a ``ddpkit.buckets.GradBucket``.
+        """
+        if len(args) == 1 and not kwargs:
+            return self._add_pre_sync_hook(args[0])
+        names = ("state", "hook")
+        values = dict(zip(names, args))
+        values.update(kwargs)
+        if set(values) != set(names) or len(args) + len(kwargs) != 2:
+            raise TypeError("register_comm_hook takes (hook) or (state, hook); got "
+                            f"{len(args)} positional and keyword {sorted(kwargs)} arguments.")
+        if not callable(values["hook"]):
+            raise TypeError(f"hook must be callable, got {type(values['hook']).__name__}.")
+        if self._comm_hook is not None:
+            raise RuntimeError("A communication hook is already registered; torch allows one per module, and so does ddpkit.")
+        if self._reduce_function is not None:
+            raise RuntimeError("A communication hook cannot be combined with reduce_function, which replaces the whole reduction.")
+        self._comm_state, self._comm_hook = values["state"], values["hook"]
+        return None
+
+    def _add_pre_sync_hook(self, hook: Callable[[DistributedDataParallel], None]) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}.")
+        handle = RemovableHandle(self._pre_sync_hooks)
+        self._pre_sync_hooks[handle.id] = hook
+        return handle
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The wrapped module's state dict: keys have no ``module.`` prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _first_difference(reference: list[tuple[Any, ...]], other: list[tuple[Any, ...]], other_rank: int) -> str | None:
+    """Describe the first entry, by name, that differs between rank 0's list and ``other_rank``'s."""
+    mine, theirs = {entry[0]: entry for entry in reference}, {entry[0]: entry for entry in other}
+    for name in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(name), theirs.get(name)
+        if a == b:
+            continue
+        if a is None:
+            return f"{name!r} exists on rank {other_rank} but not on rank 0"
+        if b is None:
+            return f"{name!r} exists on rank 0 but not on rank {other_rank}"
+        message = f"{name!r} has shape {a[1]} and dtype {a[2]} on rank 0 but shape {b[1]} and dtype {b[2]} on rank {other_rank}"
+        if len(a) > 3 and a[3] != b[3]:
+            message += f" (requires_grad {a[3]} vs {b[3]})"
+        return message
+    return None
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Move every tensor inside nested tuples, lists and dicts to ``device``."""
+    if isinstance(value, Tensor):
+        return value if value.device == device else value.to(device, non_blocking=True)
+    if isinstance(value, tuple):
+        return type(value)(*(_to_device(v, device) for v in value)) if hasattr(value, "_fields") else tuple(
+            _to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value

@@ -1,0 +1,417 @@
+"""ddpkit.DistributedDataParallel on 2 and 3 Gloo ranks, against one process on the concatenated batch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.checkpoint import checkpoint
+
+from ddpkit.ddp import DistributedDataParallel
+from ddpkit.testing import WorkerPool
+
+BATCH_PER_RANK = 4
+
+
+def make_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def global_batch(world_size: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    n = BATCH_PER_RANK * world_size
+    return torch.randn(n, 6, generator=generator), torch.randn(n, 3, generator=generator)
+
+
+def shard(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    return tensor[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
+
+
+def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
+
+
+def reference_grads(world_size: int, make=make_mlp, step: int = 0) -> dict[str, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+    model = make()
+    x, y = global_batch(world_size, step)
+    nn.functional.mse_loss(model(x), y).backward()
+    return grads_of(model)
+
+
+def assert_close_grads(actual: dict, expected: dict, rtol: float = 1e-6, scale_tol: float = 0.0) -> None:  # type: ignore[type-arg]
+    """``scale_tol``: an absolute tolerance as a fraction of the tensor's largest magnitude, for
+    low-precision formats whose error is relative to the values summed, not to each element."""
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        if expected[name] is None:
+            assert actual[name] is None, name
+        else:
+            atol = max(1e-7, scale_tol * expected[name].abs().max().item())
+            torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol)
+
+
+# --- gradients ---------------------------------------------------------------------------------
+
+
+def one_step(bucket_cap_mb: float, as_view: bool) -> dict[str, torch.Tensor | None]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(make_mlp(seed=rank), bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
+    x, y = global_batch(world)
+    nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+    return grads_of(model.module)
+
+
+@pytest.mark.parametrize(("bucket_cap_mb", "as_view"), [(25, False), (0.0005, False), (0.0005, True)],
+                         ids=["one-bucket", "many-buckets", "many-buckets-as-views"])
+def test_gradients_equal_single_process_on_concatenated_batch(pool: WorkerPool, bucket_cap_mb: float,
+                                                              as_view: bool) -> None:
+    expected = reference_grads(pool.world_size)  # rank seeds differ: construction must broadcast rank 0's
+    for grads in pool.run(one_step, bucket_cap_mb, as_view, timeout=60):
+        assert_close_grads(grads, expected)
+
+
+def train_steps(steps: int, use_torch_ddp: bool) -> list[torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_torch_ddp:
+        model: nn.Module = nn.parallel.DistributedDataParallel(make_mlp())
+    else:
+        model = DistributedDataParallel(make_mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = global_batch(world, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def test_twenty_sgd_steps_match_single_process(pool: WorkerPool) -> None:
+    reference = make_mlp()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(20):
+        x, y = global_batch(pool.world_size, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    for params in pool.run(train_steps, 20, False, timeout=60):
+        for actual, expected in zip(params, reference.parameters()):
+            torch.testing.assert_close(actual, expected.detach(), rtol=0, atol=1e-5)
+
+
+def test_bit_identical_to_torch_ddp_on_two_ranks(pool2: WorkerPool) -> None:
+    ours = pool2.run(train_steps, 20, False, timeout=60)
+    theirs = pool2.run(train_steps, 20, True, timeout=60)
+    for rank in range(2):
+        for a, b in zip(ours[rank], theirs[rank]):
+            assert torch.equal(a, b)
+
+
+# --- dynamic graphs, no_sync, frozen parameters, checkpointing -------------------------------------
+
+
+class Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(6, 3)
+        self.odd_only = nn.Linear(6, 3)
+        self.never = nn.Linear(6, 3)
+        self.frozen = nn.Linear(6, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use_odd: bool) -> torch.Tensor:
+        out = self.shared(x) + self.frozen(x)
+        return out + self.odd_only(x) if use_odd else out
+
+
+def dynamic_graph_step(step: int) -> dict[str, torch.Tensor | None]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(Branches(), bucket_cap_mb=0.0001)
+    x, y = global_batch(world, step)
+    use_odd = (rank + step) % 2 == 1  # which ranks use the branch changes from step to step
+    nn.functional.mse_loss(model(shard(x, rank)[:, :6], use_odd), shard(y, rank)).backward()
+    return grads_of(model.module)
+
+
+def dynamic_reference(world: int, step: int) -> dict[str, torch.Tensor | None]:
+    """Each rank's loss is a mean over its shard; DDP averages the ranks' gradients."""
+    model = Branches()
+    x, y = global_batch(world, step)
+    total = sum(nn.functional.mse_loss(model(shard(x, r), (r + step) % 2 == 1), shard(y, r)) for r in range(world))
+    (total / world).backward()
+    return grads_of(model)
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_dynamic_graph_missing_gradients_count_as_zero_and_unused_stay_none(pool: WorkerPool, step: int) -> None:
+    expected = dynamic_reference(pool.world_size, step)
+    assert expected["never.weight"] is None and expected["frozen.weight"] is None
+    for grads in pool.run(dynamic_graph_step, step, timeout=60):
+        assert_close_grads(grads, expected)
+
+
+def no_sync_accumulation() -> dict[str, torch.Tensor | None]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(make_mlp())
+    for step in range(3):
+        x, y = global_batch(world, step)
+        loss = nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank))  # forward outside no_sync
+        if step < 2:
+            with model.no_sync():
+                loss.backward()
+            assert not model.require_backward_grad_sync or True
+        else:
+            loss.backward()
+    return grads_of(model.module)
+
+
+def test_no_sync_accumulates_then_averages(pool: WorkerPool) -> None:
+    model = make_mlp()
+    for step in range(3):
+        x, y = global_batch(pool.world_size, step)
+        nn.functional.mse_loss(model(x), y).backward()
+    expected = grads_of(model)
+    for grads in pool.run(no_sync_accumulation, timeout=60):
+        assert_close_grads(grads, expected, rtol=1e-5)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def checkpointed_two_forwards() -> dict[str, torch.Tensor | None]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(Checkpointed())
+    x, y = global_batch(world)
+    half = BATCH_PER_RANK // 2
+    xs, ys = shard(x, rank), shard(y, rank)
+    first = nn.functional.mse_loss(model(xs[:half]), ys[:half])
+    second = nn.functional.mse_loss(model(xs[half:]), ys[half:])
+    ((first + second) / 2).backward()
+    return {name.removeprefix("inner."): g for name, g in grads_of(model.module).items()}
+
+
+def test_checkpointing_and_several_forwards_before_one_backward(pool2: WorkerPool) -> None:
+    expected = reference_grads(2)
+    for grads in pool2.run(checkpointed_two_forwards, timeout=60):
+        assert_close_grads(grads, expected, rtol=1e-5)
+
+
+# --- buffers -----------------------------------------------------------------------------------
+
+
+class WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.BatchNorm1d(6)
+        self.linear = nn.Linear(6, 3)
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen_calls = self.calls.item()  # what this forward found
+        self.calls = self.calls + 1 + dist.get_rank()  # reassigned, not modified in place; differs per rank
+        return self.linear(self.norm(x))
+
+
+def buffers_after_steps() -> dict[str, list[float]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(WithBuffers())
+    x, y = global_batch(world)
+    nn.functional.mse_loss(model(shard(x, rank) * (rank + 1)), shard(y, rank)).backward()
+    after_backward = {"mean": model.module.norm.running_mean.tolist(), "calls": model.module.calls.tolist()}
+    model.eval()
+    with torch.no_grad():
+        model(shard(x, rank) * (rank + 1))  # eval-only step: buffers diverge (calls) ...
+        model(shard(x, rank))  # ... and are synced before the next forward
+    return {**after_backward, "seen_by_forward_after_eval": model.module.seen_calls}
+
+
+def test_buffers_are_broadcast_from_the_first_rank(pool: WorkerPool) -> None:
+    results = pool.run(buffers_after_steps, timeout=60)
+    assert all(r == results[0] for r in results)
+    assert results[0]["calls"] == [1.0]  # rank 0's value after the training step: 0 + 1 + 0
+    assert results[0]["seen_by_forward_after_eval"] == 2.0  # rank 0's value after its eval step: 1 + 1 + 0
+
+
+# --- construction ------------------------------------------------------------------------------
+
+
+class Reordered(nn.Module):
+    """Registers the same layers in a different order on odd ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        first, second = nn.Linear(6, 16), nn.Linear(16, 3)
+        if dist.get_rank() % 2:
+            self.b = second
+            self.a = first
+        else:
+            self.a = first
+            self.b = second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def reordered_step() -> dict[str, torch.Tensor | None]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(Reordered(), bucket_cap_mb=0.0001)
+    x, y = global_batch(world)
+    nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+    return grads_of(model.module)
+
+
+def test_registration_order_may_differ_between_ranks(pool: WorkerPool) -> None:
+    reference = Reordered.__new__(Reordered)
+    nn.Module.__init__(reference)
+    torch.manual_seed(0)
+    reference.a, reference.b = nn.Linear(6, 16), nn.Linear(16, 3)
+    x, y = global_batch(pool.world_size)
+    nn.functional.mse_loss(Reordered.forward(reference, x), y).backward()
+    for grads in pool.run(reordered_step, timeout=60):
+        assert_close_grads(grads, grads_of(reference))
+
+
+def mismatched_shapes() -> str:
+    rank = dist.get_rank()
+    try:
+        DistributedDataParallel(nn.Linear(6, 3 + rank))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_shape_mismatch_raises_on_every_rank_naming_both_shapes(pool2: WorkerPool) -> None:
+    for message in pool2.run(mismatched_shapes, timeout=30):
+        assert "'bias' has shape (3,)" in message and "rank 0" in message and "shape (4,)" in message
+
+
+def state_dict_and_module() -> tuple[list[str], bool]:
+    model = DistributedDataParallel(make_mlp())
+    keys = list(model.state_dict())
+    model.load_state_dict(make_mlp(seed=5).state_dict())
+    loaded = torch.equal(model.module[0].weight, make_mlp(seed=5)[0].weight)
+    return keys, loaded
+
+
+def test_state_dict_has_no_module_prefix(pool2: WorkerPool) -> None:
+    keys, loaded = pool2.run(state_dict_and_module, timeout=30)[0]
+    assert keys == list(make_mlp().state_dict()) and loaded
+
+
+def unknown_kwarg_warning() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DistributedDataParallel(make_mlp(), check_reduction=True, bucket_cap_mb=1, mixed_precision=None)
+    return [str(w.message) for w in caught]
+
+
+def test_ignored_torch_kwargs_warn_by_name(pool2: WorkerPool) -> None:
+    messages = pool2.run(unknown_kwarg_warning, timeout=30)[0]
+    assert messages == ["ddpkit.DistributedDataParallel ignores these torch DDP arguments: check_reduction, mixed_precision."]
+
+
+def no_trainable_parameters() -> str:
+    frozen = make_mlp().requires_grad_(False)
+    try:
+        DistributedDataParallel(frozen)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_module_without_trainable_parameters_is_refused(pool2: WorkerPool) -> None:
+    assert all("no parameters that require grad" in m for m in pool2.run(no_trainable_parameters, timeout=30))
+
+
+def test_wrapping_before_connecting_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="needs a process group.*init_dist_connection"):
+        DistributedDataParallel(make_mlp())
+
+
+# --- custom functions, hooks, subgroups ---------------------------------------------------------
+
+
+def custom_functions() -> tuple[int, int, dict[str, torch.Tensor | None]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls = {"reduce": 0, "broadcast": 0}
+
+    def reduce_function(tensors, group):  # type: ignore[no-untyped-def]
+        calls["reduce"] += 1
+        for tensor in tensors:
+            dist.all_reduce(tensor, group=group)
+            tensor.div_(dist.get_world_size(group))
+
+    def broadcast_function(tensors, group):  # type: ignore[no-untyped-def]
+        calls["broadcast"] += 1
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0, group=group)
+
+    model = DistributedDataParallel(make_mlp(seed=rank), reduce_function=reduce_function,
+                                    broadcast_function=broadcast_function)
+    x, y = global_batch(world)
+    nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+    return calls["reduce"], calls["broadcast"], grads_of(model.module)
+
+
+def test_reduce_and_broadcast_functions_are_really_called(pool2: WorkerPool) -> None:
+    expected = reference_grads(2)
+    for reduce_calls, broadcast_calls, grads in pool2.run(custom_functions, timeout=30):
+        assert reduce_calls == 1 and broadcast_calls >= 1
+        assert_close_grads(grads, expected)
+
+
+def torch_hooks(hook_name: str) -> tuple[dict[str, torch.Tensor | None], int]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(make_mlp(), bucket_cap_mb=0.0005)
+    seen = []
+    handle = model.register_comm_hook(lambda ddp: seen.append(ddp is model))
+    model.register_comm_hook(None, getattr(default_hooks, hook_name))
+    x, y = global_batch(world)
+    nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+    handle.remove()
+    nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()  # no longer called
+    assert seen == [True]
+    for p in model.parameters():
+        p.grad.div_(2)  # two backward passes accumulated
+    return grads_of(model.module), len(seen)
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_compress_hook"])
+def test_torch_comm_hooks_run_unchanged(pool: WorkerPool, hook_name: str) -> None:
+    expected = reference_grads(pool.world_size)
+    # fp16 rounds each rank's gradient and the sum: about 5e-4 of the tensor's scale each time.
+    scale_tol = 0.0 if hook_name == "allreduce_hook" else 2e-3
+    for grads, _ in pool.run(torch_hooks, hook_name, timeout=60):
+        assert_close_grads(grads, expected, rtol=1e-6 if not scale_tol else 2e-3, scale_tol=scale_tol)
+
+
+def subgroup_step() -> dict[str, torch.Tensor | None] | None:
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    model = DistributedDataParallel(make_mlp(seed=rank), process_group=group, bucket_cap_mb=0.0005)
+    x, y = global_batch(2)
+    nn.functional.mse_loss(model(shard(x, rank - 1)), shard(y, rank - 1)).backward()
+    return grads_of(model.module)
+
+
+def test_subgroup_without_global_rank_zero(pool3: WorkerPool) -> None:
+    expected = reference_grads(2, make=lambda: make_mlp(seed=1))  # the group's first rank is global rank 1
+    outsider, *members = pool3.run(subgroup_step, timeout=60)
+    assert outsider is None
+    for grads in members:
+        assert_close_grads(grads, expected)
