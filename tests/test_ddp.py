@@ -129,9 +129,11 @@ class Branches(nn.Module):
         return out + self.odd_only(x) if use_odd else out
 
 
-def dynamic_graph_step(step: int) -> dict[str, torch.Tensor | None]:
+def dynamic_graph_step(step: int, with_hook: bool) -> dict[str, torch.Tensor | None]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(Branches(), bucket_cap_mb=0.0001)
+    if with_hook:  # hooks see only gradients, so negotiation takes its own small all-reduce
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     x, y = global_batch(world, step)
     use_odd = (rank + step) % 2 == 1  # which ranks use the branch changes from step to step
     nn.functional.mse_loss(model(shard(x, rank)[:, :6], use_odd), shard(y, rank)).backward()
@@ -147,11 +149,13 @@ def dynamic_reference(world: int, step: int) -> dict[str, torch.Tensor | None]:
     return grads_of(model)
 
 
+@pytest.mark.parametrize("with_hook", [False, True], ids=["flags-in-buckets", "comm-hook"])
 @pytest.mark.parametrize("step", [0, 1])
-def test_dynamic_graph_missing_gradients_count_as_zero_and_unused_stay_none(pool: WorkerPool, step: int) -> None:
+def test_dynamic_graph_missing_gradients_count_as_zero_and_unused_stay_none(pool: WorkerPool, step: int,
+                                                                            with_hook: bool) -> None:
     expected = dynamic_reference(pool.world_size, step)
     assert expected["never.weight"] is None and expected["frozen.weight"] is None
-    for grads in pool.run(dynamic_graph_step, step, timeout=60):
+    for grads in pool.run(dynamic_graph_step, step, with_hook, timeout=60):
         assert_close_grads(grads, expected)
 
 

@@ -53,25 +53,36 @@ def assign_buckets(
 
 @dataclass(eq=False)
 class Bucket:
-    """One bucket's parameters and the flat buffer their gradients are reduced in."""
+    """One bucket's parameters and the flat buffer their gradients are reduced in.
+
+    ``buffer`` holds the gradients (``grads``, with one view per parameter) followed by one
+    flag per parameter (``flags``: 1 where this rank has a gradient). Reducing the whole
+    buffer sums the flags too, so "which parameters have a gradient anywhere" travels with
+    the gradients and costs no collective of its own.
+    """
 
     index: int
     parameters: list[torch.nn.Parameter]
     names: list[str]
     buffer: Tensor
+    grads: Tensor
+    flags: Tensor
     views: list[Tensor]
     ready: list[bool] = field(default_factory=list)
     pending: int = 0
+    #: (parameter, view) pairs whose gradients are copied in one batch when the bucket launches.
+    batched: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     @classmethod
     def build(cls, index: int, parameters: list[torch.nn.Parameter], names: list[str]) -> Bucket:
         total = sum(p.numel() for p in parameters)
-        buffer = torch.zeros(total, dtype=parameters[0].dtype, device=parameters[0].device)
+        buffer = torch.zeros(total + len(parameters), dtype=parameters[0].dtype, device=parameters[0].device)
+        grads, flags = buffer[:total], buffer[total:]
         views, offset = [], 0
         for parameter in parameters:
-            views.append(buffer[offset : offset + parameter.numel()].view_as(parameter))
+            views.append(grads[offset : offset + parameter.numel()].view_as(parameter))
             offset += parameter.numel()
-        bucket = cls(index, parameters, names, buffer, views)
+        bucket = cls(index, parameters, names, buffer, grads, flags, views)
         bucket.reset()
         return bucket
 
@@ -79,18 +90,19 @@ class Bucket:
         """Forget which gradients arrived: the start of a new backward."""
         self.ready = [False] * len(self.parameters)
         self.pending = len(self.parameters)
+        self.batched = []
 
 
 class GradBucket:
     """What a torch-style communication hook receives: torch ``GradBucket``'s methods.
 
-    ``buffer()`` is the flat tensor to reduce; the hook returns a future whose value is the
-    reduced flat tensor (or a one-element list of it, as older torch hooks return).
+    ``buffer()`` is the flat tensor of gradients to reduce; the hook returns a future whose
+    value is the reduced flat tensor (or a one-element list of it, as older torch hooks return).
     """
 
     def __init__(self, bucket: Bucket, is_last: bool) -> None:
         self._bucket = bucket
-        self._buffer = bucket.buffer
+        self._buffer = bucket.grads
         self._is_last = is_last
 
     def index(self) -> int:

@@ -11,10 +11,13 @@ How a step goes:
    every bucket before it are complete. So every rank issues the same collectives in the
    same order, whatever its graph, and never waits for a bucket another rank cannot fill.
 3. At the end of backward (an autograd callback) the buckets still incomplete are filled
-   with zeros where a rank has no gradient and launched; with ``negotiate_grads`` one small
-   all-reduce of "who has a gradient" follows, so a parameter with no gradient on any rank
-   keeps ``grad=None``; then every reduction is awaited and copied back before backward
-   returns, so the optimizer sees averaged gradients.
+   with zeros where a rank has no gradient and launched. Each bucket carries one flag per
+   parameter ("this rank has a gradient") after its gradients, so with ``negotiate_grads``
+   the reduction also tells which parameters have no gradient on any rank; those keep
+   ``grad=None``. Negotiation therefore costs no collective of its own (with a comm hook or
+   ``reduce_function``, which see only gradients, it is one small all-reduce). Every
+   reduction is awaited and copied back before backward returns, so the optimizer sees
+   averaged gradients.
 4. Buffers are broadcast from the group's first rank after backward, and before a forward
    when forwards ran without a backward (evaluation).
 """
@@ -39,6 +42,12 @@ __all__ = ["DistributedDataParallel"]
 
 ProcessGroup = Any
 TensorsFunction = Callable[[Sequence[Tensor], ProcessGroup], None]
+
+# Gradients smaller than this (elements) are copied into their bucket in one batched call when
+# the bucket completes, not one by one in their hooks: for a small tensor the cost of a
+# separate torch call from Python exceeds the cost of moving its data. Larger ones are copied
+# (and scaled) at once in one pass, while backward goes on.
+_BATCH_BELOW_NUMEL = 16384
 
 # torch DDP keyword arguments that ddpkit honours; any other is ignored with a warning.
 _HONOURED_KWARGS = {
@@ -118,10 +127,12 @@ class DistributedDataParallel(nn.Module):
         groups = assign_buckets(ordered, cap_bytes=cap, first_cap_bytes=min(cap, DEFAULT_FIRST_CAP_BYTES))
         self._buckets = [Bucket.build(i, [ordered[j] for j in g], [ordered_names[j] for j in g])
                          for i, g in enumerate(groups)]
-        self._location: dict[int, tuple[Bucket, int]] = {
-            id(p): (bucket, slot) for bucket in self._buckets for slot, p in enumerate(bucket.parameters)
-        }
         self._scale = 1.0 / self._world_size
+        self._scale_in_hooks = True
+        # (submodule, name) of every buffer: read afresh each sync, so reassigned buffers are seen,
+        # without walking the module tree every step.
+        self._buffer_slots = [(owner, name) for _, owner in module.named_modules()
+                              for name, buffer in owner._buffers.items() if buffer is not None]
         self._comm_state: object = None
         self._comm_hook: Callable[[object, GradBucket], torch.futures.Future[Any]] | None = None
         # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
@@ -131,7 +142,8 @@ class DistributedDataParallel(nn.Module):
         self._next_bucket = 0
         self._in_flight: list[tuple[Bucket, Any]] = []
         self._buffers_stale = False
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_gradient_ready) for p in ordered]
+        self._hook_handles = [bucket.parameters[slot].register_post_accumulate_grad_hook(self._make_hook(bucket, slot))
+                              for bucket in self._buckets for slot in range(len(bucket.parameters))]
 
     # -----------------------------------------------------------------------------------------
     # Construction helpers
@@ -213,40 +225,51 @@ class DistributedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def _sync_buffers(self) -> None:
-        self._broadcast(list(self.module.buffers()))  # read afresh: buffers may have been reassigned
+        if self._buffer_slots:
+            self._broadcast([getattr(owner, name) for owner, name in self._buffer_slots])
         self._buffers_stale = False
 
     # -----------------------------------------------------------------------------------------
     # Backward
 
-    def _on_gradient_ready(self, parameter: Tensor) -> None:
-        if not self.require_backward_grad_sync:
-            return
-        if not self._in_backward:
-            self._begin_backward()
-        bucket, slot = self._location[id(parameter)]
-        if bucket.ready[slot]:
-            return  # a second hook call in the same backward (e.g. retain_graph reuse): already counted
-        self._copy_into_bucket(parameter, bucket, slot)
-        bucket.ready[slot] = True
-        bucket.pending -= 1
-        if bucket.pending == 0 and self._overlap:
-            self._launch_complete_buckets()
+    def _make_hook(self, bucket: Bucket, slot: int) -> Callable[[Tensor], None]:
+        """The post-accumulate-grad hook of one parameter, with its bucket and slot bound (hot path)."""
+        view = bucket.views[slot]
+
+        batched = view.numel() < _BATCH_BELOW_NUMEL
+
+        def on_gradient_ready(parameter: Tensor) -> None:
+            if not self.require_backward_grad_sync:
+                return
+            if not self._in_backward:
+                self._begin_backward()
+            if bucket.ready[slot]:
+                return  # a second call in the same backward (retain_graph reuse): already counted
+            if batched:
+                bucket.batched.append((parameter, view))
+            else:
+                self._copy_into_bucket(parameter, view)
+            bucket.ready[slot] = True
+            bucket.pending -= 1
+            if bucket.pending == 0 and self._overlap:
+                self._launch_complete_buckets()
+
+        return on_gradient_ready
 
     def _begin_backward(self) -> None:
         self._in_backward = True
         self._overlap = self._reduce_function is None and not self._pre_sync_hooks
+        self._scale_in_hooks = self._comm_hook is None and self._reduce_function is None
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _copy_into_bucket(self, parameter: Tensor, bucket: Bucket, slot: int) -> None:
-        view, grad = bucket.views[slot], parameter.grad
-        scale = self._comm_hook is None and self._reduce_function is None
+    def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
+        grad = parameter.grad
         if grad is None:
             view.zero_()
         elif grad is view:
-            if scale:
+            if self._scale_in_hooks:
                 view.mul_(self._scale)
-        elif scale:
+        elif self._scale_in_hooks:
             torch.mul(grad, self._scale, out=view)  # copy and divide in one pass, as torch's Reducer
         else:
             view.copy_(grad)
@@ -258,12 +281,36 @@ class DistributedDataParallel(nn.Module):
             self._launch(self._buckets[self._next_bucket])
             self._next_bucket += 1
 
+    def _copy_batched(self, bucket: Bucket) -> None:
+        """Copy the small gradients that the hooks only recorded, in two calls for the bucket."""
+        if not bucket.batched:
+            return
+        parameters = [parameter for parameter, _ in bucket.batched]
+        views = [view for _, view in bucket.batched]
+        bucket.batched = []
+        grads = [parameter.grad for parameter in parameters]  # each hook fired, so none is None
+        torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+        if self._scale_in_hooks:  # g * (1/world): the same arithmetic as mul(out=)
+            if len(views) == len(bucket.views):
+                bucket.grads.mul_(self._scale)  # every gradient of the bucket is here: one contiguous pass
+            else:
+                torch._foreach_mul_(views, self._scale)
+        if self.gradient_as_bucket_view:
+            for parameter, view in zip(parameters, views):
+                parameter.grad = view
+
     def _launch(self, bucket: Bucket) -> None:
+        self._copy_batched(bucket)
         if self._comm_hook is not None:
             is_last = bucket.index == len(self._buckets) - 1
             future = self._comm_hook(self._comm_state, GradBucket(bucket, is_last))
             self._in_flight.append((bucket, future))
         else:
+            # The flags after the gradients say which parameters have a gradient on this rank.
+            if all(p.grad is not None for p in bucket.parameters):
+                bucket.flags.fill_(1)
+            else:
+                bucket.flags.copy_(torch.tensor([p.grad is not None for p in bucket.parameters]))
             work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
             self._in_flight.append((bucket, work))
 
@@ -273,16 +320,17 @@ class DistributedDataParallel(nn.Module):
             for bucket in self._buckets[self._next_bucket :]:
                 for slot, ready in enumerate(bucket.ready):
                     if not ready:  # no gradient in this backward: an accumulated one (no_sync), or zeros
-                        self._copy_into_bucket(bucket.parameters[slot], bucket, slot)
+                        self._copy_into_bucket(bucket.parameters[slot], bucket.views[slot])
                 bucket.pending = 0
             if self._reduce_function is not None:
+                for bucket in self._buckets:
+                    self._copy_batched(bucket)
                 self._reduce_with_custom_function(self._reduce_function)
             else:
                 for hook in list(self._pre_sync_hooks.values()):
                     hook(self)
                 self._launch_complete_buckets()
-            used_anywhere = self._negotiate() if self.negotiate_grads and not self.static_graph else None
-            self._await_and_copy_back(used_anywhere)
+            self._await_and_copy_back(self._negotiation_needed())
             if self.broadcast_buffers:
                 self._sync_buffers()
         finally:
@@ -297,37 +345,50 @@ class DistributedDataParallel(nn.Module):
         reduce_function([view for bucket in self._buckets for view in bucket.views], self.process_group)
         self._next_bucket = len(self._buckets)
 
-    def _negotiate(self) -> Tensor:
-        """How many ranks have a gradient for each parameter (one small all-reduce)."""
+    def _negotiation_needed(self) -> bool:
+        return self.negotiate_grads and not self.static_graph
+
+    def _separate_negotiation(self) -> list[bool]:
+        """Which parameters have a gradient on some rank, by one small all-reduce: needed when a comm
+        hook or reduce_function reduces the gradients, since those do not carry the bucket flags."""
         used = torch.tensor(
             [p.grad is not None for bucket in self._buckets for p in bucket.parameters],
             dtype=torch.int32, device=self._buckets[0].buffer.device,
         )
         dist.all_reduce(used, group=self.process_group)
-        return used
+        return [count > 0 for count in used.tolist()]
 
-    def _await_and_copy_back(self, used_anywhere: Tensor | None) -> None:
+    def _await_and_copy_back(self, negotiate: bool) -> None:
         for bucket, pending in self._in_flight:
             if isinstance(pending, dist.Work):
                 pending.wait()
             else:
                 result = pending.wait()
                 result = result[0] if isinstance(result, (list, tuple)) else result
-                if result is not bucket.buffer:
-                    bucket.buffer.copy_(result)
-        used = used_anywhere.tolist() if used_anywhere is not None else None
+                if result is not bucket.grads:
+                    bucket.grads.copy_(result)
+        used: list[bool] | None = None
+        if negotiate:
+            if self._comm_hook is not None or self._reduce_function is not None:
+                used = self._separate_negotiation()
+            else:
+                used = (torch.cat([bucket.flags for bucket in self._buckets]) > 0).tolist()
         position = -1
+        targets, sources = [], []
         for bucket in self._buckets:
             for parameter, view in zip(bucket.parameters, bucket.views):
                 position += 1
-                if used is not None and used[position] == 0:
+                if used is not None and not used[position]:
                     continue  # no rank has a gradient: keep None, as without DDP
                 if parameter.grad is view:
                     continue
                 if parameter.grad is None or self.gradient_as_bucket_view:
                     parameter.grad = view if self.gradient_as_bucket_view else view.clone()
                 else:
-                    parameter.grad.copy_(view)
+                    targets.append(parameter.grad)
+                    sources.append(view)
+        if targets:
+            torch._foreach_copy_(targets, sources)  # one call instead of one copy_ per parameter
 
     # -----------------------------------------------------------------------------------------
     # Public API

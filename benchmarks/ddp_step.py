@@ -1,0 +1,127 @@
+"""Step time of ddpkit's DistributedDataParallel against torch's (and pytorch-pfn-extras').
+
+    python benchmarks/ddp_step.py [--steps 30] [--models mlp lenet many]
+
+Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool). A step is zero_grad, forward,
+MSE/cross-entropy loss, backward (with gradient synchronisation) and an SGD step. Timed, in
+one run with the methods interleaved in a shuffled order each round (noise hits all alike):
+
+- ``one process``: rank 0 alone, no DDP (rank 1 idles);
+- ``raw all-reduce``: only an all_reduce of one flat buffer the size of all gradients;
+- ``torch DDP``: torch.nn.parallel.DistributedDataParallel, defaults;
+- ``ppe DDP``: pytorch_pfn_extras.nn.parallel.DistributedDataParallel, when installed;
+- ``ddpkit``: ddpkit.DistributedDataParallel, defaults (negotiate_grads=True).
+
+Models: ``mlp`` 8 x Linear(1024, 1024) (8.4M parameters, batch 64), ``lenet`` (62k
+parameters, batch 32), ``many`` 60 x (Linear(64, 64) + Tanh) (120 tensors, batch 64).
+Prints medians (ms) and the ratios ddpkit/torch and ppe/ddpkit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.ddp import DistributedDataParallel
+from ddpkit.testing import WorkerPool
+
+
+def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
+    torch.manual_seed(0)
+    if name == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(8):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        model = nn.Sequential(*layers)
+        return model, lambda step: (torch.randn(64, 1024), torch.randn(64, 1024)), nn.functional.mse_loss
+    if name == "lenet":
+        model = nn.Sequential(
+            nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(256, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10),
+        )
+        return model, lambda step: (torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))), nn.functional.cross_entropy
+    if name == "many":
+        layers = []
+        for _ in range(60):
+            layers += [nn.Linear(64, 64), nn.Tanh()]
+        return nn.Sequential(*layers), lambda step: (torch.randn(64, 64), torch.randn(64, 64)), nn.functional.mse_loss
+    raise ValueError(f"unknown model {name!r}; choose mlp, lenet or many")
+
+
+def _peer_ddp() -> type | None:
+    try:
+        from pytorch_pfn_extras.nn.parallel import DistributedDataParallel as PPE
+    except ImportError:
+        return None
+    return PPE
+
+
+def measure(model_name: str, steps: int) -> dict[str, float]:
+    rank = dist.get_rank()
+    base, batch, loss_fn = build(model_name)
+    methods: dict[str, Callable[[], None]] = {}
+
+    def trainer(model: nn.Module, sync: bool = True) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            x, y = batch(0)
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        return step
+
+    def copy() -> nn.Module:
+        clone, _, _ = build(model_name)
+        clone.load_state_dict(base.state_dict())
+        return clone
+
+    single = trainer(copy())
+    flat = torch.zeros(sum(p.numel() for p in base.parameters()))
+    methods["one process"] = lambda: single() if rank == 0 else None
+    methods["raw all-reduce"] = lambda: dist.all_reduce(flat)
+    methods["torch DDP"] = trainer(nn.parallel.DistributedDataParallel(copy()))
+    peer = _peer_ddp()
+    if peer is not None:
+        methods["ppe DDP"] = trainer(peer(copy()))
+    methods["ddpkit"] = trainer(DistributedDataParallel(copy()))
+
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    order = list(methods)
+    shuffler = random.Random(0)  # same order on both ranks: their collectives must match
+    for iteration in range(steps + 3):
+        shuffler.shuffle(order)
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            methods[name]()
+            elapsed = time.perf_counter() - start
+            if iteration >= 3:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="DDP step-time benchmark")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--models", nargs="+", default=["mlp", "lenet", "many"])
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, 2 gloo ranks x 1 thread, medians of {args.steps} steps (ms)")
+    with WorkerPool(2, timeout=1200) as pool:
+        for model_name in args.models:
+            medians = pool.run(measure, model_name, args.steps)[0]
+            line = "  ".join(f"{name} {value:7.2f}" for name, value in medians.items())
+            ratio = medians["ddpkit"] / medians["torch DDP"]
+            peer = f"  ppe/ddpkit {medians['ppe DDP'] / medians['ddpkit']:.2f}" if "ppe DDP" in medians else ""
+            print(f"{model_name:6s} {line}  | ddpkit/torch {ratio:.2f}{peer}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
