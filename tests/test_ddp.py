@@ -419,3 +419,35 @@ def test_subgroup_without_global_rank_zero(pool3: WorkerPool) -> None:
     assert outsider is None
     for grads in members:
         assert_close_grads(grads, expected)
+
+
+# --- a rank whose backward never comes ------------------------------------------------------------
+
+
+def backward_on_rank_zero_only() -> None:
+    from datetime import timedelta
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=3))  # a short timeout for this test only
+    model = DistributedDataParallel(make_mlp(), process_group=group)
+    x, y = global_batch(2)
+    loss = nn.functional.mse_loss(model(shard(x, dist.get_rank())), shard(y, dist.get_rank()))
+    if dist.get_rank() == 0:
+        loss.backward()  # rank 1 never runs its backward
+    else:
+        import time
+
+        time.sleep(10)
+
+
+def test_a_missing_backward_ends_in_a_named_error_at_the_group_timeout(pool2: WorkerPool) -> None:
+    import time
+
+    from ddpkit.testing import RankFailedError
+
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        pool2.run(backward_on_rank_zero_only, timeout=30)
+    assert time.monotonic() - start < 9  # the group's 3 s timeout, not the pool's bound or torch's 30 min
+    assert info.value.rank == 0
+    message = str(info.value)
+    assert "gradient reduction of bucket" in message and "did not run this backward" in message

@@ -27,9 +27,11 @@ def assign_buckets(
 ) -> list[list[int]]:
     """Split ``tensors`` (already in launch order) into buckets of indices.
 
-    A bucket holds one dtype and one device; it closes when the next tensor would take it past
-    its cap (a tensor larger than the cap gets a bucket of its own). Buckets are ordered by
-    their first tensor, so bucket 0 holds the first tensors of ``tensors``.
+    A bucket holds one dtype and one device. As torch's Reducer does, a tensor is added to its
+    kind's open bucket, which closes once it reaches its cap; so the first bucket holds at
+    least the first whole tensor (on an MLP, the last layer), and its reduction starts as soon
+    as backward has produced it. Buckets are ordered by their first tensor, so bucket 0 holds
+    the first tensors of ``tensors``.
     """
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(f"bucket caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}.")
@@ -38,15 +40,15 @@ def assign_buckets(
     buckets: list[list[int]] = []
     for index, tensor in enumerate(tensors):
         kind = (tensor.dtype, tensor.device)
-        size = tensor.numel() * tensor.element_size()
-        cap = first_cap_bytes if closed_for_kind.get(kind, 0) == 0 else cap_bytes
         members, used = open_buckets.get(kind, ([], 0))
-        if members and used + size > cap:
+        members.append(index)
+        used += tensor.numel() * tensor.element_size()
+        cap = first_cap_bytes if closed_for_kind.get(kind, 0) == 0 else cap_bytes
+        if used >= cap:
             buckets.append(members)
             closed_for_kind[kind] = closed_for_kind.get(kind, 0) + 1
             members, used = [], 0
-        members.append(index)
-        open_buckets[kind] = (members, used + size)
+        open_buckets[kind] = (members, used)
     buckets.extend(members for members, _ in open_buckets.values() if members)
     return sorted(buckets, key=lambda members: members[0])
 

@@ -345,6 +345,19 @@ class DistributedDataParallel(nn.Module):
         reduce_function([view for bucket in self._buckets for view in bucket.views], self.process_group)
         self._next_bucket = len(self._buckets)
 
+    def _wait(self, bucket: Bucket, pending: Any) -> Any:
+        """Wait for one bucket's reduction; when it fails or times out, say what that usually means."""
+        try:
+            return pending.wait()
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"ddpkit DistributedDataParallel: the gradient reduction of bucket {bucket.index} of "
+                f"{len(self._buckets)} (parameters {bucket.names[:3]}{'...' if len(bucket.names) > 3 else ''}) "
+                f"did not complete on group rank {self._rank} of {self._world_size}: {error}\n"
+                "Another rank of the group did not run this backward: it failed or was killed, skipped "
+                "backward, or ran a different number of steps (e.g. uneven batches). Check the other ranks' output."
+            ) from error
+
     def _negotiation_needed(self) -> bool:
         return self.negotiate_grads and not self.static_graph
 
@@ -360,10 +373,8 @@ class DistributedDataParallel(nn.Module):
 
     def _await_and_copy_back(self, negotiate: bool) -> None:
         for bucket, pending in self._in_flight:
-            if isinstance(pending, dist.Work):
-                pending.wait()
-            else:
-                result = pending.wait()
+            result = self._wait(bucket, pending)
+            if not isinstance(pending, dist.Work):
                 result = result[0] if isinstance(result, (list, tuple)) else result
                 if result is not bucket.grads:
                     bucket.grads.copy_(result)
