@@ -451,3 +451,57 @@ def test_a_missing_backward_ends_in_a_named_error_at_the_group_timeout(pool2: Wo
     assert info.value.rank == 0
     message = str(info.value)
     assert "gradient reduction of bucket" in message and "did not run this backward" in message
+
+
+def module_on_two_devices() -> str:
+    model = make_mlp()
+    model[4].to("meta")  # one layer elsewhere: a module split over devices
+    try:
+        DistributedDataParallel(model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_module_split_over_devices_is_refused(pool2: WorkerPool) -> None:
+    for message in pool2.run(module_on_two_devices, timeout=30):
+        assert "several devices ['cpu', 'meta']" in message and "module.to(device)" in message
+
+
+# --- overlap and static graphs ------------------------------------------------------------------
+
+
+def gradients_missing_at_each_launch() -> list[int]:
+    """For each bucket launch, how many parameters had no gradient yet (backward still running)."""
+    model = DistributedDataParallel(make_mlp(), bucket_cap_mb=0.0005)
+    missing: list[int] = []
+
+    def recording_hook(state, bucket):  # type: ignore[no-untyped-def]
+        missing.append(sum(p.grad is None for p in model.module.parameters()))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, recording_hook)
+    x, y = global_batch(dist.get_world_size())
+    nn.functional.mse_loss(model(shard(x, dist.get_rank())), shard(y, dist.get_rank())).backward()
+    return missing
+
+
+def test_buckets_are_reduced_while_backward_runs(pool2: WorkerPool) -> None:
+    for missing in pool2.run(gradients_missing_at_each_launch, timeout=30):
+        assert len(missing) == 2  # [4.*, 2.*] then [0.*] at a 524-byte cap
+        assert missing[0] > 0  # the first bucket left before the first layers had their gradients
+        assert missing == sorted(missing, reverse=True)  # launched in order as backward proceeds
+
+
+def static_graph_step() -> dict[str, torch.Tensor | None]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(make_mlp(), static_graph=True, find_unused_parameters=False)
+    x, y = global_batch(world)
+    nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+    return grads_of(model.module)
+
+
+def test_static_graph_skips_negotiation_and_still_averages(pool: WorkerPool) -> None:
+    expected = reference_grads(pool.world_size)
+    for grads in pool.run(static_graph_step, timeout=30):
+        assert_close_grads(grads, expected)

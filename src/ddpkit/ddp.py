@@ -372,32 +372,41 @@ class DistributedDataParallel(nn.Module):
         return [count > 0 for count in used.tolist()]
 
     def _await_and_copy_back(self, negotiate: bool) -> None:
-        for bucket, pending in self._in_flight:
-            result = self._wait(bucket, pending)
-            if not isinstance(pending, dist.Work):
-                result = result[0] if isinstance(result, (list, tuple)) else result
-                if result is not bucket.grads:
-                    bucket.grads.copy_(result)
-        used: list[bool] | None = None
-        if negotiate:
-            if self._comm_hook is not None or self._reduce_function is not None:
-                used = self._separate_negotiation()
-            else:
-                used = (torch.cat([bucket.flags for bucket in self._buckets]) > 0).tolist()
-        position = -1
-        targets, sources = [], []
+        """Wait for each bucket in turn and copy its results back at once, so copying bucket i
+        overlaps with the reduction of the buckets after it (as torch's Reducer does)."""
+        used_by_hooks: list[bool] | None = None
+        if negotiate and (self._comm_hook is not None or self._reduce_function is not None):
+            used_by_hooks = self._separate_negotiation()
+        pending_by_bucket = {bucket.index: pending for bucket, pending in self._in_flight}
+        first = 0  # position of the bucket's first parameter in the flat parameter order
         for bucket in self._buckets:
-            for parameter, view in zip(bucket.parameters, bucket.views):
-                position += 1
-                if used is not None and not used[position]:
-                    continue  # no rank has a gradient: keep None, as without DDP
-                if parameter.grad is view:
-                    continue
-                if parameter.grad is None or self.gradient_as_bucket_view:
-                    parameter.grad = view if self.gradient_as_bucket_view else view.clone()
-                else:
-                    targets.append(parameter.grad)
-                    sources.append(view)
+            pending = pending_by_bucket.get(bucket.index)
+            if pending is not None:
+                result = self._wait(bucket, pending)
+                if not isinstance(pending, dist.Work):
+                    result = result[0] if isinstance(result, (list, tuple)) else result
+                    if result is not bucket.grads:
+                        bucket.grads.copy_(result)
+            used: list[bool] | None = None
+            if used_by_hooks is not None:
+                used = used_by_hooks[first : first + len(bucket.parameters)]
+            elif negotiate:
+                used = (bucket.flags > 0).tolist()
+            first += len(bucket.parameters)
+            self._copy_back(bucket, used)
+
+    def _copy_back(self, bucket: Bucket, used: list[bool] | None) -> None:
+        targets, sources = [], []
+        for slot, (parameter, view) in enumerate(zip(bucket.parameters, bucket.views)):
+            if used is not None and not used[slot]:
+                continue  # no rank has a gradient: keep None, as without DDP
+            if parameter.grad is view:
+                continue
+            if parameter.grad is None or self.gradient_as_bucket_view:
+                parameter.grad = view if self.gradient_as_bucket_view else view.clone()
+            else:
+                targets.append(parameter.grad)
+                sources.append(view)
         if targets:
             torch._foreach_copy_(targets, sources)  # one call instead of one copy_ per parameter
 
