@@ -50,9 +50,10 @@ TensorsFunction = Callable[[Sequence[Tensor], ProcessGroup], None]
 _BATCH_BELOW_NUMEL = 16384
 
 # torch DDP keyword arguments that ddpkit honours; any other is ignored with a warning.
+# output_device is honoured in that outputs stay on the process's one device.
 _HONOURED_KWARGS = {
     "bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "static_graph",
-    "device_ids", "output_device", "dim",
+    "device_ids", "output_device",
 }
 
 
