@@ -382,7 +382,9 @@ def torch_hooks(hook_name: str) -> tuple[dict[str, torch.Tensor | None], int]:
     model = DistributedDataParallel(make_mlp(), bucket_cap_mb=0.0005)
     seen = []
     handle = model.register_comm_hook(lambda ddp: seen.append(ddp is model))
-    model.register_comm_hook(None, getattr(default_hooks, hook_name))
+    hook = (default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)
+            if hook_name == "fp16_compress_wrapper" else getattr(default_hooks, hook_name))
+    model.register_comm_hook(None, hook)
     x, y = global_batch(world)
     nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
     handle.remove()
@@ -393,7 +395,7 @@ def torch_hooks(hook_name: str) -> tuple[dict[str, torch.Tensor | None], int]:
     return grads_of(model.module), len(seen)
 
 
-@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_compress_hook"])
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_compress_hook", "fp16_compress_wrapper"])
 def test_torch_comm_hooks_run_unchanged(pool: WorkerPool, hook_name: str) -> None:
     expected = reference_grads(pool.world_size)
     # fp16 rounds each rank's gradient and the sum: about 5e-4 of the tensor's scale each time.

@@ -127,8 +127,10 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, buffer: Tensor) -> None:
-        if buffer.shape != self._buffer.shape:
+        """Replace the tensor this bucket hands out, as torch's does (a wrapper may swap in an
+        fp16 copy); DDP copies the hook's result back into its own gradients."""
+        if buffer.numel() != self._buffer.numel():
             raise ValueError(
-                f"set_buffer needs a tensor of the bucket's shape {tuple(self._buffer.shape)}, got {tuple(buffer.shape)}."
+                f"set_buffer needs {self._buffer.numel()} elements (the bucket's gradients), got {buffer.numel()}."
             )
-        self._buffer.copy_(buffer)
+        self._buffer = buffer
