@@ -123,6 +123,10 @@ class GradBucket:
     def parameters(self) -> list[Tensor]:
         return list(self._bucket.parameters)
 
+    def parameter_names(self) -> list[str]:
+        """ddpkit's addition: the names of ``parameters()``, for state kept per parameter (PowerSGD)."""
+        return list(self._bucket.names)
+
     def is_last(self) -> bool:
         return self._is_last
 

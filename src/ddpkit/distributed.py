@@ -509,4 +509,7 @@ def register_ddp_comm_hook(
             f"{type(model).__name__}. Wrap the model first, e.g. model = ddpkit.DistributedDataParallel(model)."
         )
     hook = ddp_comm_wrapper(ddp_comm_hook) if ddp_comm_wrapper is not None else ddp_comm_hook
+    name_parameters = getattr(ddp_comm_state, "name_parameters", None)
+    if callable(name_parameters):  # state kept per parameter name (PowerSGDState), torch's buckets lack names
+        name_parameters(getattr(model, "module", model))
     register(state=ddp_comm_state, hook=hook)

@@ -8,12 +8,15 @@ from ddpkit.hooks.default import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from ddpkit.hooks.powersgd import PowerSGDState, powerSGD_hook
 
 __all__ = [
+    "PowerSGDState",
     "allreduce_hook",
     "bf16_compress_hook",
     "bf16_compress_wrapper",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "powerSGD_hook",
 ]

@@ -1,0 +1,232 @@
+"""PowerSGD gradient compression (Vogels, Karimireddy, Jaggi, NeurIPS 2019) as a DDP comm hook.
+
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+    ddpkit.register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
+
+For the first ``start_powerSGD_iter`` iterations the hook averages with a plain all-reduce.
+Then each gradient reshaped to a matrix M (n x m) is replaced by a rank-r approximation:
+P = M Q is summed over ranks and orthogonalised, Q = M^T P is summed, and every rank takes
+P Q^T / world_size. With error feedback, what the approximation missed is added to the next
+step's gradient; with warm start, Q carries over between steps. Tensors whose compression
+would not pay, ``(n + m) * r * min_compression_rate >= n * m`` (vectors, small matrices),
+are averaged uncompressed, all in one message.
+
+Where ddpkit differs from torch's ``powerSGD_hook``:
+
+- Any number of buckets works on Gloo. Each bucket's three collectives (uncompressed rest,
+  P, Q) are issued in order inside the hook, which DDP calls in bucket order on every rank;
+  torch chains them in future callbacks, whose order can differ between ranks (it aborts with
+  "Received data size doesn't match expected size" on Gloo with more than one bucket). The
+  messages are small, so waiting for them costs a few round trips per bucket.
+- Error-feedback and warm-start state is kept per parameter *name*, not per bucket index, so
+  it survives a change of bucketing and is saved with ``state_dict()``. ddpkit's module gives
+  the names; for torch's, ``register_ddp_comm_hook`` calls ``state.name_parameters(module)``.
+- ``compression_stats()`` reports the bytes actually sent in the last iteration.
+"""
+
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ddpkit.hooks.default import allreduce_hook
+
+__all__ = ["PowerSGDState", "powerSGD_hook"]
+
+
+class PowerSGDState:
+    """Configuration and per-parameter memory of ``powerSGD_hook`` (torch's arguments)."""
+
+    def __init__(
+        self,
+        process_group: Any,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0,
+        random_seed: int = 0,
+    ) -> None:
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"matrix_approximation_rank={matrix_approximation_rank} must be at least 1.")
+        if start_powerSGD_iter < 1 and use_error_feedback:
+            raise ValueError(
+                f"start_powerSGD_iter={start_powerSGD_iter} with error feedback: the first step must be a plain "
+                "all-reduce (DDP checks parameters then). Use start_powerSGD_iter >= 1."
+            )
+        self.process_group = process_group
+        self.matrix_approximation_rank = matrix_approximation_rank
+        self.start_powerSGD_iter = start_powerSGD_iter
+        self.min_compression_rate = min_compression_rate
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
+        self.orthogonalization_epsilon = orthogonalization_epsilon
+        self.random_seed = random_seed
+        self.iter = 0
+        self.error: dict[str, Tensor] = {}  # what the approximation missed, per parameter name
+        self.q: dict[str, Tensor] = {}  # warm-start Q, per parameter name
+        self._names: dict[int, str] = {}
+        self._step = _Stats()
+        self._last = _Stats()
+
+    def name_parameters(self, module: nn.Module) -> None:
+        """Record parameter names for buckets that do not carry them (torch's GradBucket)."""
+        self._names = {id(parameter): name for name, parameter in module.named_parameters()}
+
+    def compression_stats(self) -> dict[str, float]:
+        """Bytes of the last completed iteration: sent, and what plain all-reduce would send."""
+        return self._last.as_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: iteration, error feedback and warm-start matrices by name."""
+        return {"iter": self.iter, "error": {k: v.clone() for k, v in self.error.items()},
+                "q": {k: v.clone() for k, v in self.q.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iter = int(state["iter"])
+        self.error = {k: v.clone() for k, v in state["error"].items()}
+        self.q = {k: v.clone() for k, v in state["q"].items()}
+
+    def _parameter_names(self, bucket: Any) -> list[str]:
+        names = getattr(bucket, "parameter_names", None)
+        if callable(names):
+            return list(names())
+        missing = [p for p in bucket.parameters() if id(p) not in self._names]
+        if missing:
+            raise ValueError(
+                "PowerSGDState keeps its memory per parameter name, and this bucket's parameters are unnamed. "
+                "Call state.name_parameters(model.module) before training, or register the hook with "
+                "ddpkit.register_ddp_comm_hook, which does it."
+            )
+        return [self._names[id(p)] for p in bucket.parameters()]
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.sent = 0
+        self.full = 0
+        self.compressed = 0
+        self.uncompressed = 0
+
+    def as_dict(self) -> dict[str, float]:
+        rate = self.full / self.sent if self.sent else 0.0
+        return {"bytes_sent": self.sent, "bytes_uncompressed": self.full, "compression_rate": rate,
+                "compressed_tensors": self.compressed, "uncompressed_tensors": self.uncompressed}
+
+
+def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """Average the bucket with PowerSGD (see the module docstring); torch's signature."""
+    group = state.process_group
+    world_size = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    if bucket.index() == 0:
+        state._step = _Stats()
+    stats = state._step
+    stats.full += buffer.numel() * buffer.element_size()
+
+    if state.iter < state.start_powerSGD_iter:
+        stats.sent += buffer.numel() * buffer.element_size()
+        stats.uncompressed += len(bucket.parameters())
+        # Asynchronous: every bucket of an iteration is in the same phase, so the order holds.
+        future = allreduce_hook(group, bucket)
+    else:
+        _compress_and_reduce(state, bucket, buffer, world_size, stats)
+        future = torch.futures.Future()
+        future.set_result(buffer)
+
+    if bucket.is_last():
+        state.iter += 1
+        state._last = stats
+    return future
+
+
+def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, world_size: int, stats: _Stats) -> None:
+    names = state._parameter_names(bucket)
+    matrices: list[tuple[str, Tensor]] = []  # (name, view of the bucket as n x m)
+    rest: list[Tensor] = []  # views averaged uncompressed
+    offset = 0
+    for name, parameter in zip(names, bucket.parameters()):
+        view = buffer[offset : offset + parameter.numel()]
+        offset += parameter.numel()
+        n = parameter.shape[0] if parameter.dim() >= 2 else 1
+        m = parameter.numel() // max(n, 1)
+        rank = _rank_for(state, n, m)
+        if parameter.dim() >= 2 and (n + m) * rank * state.min_compression_rate < n * m:
+            matrices.append((name, view.view(n, m)))
+        else:
+            rest.append(view)
+    stats.compressed += len(matrices)
+    stats.uncompressed += len(rest)
+
+    if rest:  # one message for all small tensors
+        flat = torch.cat(rest) if len(rest) > 1 else rest[0].clone()
+        flat.mul_(1.0 / world_size)
+        dist.all_reduce(flat, group=state.process_group)
+        stats.sent += flat.numel() * flat.element_size()
+        torch._foreach_copy_(rest, list(flat.split([t.numel() for t in rest])))
+    if not matrices:
+        return
+
+    inputs = []
+    for name, matrix in matrices:
+        if state.use_error_feedback:
+            error = state.error.get(name)
+            if error is None or error.shape != matrix.shape:
+                error = state.error[name] = torch.zeros_like(matrix)
+            matrix.add_(error)
+        inputs.append(matrix.clone() if state.use_error_feedback else matrix)
+
+    qs = [_initial_q(state, name, matrix.shape[1], _rank_for(state, *matrix.shape), matrix) for name, matrix in matrices]
+    ps = [matrix @ q for (_, matrix), q in zip(matrices, qs)]
+    _all_reduce_together(ps, state.process_group, stats)
+    for p in ps:
+        _orthogonalize(p, state.orthogonalization_epsilon)
+    qs = [matrix.t() @ p for (_, matrix), p in zip(matrices, ps)]
+    _all_reduce_together(qs, state.process_group, stats)
+
+    for (name, matrix), p, q, local in zip(matrices, ps, qs, inputs):
+        torch.matmul(p, q.t(), out=matrix)
+        matrix.mul_(1.0 / world_size)
+        if state.use_error_feedback:
+            state.error[name] = local - matrix
+        if state.warm_start:
+            state.q[name] = q
+
+
+def _rank_for(state: PowerSGDState, n: int, m: int) -> int:
+    """At most min(n, m): more columns than that cannot be orthogonal, and Gram-Schmidt would turn
+    rounding noise into spurious directions."""
+    return min(n, m, state.matrix_approximation_rank)
+
+
+def _initial_q(state: PowerSGDState, name: str, columns: int, rank: int, like: Tensor) -> Tensor:
+    q = state.q.get(name) if state.warm_start else None
+    if q is not None and q.shape == (columns, rank):
+        return q
+    # The same on every rank: seeded by the configuration, the parameter's name and (without
+    # warm start) the iteration.
+    seed = state.random_seed + zlib.crc32(name.encode()) + (0 if state.warm_start else state.iter * 7919)
+    generator = torch.Generator().manual_seed(seed % (2**63))
+    return torch.randn(columns, rank, generator=generator).to(device=like.device, dtype=like.dtype)
+
+
+def _all_reduce_together(tensors: list[Tensor], group: Any, stats: _Stats) -> None:
+    """Sum several small matrices over ranks in one message."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    stats.sent += flat.numel() * flat.element_size()
+    torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+
+
+def _orthogonalize(matrix: Tensor, epsilon: float) -> None:
+    """Gram-Schmidt on the columns, in place; a zero column stays zero instead of becoming NaN."""
+    for i in range(matrix.shape[1]):
+        column = matrix[:, i : i + 1]
+        norm = column.norm()
+        column.div_(norm + epsilon if epsilon > 0 else norm.clamp_min(torch.finfo(matrix.dtype).tiny))
+        if i + 1 < matrix.shape[1]:
+            rest = matrix[:, i + 1 :]
+            rest.sub_(column @ (column.t() @ rest))
