@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -143,7 +144,8 @@ def main() -> None:
     failed = _wait_for_all(processes)
     if failed:
         rank, code = failed
-        print(f"rank {rank} failed with exit code {code}; the other processes were stopped", file=sys.stderr)
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"rank {rank} {how}; the other processes were stopped", file=sys.stderr)
         sys.exit(1)
 
 
