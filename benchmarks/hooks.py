@@ -10,8 +10,9 @@ wrapping it); torch's DDP without a hook reduces in C++, so its bytes are not co
 - ddpkit DDP with: no hook, ddpkit.hooks allreduce / fp16 / bf16, PowerSGD rank 1 and rank 4
   (start_powerSGD_iter=2, so every timed step is compressed), noop (communication removed);
 - torch DDP with: no hook, torch's allreduce_hook and fp16_compress_hook. torch's
-  bf16_compress_hook refuses to run without CUDA/NCCL, and torch's powerSGD_hook aborts on
-  Gloo with more than one bucket (this model has three), so those two are not run.
+  bf16_compress_hook refuses to run without CUDA/NCCL, so it is not run; torch's
+  powerSGD_hook aborts on Gloo with more than one bucket (this model has three), so PowerSGD
+  is compared with one 64 MB bucket for both libraries ("PSGD r1 1bucket").
 
 What bounds the step on this machine: compute (~43 ms for one process) plus the CPU that Gloo
 spends reducing. fp16/bf16 halve the bytes but add two casts over 32 MB; PowerSGD sends
@@ -19,12 +20,12 @@ spends reducing. fp16/bf16 halve the bytes but add two casts over 32 MB; PowerSG
 bucket. Loopback on two shared cores cannot show bandwidth savings as wall-clock gains, so
 the bytes column is the figure that carries to real networks.
 
-Measured here (one run, ms / bytes per step): ddpkit no hook 76.2 / 33587264 (gradients + 64
-bytes of negotiation flags); allreduce 78.1; fp16 87.2 and bf16 76.9 / 16793664 (0.500);
-PowerSGD r1 83.4 / 98368 (341x fewer: the biases travel uncompressed); PowerSGD r4 131.1 /
-294976; noop 53.2. torch: no hook 76.8, allreduce 77.6, fp16 91.6. ddpkit/torch: allreduce
-1.01, fp16 0.95, no hook 0.99. PowerSGD r4's extra time is local work (4-column products and
-error-feedback copies over 32 MB), a known cost left for later.
+Measured here (one run, ms / bytes per step; runs differ by about +-5%): ddpkit no hook 81.5 /
+33587264 (gradients + 64 bytes of negotiation flags); allreduce 83.0 / 33587264; fp16 83.2 and
+bf16 77.6 / 16793632 (exactly half); PowerSGD r1 84.2 / 98368 (341x fewer: biases travel
+uncompressed); r4 92.8 / 294976; noop 54.3. torch: no hook 79.5, allreduce 83.3, fp16 84.5;
+PowerSGD with one bucket: ddpkit 84.5, torch 110.7. ddpkit/torch: allreduce 1.00, fp16 0.98,
+PowerSGD 0.76, no hook 1.02.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import register_ddp_comm_hook
@@ -82,15 +84,15 @@ def measure(steps: int) -> dict[str, tuple[float, int | None]]:
         clone.load_state_dict(base.state_dict())
         return clone
 
-    def ddpkit(hook: Callable[..., object] | None, state: object = None) -> nn.Module:
-        model = DistributedDataParallel(copy())
+    def ddpkit(hook: Callable[..., object] | None, state: object = None, **kwargs: float) -> nn.Module:
+        model = DistributedDataParallel(copy(), **kwargs)
         register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=hook)
         return model
 
-    def torch_ddp(hook: Callable[..., object] | None) -> nn.Module:
-        model = nn.parallel.DistributedDataParallel(copy())
+    def torch_ddp(hook: Callable[..., object] | None, state: object = None, **kwargs: float) -> nn.Module:
+        model = nn.parallel.DistributedDataParallel(copy(), **kwargs)
         if hook is not None:
-            model.register_comm_hook(None, hook)
+            model.register_comm_hook(state, hook)
         return model
 
     def powersgd(rank: int) -> PowerSGDState:
@@ -107,6 +109,10 @@ def measure(steps: int) -> dict[str, tuple[float, int | None]]:
         "torch no hook": (torch_ddp(None), False),
         "torch allreduce": (torch_ddp(torch_hooks.allreduce_hook), True),
         "torch fp16": (torch_ddp(torch_hooks.fp16_compress_hook), True),
+        # torch's PowerSGD runs on Gloo only with one bucket: compare both that way.
+        "ddpkit PSGD r1 1bucket": (ddpkit(powerSGD_hook, powersgd(1), bucket_cap_mb=64), True),
+        "torch PSGD r1 1bucket": (torch_ddp(torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(
+            None, matrix_approximation_rank=1, start_powerSGD_iter=2), bucket_cap_mb=64), True),
     }
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=1e-4) for name, (model, _) in models.items()}
     x, y = batch(0)
@@ -145,7 +151,8 @@ def main() -> None:
     for name, (ms, sent) in results.items():
         ratio = f"{sent / gradient_bytes:8.4f}" if sent else f"{'-':>8s}"
         print(f"  {name:22s} {ms:8.2f} {sent if sent is not None else '-':>12} {ratio}")
-    for ours, theirs in (("allreduce", "allreduce"), ("fp16", "fp16"), ("no hook", "no hook")):
+    for ours, theirs in (("allreduce", "allreduce"), ("fp16", "fp16"), ("no hook", "no hook"),
+                         ("PSGD r1 1bucket", "PSGD r1 1bucket")):
         print(f"ddpkit {ours} / torch {theirs} step time: "
               f"{results[f'ddpkit {ours}'][0] / results[f'torch {theirs}'][0]:.2f}")
     fp16_bytes, full_bytes = results["ddpkit fp16"][1], results["ddpkit allreduce"][1]

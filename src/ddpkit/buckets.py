@@ -102,10 +102,13 @@ class GradBucket:
     value is the reduced flat tensor (or a one-element list of it, as older torch hooks return).
     """
 
-    def __init__(self, bucket: Bucket, is_last: bool) -> None:
+    def __init__(self, bucket: Bucket, is_last: bool, prescaled: bool = False, with_flags: bool = False) -> None:
         self._bucket = bucket
-        self._buffer = bucket.grads
+        # For hooks that average elementwise, the buffer also holds the negotiation flags after
+        # the gradients, so they are summed with them (see DistributedDataParallel).
+        self._buffer = bucket.buffer if with_flags else bucket.grads
         self._is_last = is_last
+        self._prescaled = prescaled
 
     def index(self) -> int:
         return self._bucket.index
@@ -123,6 +126,11 @@ class GradBucket:
     def parameters(self) -> list[Tensor]:
         return list(self._bucket.parameters)
 
+    def prescaled(self) -> bool:
+        """ddpkit's addition: True when the gradients are already divided by the group size (DDP
+        did it while copying them in, for hooks that declare ``averages_elementwise``)."""
+        return self._prescaled
+
     def parameter_names(self) -> list[str]:
         """ddpkit's addition: the names of ``parameters()``, for state kept per parameter (PowerSGD)."""
         return list(self._bucket.names)
@@ -135,6 +143,6 @@ class GradBucket:
         fp16 copy); DDP copies the hook's result back into its own gradients."""
         if buffer.numel() != self._buffer.numel():
             raise ValueError(
-                f"set_buffer needs {self._buffer.numel()} elements (the bucket's gradients), got {buffer.numel()}."
+                f"set_buffer needs {self._buffer.numel()} elements (the bucket's buffer), got {buffer.numel()}."
             )
         self._buffer = buffer

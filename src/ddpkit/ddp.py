@@ -260,7 +260,11 @@ class DistributedDataParallel(nn.Module):
     def _begin_backward(self) -> None:
         self._in_backward = True
         self._overlap = self._reduce_function is None and not self._pre_sync_hooks
-        self._scale_in_hooks = self._comm_hook is None and self._reduce_function is None
+        # Divide while copying gradients in (one pass) unless a hook or reduce_function does it.
+        # A hook that declares ``averages_elementwise`` (ddpkit's allreduce, fp16, bf16) gets the
+        # bucket divided already, with the negotiation flags in its buffer: they need no message.
+        self._hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
+        self._scale_in_hooks = self._reduce_function is None and (self._comm_hook is None or self._hook_elementwise)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
@@ -302,18 +306,18 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         self._copy_batched(bucket)
-        if self._comm_hook is not None:
-            is_last = bucket.index == len(self._buckets) - 1
-            future = self._comm_hook(self._comm_state, GradBucket(bucket, is_last))
-            self._in_flight.append((bucket, future))
-        else:
+        if self._comm_hook is None or self._hook_elementwise:
             # The flags after the gradients say which parameters have a gradient on this rank.
             if all(p.grad is not None for p in bucket.parameters):
                 bucket.flags.fill_(1)
             else:
                 bucket.flags.copy_(torch.tensor([p.grad is not None for p in bucket.parameters]))
-            work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-            self._in_flight.append((bucket, work))
+        if self._comm_hook is not None:
+            is_last = bucket.index == len(self._buckets) - 1
+            grad_bucket = GradBucket(bucket, is_last, prescaled=self._scale_in_hooks, with_flags=self._hook_elementwise)
+            self._in_flight.append((bucket, self._comm_hook(self._comm_state, grad_bucket)))
+        else:
+            self._in_flight.append((bucket, dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)))
 
     def _finish_backward(self) -> None:
         """End of backward: complete, launch and await every bucket; copy results back."""
@@ -362,39 +366,42 @@ class DistributedDataParallel(nn.Module):
     def _negotiation_needed(self) -> bool:
         return self.negotiate_grads and not self.static_graph
 
-    def _separate_negotiation(self) -> list[bool]:
-        """Which parameters have a gradient on some rank, by one small all-reduce: needed when a comm
-        hook or reduce_function reduces the gradients, since those do not carry the bucket flags."""
+    def _launch_separate_negotiation(self) -> tuple[Tensor, Any]:
+        """Count, over ranks, who has a gradient for each parameter: one small asynchronous all-reduce,
+        needed when a comm hook or reduce_function reduces the gradients (they carry no bucket flags)."""
         used = torch.tensor(
             [p.grad is not None for bucket in self._buckets for p in bucket.parameters],
             dtype=torch.int32, device=self._buckets[0].buffer.device,
         )
-        dist.all_reduce(used, group=self.process_group)
-        return [count > 0 for count in used.tolist()]
+        return used, dist.all_reduce(used, group=self.process_group, async_op=True)
 
     def _await_and_copy_back(self, negotiate: bool) -> None:
         """Wait for each bucket in turn and copy its results back at once, so copying bucket i
         overlaps with the reduction of the buckets after it (as torch's Reducer does)."""
-        used_by_hooks: list[bool] | None = None
-        if negotiate and (self._comm_hook is not None or self._reduce_function is not None):
-            used_by_hooks = self._separate_negotiation()
+        separate = None
+        flags_travelled = self._reduce_function is None and (self._comm_hook is None or self._hook_elementwise)
+        if negotiate and not flags_travelled:
+            # Its answer only matters for parameters no rank touched (rare): copy everything back
+            # first and undo those afterwards, rather than wait for it before the first copy.
+            separate = self._launch_separate_negotiation()
         pending_by_bucket = {bucket.index: pending for bucket, pending in self._in_flight}
-        first = 0  # position of the bucket's first parameter in the flat parameter order
         for bucket in self._buckets:
             pending = pending_by_bucket.get(bucket.index)
             if pending is not None:
                 result = self._wait(bucket, pending)
                 if not isinstance(pending, dist.Work):
                     result = result[0] if isinstance(result, (list, tuple)) else result
-                    if result is not bucket.grads:
-                        bucket.grads.copy_(result)
-            used: list[bool] | None = None
-            if used_by_hooks is not None:
-                used = used_by_hooks[first : first + len(bucket.parameters)]
-            elif negotiate:
-                used = (bucket.flags > 0).tolist()
-            first += len(bucket.parameters)
+                    if result is not bucket.grads and result is not bucket.buffer:
+                        (bucket.buffer if result.numel() == bucket.buffer.numel() else bucket.grads).copy_(result)
+            used = (bucket.flags > 0).tolist() if negotiate and separate is None else None
             self._copy_back(bucket, used)
+        if separate is not None:
+            counts, work = separate
+            work.wait()
+            parameters = [p for bucket in self._buckets for p in bucket.parameters]
+            for parameter, count in zip(parameters, counts.tolist()):
+                if count == 0:
+                    parameter.grad = None  # no rank has a gradient: None, as without DDP
 
     def _copy_back(self, bucket: Bucket, used: list[bool] | None) -> None:
         targets, sources = [], []

@@ -18,6 +18,13 @@ On ddpkit's module ``allreduce_hook`` is bit-identical to no hook on 2 ranks; on
 agrees to fp32 rounding (1e-6), because without a hook ddpkit's buckets also carry a few
 negotiation flags, which moves Gloo's ring chunk boundaries and so the order of some sums.
 
+A hook with the attribute ``averages_elementwise = True`` (these three have it) promises to
+return the elementwise average of the whole buffer. ddpkit's DDP then divides by the group
+size while copying gradients into the bucket, a pass it makes anyway, so the hook skips its own
+(``bucket.prescaled()``), and appends its negotiation flags to the buffer, so dynamic graphs
+need no separate message (measured: 3 ms per step on the 8x1024 MLP). Set it on your own hook
+only if that promise holds; torch's DDP ignores it.
+
 Annotations here are real objects, not strings (no ``from __future__ import annotations``):
 torch's DDP checks that a hook's ``bucket`` is annotated as ``dist.GradBucket``.
 """
@@ -46,10 +53,18 @@ def _first(value: Any) -> Tensor:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
+def _divide_unless_prescaled(buffer: Tensor, process_group: Any, bucket: dist.GradBucket) -> Tensor:
+    """Divide by the group size, unless ddpkit's DDP already did while filling the bucket."""
+    prescaled = getattr(bucket, "prescaled", None)
+    if callable(prescaled) and prescaled():
+        return buffer
+    return buffer.mul_(1.0 / dist.get_world_size(process_group))
+
+
 def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket by one all-reduce: the same result as registering no hook."""
     buffer = bucket.buffer()
-    buffer.mul_(1.0 / dist.get_world_size(process_group))
+    _divide_unless_prescaled(buffer, process_group, bucket)
     future = dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
     return future.then(lambda done: _first(done.value()))
 
@@ -57,7 +72,7 @@ def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures
 def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     buffer = bucket.buffer()
     # Divide first, in the gradient's precision; the cast then only has to hold the mean.
-    compressed = buffer.mul_(1.0 / dist.get_world_size(process_group)).to(dtype)
+    compressed = _divide_unless_prescaled(buffer, process_group, bucket).to(dtype)
     future = dist.all_reduce(compressed, group=process_group, async_op=True).get_future()
 
     def decompress(done: torch.futures.Future[Any]) -> Tensor:
@@ -76,6 +91,12 @@ def bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.fut
     """All-reduce the bucket in bfloat16 (half the bytes, fp32's range), averaged; works on Gloo."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
+
+# These hooks average the buffer elementwise. Saying so lets ddpkit's DDP divide by the group
+# size while copying gradients into the bucket (a pass it makes anyway) and append its
+# negotiation flags to the buffer, summed along for free. torch's DDP ignores the attribute.
+for _hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+    _hook.averages_elementwise = True  # type: ignore[attr-defined]
 
 # torch's DDP refuses any hook *named* "bf16_compress_hook" unless CUDA and NCCL are present,
 # because torch's own needs them. Ours runs on Gloo, so its function carries another name;
