@@ -16,10 +16,11 @@ Models: ``mlp`` 8 x Linear(1024, 1024) (8.4M parameters, batch 64), ``lenet`` (6
 parameters, batch 32), ``many`` 60 x (Linear(64, 64) + Tanh) (120 tensors, batch 64).
 Prints medians (ms) and the ratios ddpkit/torch and ppe/ddpkit.
 
-Measured here (2 cores, torch 2.13 CPU; runs of the same code differ by about +-5%):
-MLP: one process 42-44, raw all-reduce 20-32, torch 74-82, pytorch-pfn-extras 111-122,
-ddpkit 74-82 (ddpkit/torch 0.96-1.03; ppe/ddpkit 1.46-1.59). LeNet and 60 x Linear(64, 64)
-with 150 steps: ddpkit/torch 0.95-1.01.
+Measured here (2 cores, torch 2.13 CPU): MLP one process 43-45, raw all-reduce 21-24,
+torch 76-81, pytorch-pfn-extras 115-133, ddpkit 77-81; ddpkit/torch over runs: MLP 0.97-1.04,
+LeNet 0.93-1.06, 120 tensors 0.94-1.03; ppe/ddpkit 1.44-1.65 on the MLP. Two ddpkit models
+with identical buckets differed by up to 3 ms (4%) in one run: that is the noise floor, and
+ddpkit and torch are at parity within it.
 
 What bounds the step: compute plus communication, nearly added. Two ranks share two cores,
 and Gloo's all-reduce spends CPU (copies and the sum), so overlapping it with backward

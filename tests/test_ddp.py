@@ -507,3 +507,21 @@ def test_static_graph_skips_negotiation_and_still_averages(pool: WorkerPool) -> 
     expected = reference_grads(pool.world_size)
     for grads in pool.run(static_graph_step, timeout=30):
         assert_close_grads(grads, expected)
+
+
+def torch_powersgd_on_ddpkit() -> list[torch.Tensor]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    model = DistributedDataParallel(make_mlp(), static_graph=True)  # one bucket: torch's hook needs that on Gloo
+    state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    model.register_comm_hook(state, torch_powersgd.powerSGD_hook)
+    x, y = global_batch(dist.get_world_size())
+    for _ in range(4):  # two plain steps, then compressed ones
+        model.zero_grad()
+        nn.functional.mse_loss(model(shard(x, dist.get_rank())), shard(y, dist.get_rank())).backward()
+    return [p.grad.clone() for p in model.module.parameters()]
+
+
+def test_torch_powersgd_hook_runs_unchanged(pool2: WorkerPool) -> None:
+    first, second = pool2.run(torch_powersgd_on_ddpkit, timeout=60)
+    assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(first, second))
