@@ -91,7 +91,9 @@ def init_dist_connection(
             f"global_rank={rank} and world_size={size} are inconsistent: the rank must be in 0..world_size-1 "
             "and world_size at least 1. Check the values passed to init_dist_connection or the environment."
         )
-    backend = torch_distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    # DDPKIT_BACKEND is set by `ddpkit run --backend`.
+    backend = torch_distributed_backend or os.environ.get("DDPKIT_BACKEND") or (
+        "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError(
             "torch_distributed_backend='nccl' needs CUDA GPUs, and none is available to this process. "

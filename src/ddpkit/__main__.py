@@ -1,0 +1,7 @@
+"""``python -m ddpkit run ...``: the same as the ``ddpkit`` command."""
+
+import sys
+
+from ddpkit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""Bootstrap of a worker started by ``ddpkit run``: ``python -m ddpkit._worker script.py [args]``.
+
+Before running the script as ``__main__`` it (1) asks the kernel to send SIGTERM when the launcher
+dies (Linux ``PR_SET_PDEATHSIG``), and exits at once if the launcher is already gone, so no worker
+outlives a killed launcher; (2) records an uncaught exception, with its traceback and the time it
+happened, in the JSON file the launcher named (``DDPKIT_ERROR_FILE``), so the launcher can name the
+root cause: the earliest failure, not the rank that merely lost its peer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> None:
+    launcher = int(os.environ.get("DDPKIT_LAUNCHER_PID", "0"))
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+    if launcher and os.getppid() != launcher:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _record(error_file: str, exc: BaseException) -> None:
+    record = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    try:
+        with open(error_file, "w", encoding="utf-8") as handle:
+            json.dump(record, handle)
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m ddpkit._worker script.py [args...]")
+    _die_with_launcher()
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    error_file = os.environ.get("DDPKIT_ERROR_FILE")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if error_file:
+            _record(error_file, exc)
+        traceback.print_exc()
+        sys.stderr.flush()
+        # os._exit keeps the code: sys.exit after a Gloo error can turn into an abort (134).
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,81 @@
+"""``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``).
+
+    ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
+               [--master-port P] [--backend gloo|nccl] script.py [script args...]
+
+Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
+environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MASTER_ADDR,
+DDPKIT_MASTER_PORT, DDPKIT_BACKEND. ``auto`` means one process per GPU, or one per CPU core
+without CUDA (torchrun's choice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from ddpkit.launcher import LaunchConfig, LaunchError, run_workers
+
+__all__ = ["main"]
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
+    dashed, underscored = f"--{name}", f"--{name.replace('-', '_')}"
+    spellings = [dashed] if dashed == underscored else [dashed, underscored]
+    environment = "DDPKIT_" + name.replace("-", "_").upper()
+    default = os.environ.get(environment, kwargs.pop("default", None))
+    help_text = f"{kwargs.pop('help', '')} (environment: {environment})"
+    parser.add_argument(*spellings, dest=name.replace("-", "_"), default=default, help=help_text, **kwargs)  # type: ignore[arg-type]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddpkit", description="ddpkit: data-parallel training launcher")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="start and watch the workers of this node", allow_abbrev=False)
+    _flag(run, "nproc-per-node", default="1", help="processes on this node: a number, or 'auto'")
+    _flag(run, "nnodes", default="1", help="number of nodes")
+    _flag(run, "node-rank", default="0", help="this node's rank, 0..nnodes-1")
+    _flag(run, "master-addr", default="127.0.0.1", help="address of the node with rank 0")
+    _flag(run, "master-port", default=None, help="port on the master node (default: a free one, single node only)")
+    _flag(run, "backend", default=None, choices=["gloo", "nccl", "mpi"], help="torch.distributed backend")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def _integer(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise LaunchError(f"--{flag}={value!r} is not an integer.") from None
+
+
+def _nproc(value: str) -> int:
+    if value == "auto":
+        return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+    return _integer("nproc-per-node", value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = LaunchConfig(
+            nproc_per_node=_nproc(args.nproc_per_node),
+            nnodes=_integer("nnodes", args.nnodes),
+            node_rank=_integer("node-rank", args.node_rank),
+            master_addr=args.master_addr,
+            master_port=None if args.master_port in (None, "") else _integer("master-port", args.master_port),
+            backend=args.backend,
+        )
+        return run_workers(args.script, args.script_args, config)
+    except LaunchError as error:
+        print(f"ddpkit run: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Start, watch and reconcile the workers of one node (what ``ddpkit run`` does).
+
+Each worker runs ``python -m ddpkit._worker script.py args`` in a session of its own, so that
+ending its process group ends its children too. The launcher polls them; at the first failure
+(non-zero exit or a signal) it asks the others to stop (SIGTERM to their process groups), kills
+what is left after ``grace`` seconds, and returns 1 with a summary that names the root cause: the
+earliest recorded exception (workers write them to an error file), else the first rank seen to
+fail. SIGINT and SIGTERM to the launcher end every worker the same way and return 130 and 143.
+Workers notice a launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit._worker``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
+
+__all__ = ["LaunchConfig", "LaunchError", "run_workers", "validate"]
+
+
+class LaunchError(ValueError):
+    """Bad launch arguments, found before anything started."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Where this node's workers sit in the job."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
+    backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def validate(config: LaunchConfig, script: str) -> None:
+    """Refuse bad input before any process starts, naming the flag, its value and the fix."""
+    if config.nproc_per_node < 1:
+        raise LaunchError(f"--nproc-per-node={config.nproc_per_node}: need at least 1 process per node.")
+    if config.nnodes < 1:
+        raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
+    if not 0 <= config.node_rank < config.nnodes:
+        raise LaunchError(
+            f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
+            f"0..{config.nnodes - 1}."
+        )
+    if not Path(script).is_file():
+        raise LaunchError(f"script {script!r} does not exist (looked in {os.getcwd()}). Check the path.")
+    try:
+        socket.getaddrinfo(config.master_addr, None)
+    except socket.gaierror as error:
+        raise LaunchError(
+            f"--master-addr={config.master_addr!r} does not resolve ({error}). Use the host name or IP address "
+            "of the node with --node-rank=0."
+        ) from None
+    if config.master_port is None:
+        if config.nnodes > 1:
+            raise LaunchError("--master-port is required with --nnodes > 1: every node must use the same port.")
+        return
+    if not 1 <= config.master_port <= 65535:
+        raise LaunchError(f"--master-port={config.master_port} is not a TCP port (1..65535).")
+    if config.node_rank == 0 and not _port_is_free(config.master_addr, config.master_port):
+        raise LaunchError(
+            f"--master-port={config.master_port} is already in use on {config.master_addr}. Choose another port, "
+            "or leave --master-port out on a single node to get a free one."
+        )
+
+
+def _port_is_free(address: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address if address not in ("localhost",) else "127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _worker_environment(config: LaunchConfig, port: int, local_rank: int, error_file: str,
+                        base: Mapping[str, str]) -> dict[str, str]:
+    environment = dict(base)
+    environment.update({
+        "MASTER_ADDR": config.master_addr,
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(config.world_size),
+        "RANK": str(config.node_rank * config.nproc_per_node + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "NODE_RANK": str(config.node_rank),
+        DDPKIT_LAUNCHED: "1",
+        "DDPKIT_LAUNCHER_PID": str(os.getpid()),
+        "DDPKIT_ERROR_FILE": error_file,
+    })
+    if config.backend:
+        environment["DDPKIT_BACKEND"] = config.backend
+    return environment
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    rank: int
+    process: subprocess.Popen[bytes]
+    error_file: str
+    reaped: bool = False  # its process group has been killed and the process waited for
+
+
+def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, grace: float = 3.0,
+                poll_interval: float = 0.05) -> int:
+    """Run ``script`` on this node's workers until all succeed or one fails; return the exit code."""
+    validate(config, script)
+    port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
+    stop_signal: list[int] = []
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        stop_signal.append(signum)
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with tempfile.TemporaryDirectory(prefix="ddpkit-run-") as errors:
+        workers = []
+        try:
+            for local_rank in range(config.nproc_per_node):
+                error_file = os.path.join(errors, f"rank{local_rank}.json")
+                environment = _worker_environment(config, port, local_rank, error_file, os.environ)
+                process = subprocess.Popen([sys.executable, "-m", "ddpkit._worker", script, *script_args],
+                                           env=environment, start_new_session=True)
+                workers.append(_Worker(local_rank, int(environment["RANK"]), process, error_file))
+            return _watch(workers, stop_signal, grace, poll_interval)
+        finally:
+            _end_all(workers, grace)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _watch(workers: list[_Worker], stop_signal: list[int], grace: float, poll_interval: float) -> int:
+    while True:
+        if stop_signal:
+            name = signal.Signals(stop_signal[0]).name
+            print(f"ddpkit run: received {name}, stopping all {len(workers)} workers", file=sys.stderr, flush=True)
+            _end_all(workers, grace)
+            return 128 + stop_signal[0]
+        codes = [worker.process.poll() for worker in workers]
+        failed = [worker for worker, code in zip(workers, codes) if code not in (None, 0)]
+        if failed:
+            # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
+            _end_all(workers, grace)
+            print(_summary(workers, failed), file=sys.stderr, flush=True)
+            return 1
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(poll_interval)
+
+
+def _end_all(workers: list[_Worker], grace: float) -> None:
+    """SIGTERM to every live worker's process group, SIGKILL after ``grace`` seconds, reap all."""
+    alive = [w for w in workers if w.process.poll() is None]
+    for worker in alive:
+        _signal_group(worker.process, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(w.process.poll() is None for w in alive) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for worker in workers:
+        if not worker.reaped:
+            _signal_group(worker.process, signal.SIGKILL)  # also reaches grandchildren left behind
+            worker.process.wait()
+            worker.reaped = True
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_record(worker: _Worker) -> dict[str, object] | None:
+    try:
+        with open(worker.error_file, encoding="utf-8") as handle:
+            record: dict[str, object] = json.load(handle)
+            return record
+    except (OSError, ValueError):
+        return None
+
+
+def _summary(workers: list[_Worker], failed: list[_Worker]) -> str:
+    """Name the root cause among the workers found failed at the first poll that saw a failure.
+
+    One that ended without recording an exception (killed by a signal, or a deliberate
+    ``sys.exit``) comes first: the exceptions of its peers ("connection closed") are its
+    consequences. Otherwise the earliest recorded exception is the cause.
+    """
+    stopped = f"ddpkit run: all {len(workers)} workers were stopped."
+    unrecorded = [worker for worker in failed if _read_record(worker) is None]
+    if unrecorded:
+        worker = unrecorded[0]
+        code = worker.process.returncode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) "
+                f"{how} without recording an exception.\n{stopped}")
+    records = [(record, worker) for worker in failed if (record := _read_record(worker)) is not None]
+    record, worker = min(records, key=lambda pair: float(pair[0]["time"]))  # type: ignore[arg-type]
+    return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) failed "
+            f"first with {record['type']}: {record['message']}\n{record['traceback']}{stopped}")

@@ -1,0 +1,175 @@
+"""`ddpkit run` end to end, through the real command line: clean runs, failures, signals, bad input."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.environments import find_free_port
+
+PRELUDE = textwrap.dedent(
+    """
+    import os, sys, time, signal
+    import torch
+    import torch.distributed as dist
+    from ddpkit import detect_environment, init_dist_connection, destroy_dist_connection, sync_ddp
+    open(os.path.join(os.path.dirname(__file__), f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
+    env = detect_environment()
+    init_dist_connection(env, timeout=30)
+    rank = env.global_rank()
+    """
+)
+
+SCRIPTS = {
+    "ok.py": "total = sync_ddp(torch.ones(1)).item()\nprint(f'rank {rank} of {env.world_size()} total {total}', flush=True)\ndestroy_dist_connection()\n",
+    "raises.py": "if rank == 1:\n    raise ValueError('broken on purpose')\ndist.barrier()\n",
+    "killed.py": "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n",
+    "sleeps.py": "time.sleep(60)\n",
+}
+
+
+@pytest.fixture()
+def scripts(tmp_path: Path) -> Path:
+    for name, body in SCRIPTS.items():
+        (tmp_path / name).write_text(PRELUDE + body)
+    return tmp_path
+
+
+def launch(folder: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "ddpkit", "run", *args], cwd=folder, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def worker_pids(folder: Path, count: int, timeout: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [folder / f"pid{rank}" for rank in range(count)]
+        if all(f.exists() and f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError("workers did not start")
+
+
+def assert_gone(pids: list[int], within: float = 3.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"processes still alive: {alive}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it is gone for our purposes once it is not running
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_clean_two_process_run_exits_zero(scripts: Path) -> None:
+    launcher = launch(scripts, "--nproc-per-node", "2", "ok.py")
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
+    assert "rank 0 of 2 total 2.0" in out and "rank 1 of 2 total 2.0" in out
+
+
+def test_a_raising_worker_ends_the_job_naming_its_rank_and_traceback(scripts: Path) -> None:
+    launcher = launch(scripts, "--nproc-per-node", "2", "raises.py")
+    pids = worker_pids(scripts, 2)
+    start = time.monotonic()
+    _, err = launcher.communicate(timeout=60)
+    assert time.monotonic() - start < 5
+    assert launcher.returncode == 1
+    assert "rank 1 (local rank 1" in err and "failed first with ValueError: broken on purpose" in err
+    assert "raise ValueError('broken on purpose')" in err  # the traceback
+    assert_gone(pids)
+
+
+def test_a_killed_worker_ends_the_job_naming_the_signal(scripts: Path) -> None:
+    launcher = launch(scripts, "--nproc-per-node", "2", "killed.py")
+    pids = worker_pids(scripts, 2)
+    start = time.monotonic()
+    _, err = launcher.communicate(timeout=60)
+    assert time.monotonic() - start < 5
+    assert launcher.returncode == 1 and "rank 1" in err and "killed by signal SIGKILL" in err
+    assert_gone(pids)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_launcher_ends_every_worker(scripts: Path, sig: int, code: int) -> None:
+    launcher = launch(scripts, "--nproc-per-node", "2", "sleeps.py")
+    pids = worker_pids(scripts, 2)
+    launcher.send_signal(sig)
+    _, err = launcher.communicate(timeout=10)
+    assert launcher.returncode == code and signal.Signals(sig).name in err
+    assert_gone(pids)
+
+
+def test_workers_exit_when_the_launcher_is_killed(scripts: Path) -> None:
+    launcher = launch(scripts, "--nproc-per-node", "2", "sleeps.py")
+    pids = worker_pids(scripts, 2)
+    launcher.kill()
+    launcher.wait()
+    assert_gone(pids, within=3.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc-per-node", "0", "ok.py"], "--nproc-per-node=0"),
+        (["--nproc-per-node", "two", "ok.py"], "--nproc-per-node='two' is not an integer"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "29999", "ok.py"], "--node-rank=2 with --nnodes=2"),
+        (["--nproc-per-node", "2", "missing.py"], "script 'missing.py' does not exist"),
+        (["--master-addr", "no-such-host.invalid", "ok.py"], "--master-addr='no-such-host.invalid' does not resolve"),
+        (["--nnodes", "2", "ok.py"], "--master-port is required with --nnodes > 1"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_starts(scripts: Path, args: list[str], message: str) -> None:
+    launcher = launch(scripts, *args)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 2 and message in err, err
+    assert not list(scripts.glob("pid*"))  # no worker started
+
+
+def test_a_taken_port_is_refused(scripts: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        launcher = launch(scripts, "--master-port", str(port), "ok.py")
+        _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 2 and f"--master-port={port} is already in use" in err
+
+
+def test_underscore_spellings_and_environment_variables(scripts: Path) -> None:
+    environment = {**os.environ, "DDPKIT_NPROC_PER_NODE": "2"}
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--master_addr", "127.0.0.1", "ok.py"],
+                                cwd=scripts, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0 and "rank 1 of 2" in out, err
+
+
+def test_two_nodes_on_loopback(scripts: Path) -> None:
+    port = str(find_free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-port", port]
+    node0 = launch(scripts, *common, "--node-rank", "0", "ok.py")
+    node1 = launch(scripts, *common, "--node-rank", "1", "ok.py")
+    out0, err0 = node0.communicate(timeout=90)
+    out1, err1 = node1.communicate(timeout=90)
+    assert node0.returncode == 0 and node1.returncode == 0, err0 + err1
+    # Workers of one node share a pipe, so their lines may interleave: match the reports, not lines.
+    reports = sorted(re.findall(r"rank (\d) of (\d) total ([\d.]+)", out0 + out1))
+    assert reports == [(str(r), "4", "4.0") for r in range(4)]
