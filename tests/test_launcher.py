@@ -173,3 +173,54 @@ def test_two_nodes_on_loopback(scripts: Path) -> None:
     # Workers of one node share a pipe, so their lines may interleave: match the reports, not lines.
     reports = sorted(re.findall(r"rank (\d) of (\d) total ([\d.]+)", out0 + out1))
     assert reports == [(str(r), "4", "4.0") for r in range(4)]
+
+
+def test_under_a_scheduler_it_starts_no_processes_of_its_own(scripts: Path) -> None:
+    port = str(find_free_port())
+    launchers = []
+    for rank in range(2):  # what `srun --ntasks-per-node 2 ddpkit run --nproc-per-node 4 ok.py` would start
+        environment = {**os.environ, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
+                       "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank)}
+        launchers.append(subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "4", "ok.py"],
+                                          cwd=scripts, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          env=environment))
+    outputs = [launcher.communicate(timeout=60) for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    reports = sorted(re.findall(r"rank (\d) of (\d)", "".join(out for out, _ in outputs)))
+    assert reports == [("0", "2"), ("1", "2")]  # two processes in all, not eight
+    assert all("SLURMEnvironment started this process" in err for _, err in outputs)
+
+
+def rank_times(factor: int) -> tuple[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return dist.get_rank() * factor, total.item()
+
+
+def fails_on_rank_one() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("missing on rank 1")
+    dist.barrier()
+
+
+def test_launch_runs_a_function_and_returns_results_by_rank() -> None:
+    from ddpkit import launch
+
+    assert launch(rank_times, nprocs=3, args=(10,), timeout=60) == [(0, 3.0), (10, 3.0), (20, 3.0)]
+
+
+def test_launch_raises_the_failing_rank_and_its_traceback() -> None:
+    from ddpkit import launch
+    from ddpkit.launcher import RankFailedError
+
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch(fails_on_rank_one, nprocs=2, timeout=60)
+    assert time.monotonic() - start < 15  # spawn included; the failure itself surfaces at once
+    assert info.value.rank == 1 and "KeyError: 'missing on rank 1'" in str(info.value)

@@ -23,6 +23,7 @@ from ddpkit.distributed import (
     sync_ddp_if_available,
 )
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
+from ddpkit.launcher import launch
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "init_dist_connection",
+    "launch",
     "register_ddp_comm_hook",
     "sync_ddp",
     "sync_ddp_if_available",

@@ -6,7 +6,9 @@
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
 environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MASTER_ADDR,
 DDPKIT_MASTER_PORT, DDPKIT_BACKEND. ``auto`` means one process per GPU, or one per CPU core
-without CUDA (torchrun's choice).
+without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
+torchrun, mpirun, jsrun, Kubeflow: see ``detect_environment``), the script runs once in this
+process instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ddpkit.environments import LocalEnvironment, detect_environment
 from ddpkit.launcher import LaunchConfig, LaunchError, run_workers
 
 __all__ = ["main"]
@@ -60,8 +63,27 @@ def _nproc(value: str) -> int:
     return _integer("nproc-per-node", value)
 
 
+def _started_by_a_scheduler() -> str | None:
+    """The name of the scheduler that already started this process as one of many, if any."""
+    environment = detect_environment()
+    if isinstance(environment, LocalEnvironment) or environment.world_size() <= 1:
+        return None
+    return type(environment).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        scheduler = _started_by_a_scheduler()
+    except ValueError as error:  # malformed scheduler variables: say so before anything starts
+        print(f"ddpkit run: {error}", file=sys.stderr)
+        return 2
+    if scheduler is not None:
+        # The scheduler started every process already (srun, torchrun, mpirun, ...): run the
+        # script here, once, instead of starting --nproc-per-node more.
+        print(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly",
+              file=sys.stderr, flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", "ddpkit._worker", args.script, *args.script_args])
     try:
         config = LaunchConfig(
             nproc_per_node=_nproc(args.nproc_per_node),

@@ -12,6 +12,7 @@ Workers notice a launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``dd
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -19,14 +20,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
+from ddpkit.testing import RankFailedError, WorkerPool
 
-__all__ = ["LaunchConfig", "LaunchError", "run_workers", "validate"]
+__all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "run_workers", "validate"]
 
 
 class LaunchError(ValueError):
@@ -47,6 +50,23 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+
+def launch(function: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend: str = "gloo",
+           threads: int = 1, timeout: float = math.inf) -> list[Any]:
+    """Run ``function(*args)`` in ``nprocs`` new processes, connected to each other, and return
+    each rank's result, by rank.
+
+    The process group exists when ``function`` starts (``backend`` "gloo", or "nccl" with one GPU
+    per process) and is torn down after. ``function`` and ``args`` must be picklable (a
+    module-level function), and the calling script needs the ``if __name__ == "__main__":``
+    guard, since processes are spawned. When a rank raises or dies, the others are stopped at
+    once and ``RankFailedError`` carries that rank and its traceback; ``timeout`` bounds the run.
+    """
+    if nprocs < 1:
+        raise LaunchError(f"nprocs={nprocs}: need at least 1 process.")
+    with WorkerPool(nprocs, timeout=timeout, pg_timeout=600, threads=threads, backend=backend) as pool:
+        return pool.run(function, *args)
 
 
 def validate(config: LaunchConfig, script: str) -> None:

@@ -22,6 +22,7 @@ starts a fresh pool.
 from __future__ import annotations
 
 import faulthandler
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -62,7 +63,7 @@ class RankTimeoutError(TimeoutError):
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, pg_timeout: float, threads: int,
-                 conn: multiprocessing.connection.Connection) -> None:
+                 conn: multiprocessing.connection.Connection, backend: str = "gloo") -> None:
     """Body of one worker: join the process group, then run what the parent sends until told to stop."""
     import torch
     import torch.distributed as dist
@@ -72,8 +73,10 @@ def _worker_main(rank: int, world_size: int, store_path: str, pg_timeout: float,
     torch.set_num_threads(threads)
     # On SIGUSR1 the parent asks for this worker's stack (it is about to kill a hung pool).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per process
     dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
+        backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
         timeout=timedelta(seconds=pg_timeout),
     )
     while True:
@@ -97,17 +100,20 @@ def _worker_main(rank: int, world_size: int, store_path: str, pg_timeout: float,
 class WorkerPool:
     """``world_size`` Gloo processes that run module-level functions on every rank.
 
-    ``timeout`` is the default bound of one ``run`` call in seconds; ``pg_timeout`` the
-    process-group timeout inside the workers; ``threads`` the torch threads of each worker.
+    ``timeout`` is the default bound of one ``run`` call in seconds (``math.inf``: none);
+    ``pg_timeout`` the process-group timeout inside the workers; ``threads`` the torch threads of
+    each worker; ``backend`` "gloo" (CPU) or "nccl" (one GPU per process).
     """
 
-    def __init__(self, world_size: int, timeout: float = 60.0, pg_timeout: float = 30.0, threads: int = 1) -> None:
+    def __init__(self, world_size: int, timeout: float = 60.0, pg_timeout: float = 30.0, threads: int = 1,
+                 backend: str = "gloo") -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be at least 1.")
         self.world_size = world_size
         self.timeout = timeout
         self.pg_timeout = pg_timeout
         self.threads = threads
+        self.backend = backend
         self._processes: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._tmpdir: str | None = None
@@ -130,7 +136,7 @@ class WorkerPool:
             parent_end, child_end = context.Pipe()
             process = context.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, store_path, self.pg_timeout, self.threads, child_end),
+                args=(rank, self.world_size, store_path, self.pg_timeout, self.threads, child_end, self.backend),
                 name=f"ddpkit-pool-rank{rank}", daemon=True,
             )
             process.start()
@@ -167,7 +173,8 @@ class WorkerPool:
             for rank in pending:
                 waitables[self._conns[rank]] = rank
                 waitables[self._processes[rank].sentinel] = rank
-            for ready in multiprocessing.connection.wait(list(waitables), timeout=remaining):
+            bound = None if math.isinf(remaining) else remaining
+            for ready in multiprocessing.connection.wait(list(waitables), timeout=bound):
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
