@@ -106,7 +106,7 @@ def _port_is_free(address: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((address if address not in ("localhost",) else "127.0.0.1", port))
+            probe.bind((address, port))
         except OSError:
             return False
     return True
@@ -226,14 +226,15 @@ def _summary(workers: list[_Worker], failed: list[_Worker]) -> str:
     consequences. Otherwise the earliest recorded exception is the cause.
     """
     stopped = f"ddpkit run: all {len(workers)} workers were stopped."
-    unrecorded = [worker for worker in failed if _read_record(worker) is None]
+    records = {worker.rank: _read_record(worker) for worker in failed}
+    unrecorded = [worker for worker in failed if records[worker.rank] is None]
     if unrecorded:
         worker = unrecorded[0]
         code = worker.process.returncode
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) "
                 f"{how} without recording an exception.\n{stopped}")
-    records = [(record, worker) for worker in failed if (record := _read_record(worker)) is not None]
-    record, worker = min(records, key=lambda pair: float(pair[0]["time"]))  # type: ignore[arg-type]
+    recorded = [(record, w) for w in failed if (record := records[w.rank]) is not None]
+    record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
     return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) failed "
             f"first with {record['type']}: {record['message']}\n{record['traceback']}{stopped}")
