@@ -24,12 +24,14 @@ from ddpkit.distributed import (
 )
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
 from ddpkit.launcher import launch
+from ddpkit.strategy import DDPStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllGatherGrad",
     "ClusterEnvironment",
+    "DDPStrategy",
     "DistributedDataParallel",
     "LocalEnvironment",
     "all_gather_ddp_if_available",

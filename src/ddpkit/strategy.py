@@ -1,0 +1,287 @@
+"""``DDPStrategy``: the Lightning DDP plugin's API, plus Fabric's conveniences, by composition.
+
+    strategy = DDPStrategy()                       # under `ddpkit run`, torchrun, srun, mpirun ...
+    strategy.setup_environment()                   # connect
+    model, optimizer = strategy.setup(model, optimizer)
+    loader = strategy.setup_dataloader(loader)     # DistributedSampler, set_epoch handled
+    for epoch in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            strategy.backward(loss_fn(model(x), y))
+            optimizer.step()
+        strategy.save_checkpoint("ckpt.pt", {"model": model.state_dict(), "epoch": epoch})
+    strategy.teardown()
+
+The strategy holds a cluster environment, a device and the wrapped model, and delegates the
+work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks; it has no
+class hierarchy of its own. Processes come from a launcher (``ddpkit run``) or a scheduler;
+starting them from inside the script is not part of this version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddpkit.ddp import DistributedDataParallel
+from ddpkit.distributed import (
+    barrier,
+    broadcast_object,
+    destroy_dist_connection,
+    distributed_available,
+    init_dist_connection,
+    register_ddp_comm_hook,
+    sync_ddp_if_available,
+)
+from ddpkit.environments import ClusterEnvironment, detect_environment
+
+__all__ = ["DDPStrategy"]
+
+
+class DDPStrategy:
+    """Multi-process data parallelism, one device per process (Lightning's ``DDPPlugin`` arguments).
+
+    ``parallel_devices``: the devices of this node (index = local rank); default one CUDA device
+    per local rank when CUDA is available, else the CPU. ``ddp_kwargs`` go to the DDP module
+    (``find_unused_parameters`` defaults to False, as in Lightning); ``use_torch_ddp=True``
+    wraps with torch's DistributedDataParallel instead of ddpkit's.
+    """
+
+    def __init__(
+        self,
+        parallel_devices: Sequence[torch.device] | None = None,
+        num_nodes: int = 1,
+        cluster_environment: ClusterEnvironment | None = None,
+        sync_batchnorm: bool = False,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable[..., Any] | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
+        use_torch_ddp: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        self.cluster_environment = cluster_environment if cluster_environment is not None else detect_environment()
+        self.parallel_devices = list(parallel_devices) if parallel_devices is not None else None
+        self.num_nodes = num_nodes
+        self.sync_batchnorm = sync_batchnorm
+        self.ddp_comm_state = ddp_comm_state
+        self.ddp_comm_hook = ddp_comm_hook
+        self.ddp_comm_wrapper = ddp_comm_wrapper
+        self.use_torch_ddp = use_torch_ddp
+        self.ddp_kwargs = {"find_unused_parameters": False, **ddp_kwargs}
+        self.model: nn.Module | None = None
+
+    # -- where this process is ---------------------------------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        return self.cluster_environment.global_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster_environment.local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster_environment.world_size()
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def root_device(self) -> torch.device:
+        if self.parallel_devices:
+            return self.parallel_devices[self.local_rank]
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def data_parallel_group(self) -> Any:
+        return None  # the default (world) group
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        """Connect this process to the others (choose its GPU first, when it has one)."""
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        init_dist_connection(self.cluster_environment, "nccl" if self.root_device.type == "cuda" else None)
+
+    def model_to_device(self, model: nn.Module | None = None) -> nn.Module:
+        target = model if model is not None else self.model
+        if target is None:
+            raise ValueError("model_to_device needs a model: pass one, or call setup(model, optimizer) first.")
+        return target.to(self.root_device)
+
+    def configure_ddp(self, model: nn.Module) -> nn.Module:
+        """Wrap ``model`` (on its device) for data parallelism; register the comm hook if one was given."""
+        if self.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.use_torch_ddp:
+            device_ids = [self.root_device] if self.root_device.type == "cuda" else None
+            wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        else:
+            wrapped = DistributedDataParallel(model, **self.ddp_kwargs)
+        register_ddp_comm_hook(wrapped, ddp_comm_state=self.ddp_comm_state, ddp_comm_hook=self.ddp_comm_hook,
+                               ddp_comm_wrapper=self.ddp_comm_wrapper)
+        self.model = wrapped
+        return wrapped
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Move ``model`` to this process's device and wrap it; return (model, optimizer) or the model.
+
+        Create the optimizer before or after: the wrapped module keeps the same parameters.
+        """
+        if not distributed_available():
+            self.setup_environment()
+        wrapped = self.configure_ddp(self.model_to_device(model))
+        return wrapped if optimizer is None else (wrapped, optimizer)
+
+    def setup_dataloader(self, loader: DataLoader) -> DataLoader:
+        """The same loader with a DistributedSampler, so that each rank reads its own share.
+
+        ``set_epoch`` is called for you each time the returned loader is iterated (a new
+        shuffle every epoch, the same on all ranks).
+        """
+        if isinstance(loader.sampler, DistributedSampler):
+            return loader
+        shuffle = not isinstance(loader.sampler, torch.utils.data.SequentialSampler)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            loader.dataset, num_replicas=self.world_size, rank=self.global_rank, shuffle=shuffle)
+        return _EpochDataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+                                num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                                pin_memory=loader.pin_memory, drop_last=loader.drop_last)
+
+    # -- during training -------------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        barrier(self.data_parallel_group)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src=src, group=self.data_parallel_group)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce a tensor over the processes (mean by default); anything else is returned unchanged."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return sync_ddp_if_available(tensor, group=group, reduce_op=reduce_op)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block (the wrapped model's ``no_sync``)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        with (no_sync() if callable(no_sync) else contextlib.nullcontext()):
+            yield
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Nothing to prepare: ddpkit's module needs no per-step set-up before backward."""
+
+    def backward(self, loss: Tensor) -> None:
+        self.pre_backward(loss)
+        loss.backward()
+
+    def on_before_forward(self, model: nn.Module, *args: Any) -> tuple[Any, ...]:
+        """Move the batch to this process's device."""
+        return tuple(a.to(self.root_device) if isinstance(a, Tensor) else a for a in args)
+
+    def get_model_from_plugin(self, model: nn.Module) -> nn.Module:
+        """The user's module inside a DDP wrapper (or the model itself)."""
+        if isinstance(model, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            return model.module
+        return model
+
+    def pre_dispatch(self) -> None:
+        """Before training starts: make sure every process is connected and ready."""
+        self.barrier("pre_dispatch")
+
+    def post_dispatch(self) -> None:
+        """After training ends: wait for every process, so none tears down while others still talk."""
+        self.barrier("post_dispatch")
+
+    def reconciliate_processes(self, trace: str) -> None:
+        """Report a failure of this process to the launcher, which then stops the others.
+
+        Under ``ddpkit run`` the trace goes to the error file the launcher reads to name the root
+        cause; elsewhere the scheduler ends the job when this process exits non-zero.
+        """
+        error_file = os.environ.get("DDPKIT_ERROR_FILE")
+        if error_file:
+            with open(error_file, "w", encoding="utf-8") as handle:
+                json.dump({"rank": self.global_rank, "time": time.time(), "type": "Error",
+                           "message": trace.strip().splitlines()[-1] if trace.strip() else "", "traceback": trace},
+                          handle)
+
+    # -- checkpoints and output ------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+        """Global rank 0 writes ``state`` atomically (temporary file, fsync, rename); all ranks wait.
+
+        A save killed half-way leaves the previous checkpoint in place.
+        """
+        path = os.fspath(path)
+        if self.is_global_zero:
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            descriptor, temporary = tempfile.mkstemp(prefix=".ddpkit-", suffix=".tmp", dir=folder)
+            try:
+                with os.fdopen(descriptor, "wb") as handle:
+                    torch.save(state, handle)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temporary, path)
+            except BaseException:
+                if os.path.exists(temporary):
+                    os.unlink(temporary)
+                raise
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """The checkpoint at ``path``, or None when there is none.
+
+        Global rank 0 decides whether it exists and tells the others, so no rank starts fresh
+        while another resumes (a shared filesystem seen at different moments can disagree).
+        """
+        path = os.fspath(path)
+        exists = self.broadcast(os.path.isfile(path) if self.is_global_zero else None)
+        if not exists:
+            return None
+        loaded: dict[str, Any] = torch.load(path, map_location=self.root_device, weights_only=False)
+        return loaded
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    def teardown(self) -> None:
+        """Wait for every process and disconnect (see ``destroy_dist_connection``)."""
+        destroy_dist_connection()
+
+
+class _EpochDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader whose DistributedSampler gets ``set_epoch`` at each new iteration."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch = 0
+
+    def __iter__(self) -> Any:
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        return super().__iter__()
+

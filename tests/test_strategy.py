@@ -1,0 +1,138 @@
+"""DDPStrategy on 2 Gloo ranks: training through setup/setup_dataloader/backward equals one process,
+and the plugin API (reduce, broadcast, block_backward_sync, checkpoints) does what it says."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit.environments import LocalEnvironment
+from ddpkit.strategy import DDPStrategy
+from ddpkit.testing import WorkerPool
+
+SAMPLES, BATCH = 32, 4
+
+
+def strategy(**kwargs: object) -> DDPStrategy:
+    """A strategy for the pool's process group (the pool connected the workers already)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    environment = LocalEnvironment({"WORLD_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                    "MASTER_PORT": "1"})
+    result = DDPStrategy(cluster_environment=environment, **kwargs)  # type: ignore[arg-type]
+    result.setup_environment()  # the existing group agrees: kept
+    return result
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(SAMPLES, 5, generator=generator), torch.randn(SAMPLES, 2, generator=generator))
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def train_with_strategy(use_torch_ddp: bool) -> list[torch.Tensor]:
+    s = strategy(use_torch_ddp=use_torch_ddp)
+    net = s.setup(model())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = s.setup_dataloader(DataLoader(dataset(), batch_size=BATCH, shuffle=False))
+    for x, y in loader:
+        optimizer.zero_grad()
+        s.backward(nn.functional.mse_loss(net(x), y))
+        optimizer.step()
+    assert s.get_model_from_plugin(net) is net.module
+    return [p.detach().clone() for p in s.get_model_from_plugin(net).parameters()]
+
+
+@pytest.mark.parametrize("use_torch_ddp", [False, True], ids=["ddpkit-ddp", "torch-ddp"])
+def test_training_through_the_strategy_equals_one_process(pool2: WorkerPool, use_torch_ddp: bool) -> None:
+    # DistributedSampler without shuffle gives rank r the samples r, r+2, ...; step k's global
+    # batch is both ranks' k-th batches together.
+    data, reference = dataset(), model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    shards = [list(range(rank, SAMPLES, 2)) for rank in range(2)]
+    for step in range(SAMPLES // (2 * BATCH)):
+        indices = [i for shard in shards for i in shard[step * BATCH : (step + 1) * BATCH]]
+        x, y = data[indices]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    for params in pool2.run(train_with_strategy, use_torch_ddp, timeout=60):
+        for actual, expected in zip(params, reference.parameters()):
+            torch.testing.assert_close(actual, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def plugin_api() -> dict[str, object]:
+    s = strategy()
+    rank = s.global_rank
+    net = s.setup(model())
+    with s.block_backward_sync():
+        net(torch.full((1, 5), float(rank + 1))).sum().backward()
+    local = net.module[0].bias.grad.clone()
+    return {
+        "reduce_mean": s.reduce(torch.tensor([float(rank)])).tolist(),
+        "reduce_sum": s.reduce(torch.tensor([float(rank)]), reduce_op="sum").tolist(),
+        "not_a_tensor": s.reduce("text"),
+        "broadcast": s.broadcast({"from": rank}, src=1),
+        "sampler_kwargs": s.distributed_sampler_kwargs,
+        "is_global_zero": s.is_global_zero,
+        "root_device": str(s.root_device),
+        "moved": [str(t.device) for t in s.on_before_forward(net, torch.ones(1), "x") if isinstance(t, torch.Tensor)],
+        "unsynced_grad": local.tolist(),
+    }
+
+
+def test_the_plugin_api(pool2: WorkerPool) -> None:
+    first, second = pool2.run(plugin_api, timeout=60)
+    for rank, result in enumerate((first, second)):
+        assert result["reduce_mean"] == [0.5] and result["reduce_sum"] == [1.0]
+        assert result["not_a_tensor"] == "text" and result["broadcast"] == {"from": 1}
+        assert result["sampler_kwargs"] == {"num_replicas": 2, "rank": rank}
+        assert result["is_global_zero"] == (rank == 0) and result["root_device"] == "cpu"
+        assert result["moved"] == ["cpu"]
+    assert first["unsynced_grad"] != second["unsynced_grad"]  # block_backward_sync kept them local
+
+
+def checkpoint_round_trip(folder: str) -> tuple[object, object, bool]:
+    s = strategy()
+    path = os.path.join(folder, "ckpt.pt")
+    missing = s.load_checkpoint(os.path.join(folder, "none.pt"))
+    s.save_checkpoint(path, {"step": 7, "rank_that_wrote": s.global_rank})
+    loaded = s.load_checkpoint(path)
+    leftovers = [name for name in os.listdir(folder) if name.startswith(".ddpkit-")]
+    return missing, loaded, not leftovers
+
+
+def test_checkpoints_are_written_by_rank_zero_atomically_and_loaded_everywhere(pool2: WorkerPool,
+                                                                               tmp_path: Path) -> None:
+    for missing, loaded, clean in pool2.run(checkpoint_round_trip, str(tmp_path), timeout=60):
+        assert missing is None
+        assert loaded == {"step": 7, "rank_that_wrote": 0}
+        assert clean  # the temporary file was renamed into place
+
+
+def epochs_see_new_orders() -> list[list[int]]:
+    s = strategy()
+    indices = TensorDataset(torch.arange(SAMPLES))
+    loader = s.setup_dataloader(DataLoader(indices, batch_size=SAMPLES, shuffle=True))
+    return [next(iter(loader))[0].tolist() for _ in range(2)]
+
+
+def test_setup_dataloader_shards_and_reshuffles_each_epoch(pool2: WorkerPool) -> None:
+    (rank0_epoch0, rank0_epoch1), (rank1_epoch0, rank1_epoch1) = pool2.run(epochs_see_new_orders, timeout=60)
+    assert sorted(rank0_epoch0 + rank1_epoch0) == list(range(SAMPLES))  # together: every sample once
+    assert rank0_epoch0 != rank0_epoch1  # set_epoch was called: a new shuffle
+    assert sorted(rank0_epoch1 + rank1_epoch1) == list(range(SAMPLES))
+
+
+def test_model_to_device_needs_a_model() -> None:
+    with pytest.raises(ValueError, match="needs a model"):
+        DDPStrategy(cluster_environment=LocalEnvironment({"MASTER_PORT": "1"})).model_to_device()
