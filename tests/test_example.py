@@ -1,7 +1,8 @@
-"""The README's main job: a real 2-process training run that exits 0 every time."""
+"""The README's main job: `python -m ddpkit run --nproc-per-node 2 examples/train.py`."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,31 +10,50 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
 
-def run_example(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=120)
+def run_example(*args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", str(nproc), str(EXAMPLE), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=180)
+
+
+def losses(output: str) -> list[float]:
+    return [float(value) for value in re.findall(r"epoch \d+/\d+  loss ([\d.]+)", output)]
 
 
 def test_training_converges_and_matches_one_process() -> None:
     result = run_example("--epochs", "3", "--samples", "2048")
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("epoch")]
-    losses = [float(line.split("loss")[1].split()[0]) for line in lines]
-    assert len(losses) == 3 and losses == sorted(losses, reverse=True) and losses[-1] < 0.8 * losses[0], lines
-    assert "parameters identical on all ranks: True" in result.stdout
+    values = losses(result.stdout)
+    assert len(values) == 3 and values == sorted(values, reverse=True) and values[-1] < 0.8 * values[0], values
+    assert "over 2 processes, parameters identical on all ranks: True" in result.stdout
     difference = float(result.stdout.split("max |difference| to one process")[1].split()[0])
     assert difference < 1e-5
 
 
 def test_clean_runs_exit_zero_every_time() -> None:
     # Before ddpkit's teardown released the GIL after destroying the group, about 1 run in 10
-    # of this script aborted at exit with SIGABRT (Gloo thread freeing tensors during finalisation).
+    # of a script like this aborted at exit with SIGABRT (Gloo thread freeing tensors during finalisation).
     for attempt in range(6):
-        result = run_example("--epochs", "1", "--samples", "512")
+        result = run_example("--epochs", "1", "--samples", "512", "--no-check-reference")
         assert result.returncode == 0, f"attempt {attempt}: exit {result.returncode}\n{result.stderr[-2000:]}"
         assert "terminate called" not in result.stderr
 
 
-def test_bad_arguments_are_refused_before_starting() -> None:
-    result = run_example("--nprocs", "3", "--batch-size", "128")
-    assert result.returncode == 2
-    assert "--batch-size=128 must split evenly over --nprocs=3" in result.stderr
+def test_a_checkpoint_resumes_where_the_run_stopped(tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "ckpt.pt")
+    whole = run_example("--epochs", "3", "--samples", "1024", "--no-check-reference")
+    first = run_example("--epochs", "2", "--samples", "1024", "--checkpoint", checkpoint, "--no-check-reference")
+    resumed = run_example("--epochs", "3", "--samples", "1024", "--checkpoint", checkpoint, "--resume")
+    assert whole.returncode == first.returncode == resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {checkpoint} after epoch 2" in resumed.stdout
+    assert losses(first.stdout) + losses(resumed.stdout) == losses(whole.stdout)  # the same training
+
+
+def test_one_process_without_the_launcher() -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "1", "--samples", "512"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "over 1 processes" in result.stdout, result.stderr
+
+
+def test_bad_arguments_are_refused() -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--resume"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--resume needs --checkpoint PATH" in result.stderr

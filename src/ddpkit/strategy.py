@@ -242,6 +242,7 @@ class DDPStrategy:
                     torch.save(state, handle)
                     handle.flush()
                     os.fsync(handle.fileno())
+                os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes it 0600; a checkpoint is an ordinary file
                 os.replace(temporary, path)
             except BaseException:
                 if os.path.exists(temporary):
@@ -270,6 +271,12 @@ class DDPStrategy:
     def teardown(self) -> None:
         """Wait for every process and disconnect (see ``destroy_dist_connection``)."""
         destroy_dist_connection()
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class _EpochDataLoader(DataLoader):  # type: ignore[type-arg]
