@@ -87,7 +87,7 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         first_epoch = state["epoch"] + 1
-        loader._epoch = first_epoch  # the sampler's shuffle continues where it stopped
+        loader.epoch = first_epoch  # the sampler's shuffle continues where it stopped
         strategy.print(f"resumed from {args.checkpoint} after epoch {first_epoch}")
 
     start, seen = time.perf_counter(), 0

@@ -155,7 +155,7 @@ class DDPStrategy:
         """The same loader with a DistributedSampler, so that each rank reads its own share.
 
         ``set_epoch`` is called for you each time the returned loader is iterated (a new
-        shuffle every epoch, the same on all ranks).
+        shuffle every epoch, the same on all ranks); set ``loader.epoch`` when resuming.
         """
         if isinstance(loader.sampler, DistributedSampler):
             return loader
@@ -280,15 +280,18 @@ def _current_umask() -> int:
 
 
 class _EpochDataLoader(DataLoader):  # type: ignore[type-arg]
-    """A DataLoader whose DistributedSampler gets ``set_epoch`` at each new iteration."""
+    """A DataLoader whose DistributedSampler gets ``set_epoch`` at each new iteration.
+
+    ``epoch`` is the epoch the next iteration shuffles for; set it when resuming a run.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._epoch = 0
+        self.epoch = 0
 
     def __iter__(self) -> Any:
         if isinstance(self.sampler, DistributedSampler):
-            self.sampler.set_epoch(self._epoch)
-        self._epoch += 1
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
         return super().__iter__()
 
