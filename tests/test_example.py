@@ -57,3 +57,20 @@ def test_one_process_without_the_launcher() -> None:
 def test_bad_arguments_are_refused() -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), "--resume"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--resume needs --checkpoint PATH" in result.stderr
+
+
+def test_two_nodes_on_loopback_train_like_one_process() -> None:
+    from ddpkit.environments import find_free_port
+
+    port = str(find_free_port())
+    common = [sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--nproc-per-node", "2",
+              "--master-port", port]
+    args = [str(EXAMPLE), "--epochs", "2", "--samples", "1024"]
+    nodes = [subprocess.Popen([*common, "--node-rank", str(rank), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    (out0, err0), (out1, err1) = (node.communicate(timeout=180) for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], err0 + err1
+    # Global rank 0 (on node 0) replays all four ranks' batches in one process: equal parameters
+    # mean the two nodes trained exactly as one process, and so as one node of four.
+    assert "over 4 processes, parameters identical on all ranks: True" in out0
+    assert float(out0.split("max |difference| to one process")[1].split()[0]) < 1e-5
