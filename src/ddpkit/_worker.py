@@ -10,13 +10,13 @@ root cause: the earliest failure, not the rank that merely lost its peer.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import runpy
 import signal
 import sys
-import time
 import traceback
+
+from ddpkit._process import write_error_record
 
 _PR_SET_PDEATHSIG = 1
 
@@ -33,18 +33,8 @@ def _die_with_launcher() -> None:
 
 
 def _record(error_file: str, exc: BaseException) -> None:
-    record = {
-        "rank": int(os.environ.get("RANK", "-1")),
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
-    try:
-        with open(error_file, "w", encoding="utf-8") as handle:
-            json.dump(record, handle)
-    except OSError:
-        pass
+    write_error_record(error_file, int(os.environ.get("RANK", "-1")), type(exc).__name__, str(exc),
+                       "".join(traceback.format_exception(exc)))
 
 
 def main(argv: list[str]) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ddpkit._process import describe_exit
 from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
 from ddpkit.testing import RankFailedError, WorkerPool
 
@@ -230,10 +231,8 @@ def _summary(workers: list[_Worker], failed: list[_Worker]) -> str:
     unrecorded = [worker for worker in failed if records[worker.rank] is None]
     if unrecorded:
         worker = unrecorded[0]
-        code = worker.process.returncode
-        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) "
-                f"{how} without recording an exception.\n{stopped}")
+                f"{describe_exit(worker.process.returncode)} without recording an exception.\n{stopped}")
     recorded = [(record, w) for w in failed if (record := records[w.rank]) is not None]
     record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
     return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) failed "

@@ -21,10 +21,8 @@ starting them from inside the script is not part of this version.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpkit._process import write_error_record
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import (
     barrier,
@@ -220,10 +219,8 @@ class DDPStrategy:
         """
         error_file = os.environ.get("DDPKIT_ERROR_FILE")
         if error_file:
-            with open(error_file, "w", encoding="utf-8") as handle:
-                json.dump({"rank": self.global_rank, "time": time.time(), "type": "Error",
-                           "message": trace.strip().splitlines()[-1] if trace.strip() else "", "traceback": trace},
-                          handle)
+            last_line = trace.strip().splitlines()[-1] if trace.strip() else ""
+            write_error_record(error_file, self.global_rank, "Error", last_line, trace)
 
     # -- checkpoints and output ------------------------------------------------------------------
 

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ddpkit._process import describe_exit
+
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool"]
 
 _STOP = b"stop"
@@ -195,12 +197,7 @@ class WorkerPool:
         except (EOFError, OSError):
             pass
         process.join(timeout=5)
-        code = process.exitcode
-        if code is not None and code < 0:
-            how = f"was killed by signal {signal.Signals(-code).name}"
-        else:
-            how = f"exited with code {code}"
-        return "died", f"the worker process {how} without answering"
+        return "died", f"the worker process {describe_exit(process.exitcode)} without answering"
 
     def _dump_stacks(self, ranks: list[int]) -> None:
         for rank in ranks:
