@@ -258,11 +258,12 @@ class DistributedDataParallel(nn.Module):
     def _begin_backward(self) -> None:
         self._step.in_backward = True
         self._step.overlap = self._reduce_function is None and not self._pre_sync_hooks
-        # Divide while copying gradients in (one pass) unless a hook or reduce_function does it.
-        # A hook that declares ``averages_elementwise`` (ddpkit's allreduce, fp16, bf16) gets the
-        # bucket divided already, with the negotiation flags in its buffer: they need no message.
-        self._step.hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
-        self._step.scale_in_hooks = self._reduce_function is None and (self._comm_hook is None or self._step.hook_elementwise)
+        # The bucket is averaged elementwise with no hook, or with a hook that declares
+        # ``averages_elementwise`` (ddpkit's allreduce, fp16, bf16). Then DDP divides while copying
+        # gradients in (one pass) and the negotiation flags travel in the buffer (no message);
+        # otherwise the hook or reduce_function divides, and negotiation takes its own all-reduce.
+        hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
+        self._step.elementwise = self._reduce_function is None and (self._comm_hook is None or hook_elementwise)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
@@ -270,9 +271,9 @@ class DistributedDataParallel(nn.Module):
         if grad is None:
             view.zero_()
         elif grad is view:
-            if self._step.scale_in_hooks:
+            if self._step.elementwise:
                 view.mul_(self._scale)
-        elif self._step.scale_in_hooks:
+        elif self._step.elementwise:
             torch.mul(grad, self._scale, out=view)  # copy and divide in one pass, as torch's Reducer
         else:
             view.copy_(grad)
@@ -293,7 +294,7 @@ class DistributedDataParallel(nn.Module):
         bucket.batched = []
         grads = [parameter.grad for parameter in parameters]  # each hook fired, so none is None
         torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
-        if self._step.scale_in_hooks:  # g * (1/world): the same arithmetic as mul(out=)
+        if self._step.elementwise:  # g * (1/world): the same arithmetic as mul(out=)
             if len(views) == len(bucket.views):
                 bucket.grads.mul_(self._scale)  # every gradient of the bucket is here: one contiguous pass
             else:
@@ -304,7 +305,7 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         self._copy_batched(bucket)
-        if self._comm_hook is None or self._step.hook_elementwise:
+        if self._step.elementwise:
             # The flags after the gradients say which parameters have a gradient on this rank.
             if all(p.grad is not None for p in bucket.parameters):
                 bucket.flags.fill_(1)
@@ -312,7 +313,7 @@ class DistributedDataParallel(nn.Module):
                 bucket.flags.copy_(torch.tensor([p.grad is not None for p in bucket.parameters]))
         if self._comm_hook is not None:
             is_last = bucket.index == len(self._buckets) - 1
-            grad_bucket = GradBucket(bucket, is_last, prescaled=self._step.scale_in_hooks, with_flags=self._step.hook_elementwise)
+            grad_bucket = GradBucket(bucket, is_last, prescaled=self._step.elementwise, with_flags=self._step.elementwise)
             self._step.in_flight.append((bucket, self._comm_hook(self._comm_state, grad_bucket)))
         else:
             self._step.in_flight.append((bucket, dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)))
@@ -375,8 +376,7 @@ class DistributedDataParallel(nn.Module):
         """Wait for each bucket in turn and copy its results back at once, so copying bucket i
         overlaps with the reduction of the buckets after it (as torch's Reducer does)."""
         separate = None
-        flags_travelled = self._reduce_function is None and (self._comm_hook is None or self._step.hook_elementwise)
-        if negotiate and not flags_travelled:
+        if negotiate and not self._step.elementwise:
             # Its answer only matters for parameters no rank touched (rare): copy everything back
             # first and undo those afterwards, rather than wait for it before the first copy.
             separate = self._launch_separate_negotiation()
@@ -475,8 +475,7 @@ class _StepState:
 
     in_backward: bool = False
     overlap: bool = True  # launch buckets during backward
-    scale_in_hooks: bool = True  # divide by the group size while copying gradients in
-    hook_elementwise: bool = False  # the comm hook averages elementwise (flags travel in its buffer)
+    elementwise: bool = True  # DDP divides while copying in, and the flags travel in the buffer
     next_bucket: int = 0  # buckets launch strictly in index order
     in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)
     buffers_stale: bool = False  # forwards ran since the last buffer broadcast
