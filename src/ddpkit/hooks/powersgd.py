@@ -161,12 +161,8 @@ def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, worl
     stats.compressed += len(matrices)
     stats.uncompressed += len(rest)
 
-    if rest:  # one message for all small tensors
-        flat = torch.cat(rest) if len(rest) > 1 else rest[0].clone()
-        flat.mul_(1.0 / world_size)
-        dist.all_reduce(flat, group=state.process_group)
-        stats.sent += flat.numel() * flat.element_size()
-        torch._foreach_copy_(rest, list(flat.split([t.numel() for t in rest])))
+    if rest:  # averaged uncompressed, all in one message
+        _all_reduce_together(rest, state.process_group, stats, scale=1.0 / world_size)
     if not matrices:
         return
 
@@ -216,9 +212,11 @@ def _initial_q(state: PowerSGDState, name: str, columns: int, rank: int, like: T
     return torch.randn(rank, columns, generator=generator).to(device=like.device, dtype=like.dtype).t()
 
 
-def _all_reduce_together(tensors: list[Tensor], group: Any, stats: _Stats) -> None:
-    """Sum several small matrices over ranks in one message."""
+def _all_reduce_together(tensors: list[Tensor], group: Any, stats: _Stats, scale: float | None = None) -> None:
+    """Sum several tensors over ranks in one message, in place; ``scale`` multiplies them first."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    if scale is not None:
+        flat.mul_(scale)
     dist.all_reduce(flat, group=group)
     stats.sent += flat.numel() * flat.element_size()
     torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
