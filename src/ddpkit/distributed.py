@@ -445,7 +445,7 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     global_src = src if group is None else dist.get_global_rank(group, src)
     device = _communication_device(group)
     if rank == src:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        payload = _pickle(obj)
         size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
     else:
         size = torch.zeros(1, dtype=torch.long, device=device)
@@ -465,8 +465,13 @@ def all_gather_object(obj: Any, group: ProcessGroup = None) -> list[Any]:
     """
     if not distributed_available():
         return [obj]
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    payload = _pickle(obj)
     return [_unpickle(piece) for piece in gather_all_tensors(payload.to(_communication_device(group)), group)]
+
+
+def _pickle(obj: Any) -> Tensor:
+    """``obj`` pickled into a CPU byte tensor, ready to send."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
 def _unpickle(data: Tensor) -> Any:
