@@ -34,9 +34,6 @@ backward, which torch's DDP waits for too (it also uses one 998 KB bucket there)
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -45,6 +42,8 @@ from torch import nn
 
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
+
+from _timing import interleaved_medians  # benchmarks/ is on the path when run as a script
 
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
@@ -107,19 +106,7 @@ def measure(model_name: str, steps: int) -> dict[str, float]:
         methods["ppe DDP"] = trainer(peer(copy()))
     methods["ddpkit"] = trainer(DistributedDataParallel(copy()))
 
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    order = list(methods)
-    shuffler = random.Random(0)  # same order on both ranks: their collectives must match
-    for iteration in range(steps + 3):
-        shuffler.shuffle(order)
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            methods[name]()
-            elapsed = time.perf_counter() - start
-            if iteration >= 3:
-                times[name].append(elapsed)
-    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    return interleaved_medians(methods, steps)
 
 
 def main() -> None:

@@ -26,9 +26,6 @@ runs of the same code, because the barrier's exit skew lands in every sample.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -36,6 +33,8 @@ import torch.distributed as dist
 
 from ddpkit.distributed import gather_all_tensors
 from ddpkit.testing import WorkerPool
+
+from _timing import interleaved_medians  # benchmarks/ is on the path when run as a script
 
 CALLS_PER_SAMPLE = 5
 
@@ -72,20 +71,7 @@ def measure(rows: list[int], cols: int, iterations: int) -> dict[str, float]:
     result = gather_all_tensors(local)
     assert [t.shape[0] for t in result] == rows and torch.equal(result[rank], local)
 
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    order = list(methods)
-    shuffler = random.Random(0)  # the same seed on every rank keeps the collectives in the same order
-    for iteration in range(iterations + 3):
-        shuffler.shuffle(order)
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(CALLS_PER_SAMPLE):  # several calls per sample dilute the barrier's exit skew
-                methods[name]()
-            elapsed = (time.perf_counter() - start) / CALLS_PER_SAMPLE
-            if iteration >= 3:  # warm-up
-                times[name].append(elapsed)
-    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    return interleaved_medians(methods, iterations, calls_per_sample=CALLS_PER_SAMPLE)
 
 
 def main() -> None:

@@ -31,10 +31,7 @@ PowerSGD 0.76, no hook 1.02.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,8 +53,10 @@ from ddpkit.hooks import (
 )
 from ddpkit.testing import WorkerPool
 
+
 sys.path.insert(0, str(Path(__file__).parent))
 from ddp_step import build  # noqa: E402  (the same models as the step benchmark)
+from _timing import interleaved_medians  # noqa: E402
 
 
 class ByteCounter:
@@ -114,28 +113,27 @@ def measure(steps: int) -> dict[str, tuple[float, int | None]]:
         "torch PSGD r1 1bucket": (torch_ddp(torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(
             None, matrix_approximation_rank=1, start_powerSGD_iter=2), bucket_cap_mb=64), True),
     }
-    optimizers = {name: torch.optim.SGD(model.parameters(), lr=1e-4) for name, (model, _) in models.items()}
     x, y = batch(0)
-    times: dict[str, list[float]] = {name: [] for name in models}
     last_bytes: dict[str, int] = {}
-    order = list(models)
-    shuffler = random.Random(0)  # the same order on both ranks
-    for iteration in range(steps + 3):
-        shuffler.shuffle(order)
-        for name in order:
-            model, optimizer = models[name][0], optimizers[name]
-            dist.barrier()
-            counter.step_bytes = 0
-            start = time.perf_counter()
+
+    def step_of(model: nn.Module) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step() -> None:
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             optimizer.step()
-            elapsed = time.perf_counter() - start
-            last_bytes[name] = counter.step_bytes
-            if iteration >= 3:
-                times[name].append(elapsed)
-    return {name: (statistics.median(times[name]) * 1e3, last_bytes[name] if models[name][1] else None)
-            for name in models}
+        return step
+
+    def reset_bytes(name: str) -> None:
+        counter.step_bytes = 0
+
+    def record_bytes(name: str) -> None:
+        last_bytes[name] = counter.step_bytes
+
+    medians = interleaved_medians({name: step_of(model) for name, (model, _) in models.items()}, steps,
+                                  before=reset_bytes, after=record_bytes)
+    return {name: (medians[name], last_bytes[name] if countable else None) for name, (_, countable) in models.items()}
 
 
 def main() -> None:
