@@ -526,3 +526,57 @@ def test_torch_powersgd_hook_runs_unchanged(pool2: WorkerPool) -> None:
     pytest.importorskip("numpy", reason="torch's powerSGD_hook draws its random matrices with numpy")
     first, second = pool2.run(torch_powersgd_on_ddpkit, timeout=60)
     assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(first, second))
+
+
+class UsedInReverse(nn.Module):
+    """Layers registered in the reverse of the order forward uses them: registration order
+    predicts the order of gradients badly, so only rebuilt buckets can fill early."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.last, self.middle, self.first = nn.Linear(16, 3), nn.Linear(16, 16), nn.Linear(6, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+
+def launches_and_parameters(as_view: bool, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """For each step, how many gradients were still missing at each bucket launch; then the parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(UsedInReverse(), bucket_cap_mb=0.0005, gradient_as_bucket_view=as_view)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    missing: list[int] = []
+
+    def recording_hook(state, bucket):  # type: ignore[no-untyped-def]
+        missing.append(sum(p.grad is None for p in model.module.parameters()))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, recording_hook)
+    per_step = []
+    for step in range(steps):
+        x, y = global_batch(world, step)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+        optimizer.step()
+        per_step.append(missing[:])
+        missing.clear()
+    return per_step, [p.detach().clone() for p in model.module.parameters()]
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["copies", "views"])
+def test_buckets_are_rebuilt_in_the_order_gradients_arrive(pool: WorkerPool, as_view: bool) -> None:
+    reference = UsedInReverse()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = global_batch(pool.world_size, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    for per_step, params in pool.run(launches_and_parameters, as_view, 4, timeout=60):
+        # Step 1, registration order: the first bucket holds the first layer, whose gradient comes
+        # last, so nothing can launch before backward ends. From step 2 the first bucket launches early.
+        assert per_step[0][0] == 0
+        assert all(launches[0] > 0 for launches in per_step[1:]), per_step
+        for actual, expected in zip(params, reference.parameters()):
+            torch.testing.assert_close(actual, expected.detach(), rtol=0, atol=1e-5)

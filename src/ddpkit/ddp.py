@@ -4,7 +4,9 @@ How a step goes:
 
 1. Construction checks that every rank has the same parameters and buffers (by name, shape
    and dtype; registration order may differ), raising on every rank otherwise, then copies the
-   group's first rank's values to all. Buckets follow that rank's reverse registration order.
+   group's first rank's values to all. Buckets follow that rank's reverse registration order
+   until the first synchronised backward, then are rebuilt once in the order in which that
+   rank saw the gradients arrive (as torch's Reducer does).
 2. During backward, each parameter's post-accumulate-grad hook copies its gradient into its
    bucket, already multiplied by 1/world_size (one pass, torch's arithmetic). Buckets launch
    their asynchronous all-reduce strictly in index order: bucket i starts as soon as it and
@@ -37,7 +39,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ddpkit.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, GradBucket, assign_buckets
-from ddpkit.distributed import all_gather_object, distributed_available
+from ddpkit.distributed import all_gather_object, broadcast_object, distributed_available
 
 __all__ = ["DistributedDataParallel"]
 
@@ -122,13 +124,8 @@ class DistributedDataParallel(nn.Module):
         launch_order = self._check_same_module_everywhere(module)
         self._broadcast_state()
 
-        by_name = dict(named)
-        ordered = [by_name[name] for name in launch_order if name in by_name]
-        ordered_names = [name for name in launch_order if name in by_name]
-        cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
-        groups = assign_buckets(ordered, cap_bytes=cap, first_cap_bytes=min(cap, DEFAULT_FIRST_CAP_BYTES))
-        self._buckets = [Bucket.build(i, [ordered[j] for j in g], [ordered_names[j] for j in g])
-                         for i, g in enumerate(groups)]
+        self._trainable = dict(named)
+        self._bucket_cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
         self._scale = 1.0 / self._world_size
         # (submodule, name) of every buffer: read afresh each sync, so reassigned buffers are seen,
         # without walking the module tree every step.
@@ -141,8 +138,9 @@ class DistributedDataParallel(nn.Module):
         # What changes every step lives in a plain object: writing attributes of an nn.Module goes
         # through its registration checks (~7 us each, measured ~75 us a step on LeNet).
         self._step = _StepState()
-        self._hook_handles = [bucket.parameters[slot].register_post_accumulate_grad_hook(self._make_hook(bucket, slot))
-                              for bucket in self._buckets for slot in range(len(bucket.parameters))]
+        self._buckets: list[Bucket] = []
+        self._hook_handles: list[RemovableHandle] = []
+        self._set_launch_order([name for name in launch_order if name in self._trainable])
 
     # -----------------------------------------------------------------------------------------
     # Construction helpers
@@ -212,6 +210,40 @@ class DistributedDataParallel(nn.Module):
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
 
+    def _set_launch_order(self, names: list[str]) -> None:
+        """(Re)build the buckets for parameters in this launch order, and hook every parameter."""
+        for handle in self._hook_handles:
+            handle.remove()
+        old_views = {id(p): view for bucket in self._buckets for p, view in zip(bucket.parameters, bucket.views)}
+        self._launch_order = names
+        ordered = [self._trainable[name] for name in names]
+        first_cap = min(self._bucket_cap, DEFAULT_FIRST_CAP_BYTES)
+        groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap)
+        self._buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g]) for i, g in enumerate(groups)]
+        self._hook_handles = [bucket.parameters[slot].register_post_accumulate_grad_hook(self._make_hook(bucket, slot))
+                              for bucket in self._buckets for slot in range(len(bucket.parameters))]
+        if self.gradient_as_bucket_view:
+            # Gradients that were views into the old buffers move into the new ones (and the old
+            # buffers are freed), so .grad stays a bucket view.
+            for bucket in self._buckets:
+                for parameter, view in zip(bucket.parameters, bucket.views):
+                    if parameter.grad is not None and parameter.grad is old_views.get(id(parameter)):
+                        view.copy_(parameter.grad)
+                        parameter.grad = view
+
+    def _rebuild_buckets_in_observed_order(self) -> None:
+        """After the first synchronised backward: rebuild the buckets in the order in which the
+        group's first rank saw gradients arrive (torch's Reducer does the same), so each bucket
+        fills as early as backward allows even when registration order is not the order of use.
+        The order comes from one rank, so every rank builds identical buckets."""
+        observed, self._step.observed = self._step.observed, None
+        if self._world_size > 1:
+            observed = broadcast_object(observed, src=0, group=self.process_group)
+        seen = set(observed or ())
+        order = list(observed or ()) + [name for name in self._launch_order if name not in seen]
+        if order != self._launch_order:
+            self._set_launch_order(order)
+
     # -----------------------------------------------------------------------------------------
     # Forward
 
@@ -234,7 +266,7 @@ class DistributedDataParallel(nn.Module):
     def _make_hook(self, bucket: Bucket, slot: int) -> Callable[[Tensor], None]:
         """The post-accumulate-grad hook of one parameter, with its bucket and slot bound (hot path)."""
         view = bucket.views[slot]
-
+        name = bucket.names[slot]
         batched = view.numel() < _BATCH_BELOW_NUMEL
 
         def on_gradient_ready(parameter: Tensor) -> None:
@@ -244,6 +276,8 @@ class DistributedDataParallel(nn.Module):
                 self._begin_backward()
             if bucket.ready[slot]:
                 return  # a second call in the same backward (retain_graph reuse): already counted
+            if self._step.observed is not None:
+                self._step.observed.append(name)
             if batched:
                 bucket.batched.append((parameter, view))
             else:
@@ -337,6 +371,8 @@ class DistributedDataParallel(nn.Module):
             self._await_and_copy_back(self._negotiation_needed())
             if self.broadcast_buffers:
                 self._sync_buffers()
+            if self._step.observed is not None:
+                self._rebuild_buckets_in_observed_order()
         finally:
             self._step.end_backward()
             for bucket in self._buckets:
@@ -479,6 +515,8 @@ class _StepState:
     next_bucket: int = 0  # buckets launch strictly in index order
     in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)
     buffers_stale: bool = False  # forwards ran since the last buffer broadcast
+    #: Names in the order their gradients arrived, during the first synchronised backward only.
+    observed: list[str] | None = field(default_factory=list)
 
     def end_backward(self) -> None:
         self.in_backward = False
