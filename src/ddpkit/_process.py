@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 
 
@@ -22,3 +24,37 @@ def write_error_record(error_file: str, rank: int, kind: str, message: str, trac
             json.dump(record, handle)
     except OSError:
         pass
+
+
+def read_error_record(error_file: str) -> dict[str, object] | None:
+    """The failure a worker recorded with ``write_error_record``, or None when it recorded none."""
+    try:
+        with open(error_file, encoding="utf-8") as handle:
+            record: dict[str, object] = json.load(handle)
+            return record
+    except (OSError, ValueError):
+        return None
+
+
+def signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    """Send ``sig`` to the process group (session) a worker was started in, if it still exists."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def end_process_groups(processes: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM to each process's group, SIGKILL after ``grace`` seconds, and reap every process.
+
+    The SIGKILL goes to every group, finished or not: it also reaches grandchildren left behind.
+    """
+    for process in processes:
+        if process.poll() is None:
+            signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for process in processes:
+        signal_group(process, signal.SIGKILL)
+        process.wait()

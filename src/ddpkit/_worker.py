@@ -1,4 +1,5 @@
-"""Bootstrap of a worker started by ``ddpkit run``: ``python -m ddpkit._worker script.py [args]``.
+"""Bootstrap of a worker started by ``ddpkit run`` or by in-script launching:
+``python -m ddpkit._worker script.py [args]`` or ``python -m ddpkit._worker -m module [args]``.
 
 Before running the script as ``__main__`` it (1) asks the kernel to send SIGTERM when the launcher
 dies (Linux ``PR_SET_PDEATHSIG``), and exits at once if the launcher is already gone, so no worker
@@ -38,15 +39,19 @@ def _record(error_file: str, exc: BaseException) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if not argv:
-        raise SystemExit("usage: python -m ddpkit._worker script.py [args...]")
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        raise SystemExit("usage: python -m ddpkit._worker (script.py | -m module) [args...]")
     _die_with_launcher()
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     error_file = os.environ.get("DDPKIT_ERROR_FILE")
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":  # as `python -m module args`: the module's own sys.argv[0], the cwd on the path
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit:
         raise
     except BaseException as exc:

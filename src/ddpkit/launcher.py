@@ -11,7 +11,6 @@ Workers notice a launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``dd
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -26,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ddpkit._process import describe_exit
+from ddpkit._process import describe_exit, end_process_groups, read_error_record
 from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
 from ddpkit.testing import RankFailedError, WorkerPool
 
@@ -190,33 +189,10 @@ def _watch(workers: list[_Worker], stop_signal: list[int], grace: float, poll_in
 
 def _end_all(workers: list[_Worker], grace: float) -> None:
     """SIGTERM to every live worker's process group, SIGKILL after ``grace`` seconds, reap all."""
-    alive = [w for w in workers if w.process.poll() is None]
-    for worker in alive:
-        _signal_group(worker.process, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(w.process.poll() is None for w in alive) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for worker in workers:
-        if not worker.reaped:
-            _signal_group(worker.process, signal.SIGKILL)  # also reaches grandchildren left behind
-            worker.process.wait()
-            worker.reaped = True
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read_record(worker: _Worker) -> dict[str, object] | None:
-    try:
-        with open(worker.error_file, encoding="utf-8") as handle:
-            record: dict[str, object] = json.load(handle)
-            return record
-    except (OSError, ValueError):
-        return None
+    pending = [worker for worker in workers if not worker.reaped]
+    end_process_groups([worker.process for worker in pending], grace)
+    for worker in pending:
+        worker.reaped = True
 
 
 def _summary(workers: list[_Worker], failed: list[_Worker]) -> str:
@@ -227,7 +203,7 @@ def _summary(workers: list[_Worker], failed: list[_Worker]) -> str:
     consequences. Otherwise the earliest recorded exception is the cause.
     """
     stopped = f"ddpkit run: all {len(workers)} workers were stopped."
-    records = {worker.rank: _read_record(worker) for worker in failed}
+    records = {worker.rank: read_error_record(worker.error_file) for worker in failed}
     unrecorded = [worker for worker in failed if records[worker.rank] is None]
     if unrecorded:
         worker = unrecorded[0]

@@ -14,8 +14,9 @@
 
 The strategy holds a cluster environment, a device and the wrapped model, and delegates the
 work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks; it has no
-class hierarchy of its own. Processes come from a launcher (``ddpkit run``) or a scheduler;
-starting them from inside the script is not part of this version.
+class hierarchy of its own. Processes come from a launcher (``ddpkit run``), a scheduler, or the
+script itself: run directly (``python train.py``) with several ``parallel_devices``, the script's
+process becomes local rank 0 and starts local ranks 1..N-1 by running the same command again.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit._process import write_error_record
+from ddpkit._process import describe_exit, write_error_record
+from ddpkit._script_launch import LocalRanks, start_local_ranks
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import (
     barrier,
@@ -41,9 +43,12 @@ from ddpkit.distributed import (
     register_ddp_comm_hook,
     sync_ddp_if_available,
 )
-from ddpkit.environments import ClusterEnvironment, detect_environment
+from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
 
 __all__ = ["DDPStrategy"]
+
+# After teardown's barrier the other local ranks only have to disconnect and exit.
+_CHILD_EXIT_SECONDS = 30.0
 
 
 class DDPStrategy:
@@ -77,6 +82,7 @@ class DDPStrategy:
         self.use_torch_ddp = use_torch_ddp
         self.ddp_kwargs = {"find_unused_parameters": False, **ddp_kwargs}
         self.model: nn.Module | None = None
+        self._local_ranks: LocalRanks | None = None  # children started by this process (in-script launching)
 
     # -- where this process is ---------------------------------------------------------------
 
@@ -115,10 +121,34 @@ class DDPStrategy:
     # -- set-up --------------------------------------------------------------------------------
 
     def setup_environment(self) -> None:
-        """Connect this process to the others (choose its GPU first, when it has one)."""
+        """Start the other local ranks if nothing else did, then connect this process to the others
+        (choosing its GPU first, when it has one).
+
+        Run directly (no launcher or scheduler) with more than one of ``parallel_devices``, or
+        with ``num_nodes > 1``, this process becomes local rank 0 of its node and re-executes its
+        own command for local ranks 1..N-1 (``MASTER_ADDR``, ``MASTER_PORT`` and ``NODE_RANK``
+        from the environment; on one node a free port). If one of them fails, this process
+        reports it and ends the job.
+        """
+        processes_per_node = self._processes_to_start_per_node()
+        if processes_per_node:
+            self._local_ranks = start_local_ranks(processes_per_node, self.num_nodes)
+            self.cluster_environment = LocalEnvironment()  # re-read: this process is now local rank 0
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
         init_dist_connection(self.cluster_environment, "nccl" if self.root_device.type == "cuda" else None)
+
+    def _processes_to_start_per_node(self) -> int:
+        """How many processes in-script launching must make on this node (this one included); 0: none."""
+        if self._local_ranks is not None or self.cluster_environment.creates_processes_externally:
+            return 0
+        if not isinstance(self.cluster_environment, LocalEnvironment) or self.cluster_environment.world_size() > 1:
+            return 0  # a user-made environment, or WORLD_SIZE set by hand: the processes exist already
+        wanted = len(self.parallel_devices or ())
+        if self.num_nodes > 1 and wanted == 0:
+            raise ValueError(f"num_nodes={self.num_nodes} needs parallel_devices (the devices of each node), e.g. "
+                             "parallel_devices=[torch.device('cpu')] * 2, or start the job with `ddpkit run`.")
+        return wanted if wanted > 1 or self.num_nodes > 1 else 0
 
     def model_to_device(self, model: nn.Module | None = None) -> nn.Module:
         target = model if model is not None else self.model
@@ -221,6 +251,8 @@ class DDPStrategy:
         if error_file:
             last_line = trace.strip().splitlines()[-1] if trace.strip() else ""
             write_error_record(error_file, self.global_rank, "Error", last_line, trace)
+        if self._local_ranks is not None:  # this process started the other local ranks: end them
+            self._local_ranks.terminate()
 
     # -- checkpoints and output ------------------------------------------------------------------
 
@@ -266,8 +298,15 @@ class DDPStrategy:
             print(*args, **kwargs)
 
     def teardown(self) -> None:
-        """Wait for every process and disconnect (see ``destroy_dist_connection``)."""
+        """Wait for every process and disconnect (see ``destroy_dist_connection``); when this process
+        started the other local ranks, wait for them to exit too and raise if one failed."""
         destroy_dist_connection()
+        if self._local_ranks is not None:
+            failed = self._local_ranks.join(timeout=_CHILD_EXIT_SECONDS)
+            self._local_ranks = None
+            if failed:
+                raise RuntimeError("local ranks that this process started did not end cleanly: " + ", ".join(
+                    f"local rank {local_rank} {describe_exit(code)}" for local_rank, code in failed))
 
 
 def _current_umask() -> int:

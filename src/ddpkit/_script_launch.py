@@ -1,0 +1,190 @@
+"""In-script launching: the process running the script becomes local rank 0 and re-executes the
+same command for local ranks 1..N-1 (Lightning's ``DDPPlugin`` launcher), so that
+
+    python train.py          # with DDPStrategy(parallel_devices=[torch.device("cpu")] * 2)
+
+trains on two processes without ``ddpkit run``.
+
+Children run through ``python -m ddpkit._worker`` with the torch.distributed variables and
+ddpkit's marker set, each in a session of its own (so ending its process group ends its own
+children, e.g. DataLoader workers). They die with the script's process (``PR_SET_PDEATHSIG``),
+and record an uncaught exception in an error file. A watcher thread in the script's process
+polls them: when one fails, it prints which rank and why, ends the others and ends this
+process too (its collectives would otherwise wait for the dead rank until the timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from ddpkit._process import describe_exit, end_process_groups, read_error_record
+from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
+
+__all__: list[str] = []
+
+_POLL_SECONDS = 0.1
+_GRACE_SECONDS = 3.0
+# How long an exception in this process waits for a child's failure that may have caused it.
+_CHILD_FAILURE_SECONDS = 1.0
+
+
+def command_of_this_script(argv: list[str] | None = None) -> list[str]:
+    """The arguments that re-run this process's script through ddpkit's worker bootstrap."""
+    argv = sys.argv if argv is None else argv
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # started as `python -m package.module`
+        module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return [sys.executable, "-m", "ddpkit._worker", "-m", module, *argv[1:]]
+    script = argv[0] if argv else ""
+    if not script or script == "-c" or not os.path.isfile(script):
+        raise RuntimeError(
+            f"DDPStrategy would start the other local ranks by running this script again, but this process "
+            f"has no script to run (sys.argv[0] = {script!r}: an interactive session, a notebook or `python -c`). "
+            "Put the training code in a file and run that, start it with `ddpkit run`, or run a function on "
+            "several processes with ddpkit.launch(fn, nprocs=N)."
+        )
+    return [sys.executable, "-m", "ddpkit._worker", os.path.abspath(script), *argv[1:]]
+
+
+@dataclass
+class _Child:
+    local_rank: int
+    rank: int
+    process: subprocess.Popen[bytes]
+    error_file: str
+
+
+@dataclass
+class LocalRanks:
+    """The children this process started, and the thread that watches them."""
+
+    children: list[_Child]
+    folder: tempfile.TemporaryDirectory[str]
+    finished: threading.Event = field(default_factory=threading.Event)
+    # The watcher and an exception in the main thread may both want to report; only one does.
+    _report_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def watch(self) -> None:
+        """Watch the children from a thread; and when this process dies of an exception, name a child
+        that failed first (this process's own error is then only "connection closed")."""
+        threading.Thread(target=self._watch, name="ddpkit-local-ranks", daemon=True).start()
+        previous = sys.excepthook
+
+        def on_uncaught_exception(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
+            previous(kind, value, trace)
+            deadline = time.monotonic() + _CHILD_FAILURE_SECONDS
+            while not self._failed_children() and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
+            self._report(self._failed_children())
+            self.terminate()
+
+        sys.excepthook = on_uncaught_exception
+
+    def _failed_children(self) -> list[_Child]:
+        return [child for child in self.children if child.process.poll() not in (None, 0)]
+
+    def _watch(self) -> None:
+        while not self.finished.is_set():
+            failed = self._failed_children()
+            if failed and self._report(failed):
+                self.terminate()
+                os._exit(1)  # the main thread may be blocked in a collective that would wait for the dead rank
+            time.sleep(_POLL_SECONDS)
+
+    def _report(self, failed: list[_Child]) -> bool:
+        """Print which child failed first and why; False when there is nothing (more) to report."""
+        if not failed or self.finished.is_set() or not self._report_lock.acquire(blocking=False):
+            return False
+        records = {child.rank: read_error_record(child.error_file) for child in failed}
+        # A child that recorded no exception (killed) caused the others' errors; else the earliest record.
+        first = min(failed, key=lambda child: float(str((records[child.rank] or {"time": 0})["time"])))
+        record = records[first.rank]
+        cause = f"\n{record['traceback']}".rstrip() if record else ""
+        sys.stderr.write(
+            f"\nddpkit: local rank {first.local_rank} (global rank {first.rank}, pid {first.process.pid}) "
+            f"{describe_exit(first.process.returncode)}; ending the job.{cause}\n"
+        )
+        sys.stderr.flush()
+        return True
+
+    def terminate(self) -> None:
+        """End every child that is still running (SIGTERM to its process group, SIGKILL after a grace)."""
+        self.finished.set()
+        end_process_groups([child.process for child in self.children], _GRACE_SECONDS)
+
+    def join(self, timeout: float) -> list[tuple[int, int]]:
+        """Wait for the children to end by themselves; return (local rank, exit code) of those that failed.
+
+        Children still running after ``timeout`` are ended and count as failed.
+        """
+        deadline = time.monotonic() + timeout
+        failed = []
+        for child in self.children:
+            try:
+                code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = -signal.SIGTERM
+            if code != 0:
+                failed.append((child.local_rank, code))
+        self.terminate()
+        self.folder.cleanup()
+        return failed
+
+
+def start_local_ranks(nproc_per_node: int, num_nodes: int, env: Mapping[str, str] | None = None) -> LocalRanks:
+    """Start local ranks 1..N-1 of this node and set this process up as local rank 0.
+
+    ``MASTER_ADDR`` (default 127.0.0.1), ``MASTER_PORT`` (default a free port, one node only)
+    and ``NODE_RANK`` (default 0) come from the environment.
+    """
+    env = os.environ if env is None else env
+    node_rank = _integer(env, "NODE_RANK", 0)
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(f"NODE_RANK={node_rank} with num_nodes={num_nodes}: node ranks count from 0, so set "
+                         f"NODE_RANK to 0..{num_nodes - 1} on each node.")
+    address = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    if env.get("MASTER_PORT"):
+        port = _integer(env, "MASTER_PORT", 0)
+    elif num_nodes > 1:
+        raise ValueError(f"num_nodes={num_nodes} needs MASTER_ADDR and MASTER_PORT set to the same values on every "
+                         "node (the address of node 0 and a free port there).")
+    else:
+        port = find_free_port(address)
+    command = command_of_this_script()
+    shared = {
+        "MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc_per_node * num_nodes),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node), "NODE_RANK": str(node_rank), DDPKIT_LAUNCHED: "1",
+    }
+    folder = tempfile.TemporaryDirectory(prefix="ddpkit-ranks-")
+    children = []
+    for local_rank in range(1, nproc_per_node):
+        rank = node_rank * nproc_per_node + local_rank
+        error_file = os.path.join(folder.name, f"rank{rank}.json")
+        child_env = {**env, **shared, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                     "DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file}
+        process = subprocess.Popen(command, env=child_env, start_new_session=True)
+        children.append(_Child(local_rank, rank, process, error_file))
+    os.environ.update({**shared, "RANK": str(node_rank * nproc_per_node), "LOCAL_RANK": "0"})
+    ranks = LocalRanks(children, folder)
+    ranks.watch()
+    return ranks
+
+
+def _integer(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer. Set it to a whole number, or unset it.") from None
