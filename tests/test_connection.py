@@ -95,3 +95,11 @@ def test_register_ddp_comm_hook_on_torch_ddp(pool2: WorkerPool) -> None:
     hooked = pool2.run(torch_ddp_with_hook, True, timeout=30)
     assert [grad for grad, _ in hooked] == [grad for grad, _ in plain]
     assert all(calls >= 1 for _, calls in hooked)
+
+
+def test_gloo_keeps_its_default_interface_on_one_host_and_when_the_master_does_not_resolve() -> None:
+    from ddpkit._network import gloo_interface_towards
+
+    # (The choice of a real interface is tested across network namespaces in test_example.py.)
+    assert gloo_interface_towards("127.0.0.1", 29500) is None
+    assert gloo_interface_towards("no-such-host.invalid", 29500) is None

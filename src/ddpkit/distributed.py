@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ddpkit._network import gloo_interface_towards
 from ddpkit.environments import ClusterEnvironment
 
 __all__ = [
@@ -108,6 +109,11 @@ def init_dist_connection(
     os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
     os.environ["WORLD_SIZE"] = str(size)
     os.environ["RANK"] = str(rank)
+    if backend == "gloo" and size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo's default address is often a loopback one across nodes; see ddpkit._network.
+        interface = gloo_interface_towards(cluster_environment.main_address, cluster_environment.main_port)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
 
     timeout = kwargs.pop("timeout", DEFAULT_TIMEOUT)
     if not isinstance(timeout, timedelta):
