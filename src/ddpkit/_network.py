@@ -45,7 +45,7 @@ def _source_address_towards(ip: str, port: int) -> str:
 
 def _addresses_of_host_name() -> set[str]:
     try:
-        return {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+        return {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
     except OSError:
         return set()
 
