@@ -224,3 +224,13 @@ def test_launch_raises_the_failing_rank_and_its_traceback() -> None:
         launch(fails_on_rank_one, nprocs=2, timeout=60)
     assert time.monotonic() - start < 15  # spawn included; the failure itself surfaces at once
     assert info.value.rank == 1 and "KeyError: 'missing on rank 1'" in str(info.value)
+
+
+def test_nproc_auto_is_one_process_per_cpu_without_gpus(scripts: Path) -> None:
+    cpus = os.cpu_count() or 1
+    if cpus > 8:
+        pytest.skip(f"{cpus} CPUs: too many processes for a test")
+    launcher = launch(scripts, "--nproc-per-node", "auto", "ok.py")
+    out, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 0, err
+    assert sorted(re.findall(r"rank (\d) of (\d)", out)) == [(str(rank), str(cpus)) for rank in range(cpus)]
