@@ -2,8 +2,9 @@
 
 The engine underneath is ``torch.distributed`` (Gloo on CPU, NCCL on GPU). Public pieces:
 ``ddpkit.DistributedDataParallel``, ``ddpkit.distributed`` (connection and collectives),
-``ddpkit.environments`` (SLURM, LSF, MPI, torchrun, Kubeflow, local) and ``ddpkit.testing``
-(a multi-rank pool for tests).
+``ddpkit.environments`` (SLURM, LSF, MPI, torchrun, Kubeflow, local), ``ddpkit.failures``
+(``guard``: one rank's failure named on every rank) and ``ddpkit.testing`` (a multi-rank pool
+for tests).
 """
 
 from ddpkit.ddp import DistributedDataParallel
@@ -23,6 +24,7 @@ from ddpkit.distributed import (
     sync_ddp_if_available,
 )
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
+from ddpkit.failures import CollectiveFailedError, PeerFailedError, guard
 from ddpkit.launcher import launch
 from ddpkit.strategy import DDPStrategy
 
@@ -31,9 +33,11 @@ __version__ = "0.1.0"
 __all__ = [
     "AllGatherGrad",
     "ClusterEnvironment",
+    "CollectiveFailedError",
     "DDPStrategy",
     "DistributedDataParallel",
     "LocalEnvironment",
+    "PeerFailedError",
     "all_gather_ddp_if_available",
     "all_gather_object",
     "barrier",
@@ -43,6 +47,7 @@ __all__ = [
     "gather_all_tensors",
     "get_rank",
     "get_world_size",
+    "guard",
     "init_dist_connection",
     "launch",
     "register_ddp_comm_hook",

@@ -5,7 +5,8 @@ Before running the script as ``__main__`` it (1) asks the kernel to send SIGTERM
 dies (Linux ``PR_SET_PDEATHSIG``), and exits at once if the launcher is already gone, so no worker
 outlives a killed launcher; (2) records an uncaught exception, with its traceback and the time it
 happened, in the JSON file the launcher named (``DDPKIT_ERROR_FILE``), so the launcher can name the
-root cause: the earliest failure, not the rank that merely lost its peer.
+root cause: the earliest failure, not the rank that merely lost its peer; (3) publishes that
+exception to the other ranks through the process group's store (``ddpkit.failures``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import traceback
 
 from ddpkit._process import write_error_record
+from ddpkit.failures import CollectiveFailedError, publish_failure
 
 _PR_SET_PDEATHSIG = 1
 
@@ -57,6 +59,8 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         if error_file:
             _record(error_file, exc)
+        if not isinstance(exc, CollectiveFailedError):  # a consequence is not news to the others
+            publish_failure(exc)  # tell the other ranks, and free those blocked in collectives
         traceback.print_exc()
         sys.stderr.flush()
         # os._exit keeps the code: sys.exit after a Gloo error can turn into an abort (134).

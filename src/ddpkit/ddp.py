@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ddpkit.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, GradBucket, assign_buckets
 from ddpkit.distributed import all_gather_object, broadcast_object, distributed_available
+from ddpkit.failures import CollectiveFailedError, guard, peer_failure
 
 __all__ = ["DistributedDataParallel"]
 
@@ -248,12 +249,13 @@ class DistributedDataParallel(nn.Module):
     # Forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self._step.buffers_stale:
-            self._sync_buffers()  # forwards without backward (evaluation) since the last sync
-        self._step.buffers_stale = True
-        if self.device.type != "cpu":
-            args, kwargs = _to_device((args, kwargs), self.device)
-        return self.module(*args, **kwargs)
+        with guard():  # an error here is published to the other ranks (see ddpkit.failures)
+            if self.broadcast_buffers and self._step.buffers_stale:
+                self._sync_buffers()  # forwards without backward (evaluation) since the last sync
+            self._step.buffers_stale = True
+            if self.device.type != "cpu":
+                args, kwargs = _to_device((args, kwargs), self.device)
+            return self.module(*args, **kwargs)
 
     def _sync_buffers(self) -> None:
         if self._buffer_slots:
@@ -355,28 +357,33 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward: complete, launch and await every bucket; copy results back."""
         try:
-            for bucket in self._buckets[self._step.next_bucket :]:
-                for slot, ready in enumerate(bucket.ready):
-                    if not ready:  # no gradient in this backward: an accumulated one (no_sync), or zeros
-                        self._copy_into_bucket(bucket.parameters[slot], bucket.views[slot])
-                bucket.pending = 0
-            if self._reduce_function is not None:
-                for bucket in self._buckets:
-                    self._copy_batched(bucket)
-                self._reduce_with_custom_function(self._reduce_function)
-            else:
-                for hook in list(self._pre_sync_hooks.values()):
-                    hook(self)
-                self._launch_complete_buckets()
-            self._await_and_copy_back(self._negotiation_needed())
-            if self.broadcast_buffers:
-                self._sync_buffers()
-            if self._step.observed is not None:
-                self._rebuild_buckets_in_observed_order()
+            with guard():  # an error here is published to the other ranks (see ddpkit.failures)
+                self._synchronise()
         finally:
             self._step.end_backward()
             for bucket in self._buckets:
                 bucket.reset()
+
+    def _synchronise(self) -> None:
+        """Complete, launch and await every bucket; copy results back; then buffers."""
+        for bucket in self._buckets[self._step.next_bucket :]:
+            for slot, ready in enumerate(bucket.ready):
+                if not ready:  # no gradient in this backward: an accumulated one (no_sync), or zeros
+                    self._copy_into_bucket(bucket.parameters[slot], bucket.views[slot])
+            bucket.pending = 0
+        if self._reduce_function is not None:
+            for bucket in self._buckets:
+                self._copy_batched(bucket)
+            self._reduce_with_custom_function(self._reduce_function)
+        else:
+            for hook in list(self._pre_sync_hooks.values()):
+                hook(self)
+            self._launch_complete_buckets()
+        self._await_and_copy_back(self._negotiation_needed())
+        if self.broadcast_buffers:
+            self._sync_buffers()
+        if self._step.observed is not None:
+            self._rebuild_buckets_in_observed_order()
 
     def _reduce_with_custom_function(self, reduce_function: TensorsFunction) -> None:
         """The user's function reduces every gradient in place (views into the buckets)."""
@@ -388,7 +395,10 @@ class DistributedDataParallel(nn.Module):
         try:
             return pending.wait()
         except RuntimeError as error:
-            raise RuntimeError(
+            failure = peer_failure()
+            if failure is not None:
+                raise failure from error
+            raise CollectiveFailedError(
                 f"ddpkit DistributedDataParallel: the gradient reduction of bucket {bucket.index} of "
                 f"{len(self._buckets)} (parameters {bucket.names[:3]}{'...' if len(bucket.names) > 3 else ''}) "
                 f"did not complete on group rank {self._rank} of {self._world_size}: {error}\n"

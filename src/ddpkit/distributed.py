@@ -9,6 +9,7 @@ inside the group, and ddpkit translates them to global ranks for torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import pickle
@@ -16,7 +17,7 @@ import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any, ParamSpec, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from ddpkit._network import gloo_interface_towards
 from ddpkit.environments import ClusterEnvironment
+from ddpkit.failures import CollectiveFailedError, peer_failure
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -56,6 +58,27 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default gr
 # before they know each other's shapes: [ndim, dtype code, size_0 .. size_{MAX-1}].
 _MAX_GATHER_NDIM = 16
 _TOO_MANY_DIMS = -1
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _naming_failed_peers(collective: Callable[_P, _R]) -> Callable[_P, _R]:
+    """When the collective fails because another rank published its failure (``ddpkit.failures``),
+    raise ``PeerFailedError`` naming that rank and its exception instead of a connection error."""
+
+    @functools.wraps(collective)
+    def named(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return collective(*args, **kwargs)
+        except RuntimeError as error:
+            failure = None if isinstance(error, CollectiveFailedError) else peer_failure()
+            if failure is not None:
+                raise failure from error
+            raise
+
+    return named
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +264,7 @@ class AllGatherGrad(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
+@_naming_failed_peers
 def all_gather_ddp_if_available(tensor: Tensor, group: ProcessGroup = None, sync_grads: bool = False) -> Tensor:
     """Gather ``tensor`` (same shape on every rank) from all ranks of ``group``: ``(world_size, *shape)``.
 
@@ -304,6 +328,7 @@ class _UnevenAllGather(torch.autograd.Function):
         return torch.stack(received).sum(dim=0), None, None, None
 
 
+@_naming_failed_peers
 def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: bool = False) -> list[Tensor]:
     """Gather ``result`` from every rank of ``group`` into a list, one tensor per rank.
 
@@ -398,6 +423,7 @@ def _as_tensor(result: Tensor | float | int | bool, group: ProcessGroup) -> Tens
     return torch.tensor(result, device=_communication_device(group) if distributed_available() else None)
 
 
+@_naming_failed_peers
 def sync_ddp(result: Tensor | float | int, group: ProcessGroup = None, reduce_op: ReduceOpLike = None) -> Tensor:
     """Reduce ``result`` over the ranks of ``group`` and return the reduced value on every rank.
 
@@ -435,6 +461,7 @@ def sync_ddp_if_available(
 # Objects, barriers, hooks
 
 
+@_naming_failed_peers
 def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     """Send a picklable ``obj`` from rank ``src`` of ``group`` to all its ranks and return it.
 
@@ -463,6 +490,7 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     return obj if rank == src else _unpickle(data)
 
 
+@_naming_failed_peers
 def all_gather_object(obj: Any, group: ProcessGroup = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order of ``group``; ``[obj]`` in one process.
 
@@ -485,6 +513,7 @@ def _unpickle(data: Tensor) -> Any:
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # a memcpy; tolist() is O(n) Python
 
 
+@_naming_failed_peers
 def barrier(group: ProcessGroup = None) -> None:
     """Wait until every rank of ``group`` arrives; a no-op when not distributed."""
     if distributed_available():

@@ -44,6 +44,7 @@ from ddpkit.distributed import (
     sync_ddp_if_available,
 )
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
+from ddpkit.failures import guard
 
 __all__ = ["DDPStrategy"]
 
@@ -220,8 +221,9 @@ class DDPStrategy:
         """Nothing to prepare: ddpkit's module needs no per-step set-up before backward."""
 
     def backward(self, loss: Tensor) -> None:
-        self.pre_backward(loss)
-        loss.backward()
+        with guard():  # a failure here is published to the other ranks (ddpkit.failures)
+            self.pre_backward(loss)
+            loss.backward()
 
     def on_before_forward(self, model: nn.Module, *args: Any) -> tuple[Any, ...]:
         """Move the batch to this process's device."""

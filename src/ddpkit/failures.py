@@ -1,0 +1,132 @@
+"""Failure propagation across ranks through the process group's store (no shared filesystem).
+
+Without it, when one rank raises, the others wait in their next collective until the
+process-group timeout, then report a "connection closed" or timeout that does not say why.
+With it:
+
+1. The failing rank publishes its rank and traceback under one key of the default group's
+   store (the first failure wins: it is the root cause), then tears its process group down.
+   That closes its connections, so a peer blocked in a collective fails at once instead of
+   waiting for the timeout.
+2. Where ddpkit sees a collective fail (its DDP module, its collectives), it reads the key and
+   raises ``PeerFailedError``: "rank K failed: <its exception>", with K's traceback.
+
+Failures are published by ``with ddpkit.guard():`` blocks, by the strategy and DDP module
+(which run their work inside one), and by the worker bootstrap of ``ddpkit run`` for any
+uncaught exception. It works under any launcher or scheduler, since the store is the one the
+process group already uses. The store lives in global rank 0's process: when rank 0 is the
+one that fails, it keeps the store up for a moment at exit so that the others can read why.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure"]
+
+FAILURE_KEY = "ddpkit/failure"
+_SEEN_KEY = "ddpkit/failure_seen"
+# How long the rank that hosts the store stays up after publishing its own failure, at most,
+# waiting for every other rank to have read it.
+_LINGER_SECONDS = 3.0
+# Reading the record after a collective failed: the store may be gone with its host.
+_READ_TIMEOUT = timedelta(seconds=2)
+
+
+class CollectiveFailedError(RuntimeError):
+    """A collective could not complete because another rank went away (killed, or failed outside
+    any guard). A consequence, not a cause: ``guard`` does not publish it."""
+
+
+class PeerFailedError(CollectiveFailedError):
+    """Another rank failed; this one cannot go on. Names that rank and its exception."""
+
+    def __init__(self, rank: int, kind: str, message: str, trace: str) -> None:
+        self.rank, self.kind, self.message, self.trace = rank, kind, message, trace
+        super().__init__(f"rank {rank} failed: {kind}: {message}\n--- traceback of rank {rank} ---\n{trace.rstrip()}")
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Publish an exception raised inside the block to every rank, then re-raise it.
+
+    The other ranks then fail at once with ``PeerFailedError`` naming this rank and its
+    exception, instead of waiting for the process-group timeout. This rank's process group is
+    torn down (the job cannot go on). Without a process group, the block is a plain block.
+    """
+    try:
+        yield
+    except CollectiveFailedError:
+        raise  # a consequence of another rank's failure (published there, if it could)
+    except BaseException as error:
+        publish_failure(error)
+        raise
+
+
+def publish_failure(error: BaseException) -> None:
+    """Record ``error`` as this rank's failure in the store (unless one is recorded already) and
+    tear the process group down, so that peers blocked in collectives fail now."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    store = _default_store()
+    if store is None:
+        return
+    rank = dist.get_rank()
+    record = json.dumps({
+        "rank": rank, "type": type(error).__name__, "message": str(error), "time": time.time(),
+        "traceback": "".join(traceback.format_exception(error)),
+    })
+    try:
+        store.compare_set(FAILURE_KEY, "", record)  # only the first failure: the root cause
+    except RuntimeError:
+        return  # the store is gone (its host died first): nothing to tell, and no one to tell it
+    if rank == 0:
+        atexit.register(_linger_until_read, store, dist.get_world_size())
+    dist.destroy_process_group()
+
+
+def peer_failure() -> PeerFailedError | None:
+    """The failure another rank published, as the error to raise; None when there is none (or the
+    store cannot be reached). Call it after a collective has failed."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        store.set_timeout(_READ_TIMEOUT)
+        if not store.check([FAILURE_KEY]):
+            return None
+        record = json.loads(store.get(FAILURE_KEY))
+        store.add(_SEEN_KEY, 1)
+    except (RuntimeError, ValueError):
+        return None
+    if dist.is_initialized() and record["rank"] == dist.get_rank():
+        return None  # our own failure: the original exception is already on its way
+    return PeerFailedError(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _linger_until_read(store: Any, world_size: int) -> None:
+    """At exit of the rank hosting the store: wait until the others have read the failure (bounded)."""
+    deadline = time.monotonic() + _LINGER_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            if store.add(_SEEN_KEY, 0) >= world_size - 1:
+                return
+        except RuntimeError:
+            return
+        time.sleep(0.05)

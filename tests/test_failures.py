@@ -1,0 +1,90 @@
+"""One rank's failure reaches the others through the store, in seconds, naming the rank and its
+exception (ddpkit.failures), with a process-group timeout of 5 s and Gloo, no launcher involved."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.failures import PeerFailedError
+from ddpkit.testing import WorkerPool
+
+PG_TIMEOUT = 5.0
+
+
+class Flaky(nn.Module):
+    """A model whose forward raises on one rank at one step, like a bad batch would."""
+
+    def __init__(self, failing_rank: int, failing_step: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 2)
+        self.failing_rank, self.failing_step, self.step = failing_rank, failing_step, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        if dist.get_rank() == self.failing_rank and self.step == self.failing_step:
+            raise ValueError(f"rank {self.failing_rank} broke on purpose")
+        return self.layer(x)
+
+
+def outcome(action) -> tuple[str, str, int | None, float]:  # type: ignore[no-untyped-def]
+    """Run ``action``; report which exception ended it, its text, the rank it names and when."""
+    start = time.monotonic()
+    try:
+        action()
+    except PeerFailedError as error:
+        return "peer", str(error), error.rank, time.monotonic() - start
+    except ValueError as error:
+        return "own", str(error), None, time.monotonic() - start
+    return "none", "", None, time.monotonic() - start
+
+
+def train_with_a_failing_forward(failing_rank: int) -> tuple[str, str, int | None, float]:
+    model = ddpkit.DistributedDataParallel(Flaky(failing_rank, failing_step=3))
+
+    def train() -> None:
+        for _ in range(6):
+            model(torch.randn(8, 4)).sum().backward()
+
+    return outcome(train)
+
+
+def check(results: list[tuple[str, str, int | None, float]], failing_rank: int) -> None:
+    for rank, (kind, text, named, seconds) in enumerate(results):
+        if rank == failing_rank:
+            assert kind == "own" and f"rank {failing_rank} broke on purpose" in text
+        else:
+            assert kind == "peer", (kind, text)
+            assert named == failing_rank
+            assert text.startswith(f"rank {failing_rank} failed: ValueError: rank {failing_rank} broke on purpose")
+            assert "Flaky" in text or "guard" in text or "Traceback" in text  # the failing rank's traceback
+            assert seconds < PG_TIMEOUT, seconds  # not the process-group timeout: the peer was freed
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0], ids=["rank1-fails", "rank0-fails-it-hosts-the-store"])
+def test_a_failing_step_is_named_on_every_rank_before_the_timeout(failing_rank: int) -> None:
+    with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
+        check(pool.run(train_with_a_failing_forward, failing_rank), failing_rank)
+
+
+def collectives_with_a_guarded_failure() -> tuple[str, str, int | None, float]:
+    def work() -> None:
+        for step in range(4):
+            with ddpkit.guard():
+                if dist.get_rank() == 1 and step == 2:
+                    time.sleep(0.5)  # rank 0 is already waiting in the collective
+                    raise ValueError("rank 1 broke on purpose")
+                ddpkit.sync_ddp(torch.ones(3))
+
+    return outcome(work)
+
+
+def test_a_guarded_failure_frees_a_rank_blocked_in_a_collective() -> None:
+    with WorkerPool(3, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
+        check(pool.run(collectives_with_a_guarded_failure), failing_rank=1)
