@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ddpkit
 from ddpkit.distributed import (
     all_gather_ddp_if_available,
     barrier,
@@ -268,3 +269,46 @@ def gather_objects() -> list[object]:
 def test_all_gather_object(pool: WorkerPool) -> None:
     expected = [{"rank": r, "names": ["w"] * r} for r in range(pool.world_size)]
     assert pool.run(gather_objects, timeout=30) == [expected] * pool.world_size
+
+
+# --- broadcast of tensors: shapes checked first ---------------------------------------------------
+
+
+def broadcast_sizes(sizes: list[int], dtypes: list[str]) -> tuple[str, object]:
+    rank = dist.get_rank()
+    tensor = torch.full((sizes[rank],), float(rank + 1), dtype=getattr(torch, dtypes[rank]))
+    try:
+        ddpkit.broadcast(tensor, src=0)
+    except ValueError as error:
+        return "error", str(error)
+    return "ok", tensor.tolist()
+
+
+def test_broadcast_copies_the_source_tensor_everywhere(pool: WorkerPool) -> None:
+    world = pool.world_size
+    for kind, value in pool.run(broadcast_sizes, [4] * world, ["float32"] * world):
+        assert (kind, value) == ("ok", [1.0] * 4)
+
+
+def test_broadcast_with_different_sizes_raises_on_every_rank_instead_of_leaving_garbage(pool2: WorkerPool) -> None:
+    # torch's Gloo broadcast exits 0 here with garbage in rank 1's tensor.
+    for kind, message in pool2.run(broadcast_sizes, [4, 3], ["float32", "float32"]):
+        assert kind == "error"
+        assert "source rank 0 has (4,), but rank 1 has (3,)" in str(message)
+
+
+def test_broadcast_with_different_dtypes_raises_on_every_rank(pool2: WorkerPool) -> None:
+    for kind, message in pool2.run(broadcast_sizes, [4, 4], ["float32", "float64"]):
+        assert kind == "error" and "broadcast needs the same dtype" in str(message)
+
+
+def broadcast_in_subgroup() -> list[float] | None:
+    group = dist.new_group([1, 2])
+    if dist.get_rank() == 0:
+        return None
+    tensor = torch.full((2,), float(dist.get_rank()))
+    return ddpkit.broadcast(tensor, src=1, group=group).tolist()  # group rank 1 is global rank 2
+
+
+def test_broadcast_src_counts_inside_the_group(pool3: WorkerPool) -> None:
+    assert pool3.run(broadcast_in_subgroup) == [None, [2.0, 2.0], [2.0, 2.0]]

@@ -34,6 +34,7 @@ __all__ = [
     "all_gather_ddp_if_available",
     "all_gather_object",
     "barrier",
+    "broadcast",
     "broadcast_object",
     "destroy_dist_connection",
     "distributed_available",
@@ -355,7 +356,8 @@ def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: b
     return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
 
 
-def _exchange_shapes(result: Tensor, group: ProcessGroup, world_size: int, rank: int) -> list[tuple[int, ...]]:
+def _exchange_shapes(result: Tensor, group: ProcessGroup, world_size: int, rank: int,
+                     operation: str = "gather_all_tensors") -> list[tuple[int, ...]]:
     """Every rank's shape, after checking that ndim and dtype agree (raising on every rank if not)."""
     dtype_code = zlib.crc32(str(result.dtype).encode())  # stable across processes, unlike hash()
     if result.ndim > _MAX_GATHER_NDIM:
@@ -369,17 +371,17 @@ def _exchange_shapes(result: Tensor, group: ProcessGroup, world_size: int, rank:
     ndims = [row[0] for row in headers]
     if _TOO_MANY_DIMS in ndims:
         raise ValueError(
-            f"gather_all_tensors supports tensors of at most {_MAX_GATHER_NDIM} dimensions; rank(s) "
-            f"{[r for r, n in enumerate(ndims) if n == _TOO_MANY_DIMS]} passed more. Reshape before gathering."
+            f"{operation} supports tensors of at most {_MAX_GATHER_NDIM} dimensions; rank(s) "
+            f"{[r for r, n in enumerate(ndims) if n == _TOO_MANY_DIMS]} passed more. Reshape first."
         )
     if len(set(ndims)) > 1:
         raise ValueError(
-            f"gather_all_tensors needs the same number of dimensions on every rank, got ndim per rank {ndims} "
+            f"{operation} needs the same number of dimensions on every rank, got ndim per rank {ndims} "
             f"(this is rank {rank}, shape {tuple(result.shape)}). Reshape so that every rank passes the same ndim."
         )
     if len({row[1] for row in headers}) > 1:
         raise ValueError(
-            f"gather_all_tensors needs the same dtype on every rank; rank {rank} has {result.dtype} and at least "
+            f"{operation} needs the same dtype on every rank; rank {rank} has {result.dtype} and at least "
             "one other rank differs. Cast to a common dtype before gathering."
         )
     return [tuple(row[2 : 2 + ndims[0]]) for row in headers]
@@ -459,6 +461,35 @@ def sync_ddp_if_available(
 
 # ---------------------------------------------------------------------------------------------
 # Objects, barriers, hooks
+
+
+@_naming_failed_peers
+def broadcast(tensor: Tensor, src: int = 0, group: ProcessGroup = None) -> Tensor:
+    """Copy rank ``src``'s ``tensor`` (``src`` counts inside ``group``) into every rank's ``tensor``,
+    in place, and return it; an identity when not distributed.
+
+    torch's broadcast on Gloo, given tensors of different sizes, exits 0 and leaves garbage in
+    the receiver. Here every rank first shares its shape and dtype (one all-gather of 18
+    integers) and, if they differ, all raise ``ValueError`` naming the ranks and shapes, before
+    any data moves. For data whose shape only the source knows, use ``broadcast_object``.
+    """
+    if not distributed_available():
+        return tensor
+    rank, world_size = _group_rank_and_size(group)
+    if not 0 <= src < world_size:
+        raise ValueError(f"broadcast src={src} is not a rank of the group (ranks 0..{world_size - 1}, counted "
+                         "inside the group).")
+    shapes = _exchange_shapes(tensor, group, world_size, rank, operation="broadcast")
+    differing = [other for other, shape in enumerate(shapes) if shape != shapes[src]]
+    if differing:
+        raise ValueError(
+            f"broadcast needs the source's shape on every rank: source rank {src} has {shapes[src]}, but "
+            + ", ".join(f"rank {other} has {shapes[other]}" for other in differing)
+            + ". Give every rank a tensor of the source's shape (or use broadcast_object when only the source "
+            "knows the shape)."
+        )
+    dist.broadcast(tensor, src=src if group is None else dist.get_global_rank(group, src), group=group)
+    return tensor
 
 
 @_naming_failed_peers
