@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ddpkit.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, GradBucket, assign_buckets
-from ddpkit.distributed import all_gather_object, broadcast_object, distributed_available
+from ddpkit.debug import debug_enabled
+from ddpkit.distributed import _check_fingerprints, all_gather_object, broadcast_object, distributed_available
 from ddpkit.failures import CollectiveFailedError, guard, peer_failure
 
 __all__ = ["DistributedDataParallel"]
@@ -293,7 +294,8 @@ class DistributedDataParallel(nn.Module):
 
     def _begin_backward(self) -> None:
         self._step.in_backward = True
-        self._step.overlap = self._reduce_function is None and not self._pre_sync_hooks
+        # Debug mode checks fingerprints before reducing, so nothing may launch during backward.
+        self._step.overlap = self._reduce_function is None and not self._pre_sync_hooks and not debug_enabled()
         # The bucket is averaged elementwise with no hook, or with a hook that declares
         # ``averages_elementwise`` (ddpkit's allreduce, fp16, bf16). Then DDP divides while copying
         # gradients in (one pass) and the negotiation flags travel in the buffer (no message);
@@ -366,6 +368,8 @@ class DistributedDataParallel(nn.Module):
 
     def _synchronise(self) -> None:
         """Complete, launch and await every bucket; copy results back; then buffers."""
+        if debug_enabled() and self._world_size > 1:
+            _check_fingerprints("DistributedDataParallel backward", self.process_group)
         for bucket in self._buckets[self._step.next_bucket :]:
             for slot, ready in enumerate(bucket.ready):
                 if not ready:  # no gradient in this backward: an accumulated one (no_sync), or zeros

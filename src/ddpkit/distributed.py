@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import math
 import os
 import pickle
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddpkit._network import gloo_interface_towards
+from ddpkit.debug import CollectiveMismatchError, checking, debug_enabled, fingerprint, mismatch
 from ddpkit.environments import ClusterEnvironment
 from ddpkit.failures import CollectiveFailedError, peer_failure
 
@@ -65,21 +67,56 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _naming_failed_peers(collective: Callable[_P, _R]) -> Callable[_P, _R]:
-    """When the collective fails because another rank published its failure (``ddpkit.failures``),
-    raise ``PeerFailedError`` naming that rank and its exception instead of a connection error."""
+def _collective(tensor_argument: str | None = None,
+                compare_shape: bool = True) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Wrap one of ddpkit's collectives.
 
-    @functools.wraps(collective)
-    def named(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return collective(*args, **kwargs)
-        except RuntimeError as error:
-            failure = None if isinstance(error, CollectiveFailedError) else peer_failure()
-            if failure is not None:
-                raise failure from error
-            raise
+    - In debug mode (``ddpkit.debug``), first compare fingerprints across the ranks of the group
+      (operation, sequence number, dtype and, if ``compare_shape``, shape of the argument named
+      ``tensor_argument``, call site) and raise ``CollectiveMismatchError`` on every rank when they
+      differ. Collectives made inside one are not checked again.
+    - When it fails because another rank published its failure (``ddpkit.failures``), raise
+      ``PeerFailedError`` naming that rank and its exception instead of a connection error.
+    """
 
-    return named
+    def decorate(collective: Callable[_P, _R]) -> Callable[_P, _R]:
+        signature = inspect.signature(collective)
+
+        @functools.wraps(collective)
+        def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                if not debug_enabled() or not distributed_available():
+                    return collective(*args, **kwargs)
+                with checking() as outermost:
+                    if outermost:
+                        arguments = signature.bind(*args, **kwargs).arguments
+                        tensor = arguments.get(tensor_argument) if tensor_argument else None
+                        _check_fingerprints(collective.__name__, arguments.get("group"), tensor, compare_shape)
+                    return collective(*args, **kwargs)
+            except RuntimeError as error:
+                failure = None if isinstance(error, CollectiveFailedError) else peer_failure()
+                if failure is not None:
+                    raise failure from error
+                raise
+
+        return run
+
+    return decorate
+
+
+def _check_fingerprints(operation: str, group: ProcessGroup, tensor: Any = None, compare_shape: bool = True) -> None:
+    """Debug mode: raise on every rank of ``group`` if they are not all about to run the same collective."""
+    mine = fingerprint(operation, group, tensor, compare_shape)
+    _, world_size = _group_rank_and_size(group)
+    code = torch.tensor(mine.code(), dtype=torch.long, device=_communication_device(group))
+    codes = _all_gather_stacked(code, group, world_size)
+    if bool((codes == codes[0]).all()):
+        return
+    with checking():  # the exchange is itself a collective: not fingerprinted
+        everyone = all_gather_object(mine, group)
+    problem = mismatch(everyone)
+    if problem is not None:
+        raise CollectiveMismatchError(f"ddpkit debug mode: {problem}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +302,7 @@ class AllGatherGrad(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
-@_naming_failed_peers
+@_collective("tensor", compare_shape=False)
 def all_gather_ddp_if_available(tensor: Tensor, group: ProcessGroup = None, sync_grads: bool = False) -> Tensor:
     """Gather ``tensor`` (same shape on every rank) from all ranks of ``group``: ``(world_size, *shape)``.
 
@@ -329,7 +366,7 @@ class _UnevenAllGather(torch.autograd.Function):
         return torch.stack(received).sum(dim=0), None, None, None
 
 
-@_naming_failed_peers
+@_collective("result", compare_shape=False)
 def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: bool = False) -> list[Tensor]:
     """Gather ``result`` from every rank of ``group`` into a list, one tensor per rank.
 
@@ -425,7 +462,7 @@ def _as_tensor(result: Tensor | float | int | bool, group: ProcessGroup) -> Tens
     return torch.tensor(result, device=_communication_device(group) if distributed_available() else None)
 
 
-@_naming_failed_peers
+@_collective("result")
 def sync_ddp(result: Tensor | float | int, group: ProcessGroup = None, reduce_op: ReduceOpLike = None) -> Tensor:
     """Reduce ``result`` over the ranks of ``group`` and return the reduced value on every rank.
 
@@ -463,7 +500,7 @@ def sync_ddp_if_available(
 # Objects, barriers, hooks
 
 
-@_naming_failed_peers
+@_collective("tensor")
 def broadcast(tensor: Tensor, src: int = 0, group: ProcessGroup = None) -> Tensor:
     """Copy rank ``src``'s ``tensor`` (``src`` counts inside ``group``) into every rank's ``tensor``,
     in place, and return it; an identity when not distributed.
@@ -492,7 +529,7 @@ def broadcast(tensor: Tensor, src: int = 0, group: ProcessGroup = None) -> Tenso
     return tensor
 
 
-@_naming_failed_peers
+@_collective()
 def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     """Send a picklable ``obj`` from rank ``src`` of ``group`` to all its ranks and return it.
 
@@ -521,7 +558,7 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     return obj if rank == src else _unpickle(data)
 
 
-@_naming_failed_peers
+@_collective()
 def all_gather_object(obj: Any, group: ProcessGroup = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order of ``group``; ``[obj]`` in one process.
 
@@ -544,7 +581,7 @@ def _unpickle(data: Tensor) -> Any:
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # a memcpy; tolist() is O(n) Python
 
 
-@_naming_failed_peers
+@_collective()
 def barrier(group: ProcessGroup = None) -> None:
     """Wait until every rank of ``group`` arrives; a no-op when not distributed."""
     if distributed_available():

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.debug import CollectiveMismatchError
+
 __all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure"]
 
 FAILURE_KEY = "ddpkit/failure"
@@ -65,8 +67,8 @@ def guard() -> Iterator[None]:
     """
     try:
         yield
-    except CollectiveFailedError:
-        raise  # a consequence of another rank's failure (published there, if it could)
+    except (CollectiveFailedError, CollectiveMismatchError):
+        raise  # a consequence of another rank's failure (published there), or raised on every rank alike
     except BaseException as error:
         publish_failure(error)
         raise

@@ -1,0 +1,78 @@
+"""Debug mode (DDPKIT_DEBUG=1): mismatched collectives raise on every rank, before the real one,
+with both fingerprints and call sites (2 Gloo ranks, process-group timeout 5 s)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.debug import CollectiveMismatchError, set_debug
+from ddpkit.testing import WorkerPool
+
+
+@pytest.fixture(scope="module")
+def debug_pool() -> WorkerPool:
+    with WorkerPool(2, timeout=30, pg_timeout=5) as pool:
+        yield pool  # type: ignore[misc]
+
+
+def in_debug_mode(scenario: str) -> tuple[str, str, float]:
+    set_debug(True)
+    rank = dist.get_rank()
+    start = time.monotonic()
+    try:
+        if scenario == "all_reduce shapes":
+            ddpkit.sync_ddp(torch.ones(4 + rank))
+        elif scenario == "gather dtypes":
+            ddpkit.gather_all_tensors(torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64))
+        elif scenario == "broadcast shapes":
+            ddpkit.broadcast(torch.ones(2, 2 + rank))
+        elif scenario == "order":
+            if rank == 0:
+                ddpkit.sync_ddp(torch.ones(2))
+            else:
+                ddpkit.barrier()
+        elif scenario == "ddp vs collective":
+            model = ddpkit.DistributedDataParallel(nn.Linear(3, 1))
+            if rank == 0:
+                model(torch.ones(2, 3)).sum().backward()
+            else:
+                ddpkit.sync_ddp(torch.ones(1))
+        elif scenario == "all agree":
+            model = ddpkit.DistributedDataParallel(nn.Linear(3, 1))
+            model(torch.ones(2, 3)).sum().backward()
+            ddpkit.gather_all_tensors(torch.ones(2 + rank))  # uneven gathers are legitimate
+            ddpkit.broadcast_object({"rank": rank})
+            ddpkit.barrier()
+            return "ok", str(ddpkit.sync_ddp(torch.ones(3)).tolist()), time.monotonic() - start
+    except CollectiveMismatchError as error:
+        return "mismatch", str(error), time.monotonic() - start
+    finally:
+        set_debug(None)
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize(("scenario", "expected"), [
+    ("all_reduce shapes", ["sync_ddp(float32, shape (4,)) at ", "sync_ddp(float32, shape (5,)) at "]),
+    ("gather dtypes", ["gather_all_tensors(float32) at ", "gather_all_tensors(float64) at "]),
+    ("broadcast shapes", ["broadcast(float32, shape (2, 2)) at ", "broadcast(float32, shape (2, 3)) at "]),
+    ("order", ["different order", "rank 0 called #", " sync_ddp(float32, shape (2,)) at ", "rank 1 called #", " barrier at "]),
+    ("ddp vs collective", ["different order", "DistributedDataParallel backward", "sync_ddp"]),
+])
+def test_a_mismatch_raises_on_every_rank_with_both_fingerprints_and_call_sites(
+        debug_pool: WorkerPool, scenario: str, expected: list[str]) -> None:
+    for kind, message, seconds in debug_pool.run(in_debug_mode, scenario):
+        assert kind == "mismatch", (kind, message)
+        for part in expected:
+            assert part in message, (part, message)
+        assert message.count("test_debug.py:") == 2  # both call sites, in this file
+        assert seconds < 3
+
+
+def test_ranks_that_agree_run_normally_in_debug_mode(debug_pool: WorkerPool) -> None:
+    assert [kind for kind, *_ in debug_pool.run(in_debug_mode, "all agree")] == ["ok", "ok"]
