@@ -88,3 +88,35 @@ def collectives_with_a_guarded_failure() -> tuple[str, str, int | None, float]:
 def test_a_guarded_failure_frees_a_rank_blocked_in_a_collective() -> None:
     with WorkerPool(3, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
         check(pool.run(collectives_with_a_guarded_failure), failing_rank=1)
+
+
+DIES_WHILE_SAVING = """
+import os, signal, sys
+import torch
+import ddpkit
+
+class KillsRankZeroWhenPickled:
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+strategy = ddpkit.DDPStrategy()
+strategy.setup_environment()
+path = sys.argv[1]
+strategy.save_checkpoint(path, {"epoch": 1, "weights": torch.ones(1000)})
+strategy.save_checkpoint(path, {"epoch": 2, "weights": torch.zeros(100000), "dies": KillsRankZeroWhenPickled()})
+"""
+
+
+def test_rank_zero_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    script, checkpoint = tmp_path / "dies_saving.py", tmp_path / "ckpt.pt"
+    script.write_text(DIES_WHILE_SAVING)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", str(script), str(checkpoint)],
+                            capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30
+    assert result.returncode != 0 and "rank 0" in result.stderr and "SIGKILL" in result.stderr, result.stderr
+    loaded = torch.load(checkpoint, weights_only=True)
+    assert loaded["epoch"] == 1 and torch.equal(loaded["weights"], torch.ones(1000))
