@@ -234,3 +234,19 @@ def test_nproc_auto_is_one_process_per_cpu_without_gpus(scripts: Path) -> None:
     out, err = launcher.communicate(timeout=90)
     assert launcher.returncode == 0, err
     assert sorted(re.findall(r"rank (\d) of (\d)", out)) == [(str(rank), str(cpus)) for rank in range(cpus)]
+
+
+def test_sigusr1_to_the_launcher_prints_every_workers_stack(scripts: Path) -> None:
+    launcher = launch(scripts, "--nproc-per-node", "2", "sleeps.py")
+    pids = worker_pids(scripts, 2)
+    time.sleep(0.5)  # both are in the script's sleep
+    launcher.send_signal(signal.SIGUSR1)
+    time.sleep(1.5)
+    assert launcher.poll() is None  # asking for stacks ends nothing
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    assert "ddpkit run: Python stacks of 2 running workers (SIGUSR1)" in err, err
+    for rank in range(2):
+        section = err.split(f"=== rank {rank} (local rank {rank}, pid {pids[rank]}) ===")[1]
+        assert 'sleeps.py", line' in section.split("===")[0], section
+    assert_gone(pids)

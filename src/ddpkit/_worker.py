@@ -6,12 +6,14 @@ dies (Linux ``PR_SET_PDEATHSIG``), and exits at once if the launcher is already 
 outlives a killed launcher; (2) records an uncaught exception, with its traceback and the time it
 happened, in the JSON file the launcher named (``DDPKIT_ERROR_FILE``), so the launcher can name the
 root cause: the earliest failure, not the rank that merely lost its peer; (3) publishes that
-exception to the other ranks through the process group's store (``ddpkit.failures``).
+exception to the other ranks through the process group's store (``ddpkit.failures``); (4) dumps
+its threads' stacks to a file on SIGUSR1, for ``ddpkit run``'s stack dumps.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import runpy
 import signal
@@ -40,9 +42,21 @@ def _record(error_file: str, exc: BaseException) -> None:
                        "".join(traceback.format_exception(exc)))
 
 
+def _dump_stacks_on_request() -> None:
+    """On SIGUSR1 (from ``ddpkit run``), write every thread's Python stack to DDPKIT_STACK_FILE.
+
+    faulthandler writes from the signal handler itself, in C, so this works while the main
+    thread is blocked in a collective. It keeps a reference to the file, which stays open.
+    """
+    path = os.environ.get("DDPKIT_STACK_FILE")
+    if path:
+        faulthandler.register(signal.SIGUSR1, file=open(path, "a", encoding="utf-8"), all_threads=True)
+
+
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit("usage: python -m ddpkit._worker (script.py | -m module) [args...]")
+    _dump_stacks_on_request()
     _die_with_launcher()
     error_file = os.environ.get("DDPKIT_ERROR_FILE")
     try:

@@ -39,9 +39,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ddpkit.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, GradBucket, assign_buckets
-from ddpkit.debug import debug_enabled
+from ddpkit.debug import call_site, debug_enabled
 from ddpkit.distributed import _check_fingerprints, all_gather_object, broadcast_object, distributed_available
 from ddpkit.failures import CollectiveFailedError, guard, peer_failure
+from ddpkit.hangs import active_watch
 
 __all__ = ["DistributedDataParallel"]
 
@@ -358,10 +359,15 @@ class DistributedDataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         """End of backward: complete, launch and await every bucket; copy results back."""
+        watch = active_watch()
+        if watch is not None:
+            watch.enter("DistributedDataParallel backward", call_site())
         try:
             with guard():  # an error here is published to the other ranks (see ddpkit.failures)
                 self._synchronise()
         finally:
+            if watch is not None:
+                watch.leave()
             self._step.end_backward()
             for bucket in self._buckets:
                 bucket.reset()

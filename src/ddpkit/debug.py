@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CollectiveMismatchError", "Fingerprint", "debug_enabled", "set_debug"]
+__all__ = ["CollectiveMismatchError", "Fingerprint", "call_site", "debug_enabled", "set_debug"]
 
 #: Integers per fingerprint in the all-gather that compares them.
 CODE_LENGTH = 24
@@ -126,6 +126,11 @@ class checking:
 
     def __exit__(self, *exc: object) -> None:
         _settings.depth -= 1
+
+
+def call_site() -> str:
+    """Where the user's code called into ddpkit: the first caller outside ddpkit and torch."""
+    return _call_site(sys._getframe(1))
 
 
 def _call_site(frame: FrameType | None) -> str:

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddpkit._network import gloo_interface_towards
-from ddpkit.debug import CollectiveMismatchError, checking, debug_enabled, fingerprint, mismatch
+from ddpkit.debug import CollectiveMismatchError, call_site, checking, debug_enabled, fingerprint, mismatch
 from ddpkit.environments import ClusterEnvironment
 from ddpkit.failures import CollectiveFailedError, peer_failure
+from ddpkit.hangs import active_watch
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -71,6 +72,7 @@ def _collective(tensor_argument: str | None = None,
                 compare_shape: bool = True) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
     """Wrap one of ddpkit's collectives.
 
+    - With hang diagnosis on (``ddpkit.hangs``), note the collective this rank is in.
     - In debug mode (``ddpkit.debug``), first compare fingerprints across the ranks of the group
       (operation, sequence number, dtype and, if ``compare_shape``, shape of the argument named
       ``tensor_argument``, call site) and raise ``CollectiveMismatchError`` on every rank when they
@@ -85,14 +87,23 @@ def _collective(tensor_argument: str | None = None,
         @functools.wraps(collective)
         def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             try:
-                if not debug_enabled() or not distributed_available():
+                debug, watch = debug_enabled(), active_watch()
+                if not (debug or watch) or not distributed_available():
                     return collective(*args, **kwargs)
                 with checking() as outermost:
-                    if outermost:
-                        arguments = signature.bind(*args, **kwargs).arguments
-                        tensor = arguments.get(tensor_argument) if tensor_argument else None
-                        _check_fingerprints(collective.__name__, arguments.get("group"), tensor, compare_shape)
-                    return collective(*args, **kwargs)
+                    if not outermost:  # inside another ddpkit collective, which is checked and watched
+                        return collective(*args, **kwargs)
+                    if watch is not None:
+                        watch.enter(collective.__name__, call_site())
+                    try:
+                        if debug:
+                            arguments = signature.bind(*args, **kwargs).arguments
+                            tensor = arguments.get(tensor_argument) if tensor_argument else None
+                            _check_fingerprints(collective.__name__, arguments.get("group"), tensor, compare_shape)
+                        return collective(*args, **kwargs)
+                    finally:
+                        if watch is not None:
+                            watch.leave()
             except RuntimeError as error:
                 failure = None if isinstance(error, CollectiveFailedError) else peer_failure()
                 if failure is not None:

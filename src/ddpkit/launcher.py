@@ -6,6 +6,7 @@ ending its process group ends its children too. The launcher polls them; at the 
 what is left after ``grace`` seconds, and returns 1 with a summary that names the root cause: the
 earliest recorded exception (workers write them to an error file), else the first rank seen to
 fail. SIGINT and SIGTERM to the launcher end every worker the same way and return 130 and 143.
+SIGUSR1 to the launcher prints every worker's Python stacks (see ``ddpkit._worker``).
 Workers notice a launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit._worker``).
 """
 
@@ -28,6 +29,9 @@ from typing import Any
 from ddpkit._process import describe_exit, end_process_groups, read_error_record
 from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
 from ddpkit.testing import RankFailedError, WorkerPool
+
+# How long the launcher gives workers to write their stacks after SIGUSR1.
+_STACK_DUMP_WAIT_SECONDS = 0.5
 
 __all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "run_workers", "validate"]
 
@@ -138,6 +142,7 @@ class _Worker:
     rank: int
     process: subprocess.Popen[bytes]
     error_file: str
+    stack_file: str
     reaped: bool = False  # its process group has been killed and the process waited for
 
 
@@ -151,25 +156,36 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     def request_stop(signum: int, _frame: FrameType | None) -> None:
         stop_signal.append(signum)
 
+    def request_stacks(_signum: int, _frame: FrameType | None) -> None:
+        stack_requests.append(time.monotonic())
+
+    stack_requests: list[float] = []
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
     with tempfile.TemporaryDirectory(prefix="ddpkit-run-") as errors:
         workers = []
         try:
             for local_rank in range(config.nproc_per_node):
                 error_file = os.path.join(errors, f"rank{local_rank}.json")
+                stack_file = os.path.join(errors, f"rank{local_rank}.stacks")
                 environment = _worker_environment(config, port, local_rank, error_file, os.environ)
+                environment["DDPKIT_STACK_FILE"] = stack_file
                 process = subprocess.Popen([sys.executable, "-m", "ddpkit._worker", script, *script_args],
                                            env=environment, start_new_session=True)
-                workers.append(_Worker(local_rank, int(environment["RANK"]), process, error_file))
-            return _watch(workers, stop_signal, grace, poll_interval)
+                workers.append(_Worker(local_rank, int(environment["RANK"]), process, error_file, stack_file))
+            return _watch(workers, stop_signal, stack_requests, grace, poll_interval)
         finally:
             _end_all(workers, grace)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
 
-def _watch(workers: list[_Worker], stop_signal: list[int], grace: float, poll_interval: float) -> int:
+def _watch(workers: list[_Worker], stop_signal: list[int], stack_requests: list[float], grace: float,
+           poll_interval: float) -> int:
     while True:
+        if stack_requests:
+            stack_requests.clear()
+            _print_stacks(workers)
         if stop_signal:
             name = signal.Signals(stop_signal[0]).name
             print(f"ddpkit run: received {name}, stopping all {len(workers)} workers", file=sys.stderr, flush=True)
@@ -185,6 +201,33 @@ def _watch(workers: list[_Worker], stop_signal: list[int], grace: float, poll_in
         if all(code == 0 for code in codes):
             return 0
         time.sleep(poll_interval)
+
+
+def _print_stacks(workers: list[_Worker]) -> None:
+    """Ask every running worker for its threads' stacks (SIGUSR1, to the worker only: its children
+    have no handler) and print what they wrote, rank by rank."""
+    sizes = {}
+    for worker in workers:
+        if worker.process.poll() is None:
+            sizes[worker.rank] = _size(worker.stack_file)
+            os.kill(worker.process.pid, signal.SIGUSR1)
+    time.sleep(_STACK_DUMP_WAIT_SECONDS)
+    print(f"ddpkit run: Python stacks of {len(sizes)} running workers (SIGUSR1)", file=sys.stderr)
+    for worker in workers:
+        if worker.rank in sizes:
+            with open(worker.stack_file, encoding="utf-8", errors="replace") as handle:
+                handle.seek(sizes[worker.rank])
+                stacks = handle.read().rstrip() or "(nothing written)"
+            print(f"=== rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) ===\n{stacks}",
+                  file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _end_all(workers: list[_Worker], grace: float) -> None:

@@ -1,0 +1,161 @@
+"""Hang diagnosis: when a collective waits longer than a set time, say who has not arrived and
+where every rank is.
+
+Turn it on with ``DDPKIT_HANG_SECONDS=30`` (or ``watch_for_hangs(30)`` on every rank), much
+shorter than the process-group timeout if you like. Then each rank notes in the process
+group's store the sequence number, operation and call site of every ddpkit collective it
+enters (one small store write each), and a thread of each rank checks five times a second:
+
+- if this rank's collective has waited longer than the set time, it asks every rank for its
+  stack (a counter in the store), and about a second later prints a report to stderr: the
+  collective, the ranks that have not arrived (their last collective is an earlier one) and
+  each rank's last collective and current Python stack (that of its main thread, read by the
+  thread even while the main thread is blocked);
+- if another rank asked, it posts its own stack.
+
+The collective itself goes on waiting (the process-group timeout, or ``ddpkit.failures``,
+still ends it). ``last_report()`` returns the latest report, for tests and tools.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["last_report", "watch_for_hangs"]
+
+_POLL_SECONDS = 0.2
+# How long the reporting rank waits for the others' stacks.
+_GATHER_SECONDS = 1.5
+_REQUEST_KEY = "ddpkit/hang/requests"
+
+
+class _Watch:
+    """One process's record of the collective it is in, and the thread that watches it."""
+
+    def __init__(self, seconds: float, group: Any, store: Any) -> None:
+        self.seconds, self.group, self.store = seconds, group, store
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.main_thread = threading.main_thread().ident
+        self.entered = 0
+        self.current: tuple[int, str, str, float] | None = None  # (sequence, operation, call site, start)
+        self.reported_sequence = 0
+        self.requests_answered = 0
+        self.report = ""
+        threading.Thread(target=self._run, name="ddpkit-hang-watch", daemon=True).start()
+
+    def enter(self, operation: str, call_site: str) -> None:
+        self.entered += 1
+        self.current = (self.entered, operation, call_site, time.monotonic())
+        self.store.set(f"ddpkit/hang/progress/{self.rank}", f"#{self.entered} {operation} at {call_site}")
+
+    def leave(self) -> None:
+        self.current = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(_POLL_SECONDS)
+            try:
+                self._check()
+            except Exception:  # noqa: BLE001 - the store is gone (the job is ending): stop watching
+                return
+
+    def _check(self) -> None:
+        current = self.current
+        if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
+            self.reported_sequence = current[0]
+            request = self.store.add(_REQUEST_KEY, 1)
+            self._post_stack(request)
+            self.report = self._build_report(current, request)
+            sys.stderr.write(self.report)
+            sys.stderr.flush()
+            return
+        request = self.store.add(_REQUEST_KEY, 0)
+        if request > self.requests_answered:
+            self._post_stack(request)
+
+    def _post_stack(self, request: int) -> None:
+        frame = sys._current_frames().get(self.main_thread) if self.main_thread is not None else None
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no main thread)\n"
+        current = self.current
+        where = f"in #{current[0]} {current[1]} at {current[2]}" if current else f"in no collective (entered {self.entered})"
+        self.store.set(f"ddpkit/hang/stack/{request}/{self.rank}", f"{where}\n{stack}")
+        self.requests_answered = request
+
+    def _build_report(self, current: tuple[int, str, str, float], request: int) -> str:
+        sequence, operation, call_site, started = current
+        keys = [f"ddpkit/hang/stack/{request}/{rank}" for rank in range(self.world_size)]
+        deadline = time.monotonic() + _GATHER_SECONDS
+        while time.monotonic() < deadline and not self.store.check(keys):
+            time.sleep(0.05)
+        lines = [f"\nddpkit: rank {self.rank} has waited {time.monotonic() - started:.1f} s in collective "
+                 f"#{sequence} {operation} at {call_site}."]
+        missing, sections = [], []
+        for rank, key in enumerate(keys):
+            progress = self._read(f"ddpkit/hang/progress/{rank}") or "no ddpkit collective yet"
+            entered = int(progress[1:].split()[0]) if progress.startswith("#") else 0
+            if entered < sequence:
+                missing.append(rank)
+            stack = self._read(key) or "(no answer: the rank's process may be stopped or its watch thread blocked)\n"
+            sections.append(f"--- rank {rank}: last entered {progress}; now {stack}")
+        lines.append(f"Ranks that have not arrived: {missing or 'none (they are in it: a slow peer or the network)'}.")
+        return "\n".join(lines) + "\n" + "".join(sections)
+
+    def _read(self, key: str) -> str | None:
+        if not self.store.check([key]):
+            return None
+        value: bytes = self.store.get(key)
+        return value.decode(errors="replace")
+
+
+class _Settings:
+    def __init__(self) -> None:
+        self.seconds: float | None = None  # set by watch_for_hangs; None: DDPKIT_HANG_SECONDS
+        self.watch: _Watch | None = None
+
+
+_settings = _Settings()
+
+
+def watch_for_hangs(seconds: float | None) -> None:
+    """Report collectives that wait longer than ``seconds`` (None: follow ``DDPKIT_HANG_SECONDS``;
+    0: off). Call it on every rank."""
+    if seconds is not None and seconds < 0:
+        raise ValueError(f"watch_for_hangs(seconds={seconds}): give a positive number of seconds, 0 or None.")
+    _settings.seconds = seconds
+
+
+def last_report() -> str:
+    """The latest hang report of this process ('' when none)."""
+    return _settings.watch.report if _settings.watch is not None else ""
+
+
+def _configured_seconds() -> float:
+    if _settings.seconds is not None:
+        return _settings.seconds
+    value = os.environ.get("DDPKIT_HANG_SECONDS", "").strip()
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        raise ValueError(f"DDPKIT_HANG_SECONDS={value!r} is not a number of seconds. Set e.g. 60, or unset it.") from None
+
+
+def active_watch() -> _Watch | None:
+    """The watch of this process when hang diagnosis is on (started on first use), else None."""
+    seconds = _configured_seconds()
+    if seconds <= 0 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    watch = _settings.watch
+    group = dist.distributed_c10d._get_default_group()
+    if watch is None or watch.group is not group:  # first use, or a new default group
+        watch = _settings.watch = _Watch(seconds, group, dist.distributed_c10d._get_default_store())
+    watch.seconds = seconds
+    return watch
