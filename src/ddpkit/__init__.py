@@ -7,6 +7,7 @@ The engine underneath is ``torch.distributed`` (Gloo on CPU, NCCL on GPU). Publi
 for tests).
 """
 
+from ddpkit.data import even_batches
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import (
     AllGatherGrad,
@@ -46,6 +47,7 @@ __all__ = [
     "broadcast_object",
     "destroy_dist_connection",
     "detect_environment",
+    "even_batches",
     "gather_all_tensors",
     "get_rank",
     "get_world_size",

@@ -188,26 +188,29 @@ class DistributedDataParallel(nn.Module):
                     )
         return [name for name, *_ in reversed(reference["parameters"])]
 
-    def _broadcast_state(self) -> None:
-        """Give every rank the group's first rank's parameters and buffers."""
+    def _broadcast_state(self, source: int = 0) -> None:
+        """Give every rank the parameters and buffers of group rank ``source``."""
         tensors = [p.data for _, p in sorted(self.module.named_parameters())]
         tensors += [b for _, b in sorted(self.module.named_buffers())]
-        self._broadcast(tensors)
+        self._broadcast(tensors, source)
 
-    def _broadcast(self, tensors: list[Tensor]) -> None:
+    def _broadcast(self, tensors: list[Tensor], source: int = 0) -> None:
+        """Broadcast from group rank ``source``; ``broadcast_function`` (which has no source
+        argument) serves the broadcasts from the group's first rank."""
         if not tensors or self._world_size == 1:
             return
-        if self._broadcast_function is not None:
+        if self._broadcast_function is not None and source == 0:
             self._broadcast_function(tensors, self.process_group)
             return
+        global_source = source if self.process_group is None else dist.get_global_rank(self.process_group, source)
         # One message per dtype: many small broadcasts cost a round trip each.
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group])
-            dist.broadcast(flat, src=self._source, group=self.process_group)
-            if self._rank != 0:
+            dist.broadcast(flat, src=global_source, group=self.process_group)
+            if self._rank != source:
                 offset = 0
                 for tensor in group:
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -359,6 +362,7 @@ class DistributedDataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         """End of backward: complete, launch and await every bucket; copy results back."""
+        self._step.synced_backwards += 1
         watch = active_watch()
         if watch is not None:
             watch.enter("DistributedDataParallel backward", call_site())
@@ -486,6 +490,73 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Let ranks with different numbers of batches finish cleanly (torch's ``Join`` for DDP).
+
+        Put the training loop inside ``with model.join():`` on every rank. A rank that leaves
+        the block (out of data) shadows the others' gradient reductions with zeros until every
+        rank has left, so their steps average over all ranks as usual with the finished ranks
+        contributing zero (torch's default, ``divide_by_initial_world_size=True``). It costs
+        the ranks still training nothing: a finished rank learns that others still train from
+        the negotiation flags that travel in every bucket. At the end every rank takes the
+        parameters and buffers of the rank that trained longest. Inside the block, ranks must
+        not run forwards without backward while others have finished (their buffer broadcasts
+        would have no partner). Comm hooks other than ddpkit's elementwise ones (allreduce,
+        fp16, bf16), ``reduce_function`` and one-argument hooks are not supported here.
+        """
+        self._check_join_supported()
+        yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.failures)
+        if self._world_size > 1:
+            with guard():
+                self._shadow_until_all_joined()
+
+    def _check_join_supported(self) -> None:
+        hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
+        if self._reduce_function is not None or self._pre_sync_hooks or (self._comm_hook is not None and not hook_elementwise):
+            used = ("reduce_function" if self._reduce_function is not None else
+                    "a one-argument comm hook" if self._pre_sync_hooks else
+                    f"the comm hook {getattr(self._comm_hook, '__name__', self._comm_hook)!r}")
+            raise ValueError(
+                f"DistributedDataParallel.join() cannot shadow reductions made by {used}: it supports no hook or "
+                "ddpkit.hooks' allreduce_hook, fp16_compress_hook and bf16_compress_hook. For uneven data with "
+                "other reductions, stop every rank at the shortest one with ddpkit.even_batches(loader)."
+            )
+
+    def _shadow_until_all_joined(self) -> None:
+        while self._shadow_step():
+            pass
+        steps = all_gather_object(self._step.synced_backwards, self.process_group)
+        self._broadcast_state(source=steps.index(max(steps)))
+
+    def _shadow_step(self) -> bool:
+        """Take part in one reduction with zero gradients and flags; True if some rank still trains."""
+        if debug_enabled():
+            _check_fingerprints("DistributedDataParallel backward", self.process_group)
+        pending = []
+        for bucket in self._buckets:  # the same collectives, in the same order, as a real backward
+            bucket.buffer.zero_()
+            if self._comm_hook is not None:
+                grad_bucket = GradBucket(bucket, bucket.index == len(self._buckets) - 1, prescaled=True, with_flags=True)
+                pending.append((bucket, self._comm_hook(self._comm_state, grad_bucket)))
+            else:
+                pending.append((bucket, dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)))
+        anyone_trained = False
+        for bucket, work in pending:
+            result = self._wait(bucket, work)
+            if not isinstance(work, dist.Work):
+                result = result[0] if isinstance(result, (list, tuple)) else result
+                flags = result.reshape(-1)[bucket.grads.numel():]
+            else:
+                flags = bucket.flags
+            anyone_trained = anyone_trained or bool(flags.sum() > 0)
+        if anyone_trained:  # mirror the rest of their step
+            if self.broadcast_buffers:
+                self._sync_buffers()
+            if self._step.observed is not None:
+                self._rebuild_buckets_in_observed_order()
+        return anyone_trained
+
     def register_comm_hook(self, *args: Any, **kwargs: Any) -> RemovableHandle | None:
         """``register_comm_hook(hook)``: ``hook(ddp_module)`` runs before each synchronisation and
         sees the complete local gradients (so registering one turns overlap off); returns a handle.
@@ -535,6 +606,7 @@ class _StepState:
     next_bucket: int = 0  # buckets launch strictly in index order
     in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)
     buffers_stale: bool = False  # forwards ran since the last buffer broadcast
+    synced_backwards: int = 0  # since construction; the rank with most joined last (see join)
     #: Names in the order their gradients arrived, during the first synchronised backward only.
     observed: list[str] | None = field(default_factory=list)
 

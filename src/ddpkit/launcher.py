@@ -243,16 +243,18 @@ def _summary(workers: list[_Worker], failed: list[_Worker]) -> str:
 
     One that ended without recording an exception (killed by a signal, or a deliberate
     ``sys.exit``) comes first: the exceptions of its peers ("connection closed") are its
-    consequences. Otherwise the earliest recorded exception is the cause.
+    consequences. Otherwise the earliest recorded exception is the cause, whether or not its
+    worker had exited by that poll: a worker records its exception first, then tells its peers
+    (``ddpkit.failures``), which may fail and exit before it does.
     """
     stopped = f"ddpkit run: all {len(workers)} workers were stopped."
-    records = {worker.rank: read_error_record(worker.error_file) for worker in failed}
+    records = {worker.rank: read_error_record(worker.error_file) for worker in workers}
     unrecorded = [worker for worker in failed if records[worker.rank] is None]
     if unrecorded:
         worker = unrecorded[0]
         return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) "
                 f"{describe_exit(worker.process.returncode)} without recording an exception.\n{stopped}")
-    recorded = [(record, w) for w in failed if (record := records[w.rank]) is not None]
+    recorded = [(record, w) for w in workers if (record := records[w.rank]) is not None]
     record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
     return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) failed "
             f"first with {record['type']}: {record['message']}\n{record['traceback']}{stopped}")

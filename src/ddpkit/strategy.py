@@ -217,6 +217,18 @@ class DDPStrategy:
         with (no_sync() if callable(no_sync) else contextlib.nullcontext()):
             yield
 
+    def join(self) -> contextlib.AbstractContextManager[Any]:
+        """``with strategy.join():`` around the training loop lets ranks with different numbers of
+        batches finish cleanly: ddpkit's ``DistributedDataParallel.join``, or torch's ``Join``
+        with ``use_torch_ddp=True``; a plain block without a wrapped model."""
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.join()
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            from torch.distributed.algorithms.join import Join
+
+            return Join([self.model])
+        return contextlib.nullcontext()
+
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Nothing to prepare: ddpkit's module needs no per-step set-up before backward."""
 

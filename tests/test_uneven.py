@@ -1,0 +1,116 @@
+"""Uneven inputs: ranks with different numbers of batches finish cleanly, with DistributedDataParallel.join
+(the finished ranks shadow the others' reductions) or with even_batches (all stop at the shortest)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.hooks import fp16_compress_hook, powerSGD_hook, PowerSGDState
+from ddpkit.testing import WorkerPool
+
+from test_ddp import BATCH_PER_RANK, make_mlp
+
+BATCHES = [10, 7, 4]  # per rank
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(BATCH_PER_RANK, 6, generator=generator), torch.randn(BATCH_PER_RANK, 3, generator=generator)
+
+
+def reference(world_size: int) -> list[torch.Tensor]:
+    """One process, step by step: the ranks that still have a batch contribute their mean loss over
+    the world size (those that finished contribute zero, as torch's Join does by default)."""
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(max(BATCHES[:world_size])):
+        optimizer.zero_grad()
+        losses = [nn.functional.mse_loss(model(x), y) for x, y in
+                  (batch(rank, step) for rank in range(world_size) if step < BATCHES[rank])]
+        (sum(losses) / world_size).backward()  # type: ignore[union-attr]
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_with_join(hook: str) -> tuple[list[torch.Tensor], float]:
+    rank = dist.get_rank()
+    model = ddpkit.DistributedDataParallel(make_mlp(seed=rank), bucket_cap_mb=0.0005)  # several buckets
+    if hook == "fp16":
+        model.register_comm_hook(None, fp16_compress_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    with model.join():
+        for step in range(BATCHES[rank]):
+            x, y = batch(rank, step)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    return [p.detach().clone() for p in model.module.parameters()], time.monotonic() - start
+
+
+@pytest.mark.parametrize("hook", ["none", "fp16"])
+def test_join_lets_uneven_ranks_finish_and_matches_the_reference(pool: WorkerPool, hook: str) -> None:
+    expected = reference(pool.world_size)
+    tolerance = 1e-5 if hook == "none" else 2e-3  # fp16 rounds each reduced gradient
+    for params, seconds in pool.run(train_with_join, hook, timeout=30):
+        assert seconds < 10
+        for actual, wanted in zip(params, expected):
+            torch.testing.assert_close(actual, wanted, rtol=0, atol=tolerance)
+
+
+def join_with_powersgd() -> str:
+    model = ddpkit.DistributedDataParallel(make_mlp())
+    model.register_comm_hook(PowerSGDState(process_group=None), powerSGD_hook)
+    try:
+        with model.join():
+            pass
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_join_refuses_reductions_it_cannot_shadow(pool2: WorkerPool) -> None:
+    for message in pool2.run(join_with_powersgd, timeout=30):
+        assert "cannot shadow reductions made by the comm hook 'powerSGD_hook'" in message
+        assert "ddpkit.even_batches" in message
+
+
+def count_even_batches() -> int:
+    rank = dist.get_rank()
+    return sum(1 for _ in ddpkit.even_batches(range(BATCHES[rank])))
+
+
+def test_even_batches_stops_every_rank_at_the_shortest(pool: WorkerPool) -> None:
+    shortest = min(BATCHES[: pool.world_size])
+    assert pool.run(count_even_batches, timeout=30) == [shortest] * pool.world_size
+
+
+def train_through_the_strategy(use_torch_ddp: bool) -> list[torch.Tensor]:
+    from test_strategy import strategy
+
+    rank = dist.get_rank()
+    s = strategy(use_torch_ddp=use_torch_ddp)
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = s.setup(model, optimizer)
+    with s.join():
+        for step in range(BATCHES[rank]):
+            x, y = batch(rank, step)
+            optimizer.zero_grad()
+            s.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+    return [p.detach().clone() for p in s.get_model_from_plugin(model).parameters()]
+
+
+@pytest.mark.parametrize("use_torch_ddp", [False, True], ids=["ddpkit", "torch"])
+def test_the_strategy_joins_with_either_ddp(pool2: WorkerPool, use_torch_ddp: bool) -> None:
+    expected = reference(2)
+    results = pool2.run(train_through_the_strategy, use_torch_ddp, timeout=30)
+    for actual, wanted in zip(results[0], expected):  # rank 0 trained longest
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-5)
