@@ -250,3 +250,22 @@ def test_sigusr1_to_the_launcher_prints_every_workers_stack(scripts: Path) -> No
         section = err.split(f"=== rank {rank} (local rank {rank}, pid {pids[rank]}) ===")[1]
         assert 'sleeps.py", line' in section.split("===")[0], section
     assert_gone(pids)
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"DDPKIT_NPROC_PER_NODE": "two"}, "DDPKIT_NPROC_PER_NODE='two' is not an integer"),
+        ({"DDPKIT_MASTER_PORT": "abc"}, "DDPKIT_MASTER_PORT='abc' is not an integer"),
+        ({"DDPKIT_BACKEND": "tcp"}, "DDPKIT_BACKEND='tcp' is not a backend; use one of gloo, nccl, mpi"),
+        ({"DDPKIT_NNODES": "2", "DDPKIT_NODE_RANK": "5", "DDPKIT_MASTER_PORT": "29400"}, "--node-rank=5 with --nnodes=2"),
+        ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
+    ],
+)
+def test_bad_environment_values_are_refused_before_anything_starts(scripts: Path, variables: dict[str, str],
+                                                                   message: str) -> None:
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "ok.py"], cwd=scripts, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **variables})
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 2 and message in err, err
+    assert not list(scripts.glob("pid*"))  # no worker started

@@ -44,23 +44,40 @@ def _parser() -> argparse.ArgumentParser:
     _flag(run, "node-rank", default="0", help="this node's rank, 0..nnodes-1")
     _flag(run, "master-addr", default="127.0.0.1", help="address of the node with rank 0")
     _flag(run, "master-port", default=None, help="port on the master node (default: a free one, single node only)")
-    _flag(run, "backend", default=None, choices=["gloo", "nccl", "mpi"], help="torch.distributed backend")
+    _flag(run, "backend", default=None, choices=list(_BACKENDS), help="torch.distributed backend")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
 
 
-def _integer(flag: str, value: str) -> int:
+_BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def _origin(flag: str, argv: Sequence[str]) -> str:
+    """How the user gave ``flag``: the flag itself, or its DDPKIT_ environment variable."""
+    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}"}
+    given = any(arg in spellings or arg.split("=", 1)[0] in spellings for arg in argv)
+    variable = "DDPKIT_" + flag.replace("-", "_").upper()
+    return variable if not given and variable in os.environ else f"--{flag}"
+
+
+def _integer(flag: str, value: str, argv: Sequence[str]) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise LaunchError(f"--{flag}={value!r} is not an integer.") from None
+        raise LaunchError(f"{_origin(flag, argv)}={value!r} is not an integer.") from None
 
 
-def _nproc(value: str) -> int:
+def _nproc(value: str, argv: Sequence[str]) -> int:
     if value == "auto":
         return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
-    return _integer("nproc-per-node", value)
+    return _integer("nproc-per-node", value, argv)
+
+
+def _backend(value: str | None, argv: Sequence[str]) -> str | None:
+    if value not in (None, "", *_BACKENDS):  # argparse checks choices on the command line, not defaults
+        raise LaunchError(f"{_origin('backend', argv)}={value!r} is not a backend; use one of {', '.join(_BACKENDS)}.")
+    return value or None
 
 
 def _started_by_a_scheduler() -> str | None:
@@ -72,7 +89,10 @@ def _started_by_a_scheduler() -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    # Only ddpkit's own flags (before the script) can name a flag's origin.
+    launcher_argv = argv[: argv.index(args.script)] if args.script in argv else argv
     try:
         scheduler = _started_by_a_scheduler()
     except ValueError as error:  # malformed scheduler variables: say so before anything starts
@@ -86,12 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "ddpkit._worker", args.script, *args.script_args])
     try:
         config = LaunchConfig(
-            nproc_per_node=_nproc(args.nproc_per_node),
-            nnodes=_integer("nnodes", args.nnodes),
-            node_rank=_integer("node-rank", args.node_rank),
+            nproc_per_node=_nproc(args.nproc_per_node, launcher_argv),
+            nnodes=_integer("nnodes", args.nnodes, launcher_argv),
+            node_rank=_integer("node-rank", args.node_rank, launcher_argv),
             master_addr=args.master_addr,
-            master_port=None if args.master_port in (None, "") else _integer("master-port", args.master_port),
-            backend=args.backend,
+            master_port=None if args.master_port in (None, "") else _integer("master-port", args.master_port,
+                                                                             launcher_argv),
+            backend=_backend(args.backend, launcher_argv),
         )
         return run_workers(args.script, args.script_args, config)
     except LaunchError as error:
