@@ -68,12 +68,16 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="save here after every epoch")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--no-check-reference", dest="check_reference", action="store_false")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run directly (python train.py) on this many processes; not needed under ddpkit run")
     args = parser.parse_args()
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
 
     torch.set_num_threads(1)
-    strategy = ddpkit.DDPStrategy()                                             # ddpkit
+    # Several parallel_devices and no launcher: the script starts its other processes itself.
+    devices = [torch.device("cpu")] * args.processes if args.processes > 1 else None
+    strategy = ddpkit.DDPStrategy(parallel_devices=devices)                     # ddpkit
     dataset = synthetic_dataset(args.samples)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

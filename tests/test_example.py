@@ -126,3 +126,11 @@ def test_two_nodes_in_separate_network_namespaces_train_like_one_process(two_nam
     assert [node.returncode for node in nodes] == [0, 0], err0[-3000:] + err1[-3000:]
     assert "over 4 processes, parameters identical on all ranks: True" in out0
     assert float(out0.split("max |difference| to one process")[1].split()[0]) < 1e-5
+
+
+def test_run_directly_the_script_starts_its_own_second_process() -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--processes", "2", "--epochs", "1", "--samples", "512"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "over 2 processes, parameters identical on all ranks: True" in result.stdout
+    assert float(result.stdout.split("max |difference| to one process")[1].split()[0]) < 1e-5
