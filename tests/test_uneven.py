@@ -114,3 +114,37 @@ def test_the_strategy_joins_with_either_ddp(pool2: WorkerPool, use_torch_ddp: bo
     results = pool2.run(train_through_the_strategy, use_torch_ddp, timeout=30)
     for actual, wanted in zip(results[0], expected):  # rank 0 trained longest
         torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-5)
+
+
+def join_with_logging() -> list[tuple[float, list[list[float]]]]:
+    """Every step, the ranks still training sum their losses and gather them (for logging)."""
+    rank = dist.get_rank()
+    model = ddpkit.DistributedDataParallel(make_mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+
+    def shadow_step() -> None:  # the same calls, contributing nothing
+        ddpkit.sync_ddp(torch.zeros(1))
+        ddpkit.gather_all_tensors(torch.empty(0))
+
+    with model.join(shadow_step=shadow_step):
+        for step in range(BATCHES[rank]):
+            x, y = batch(rank, step)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total = ddpkit.sync_ddp(loss.detach().reshape(1)).item()
+            pieces = [piece.tolist() for piece in ddpkit.gather_all_tensors(loss.detach().reshape(1))]
+            logged.append((total, pieces))
+    return logged
+
+
+def test_join_shadows_per_step_collectives_with_neutral_values(pool2: WorkerPool) -> None:
+    longer, shorter = pool2.run(join_with_logging, timeout=30)
+    assert len(longer) == BATCHES[0] and len(shorter) == BATCHES[1]
+    for step, (total, pieces) in enumerate(longer):
+        if step < BATCHES[1]:
+            assert pieces[1] != [] and total == pytest.approx(pieces[0][0] + pieces[1][0])
+        else:  # rank 1 has finished: it contributed zero to the sum and nothing to the gather
+            assert pieces[1] == [] and total == pytest.approx(pieces[0][0])

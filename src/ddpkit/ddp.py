@@ -491,7 +491,7 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     @contextlib.contextmanager
-    def join(self) -> Iterator[None]:
+    def join(self, shadow_step: Callable[[], object] | None = None) -> Iterator[None]:
         """Let ranks with different numbers of batches finish cleanly (torch's ``Join`` for DDP).
 
         Put the training loop inside ``with model.join():`` on every rank. A rank that leaves
@@ -500,16 +500,22 @@ class DistributedDataParallel(nn.Module):
         contributing zero (torch's default, ``divide_by_initial_world_size=True``). It costs
         the ranks still training nothing: a finished rank learns that others still train from
         the negotiation flags that travel in every bucket. At the end every rank takes the
-        parameters and buffers of the rank that trained longest. Inside the block, ranks must
-        not run forwards without backward while others have finished (their buffer broadcasts
-        would have no partner). Comm hooks other than ddpkit's elementwise ones (allreduce,
-        fp16, bf16), ``reduce_function`` and one-argument hooks are not supported here.
+        parameters and buffers of the rank that trained longest.
+
+        Other collectives the ranks make once per step, after backward (say ``sync_ddp(loss)``
+        for logging), need a partner too: ``shadow_step`` makes the same calls with neutral
+        values (zeros for a sum, ``torch.empty(0)`` for ``gather_all_tensors``), and a finished
+        rank runs it once for every step the others take. Inside the block, ranks must not run
+        forwards without backward while others have finished (their buffer broadcasts would have
+        no partner); debug mode (``ddpkit.debug``) reports any such mismatch. Comm hooks other
+        than ddpkit's elementwise ones (allreduce, fp16, bf16), ``reduce_function`` and
+        one-argument hooks are not supported here.
         """
         self._check_join_supported()
         yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.failures)
         if self._world_size > 1:
             with guard():
-                self._shadow_until_all_joined()
+                self._shadow_until_all_joined(shadow_step)
 
     def _check_join_supported(self) -> None:
         hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
@@ -523,9 +529,10 @@ class DistributedDataParallel(nn.Module):
                 "other reductions, stop every rank at the shortest one with ddpkit.even_batches(loader)."
             )
 
-    def _shadow_until_all_joined(self) -> None:
+    def _shadow_until_all_joined(self, shadow_step: Callable[[], object] | None) -> None:
         while self._shadow_step():
-            pass
+            if shadow_step is not None:
+                shadow_step()
         steps = all_gather_object(self._step.synced_backwards, self.process_group)
         self._broadcast_state(source=steps.index(max(steps)))
 

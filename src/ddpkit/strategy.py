@@ -217,13 +217,17 @@ class DDPStrategy:
         with (no_sync() if callable(no_sync) else contextlib.nullcontext()):
             yield
 
-    def join(self) -> contextlib.AbstractContextManager[Any]:
+    def join(self, shadow_step: Callable[[], object] | None = None) -> contextlib.AbstractContextManager[Any]:
         """``with strategy.join():`` around the training loop lets ranks with different numbers of
-        batches finish cleanly: ddpkit's ``DistributedDataParallel.join``, or torch's ``Join``
-        with ``use_torch_ddp=True``; a plain block without a wrapped model."""
+        batches finish cleanly: ddpkit's ``DistributedDataParallel.join`` (see it for
+        ``shadow_step``), or torch's ``Join`` with ``use_torch_ddp=True`` (which has no
+        ``shadow_step``); a plain block without a wrapped model."""
         if isinstance(self.model, DistributedDataParallel):
-            return self.model.join()
+            return self.model.join(shadow_step)
         if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            if shadow_step is not None:
+                raise ValueError("shadow_step needs ddpkit's DistributedDataParallel; torch's Join only shadows "
+                                 "its DDP's own reductions. Drop use_torch_ddp=True, or call collectives after the block.")
             from torch.distributed.algorithms.join import Join
 
             return Join([self.model])
