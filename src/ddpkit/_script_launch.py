@@ -71,7 +71,7 @@ class LocalRanks:
     children: list[_Child]
     folder: tempfile.TemporaryDirectory[str]
     finished: threading.Event = field(default_factory=threading.Event)
-    # The watcher and an exception in the main thread may both want to report; only one does.
+    # Held by whoever reports: the watcher must not end the process while the main thread prints.
     _report_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def watch(self) -> None:
@@ -81,12 +81,15 @@ class LocalRanks:
         previous = sys.excepthook
 
         def on_uncaught_exception(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
-            previous(kind, value, trace)
-            deadline = time.monotonic() + _CHILD_FAILURE_SECONDS
-            while not self._failed_children() and time.monotonic() < deadline:
-                time.sleep(_POLL_SECONDS)
-            self._report(self._failed_children())
-            self.terminate()
+            with self._report_lock:
+                previous(kind, value, trace)
+                sys.stderr.flush()
+                deadline = time.monotonic() + _CHILD_FAILURE_SECONDS
+                while not self._failed_children() and time.monotonic() < deadline:
+                    time.sleep(_POLL_SECONDS)
+                if not self.finished.is_set():
+                    self._write_report(self._failed_children())
+                    self.terminate()
 
         sys.excepthook = on_uncaught_exception
 
@@ -96,26 +99,27 @@ class LocalRanks:
     def _watch(self) -> None:
         while not self.finished.is_set():
             failed = self._failed_children()
-            if failed and self._report(failed):
+            if failed and self._report_lock.acquire(blocking=False):
+                if self.finished.is_set():  # the main thread reported and ended them already
+                    return
+                self._write_report(failed)
                 self.terminate()
                 os._exit(1)  # the main thread may be blocked in a collective that would wait for the dead rank
             time.sleep(_POLL_SECONDS)
 
-    def _report(self, failed: list[_Child]) -> bool:
-        """Print which child failed first and why; False when there is nothing (more) to report."""
-        if not failed or self.finished.is_set() or not self._report_lock.acquire(blocking=False):
-            return False
+    def _write_report(self, failed: list[_Child]) -> None:
+        """Say which child failed first and why. With os.write: sys.stderr may be half-way through
+        another thread's write, and the process may end right after."""
+        if not failed:
+            return
         records = {child.rank: read_error_record(child.error_file) for child in failed}
         # A child that recorded no exception (killed) caused the others' errors; else the earliest record.
         first = min(failed, key=lambda child: float(str((records[child.rank] or {"time": 0})["time"])))
         record = records[first.rank]
         cause = f"\n{record['traceback']}".rstrip() if record else ""
-        sys.stderr.write(
-            f"\nddpkit: local rank {first.local_rank} (global rank {first.rank}, pid {first.process.pid}) "
-            f"{describe_exit(first.process.returncode)}; ending the job.{cause}\n"
-        )
-        sys.stderr.flush()
-        return True
+        message = (f"\nddpkit: local rank {first.local_rank} (global rank {first.rank}, pid {first.process.pid}) "
+                   f"{describe_exit(first.process.returncode)}; ending the job.{cause}\n")
+        os.write(2, message.encode(errors="replace"))
 
     def terminate(self) -> None:
         """End every child that is still running (SIGTERM to its process group, SIGKILL after a grace)."""
