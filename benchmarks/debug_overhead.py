@@ -3,16 +3,18 @@
     python benchmarks/debug_overhead.py [--rounds 200]
 
 Two Gloo ranks with one thread each; every method is timed with debug mode off and on, in one
-run with the methods interleaved (benchmarks/_timing.py). Debug mode adds one all-gather of
+run with the methods interleaved (benchmarks/_timing.py), and also with hang diagnosis on
+(``watch_for_hangs(60)``, debug mode off). Debug mode adds one all-gather of
 24 integers (sequence number, operation, dtype, shape) before each collective, and turns off
 DDP's overlap (buckets are reduced after the fingerprint check at the end of backward).
 
-Measured here (2 cores, torch 2.13 CPU, 60 rounds): the check costs about one small Gloo
-round trip, 0.53-0.59 ms per collective (sync_ddp of one float 0.33 -> 0.92 ms, barrier
-0.25 -> 0.78, gather_all_tensors 0.96 -> 1.54); a DDP step of a 4x256 MLP 3.7 -> 4.5 ms
-(+0.8: the check, and no overlap); an 8x1024 MLP step (81 ms) shows no difference beyond
-noise. A first version that exchanged pickled fingerprints every time cost 0.9-2.7 ms per
-collective; now the full fingerprints travel only when the 24-integer codes differ.
+Measured here (2 cores, torch 2.13 CPU, three runs of 60-100 rounds): debug mode costs about
+one small Gloo round trip per collective, +0.5-0.9 ms (one run: +1.3 ms on barrier); sync_ddp of
+one float 0.31-0.34 -> 0.85-0.97 ms; a 4x256 MLP DDP step 3.6-3.9 -> 4.5-5.0 ms (the check, and
+no overlap); an 8x1024 MLP step (81-89 ms) shows no difference beyond noise. A first version
+that exchanged pickled fingerprints every time cost 0.9-2.7 ms per collective; now the full
+fingerprints travel only when the 24-integer codes differ. Hang diagnosis
+(DDPKIT_HANG_SECONDS) costs one store write per collective: +0.01-0.08 ms.
 """
 
 from __future__ import annotations
@@ -25,18 +27,21 @@ from torch import nn
 
 import ddpkit
 from ddpkit.debug import set_debug
+from ddpkit.hangs import watch_for_hangs
 from ddpkit.testing import WorkerPool
 
 from _timing import interleaved_medians  # benchmarks/ is on the path when run as a script
 
 
-def with_debug(enabled: bool, action: Callable[[], object]) -> Callable[[], None]:
+def with_debug(enabled: bool, action: Callable[[], object], hang_seconds: float | None = None) -> Callable[[], None]:
     def run() -> None:
         set_debug(enabled)
+        watch_for_hangs(hang_seconds)
         try:
             action()
         finally:
             set_debug(None)
+            watch_for_hangs(None)
     return run
 
 
@@ -69,6 +74,7 @@ def measure(rounds: int) -> dict[str, float]:
     for name, action in actions.items():
         methods[f"{name}|off"] = with_debug(False, action)
         methods[f"{name}|on"] = with_debug(True, action)
+        methods[f"{name}|hang watch"] = with_debug(False, action, hang_seconds=60)
     return interleaved_medians(methods, rounds)
 
 
@@ -80,8 +86,9 @@ def main() -> None:
     with WorkerPool(2, timeout=1200) as pool:
         medians = pool.run(measure, args.rounds)[0]
     for name in dict.fromkeys(key.split("|")[0] for key in medians):
-        off, on = medians[f"{name}|off"], medians[f"{name}|on"]
-        print(f"{name:28s} off {off:8.3f}  on {on:8.3f}  on - off {on - off:7.3f}  on/off {on / off:5.2f}")
+        off, on, watched = medians[f"{name}|off"], medians[f"{name}|on"], medians[f"{name}|hang watch"]
+        print(f"{name:28s} off {off:8.3f}  on {on:8.3f}  on - off {on - off:7.3f}  on/off {on / off:5.2f}"
+              f"  | hang watch {watched:8.3f} (+{watched - off:.3f})")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,11 @@ class _Watch:
         self.reported_sequence = 0
         self.requests_answered = 0
         self.report = ""
-        threading.Thread(target=self._run, name="ddpkit-hang-watch", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watch", daemon=True)
+        self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def enter(self, operation: str, call_site: str) -> None:
         self.entered += 1
@@ -61,6 +65,8 @@ class _Watch:
     def _run(self) -> None:
         while True:
             time.sleep(_POLL_SECONDS)
+            if _settings.watch is not self or _configured_seconds() <= 0:
+                return  # turned off, or replaced by the watch of a new process group
             try:
                 self._check()
             except Exception:  # noqa: BLE001 - the store is gone (the job is ending): stop watching
@@ -73,8 +79,7 @@ class _Watch:
             request = self.store.add(_REQUEST_KEY, 1)
             self._post_stack(request)
             self.report = self._build_report(current, request)
-            sys.stderr.write(self.report)
-            sys.stderr.flush()
+            os.write(2, self.report.encode(errors="replace"))  # not sys.stderr: another thread may be using it
             return
         request = self.store.add(_REQUEST_KEY, 0)
         if request > self.requests_answered:
@@ -155,7 +160,7 @@ def active_watch() -> _Watch | None:
         return None
     watch = _settings.watch
     group = dist.distributed_c10d._get_default_group()
-    if watch is None or watch.group is not group:  # first use, or a new default group
+    if watch is None or watch.group is not group or not watch.running():  # first use, a new group, or turned back on
         watch = _settings.watch = _Watch(seconds, group, dist.distributed_c10d._get_default_store())
     watch.seconds = seconds
     return watch
