@@ -120,3 +120,21 @@ def test_rank_zero_killed_while_saving_leaves_the_previous_checkpoint_loadable(t
     assert result.returncode != 0 and "rank 0" in result.stderr and "SIGKILL" in result.stderr, result.stderr
     loaded = torch.load(checkpoint, weights_only=True)
     assert loaded["epoch"] == 1 and torch.equal(loaded["weights"], torch.ones(1000))
+
+
+def a_local_runtime_error_leaves_the_store_as_it_was() -> tuple[str, float, float]:
+    store = dist.distributed_c10d._get_default_store()
+    before = store.timeout.total_seconds()
+    try:
+        ddpkit.sync_ddp(torch.ones(2), reduce_op=dist.ReduceOp.BAND)  # Gloo refuses bitwise ops on floats
+    except RuntimeError as error:
+        kind = type(error).__name__
+    else:
+        kind = "no error"
+    return kind, before, store.timeout.total_seconds()
+
+
+def test_looking_for_a_peer_failure_does_not_change_the_store(pool2: WorkerPool) -> None:
+    for kind, before, after in pool2.run(a_local_runtime_error_leaves_the_store_as_it_was, timeout=30):
+        assert kind == "RuntimeError"  # the original error, since no rank published a failure
+        assert after == before

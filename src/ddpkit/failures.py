@@ -102,14 +102,18 @@ def peer_failure() -> PeerFailedError | None:
     store = _default_store()
     if store is None:
         return None
+    previous_timeout = store.timeout
     try:
-        store.set_timeout(_READ_TIMEOUT)
+        store.set_timeout(_READ_TIMEOUT)  # the store may have died with its host: do not wait long
         if not store.check([FAILURE_KEY]):
             return None
         record = json.loads(store.get(FAILURE_KEY))
         store.add(_SEEN_KEY, 1)
     except (RuntimeError, ValueError):
         return None
+    finally:
+        with contextlib.suppress(RuntimeError):  # the group goes on using this store when nobody failed
+            store.set_timeout(previous_timeout)
     if dist.is_initialized() and record["rank"] == dist.get_rank():
         return None  # our own failure: the original exception is already on its way
     return PeerFailedError(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
