@@ -14,9 +14,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from ddpkit.distributed import _communication_device, distributed_available
+from ddpkit.distributed import _communication_device, distributed_available, sync_ddp
 
 __all__ = ["even_batches"]
 
@@ -27,7 +26,9 @@ ProcessGroup = Any
 def even_batches(batches: Iterable[T], group: ProcessGroup = None) -> Iterator[T]:
     """Yield ``batches`` while every rank of ``group`` still has one; all ranks stop together.
 
-    Costs one all-reduce of one integer per batch. Batches a rank has left over are not read.
+    Costs one all-reduce of one integer per batch (a ddpkit collective: in debug mode it is
+    fingerprinted, and a failed peer is named). A rank with batches left over reads one more
+    than it yields.
     """
     iterator = iter(batches)
     if not distributed_available():
@@ -39,8 +40,7 @@ def even_batches(batches: Iterable[T], group: ProcessGroup = None) -> Iterator[T
             batch, has_one = next(iterator), 1
         except StopIteration:
             batch, has_one = None, 0
-        everyone = torch.tensor([has_one], dtype=torch.int32, device=device)
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+        everyone = sync_ddp(torch.tensor([has_one], dtype=torch.int32, device=device), group, reduce_op="min")
         if int(everyone.item()) == 0:
             return
         yield batch  # type: ignore[misc]
