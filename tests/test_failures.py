@@ -33,14 +33,15 @@ class Flaky(nn.Module):
         return self.layer(x)
 
 
-def outcome(action) -> tuple[str, str, int | None, float]:  # type: ignore[no-untyped-def]
-    """Run ``action``; report which exception ended it, its text, the rank it names and when."""
+def outcome(action, own: type[Exception] = ValueError) -> tuple[str, str, int | None, float]:  # type: ignore[no-untyped-def]
+    """Run ``action``; report which exception ended it (a peer's, or this rank's ``own``), its
+    text, the rank it names and when."""
     start = time.monotonic()
     try:
         action()
     except PeerFailedError as error:
         return "peer", str(error), error.rank, time.monotonic() - start
-    except ValueError as error:
+    except own as error:
         return "own", str(error), None, time.monotonic() - start
     return "none", "", None, time.monotonic() - start
 
@@ -138,3 +139,21 @@ def test_looking_for_a_peer_failure_does_not_change_the_store(pool2: WorkerPool)
     for kind, before, after in pool2.run(a_local_runtime_error_leaves_the_store_as_it_was, timeout=30):
         assert kind == "RuntimeError"  # the original error, since no rank published a failure
         assert after == before
+
+
+def save_where_rank_zero_cannot_write(folder: str) -> tuple[str, str, int | None, float]:
+    from test_strategy import strategy
+
+    s = strategy()
+    blocker = f"{folder}/a-file"
+    if s.is_global_zero:
+        open(blocker, "w").close()
+    return outcome(lambda: s.save_checkpoint(f"{blocker}/ckpt.pt", {"step": 1}), own=OSError)
+
+
+def test_rank_zero_failing_to_write_a_checkpoint_is_named_on_the_ranks_waiting_for_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
+        (kind0, text0, _, _), (kind1, text1, named, seconds) = pool.run(save_where_rank_zero_cannot_write, str(tmp_path))
+    assert kind0 == "own" and "Errno" in text0, text0  # cannot make a folder where a file is
+    assert kind1 == "peer" and named == 0 and text1.startswith("rank 0 failed: "), text1
+    assert seconds < PG_TIMEOUT

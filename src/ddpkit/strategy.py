@@ -280,22 +280,28 @@ class DDPStrategy:
         A save killed half-way leaves the previous checkpoint in place.
         """
         path = os.fspath(path)
-        if self.is_global_zero:
-            folder = os.path.dirname(os.path.abspath(path))
-            os.makedirs(folder, exist_ok=True)
-            descriptor, temporary = tempfile.mkstemp(prefix=".ddpkit-", suffix=".tmp", dir=folder)
-            try:
-                with os.fdopen(descriptor, "wb") as handle:
-                    torch.save(state, handle)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes it 0600; a checkpoint is an ordinary file
-                os.replace(temporary, path)
-            except BaseException:
-                if os.path.exists(temporary):
-                    os.unlink(temporary)
-                raise
+        with guard():  # rank 0 failing to write (disk full, ...) is named on the ranks waiting below
+            if self.is_global_zero:
+                self._write_atomically(path, state)
         self.barrier("save_checkpoint")
+
+    @staticmethod
+    def _write_atomically(path: str, state: dict[str, Any]) -> None:
+        """Temporary file in the same folder, fsync, rename: a reader sees the old file or the new one."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(prefix=".ddpkit-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes it 0600; a checkpoint is an ordinary file
+            os.replace(temporary, path)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
         """The checkpoint at ``path``, or None when there is none.
@@ -307,7 +313,8 @@ class DDPStrategy:
         exists = self.broadcast(os.path.isfile(path) if self.is_global_zero else None)
         if not exists:
             return None
-        loaded: dict[str, Any] = torch.load(path, map_location=self.root_device, weights_only=False)
+        with guard():  # a rank that cannot read it is named on the others
+            loaded: dict[str, Any] = torch.load(path, map_location=self.root_device, weights_only=False)
         return loaded
 
     def print(self, *args: Any, **kwargs: Any) -> None:
