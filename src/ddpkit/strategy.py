@@ -178,7 +178,8 @@ class DDPStrategy:
         """
         if not distributed_available():
             self.setup_environment()
-        wrapped = self.configure_ddp(self.model_to_device(model))
+        with guard():  # e.g. a model that does not fit on one rank's device: named on the others
+            wrapped = self.configure_ddp(self.model_to_device(model))
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def setup_dataloader(self, loader: DataLoader) -> DataLoader:
