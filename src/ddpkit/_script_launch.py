@@ -26,8 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from ddpkit._process import describe_exit, end_process_groups, read_error_record
-from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
+from ddpkit._process import WorkerProcess, describe_exit, end_process_groups, root_cause
+from ddpkit.environments import find_free_port
+from ddpkit.launcher import LaunchConfig, rank_variables, worker_environment
 
 __all__: list[str] = []
 
@@ -57,18 +58,10 @@ def command_of_this_script(argv: list[str] | None = None) -> list[str]:
 
 
 @dataclass
-class _Child:
-    local_rank: int
-    rank: int
-    process: subprocess.Popen[bytes]
-    error_file: str
-
-
-@dataclass
 class LocalRanks:
     """The children this process started, and the thread that watches them."""
 
-    children: list[_Child]
+    children: list[WorkerProcess]
     folder: tempfile.TemporaryDirectory[str]
     finished: threading.Event = field(default_factory=threading.Event)
     # Held by whoever reports: the watcher must not end the process while the main thread prints.
@@ -93,7 +86,7 @@ class LocalRanks:
 
         sys.excepthook = on_uncaught_exception
 
-    def _failed_children(self) -> list[_Child]:
+    def _failed_children(self) -> list[WorkerProcess]:
         return [child for child in self.children if child.process.poll() not in (None, 0)]
 
     def _watch(self) -> None:
@@ -107,15 +100,12 @@ class LocalRanks:
                 os._exit(1)  # the main thread may be blocked in a collective that would wait for the dead rank
             time.sleep(_POLL_SECONDS)
 
-    def _write_report(self, failed: list[_Child]) -> None:
+    def _write_report(self, failed: list[WorkerProcess]) -> None:
         """Say which child failed first and why. With os.write: sys.stderr may be half-way through
         another thread's write, and the process may end right after."""
         if not failed:
             return
-        records = {child.rank: read_error_record(child.error_file) for child in failed}
-        # A child that recorded no exception (killed) caused the others' errors; else the earliest record.
-        first = min(failed, key=lambda child: float(str((records[child.rank] or {"time": 0})["time"])))
-        record = records[first.rank]
+        first, record = root_cause(failed, self.children)
         cause = f"\n{record['traceback']}".rstrip() if record else ""
         message = (f"\nddpkit: local rank {first.local_rank} (global rank {first.rank}, pid {first.process.pid}) "
                    f"{describe_exit(first.process.returncode)}; ending the job.{cause}\n")
@@ -165,20 +155,15 @@ def start_local_ranks(nproc_per_node: int, num_nodes: int, env: Mapping[str, str
     else:
         port = find_free_port(address)
     command = command_of_this_script()
-    shared = {
-        "MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc_per_node * num_nodes),
-        "LOCAL_WORLD_SIZE": str(nproc_per_node), "NODE_RANK": str(node_rank), DDPKIT_LAUNCHED: "1",
-    }
+    config = LaunchConfig(nproc_per_node, num_nodes, node_rank, address, port)
     folder = tempfile.TemporaryDirectory(prefix="ddpkit-ranks-")
     children = []
     for local_rank in range(1, nproc_per_node):
-        rank = node_rank * nproc_per_node + local_rank
-        error_file = os.path.join(folder.name, f"rank{rank}.json")
-        child_env = {**env, **shared, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
-                     "DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file}
+        error_file = os.path.join(folder.name, f"local_rank{local_rank}.json")
+        child_env = worker_environment(config, port, local_rank, error_file, env)
         process = subprocess.Popen(command, env=child_env, start_new_session=True)
-        children.append(_Child(local_rank, rank, process, error_file))
-    os.environ.update({**shared, "RANK": str(node_rank * nproc_per_node), "LOCAL_RANK": "0"})
+        children.append(WorkerProcess(local_rank, int(child_env["RANK"]), process, error_file))
+    os.environ.update(rank_variables(config, port, local_rank=0))  # this process is local rank 0
     ranks = LocalRanks(children, folder)
     ranks.watch()
     return ranks

@@ -26,14 +26,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ddpkit._process import describe_exit, end_process_groups, read_error_record
+from ddpkit._process import WorkerProcess, describe_exit, end_process_groups, root_cause
 from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
 from ddpkit.testing import RankFailedError, WorkerPool
 
 # How long the launcher gives workers to write their stacks after SIGUSR1.
 _STACK_DUMP_WAIT_SECONDS = 0.5
 
-__all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "run_workers", "validate"]
+__all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "rank_variables", "run_workers", "validate",
+           "worker_environment"]
 
 
 class LaunchError(ValueError):
@@ -116,10 +117,10 @@ def _port_is_free(address: str, port: int) -> bool:
     return True
 
 
-def _worker_environment(config: LaunchConfig, port: int, local_rank: int, error_file: str,
-                        base: Mapping[str, str]) -> dict[str, str]:
-    environment = dict(base)
-    environment.update({
+def rank_variables(config: LaunchConfig, port: int, local_rank: int) -> dict[str, str]:
+    """What a worker of this node needs to find its place in the job: torch.distributed's
+    variables, ddpkit's marker and the backend."""
+    variables = {
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(config.world_size),
@@ -128,22 +129,17 @@ def _worker_environment(config: LaunchConfig, port: int, local_rank: int, error_
         "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
         "NODE_RANK": str(config.node_rank),
         DDPKIT_LAUNCHED: "1",
-        "DDPKIT_LAUNCHER_PID": str(os.getpid()),
-        "DDPKIT_ERROR_FILE": error_file,
-    })
+    }
     if config.backend:
-        environment["DDPKIT_BACKEND"] = config.backend
-    return environment
+        variables["DDPKIT_BACKEND"] = config.backend
+    return variables
 
 
-@dataclass
-class _Worker:
-    local_rank: int
-    rank: int
-    process: subprocess.Popen[bytes]
-    error_file: str
-    stack_file: str
-    reaped: bool = False  # its process group has been killed and the process waited for
+def worker_environment(config: LaunchConfig, port: int, local_rank: int, error_file: str,
+                       base: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment of a worker this process starts and watches (see ``ddpkit._worker``)."""
+    return {**base, **rank_variables(config, port, local_rank), "DDPKIT_LAUNCHER_PID": str(os.getpid()),
+            "DDPKIT_ERROR_FILE": error_file}
 
 
 def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, grace: float = 3.0,
@@ -168,11 +164,11 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             for local_rank in range(config.nproc_per_node):
                 error_file = os.path.join(errors, f"rank{local_rank}.json")
                 stack_file = os.path.join(errors, f"rank{local_rank}.stacks")
-                environment = _worker_environment(config, port, local_rank, error_file, os.environ)
+                environment = worker_environment(config, port, local_rank, error_file, os.environ)
                 environment["DDPKIT_STACK_FILE"] = stack_file
                 process = subprocess.Popen([sys.executable, "-m", "ddpkit._worker", script, *script_args],
                                            env=environment, start_new_session=True)
-                workers.append(_Worker(local_rank, int(environment["RANK"]), process, error_file, stack_file))
+                workers.append(WorkerProcess(local_rank, int(environment["RANK"]), process, error_file, stack_file))
             return _watch(workers, stop_signal, stack_requests, grace, poll_interval)
         finally:
             _end_all(workers, grace)
@@ -180,7 +176,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 signal.signal(sig, handler)
 
 
-def _watch(workers: list[_Worker], stop_signal: list[int], stack_requests: list[float], grace: float,
+def _watch(workers: list[WorkerProcess], stop_signal: list[int], stack_requests: list[float], grace: float,
            poll_interval: float) -> int:
     while True:
         if stack_requests:
@@ -203,7 +199,7 @@ def _watch(workers: list[_Worker], stop_signal: list[int], stack_requests: list[
         time.sleep(poll_interval)
 
 
-def _print_stacks(workers: list[_Worker]) -> None:
+def _print_stacks(workers: list[WorkerProcess]) -> None:
     """Ask every running worker for its threads' stacks (SIGUSR1, to the worker only: its children
     have no handler) and print what they wrote, rank by rank."""
     sizes = {}
@@ -230,7 +226,7 @@ def _size(path: str) -> int:
         return 0
 
 
-def _end_all(workers: list[_Worker], grace: float) -> None:
+def _end_all(workers: list[WorkerProcess], grace: float) -> None:
     """SIGTERM to every live worker's process group, SIGKILL after ``grace`` seconds, reap all."""
     pending = [worker for worker in workers if not worker.reaped]
     end_process_groups([worker.process for worker in pending], grace)
@@ -238,23 +234,13 @@ def _end_all(workers: list[_Worker], grace: float) -> None:
         worker.reaped = True
 
 
-def _summary(workers: list[_Worker], failed: list[_Worker]) -> str:
-    """Name the root cause among the workers found failed at the first poll that saw a failure.
-
-    One that ended without recording an exception (killed by a signal, or a deliberate
-    ``sys.exit``) comes first: the exceptions of its peers ("connection closed") are its
-    consequences. Otherwise the earliest recorded exception is the cause, whether or not its
-    worker had exited by that poll: a worker records its exception first, then tells its peers
-    (``ddpkit.failures``), which may fail and exit before it does.
-    """
+def _summary(workers: list[WorkerProcess], failed: list[WorkerProcess]) -> str:
+    """Name the root cause (see ``root_cause``) among the workers found failed at the first poll
+    that saw a failure."""
     stopped = f"ddpkit run: all {len(workers)} workers were stopped."
-    records = {worker.rank: read_error_record(worker.error_file) for worker in workers}
-    unrecorded = [worker for worker in failed if records[worker.rank] is None]
-    if unrecorded:
-        worker = unrecorded[0]
+    worker, record = root_cause(failed, workers)
+    if record is None:
         return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) "
                 f"{describe_exit(worker.process.returncode)} without recording an exception.\n{stopped}")
-    recorded = [(record, w) for w in workers if (record := records[w.rank]) is not None]
-    record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
     return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) failed "
             f"first with {record['type']}: {record['message']}\n{record['traceback']}{stopped}")
