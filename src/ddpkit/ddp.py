@@ -353,12 +353,24 @@ class DistributedDataParallel(nn.Module):
                 bucket.flags.fill_(1)
             else:
                 bucket.flags.copy_(torch.tensor([p.grad is not None for p in bucket.parameters]))
-        if self._comm_hook is not None:
-            is_last = bucket.index == len(self._buckets) - 1
-            grad_bucket = GradBucket(bucket, is_last, prescaled=self._step.elementwise, with_flags=self._step.elementwise)
-            self._step.in_flight.append((bucket, self._comm_hook(self._comm_state, grad_bucket)))
-        else:
-            self._step.in_flight.append((bucket, dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)))
+        self._step.in_flight.append((bucket, self._start_reduction(bucket, self._step.elementwise)))
+
+    def _start_reduction(self, bucket: Bucket, elementwise: bool) -> Any:
+        """Start reducing one bucket: its all-reduce, or the comm hook's future."""
+        if self._comm_hook is None:
+            return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        is_last = bucket.index == len(self._buckets) - 1
+        return self._comm_hook(self._comm_state, GradBucket(bucket, is_last, prescaled=elementwise, with_flags=elementwise))
+
+    def _wait_into_bucket(self, bucket: Bucket, pending: Any) -> None:
+        """Wait for one bucket's reduction and leave its result in the bucket's buffer (a hook may
+        return another tensor)."""
+        result = self._wait(bucket, pending)
+        if isinstance(pending, dist.Work):
+            return
+        result = result[0] if isinstance(result, (list, tuple)) else result
+        if result is not bucket.grads and result is not bucket.buffer:
+            (bucket.buffer if result.numel() == bucket.buffer.numel() else bucket.grads).copy_(result)
 
     def _finish_backward(self) -> None:
         """End of backward: complete, launch and await every bucket; copy results back."""
@@ -444,11 +456,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self._buckets:
             pending = pending_by_bucket.get(bucket.index)
             if pending is not None:
-                result = self._wait(bucket, pending)
-                if not isinstance(pending, dist.Work):
-                    result = result[0] if isinstance(result, (list, tuple)) else result
-                    if result is not bucket.grads and result is not bucket.buffer:
-                        (bucket.buffer if result.numel() == bucket.buffer.numel() else bucket.grads).copy_(result)
+                self._wait_into_bucket(bucket, pending)
             used = (bucket.flags > 0).tolist() if negotiate and separate is None else None
             self._copy_back(bucket, used)
         if separate is not None:
@@ -543,20 +551,11 @@ class DistributedDataParallel(nn.Module):
         pending = []
         for bucket in self._buckets:  # the same collectives, in the same order, as a real backward
             bucket.buffer.zero_()
-            if self._comm_hook is not None:
-                grad_bucket = GradBucket(bucket, bucket.index == len(self._buckets) - 1, prescaled=True, with_flags=True)
-                pending.append((bucket, self._comm_hook(self._comm_state, grad_bucket)))
-            else:
-                pending.append((bucket, dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)))
+            pending.append((bucket, self._start_reduction(bucket, elementwise=True)))  # join checked it is
         anyone_trained = False
         for bucket, work in pending:
-            result = self._wait(bucket, work)
-            if not isinstance(work, dist.Work):
-                result = result[0] if isinstance(result, (list, tuple)) else result
-                flags = result.reshape(-1)[bucket.grads.numel():]
-            else:
-                flags = bucket.flags
-            anyone_trained = anyone_trained or bool(flags.sum() > 0)
+            self._wait_into_bucket(bucket, work)
+            anyone_trained = anyone_trained or bool(bucket.flags.sum() > 0)
         if anyone_trained:  # mirror the rest of their step
             if self.broadcast_buffers:
                 self._sync_buffers()
