@@ -19,7 +19,31 @@ def interleaved_medians(
     before: Callable[[str], None] | None = None,
     after: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
-    """Median milliseconds per call of each method, all measured in one run.
+    """Median milliseconds per call of each method, all measured in one run (see ``interleaved_samples``)."""
+    samples = interleaved_samples(methods, rounds, calls_per_sample, before, after)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> tuple[float, float, float]:
+    """Median and quartiles of ``numerator / denominator`` taken round by round.
+
+    Both methods ran in the same round, seconds apart, so a slow spell of the machine hits both;
+    the per-round ratio cancels it, where a ratio of two medians keeps it. Quartiles show how
+    far one round's ratio strays.
+    """
+    ratios = sorted(a / b for a, b in zip(samples[numerator], samples[denominator]))
+    lower, median, upper = statistics.quantiles(ratios, n=4)
+    return median, lower, upper
+
+
+def interleaved_samples(
+    methods: dict[str, Callable[[], object]],
+    rounds: int,
+    calls_per_sample: int = 1,
+    before: Callable[[str], None] | None = None,
+    after: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each method in each counted round, all measured in one run.
 
     Each round runs every method once, in an order shuffled anew (noise on a shared machine then
     hits all methods alike) with the same seed on every rank (their collectives must match). A
@@ -44,4 +68,4 @@ def interleaved_medians(
                 after(name)
             if round_index >= WARMUP_ROUNDS:
                 times[name].append(elapsed)
-    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    return {name: [value * 1e3 for value in values] for name, values in times.items()}

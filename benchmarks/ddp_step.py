@@ -1,12 +1,14 @@
 """Step time of ddpkit's DistributedDataParallel against torch's (and pytorch-pfn-extras').
 
-    python benchmarks/ddp_step.py [--steps 30] [--models mlp lenet many]
+    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many]
 
 Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool). A step is zero_grad, forward,
 MSE/cross-entropy loss, backward (with gradient synchronisation) and an SGD step. Timed, in
 one run with the methods interleaved in a shuffled order each round (noise hits all alike):
 
 - ``one process``: rank 0 alone, no DDP (rank 1 idles);
+- ``both, no sync``: both ranks train their own copy, no communication (what the two ranks'
+  compute costs when they run side by side);
 - ``raw all-reduce``: only an all_reduce of one flat buffer the size of all gradients;
 - ``torch DDP``: torch.nn.parallel.DistributedDataParallel, defaults;
 - ``ppe DDP``: pytorch_pfn_extras.nn.parallel.DistributedDataParallel, when installed;
@@ -14,7 +16,9 @@ one run with the methods interleaved in a shuffled order each round (noise hits 
 
 Models: ``mlp`` 8 x Linear(1024, 1024) (8.4M parameters, batch 64), ``lenet`` (62k
 parameters, batch 32), ``many`` 60 x (Linear(64, 64) + Tanh) (120 tensors, batch 64).
-Prints medians (ms) and the ratios ddpkit/torch and ppe/ddpkit.
+Prints medians (ms), the ratios ddpkit/torch and ppe/ddpkit of the medians, and the median and
+quartiles of ddpkit/torch taken round by round (the two ran moments apart, so a slow spell of
+the machine cancels out; that is the number to quote).
 
 Measured here (2 cores, torch 2.13 CPU): MLP one process 43-45, raw all-reduce 21-24,
 torch 76-81, pytorch-pfn-extras 115-133, ddpkit 77-81; ddpkit/torch over runs: MLP 0.97-1.04,
@@ -42,6 +46,7 @@ to 12% (90-113 ms on the MLP): only ratios from one run mean anything.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -51,7 +56,7 @@ from torch import nn
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
 
-from _timing import interleaved_medians  # benchmarks/ is on the path when run as a script
+from _timing import interleaved_samples, paired_ratio  # benchmarks/ is on the path when run as a script
 
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
@@ -84,7 +89,7 @@ def _peer_ddp() -> type | None:
     return PPE
 
 
-def measure(model_name: str, steps: int) -> dict[str, float]:
+def measure(model_name: str, steps: int) -> dict[str, list[float]]:
     rank = dist.get_rank()
     base, batch, loss_fn = build(model_name)
     methods: dict[str, Callable[[], None]] = {}
@@ -105,8 +110,10 @@ def measure(model_name: str, steps: int) -> dict[str, float]:
         return clone
 
     single = trainer(copy())
+    local = trainer(copy())
     flat = torch.zeros(sum(p.numel() for p in base.parameters()))
     methods["one process"] = lambda: single() if rank == 0 else None
+    methods["both, no sync"] = local
     methods["raw all-reduce"] = lambda: dist.all_reduce(flat)
     methods["torch DDP"] = trainer(nn.parallel.DistributedDataParallel(copy()))
     peer = _peer_ddp()
@@ -114,24 +121,28 @@ def measure(model_name: str, steps: int) -> dict[str, float]:
         methods["ppe DDP"] = trainer(peer(copy()))
     methods["ddpkit"] = trainer(DistributedDataParallel(copy()))
 
-    return interleaved_medians(methods, steps)
+    return interleaved_samples(methods, steps)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="DDP step-time benchmark")
     parser.add_argument("--steps", type=int, default=None,
-                        help="steps per method (default: 30 for the MLP, 150 for the small models)")
+                        help="steps per method (default: 40 for the MLP, 600 for the small models)")
     parser.add_argument("--models", nargs="+", default=["mlp", "lenet", "many"])
     args = parser.parse_args()
     print(f"torch {torch.__version__}, 2 gloo ranks x 1 thread, medians per step (ms)")
     with WorkerPool(2, timeout=1200) as pool:
         for model_name in args.models:
-            steps = args.steps or (30 if model_name == "mlp" else 150)
-            medians = pool.run(measure, model_name, steps)[0]
-            line = "  ".join(f"{name} {value:7.2f}" for name, value in medians.items())
-            ratio = medians["ddpkit"] / medians["torch DDP"]
-            peer = f"  ppe/ddpkit {medians['ppe DDP'] / medians['ddpkit']:.2f}" if "ppe DDP" in medians else ""
-            print(f"{model_name:6s} {line}  | ddpkit/torch {ratio:.2f}{peer}", flush=True)
+            steps = args.steps or (40 if model_name == "mlp" else 600)
+            samples = pool.run(measure, model_name, steps)[0]
+            line = "  ".join(f"{name} {statistics.median(values):7.2f}" for name, values in samples.items())
+            ratio = statistics.median(samples["ddpkit"]) / statistics.median(samples["torch DDP"])
+            paired, lower, upper = paired_ratio(samples, "ddpkit", "torch DDP")
+            peer = ""
+            if "ppe DDP" in samples:
+                peer = f"  ppe/ddpkit {statistics.median(samples['ppe DDP']) / statistics.median(samples['ddpkit']):.2f}"
+            print(f"{model_name:6s} {line}  | ddpkit/torch {ratio:.2f} (per round {paired:.2f}, "
+                  f"quartiles {lower:.2f}-{upper:.2f}){peer}", flush=True)
 
 
 if __name__ == "__main__":
