@@ -47,3 +47,19 @@ def test_bucket_views_flags_and_grad_bucket_api() -> None:
     assert grad_bucket.buffer() is half and grad_bucket.buffer().dtype == torch.float16
     with pytest.raises(ValueError, match="needs 10 elements"):
         grad_bucket.set_buffer(torch.zeros(3))
+
+
+def test_small_parameters_lie_first_and_contiguous_so_one_pass_covers_them() -> None:
+    sizes = [50, 3, 40, 2]  # slots 1 and 3 are below the batching threshold of 10 elements
+    parameters = [torch.nn.Parameter(torch.ones(n)) for n in sizes]
+    bucket = Bucket.build(0, parameters, ["a", "b", "c", "d"], batch_below_numel=10)
+    assert bucket.batched_slots == [1, 3]
+    assert bucket.batched_parameters == [parameters[1], parameters[3]]
+    assert bucket.batched_region.numel() == 5
+    for slot in (1, 3):
+        bucket.views[slot].fill_(slot)
+    assert bucket.grads[:5].tolist() == [1.0] * 3 + [3.0] * 2  # the region, in slot order
+    bucket.views[0].fill_(-1)
+    bucket.views[2].fill_(-2)
+    assert bucket.grads[5:55].tolist() == [-1.0] * 50 and bucket.grads[55:].tolist() == [-2.0] * 40
+    assert [v.data_ptr() for v in bucket.batched_views] == [bucket.views[1].data_ptr(), bucket.views[3].data_ptr()]

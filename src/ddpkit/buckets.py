@@ -61,6 +61,11 @@ class Bucket:
     flag per parameter (``flags``: 1 where this rank has a gradient). Reducing the whole
     buffer sums the flags too, so "which parameters have a gradient anywhere" travels with
     the gradients and costs no collective of its own.
+
+    Parameters smaller than ``batch_below_numel`` elements ("batched": their gradients are
+    copied in together when the bucket launches, see DistributedDataParallel) lie first and
+    contiguous, in slot order, in ``batched_region``, so one pass divides them all (per-tensor
+    calls cost ~1 us each on CPU); the larger ones follow. The layout inside a bucket is free: it is reduced as a whole.
     """
 
     index: int
@@ -70,21 +75,32 @@ class Bucket:
     grads: Tensor
     flags: Tensor
     views: list[Tensor]
+    batched_slots: list[int]
+    batched_region: Tensor
+    batched_parameters: list[Tensor]  # in batched_slots order
+    batched_views: list[Tensor]
     ready: list[bool] = field(default_factory=list)
     pending: int = 0
-    #: (parameter, view) pairs whose gradients are copied in one batch when the bucket launches.
+    #: (parameter, view) pairs of batched slots whose gradients arrived in this backward.
     batched: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, index: int, parameters: list[torch.nn.Parameter], names: list[str]) -> Bucket:
+    def build(cls, index: int, parameters: list[torch.nn.Parameter], names: list[str],
+              batch_below_numel: int = 0) -> Bucket:
         total = sum(p.numel() for p in parameters)
         buffer = torch.zeros(total + len(parameters), dtype=parameters[0].dtype, device=parameters[0].device)
         grads, flags = buffer[:total], buffer[total:]
-        views, offset = [], 0
-        for parameter in parameters:
-            views.append(grads[offset : offset + parameter.numel()].view_as(parameter))
-            offset += parameter.numel()
-        bucket = cls(index, parameters, names, buffer, grads, flags, views)
+        batched_slots = [slot for slot, p in enumerate(parameters) if p.numel() < batch_below_numel]
+        others = [slot for slot, p in enumerate(parameters) if p.numel() >= batch_below_numel]
+        layout = batched_slots + others
+        views: list[Tensor] = [grads] * len(parameters)  # placeholders, each replaced below
+        offset = 0
+        for slot in layout:
+            views[slot] = grads[offset : offset + parameters[slot].numel()].view_as(parameters[slot])
+            offset += parameters[slot].numel()
+        batched_numel = sum(parameters[slot].numel() for slot in batched_slots)
+        bucket = cls(index, parameters, names, buffer, grads, flags, views, batched_slots, grads[:batched_numel],
+                     [parameters[slot] for slot in batched_slots], [views[slot] for slot in batched_slots])
         bucket.reset()
         return bucket
 

@@ -8,7 +8,8 @@ How a step goes:
    until the first synchronised backward, then are rebuilt once in the order in which that
    rank saw the gradients arrive (as torch's Reducer does).
 2. During backward, each parameter's post-accumulate-grad hook copies its gradient into its
-   bucket, already multiplied by 1/world_size (one pass, torch's arithmetic). Buckets launch
+   bucket, already multiplied by 1/world_size (one pass, torch's arithmetic); small gradients
+   are copied together, and divided in one pass, when their bucket completes. Buckets launch
    their asynchronous all-reduce strictly in index order: bucket i starts as soon as it and
    every bucket before it are complete. So every rank issues the same collectives in the
    same order, whatever its graph, and never waits for a bucket another rank cannot fill.
@@ -115,6 +116,11 @@ class DistributedDataParallel(nn.Module):
                 f"(members: {dist.get_process_group_ranks(process_group)})."
             )
         self._world_size = dist.get_world_size(process_group)
+        # The bucket all-reduce calls the group directly with options made once: dist.all_reduce
+        # re-checks its arguments on every call (~15-20 us on this path, measured).
+        self._allreduce_options = dist.AllreduceOptions()
+        self._allreduce_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stub's type is narrower
+        self._allreduce_options.asyncOp = True
         self._source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         self.device = self._check_device(module, kwargs.get("device_ids"))
 
@@ -225,7 +231,8 @@ class DistributedDataParallel(nn.Module):
         ordered = [self._trainable[name] for name in names]
         first_cap = min(self._bucket_cap, DEFAULT_FIRST_CAP_BYTES)
         groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap)
-        self._buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g]) for i, g in enumerate(groups)]
+        self._buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
+                         for i, g in enumerate(groups)]
         self._hook_handles = [bucket.parameters[slot].register_post_accumulate_grad_hook(self._make_hook(bucket, slot))
                               for bucket in self._buckets for slot in range(len(bucket.parameters))]
         if self.gradient_as_bucket_view:
@@ -274,7 +281,7 @@ class DistributedDataParallel(nn.Module):
         """The post-accumulate-grad hook of one parameter, with its bucket and slot bound (hot path)."""
         view = bucket.views[slot]
         name = bucket.names[slot]
-        batched = view.numel() < _BATCH_BELOW_NUMEL
+        batched = slot in bucket.batched_slots
 
         def on_gradient_ready(parameter: Tensor) -> None:
             if not self.require_backward_grad_sync:
@@ -331,14 +338,15 @@ class DistributedDataParallel(nn.Module):
         """Copy the small gradients that the hooks only recorded, in two calls for the bucket."""
         if not bucket.batched:
             return
-        parameters = [parameter for parameter, _ in bucket.batched]
-        views = [view for _, view in bucket.batched]
-        bucket.batched = []
+        arrived, bucket.batched = bucket.batched, []
+        every_one = len(arrived) == len(bucket.batched_slots)  # the usual case
+        parameters = bucket.batched_parameters if every_one else [parameter for parameter, _ in arrived]
+        views = bucket.batched_views if every_one else [view for _, view in arrived]
         grads = [parameter.grad for parameter in parameters]  # each hook fired, so none is None
         torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
         if self._step.elementwise:  # g * (1/world): the same arithmetic as mul(out=)
-            if len(views) == len(bucket.views):
-                bucket.grads.mul_(self._scale)  # every gradient of the bucket is here: one contiguous pass
+            if every_one:
+                bucket.batched_region.mul_(self._scale)  # they lie contiguous: one pass, not one call each
             else:
                 torch._foreach_mul_(views, self._scale)
         if self.gradient_as_bucket_view:
@@ -358,7 +366,12 @@ class DistributedDataParallel(nn.Module):
     def _start_reduction(self, bucket: Bucket, elementwise: bool) -> Any:
         """Start reducing one bucket: its all-reduce, or the comm hook's future."""
         if self._comm_hook is None:
-            return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            # The default group is looked up, not kept: a reference would keep its connections
+            # open after destroy_process_group, and peers waiting on them would not be freed.
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            if group is None:  # destroyed: torch's own "not initialized" error
+                return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            return group.allreduce([bucket.buffer], self._allreduce_options)
         is_last = bucket.index == len(self._buckets) - 1
         return self._comm_hook(self._comm_state, GradBucket(bucket, is_last, prescaled=elementwise, with_flags=elementwise))
 
@@ -457,7 +470,11 @@ class DistributedDataParallel(nn.Module):
             pending = pending_by_bucket.get(bucket.index)
             if pending is not None:
                 self._wait_into_bucket(bucket, pending)
-            used = (bucket.flags > 0).tolist() if negotiate and separate is None else None
+            used = None  # None: every parameter of the bucket has a gradient somewhere
+            if negotiate and separate is None:
+                flags = bucket.flags.tolist()
+                if min(flags) <= 0:
+                    used = [flag > 0 for flag in flags]
             self._copy_back(bucket, used)
         if separate is not None:
             counts, work = separate
