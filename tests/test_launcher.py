@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.environments import find_free_port
+from ddpkit.launcher import performance_defaults
 
 PRELUDE = textwrap.dedent(
     """
@@ -34,6 +35,8 @@ SCRIPTS = {
     "raises.py": "if rank == 1:\n    raise ValueError('broken on purpose')\ndist.barrier()\n",
     "killed.py": "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n",
     "sleeps.py": "time.sleep(60)\n",
+    "threads.py": "print(f'rank {rank} threads {torch.get_num_threads()} OMP {os.environ[\"OMP_NUM_THREADS\"]} '"
+                  "f'malloc {os.environ.get(\"MALLOC_TRIM_THRESHOLD_\")}', flush=True)\ndestroy_dist_connection()\n",
 }
 
 
@@ -269,3 +272,34 @@ def test_bad_environment_values_are_refused_before_anything_starts(scripts: Path
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 2 and message in err, err
     assert not list(scripts.glob("pid*"))  # no worker started
+
+
+PERFORMANCE_VARIABLES = ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                         "GLIBC_TUNABLES")
+
+
+def test_performance_defaults_share_the_cores_and_leave_user_choices_alone() -> None:
+    cores = len(os.sched_getaffinity(0))
+    defaults = performance_defaults(2, {})
+    assert defaults["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert performance_defaults(10 * cores, {})["OMP_NUM_THREADS"] == "1"
+    assert int(defaults["MALLOC_TRIM_THRESHOLD_"]) > int(defaults["MALLOC_MMAP_THRESHOLD_"]) > 128 * 1024
+    assert performance_defaults(2, {"OMP_NUM_THREADS": "3", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {}
+
+
+@pytest.mark.parametrize("user_threads", [None, "3"], ids=["unset", "user-chose-3"])
+def test_workers_get_their_share_of_the_cores_unless_the_user_chose(scripts: Path, user_threads: str | None) -> None:
+    environment = {name: value for name, value in os.environ.items() if name not in PERFORMANCE_VARIABLES}
+    if user_threads is not None:
+        environment["OMP_NUM_THREADS"] = user_threads
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "threads.py"],
+                                cwd=scripts, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    reports = sorted(re.findall(r"rank (\d) threads (\d+) OMP (\d+) malloc (\d+)", out))
+    if user_threads is None:  # torch follows it (torch caps a user's larger value at the core count)
+        assert reports == [(str(rank), share, share, str(256 * 1024 * 1024)) for rank in range(2)], out
+    else:
+        assert [(rank, omp) for rank, _, omp, _ in reports] == [("0", user_threads), ("1", user_threads)], out
+    assert ("OMP_NUM_THREADS=" in err) == (user_threads is None), err  # said when ddpkit chose, like torchrun
