@@ -75,6 +75,26 @@ def test_gradients_equal_single_process_on_concatenated_batch(pool: WorkerPool, 
         assert_close_grads(grads, expected)
 
 
+def complex_step(negotiate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)  # construction must broadcast rank 0's values
+    model = DistributedDataParallel(nn.Linear(4, 3, dtype=torch.complex64), negotiate_grads=negotiate)
+    x = torch.randn(BATCH_PER_RANK * world, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(7))
+    model(shard(x, rank)).abs().pow(2).sum().div(BATCH_PER_RANK).backward()
+    return model.module.weight.grad, model.module.bias.grad
+
+
+@pytest.mark.parametrize("negotiate", [True, False], ids=["negotiated", "static"])
+def test_complex_parameters_are_averaged(pool: WorkerPool, negotiate: bool) -> None:
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 3, dtype=torch.complex64)
+    x = torch.randn(BATCH_PER_RANK * pool.world_size, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(7))
+    reference(x).abs().pow(2).sum().div(BATCH_PER_RANK * pool.world_size).backward()
+    for weight, bias in pool.run(complex_step, negotiate, timeout=60):
+        torch.testing.assert_close(weight, reference.weight.grad)
+        torch.testing.assert_close(bias, reference.bias.grad)
+
+
 def train_steps(steps: int, use_torch_ddp: bool) -> list[torch.Tensor]:
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_torch_ddp:

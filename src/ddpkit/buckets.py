@@ -65,7 +65,8 @@ class Bucket:
     Parameters smaller than ``batch_below_numel`` elements ("batched": their gradients are
     copied in together when the bucket launches, see DistributedDataParallel) lie first and
     contiguous, in slot order, in ``batched_region``, so one pass divides them all (per-tensor
-    calls cost ~1 us each on CPU); the larger ones follow. The layout inside a bucket is free: it is reduced as a whole.
+    calls cost ~1 us each on CPU); the larger ones follow. The layout inside a bucket is free:
+    it is reduced as a whole.
     """
 
     index: int

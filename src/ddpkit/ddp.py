@@ -472,7 +472,7 @@ class DistributedDataParallel(nn.Module):
                 self._wait_into_bucket(bucket, pending)
             used = None  # None: every parameter of the bucket has a gradient somewhere
             if negotiate and separate is None:
-                flags = bucket.flags.tolist()
+                flags = bucket.flags.real.tolist()  # .real: complex buckets carry their flags as 1+0j
                 if min(flags) <= 0:
                     used = [flag > 0 for flag in flags]
             self._copy_back(bucket, used)
@@ -572,7 +572,7 @@ class DistributedDataParallel(nn.Module):
         anyone_trained = False
         for bucket, work in pending:
             self._wait_into_bucket(bucket, work)
-            anyone_trained = anyone_trained or bool(bucket.flags.sum() > 0)
+            anyone_trained = anyone_trained or bool(bucket.flags.real.sum() > 0)
         if anyone_trained:  # mirror the rest of their step
             if self.broadcast_buffers:
                 self._sync_buffers()
