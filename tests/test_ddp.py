@@ -600,3 +600,18 @@ def test_buckets_are_rebuilt_in_the_order_gradients_arrive(pool: WorkerPool, as_
         assert all(launches[0] > 0 for launches in per_step[1:]), per_step
         for actual, expected in zip(params, reference.parameters()):
             torch.testing.assert_close(actual, expected.detach(), rtol=0, atol=1e-5)
+
+
+def test_forward_inputs_move_to_the_module_device_through_nested_containers() -> None:
+    from collections import namedtuple
+
+    from ddpkit.ddp import _to_device
+
+    Pair = namedtuple("Pair", ["left", "right"])
+    meta = torch.device("meta")
+    moved = _to_device(((torch.ones(2), [torch.ones(1), 3]), {"k": Pair(torch.ones(1), "text")}), meta)
+    (first, (second, number)), mapping = moved
+    assert first.device == meta and second.device == meta and number == 3
+    assert isinstance(mapping["k"], Pair) and mapping["k"].left.device == meta and mapping["k"].right == "text"
+    already = torch.ones(1, device=meta)
+    assert _to_device(already, meta) is already  # no copy for tensors already there
