@@ -3,6 +3,7 @@ local rank 1 by running the same command again; failures on either side end the 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -43,7 +44,7 @@ SCRIPT = textwrap.dedent(
             raise ValueError("local rank 0 broke on purpose")
     names = ["MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
              "DDPKIT_LAUNCHED"]
-    result = {"argv": sys.argv, "env": {name: os.environ.get(name) for name in names},
+    result = {"argv": sys.argv, "env": {name: os.environ.get(name) for name in names}, "threads": torch.get_num_threads(),
               "weight": model.module.weight.detach().clone(), "bias": model.module.bias.detach().clone()}
     torch.save(result, os.path.join(folder, f"result{rank}.pt"))
     strategy.teardown()
@@ -58,7 +59,8 @@ def folder(tmp_path: Path) -> Path:
 
 
 def run(folder: Path, *command: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, *command], cwd=folder, text=True,
+    environment = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    return subprocess.Popen([sys.executable, *command], cwd=folder, text=True, env=environment,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -85,6 +87,8 @@ def test_running_the_script_directly_starts_the_other_local_rank(folder: Path, h
     assert child["LOCAL_WORLD_SIZE"] == "2" and child["NODE_RANK"] == "0" and child["DDPKIT_LAUNCHED"] == "1"
     assert child["MASTER_PORT"] == results[0]["env"]["MASTER_PORT"] and results[0]["env"]["RANK"] == "0"
     assert results[1]["argv"][1:] == ["ok"]  # the same command, arguments included
+    share = max(1, len(os.sched_getaffinity(0)) // 2)  # the cores shared out, on both ranks, as under ddpkit run
+    assert [result["threads"] for result in results] == [share, share] and "OMP_NUM_THREADS=" in err
     weight, bias = reference_parameters()
     for result in results:  # trained like one process on both ranks' batches
         torch.testing.assert_close(result["weight"], weight, rtol=0, atol=1e-6)

@@ -26,9 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
+import torch
+
 from ddpkit._process import WorkerProcess, describe_exit, end_process_groups, root_cause
 from ddpkit.environments import find_free_port
-from ddpkit.launcher import LaunchConfig, rank_variables, worker_environment
+from ddpkit.launcher import LaunchConfig, performance_defaults, rank_variables, worker_environment
 
 __all__: list[str] = []
 
@@ -156,6 +158,15 @@ def start_local_ranks(nproc_per_node: int, num_nodes: int, env: Mapping[str, str
         port = find_free_port(address)
     command = command_of_this_script()
     config = LaunchConfig(nproc_per_node, num_nodes, node_rank, address, port)
+    # Only the thread share, not ddpkit run's malloc thresholds: this process is rank 0 and
+    # started with glibc's defaults, and ranks in lockstep should not differ in speed.
+    threads = performance_defaults(nproc_per_node, env).get("OMP_NUM_THREADS")
+    if threads is not None:
+        env = {**env, "OMP_NUM_THREADS": threads}
+        os.environ["OMP_NUM_THREADS"] = threads
+        torch.set_num_threads(int(threads))
+        print(f"ddpkit: OMP_NUM_THREADS={threads} for each of this node's {nproc_per_node} processes "
+              "(set it yourself to choose).", file=sys.stderr, flush=True)
     folder = tempfile.TemporaryDirectory(prefix="ddpkit-ranks-")
     children = []
     for local_rank in range(1, nproc_per_node):
