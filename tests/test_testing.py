@@ -28,6 +28,13 @@ def rank_one_is_killed() -> None:
     dist.barrier()
 
 
+def rank_zero_reports_a_reset_before_rank_one_is_seen_dead() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(0.2)  # the order the pool sees under load: the witness's error first
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ConnectionResetError("Read error: Connection reset by peer")
+
+
 def rank_one_hangs() -> None:
     if dist.get_rank() == 1:
         time.sleep(60)
@@ -56,6 +63,12 @@ def test_a_killed_rank_is_named_with_its_signal(pool2: WorkerPool) -> None:
     with pytest.raises(RankFailedError, match="(?s)rank 1 of 2.*was killed by signal SIGKILL"):
         pool2.run(rank_one_is_killed)
     assert time.monotonic() - start < 5
+    assert pool2.run(rank_and_size) == [(0, 2), (1, 2)]
+
+
+def test_a_peer_that_died_is_named_rather_than_the_rank_that_saw_its_connection_reset(pool2: WorkerPool) -> None:
+    with pytest.raises(RankFailedError, match="(?s)rank 1 of 2.*was killed by signal SIGKILL"):
+        pool2.run(rank_zero_reports_a_reset_before_rank_one_is_seen_dead)
     assert pool2.run(rank_and_size) == [(0, 2), (1, 2)]
 
 

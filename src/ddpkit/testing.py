@@ -42,6 +42,8 @@ from ddpkit._process import describe_exit
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool"]
 
 _STOP = b"stop"
+# How long a rank's error waits for a peer's death to be seen before the error is reported.
+_DEATH_GRACE_SECONDS = 0.5
 
 
 class RankFailedError(RuntimeError):
@@ -182,11 +184,23 @@ class WorkerPool:
                     continue
                 status, value = self._receive(rank)
                 if status != "ok":
+                    if status != "died":
+                        rank, value = self._dead_peer(rank, pending) or (rank, value)
                     self._kill()
                     raise RankFailedError(rank, self.world_size, name, value)
                 results[rank] = value
                 pending.discard(rank)
         return results
+
+    def _dead_peer(self, failed: int, pending: set[int]) -> tuple[int, str] | None:
+        """A rank whose collective failed is often only the witness of a peer that died (its
+        connection was reset): name a pending rank whose process ended instead, if one does
+        within a short grace. Its death came first, but the two are seen in either order."""
+        sentinels = {self._processes[rank].sentinel: rank for rank in pending if rank != failed}
+        for ready in multiprocessing.connection.wait(list(sentinels), timeout=_DEATH_GRACE_SECONDS):
+            dead = sentinels[ready]
+            return dead, self._receive(dead)[1]
+        return None
 
     def _receive(self, rank: int) -> tuple[str, Any]:
         """The reply of ``rank``, or a description of how its process ended."""
