@@ -199,7 +199,9 @@ class WorkerPool:
         sentinels = {self._processes[rank].sentinel: rank for rank in pending if rank != failed}
         for ready in multiprocessing.connection.wait(list(sentinels), timeout=_DEATH_GRACE_SECONDS):
             dead = sentinels[ready]
-            return dead, self._receive(dead)[1]
+            status, value = self._receive(dead)
+            if status != "ok":  # it did not finish its work first
+                return dead, value
         return None
 
     def _receive(self, rank: int) -> tuple[str, Any]:
