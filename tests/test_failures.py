@@ -12,6 +12,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.failures import PeerFailedError
+from ddpkit.hangs import watch_for_hangs
 from ddpkit.testing import WorkerPool
 
 PG_TIMEOUT = 5.0
@@ -72,6 +73,21 @@ def check(results: list[tuple[str, str, int | None, float]], failing_rank: int) 
 def test_a_failing_step_is_named_on_every_rank_before_the_timeout(failing_rank: int) -> None:
     with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
         check(pool.run(train_with_a_failing_forward, failing_rank), failing_rank)
+
+
+def train_with_a_failing_forward_while_watching_for_hangs(failing_rank: int) -> tuple[str, str, int | None, float]:
+    watch_for_hangs(30)
+    try:
+        return train_with_a_failing_forward(failing_rank)
+    finally:
+        watch_for_hangs(None)
+
+
+def test_hang_diagnosis_does_not_keep_a_failed_rank_connected() -> None:
+    # The watch once held the group itself, which kept its connections open after the failing
+    # rank destroyed it: the peer waited for the whole process-group timeout.
+    with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
+        check(pool.run(train_with_a_failing_forward_while_watching_for_hangs, 1), 1)
 
 
 def collectives_with_a_guarded_failure() -> tuple[str, str, int | None, float]:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -40,7 +41,9 @@ class _Watch:
     """One process's record of the collective it is in, and the thread that watches it."""
 
     def __init__(self, seconds: float, group: Any, store: Any) -> None:
-        self.seconds, self.group, self.store = seconds, group, store
+        # A weak reference: a strong one would keep the group's connections open after
+        # destroy_process_group, and peers blocked on them would not be freed (ddpkit.failures).
+        self.seconds, self.group, self.store = seconds, weakref.ref(group), store
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.main_thread = threading.main_thread().ident
         self.entered = 0
@@ -160,7 +163,7 @@ def active_watch() -> _Watch | None:
         return None
     watch = _settings.watch
     group = dist.distributed_c10d._get_default_group()
-    if watch is None or watch.group is not group or not watch.running():  # first use, a new group, or turned back on
+    if watch is None or watch.group() is not group or not watch.running():  # first use, a new group, or turned back on
         watch = _settings.watch = _Watch(seconds, group, dist.distributed_c10d._get_default_store())
     watch.seconds = seconds
     return watch
