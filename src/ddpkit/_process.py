@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass
 
 
@@ -17,9 +18,18 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def write_error_record(error_file: str, rank: int, kind: str, message: str, trace: str) -> None:
+def failure_record(rank: int, kind: str, message: str, trace: str) -> dict[str, object]:
+    """One rank's failure, as the launchers' error files and the store (``ddpkit.failures``) hold it."""
+    return {"rank": rank, "time": time.time(), "type": kind, "message": message, "traceback": trace}
+
+
+def exception_record(rank: int, error: BaseException) -> dict[str, object]:
+    """``failure_record`` of an exception, with its traceback."""
+    return failure_record(rank, type(error).__name__, str(error), "".join(traceback.format_exception(error)))
+
+
+def write_error_record(error_file: str, record: dict[str, object]) -> None:
     """Record a failure where the launcher looks for it (DDPKIT_ERROR_FILE); best effort."""
-    record = {"rank": rank, "time": time.time(), "type": kind, "message": message, "traceback": trace}
     try:
         with open(error_file, "w", encoding="utf-8") as handle:
             json.dump(record, handle)

@@ -20,7 +20,7 @@ import signal
 import sys
 import traceback
 
-from ddpkit._process import write_error_record
+from ddpkit._process import exception_record, write_error_record
 from ddpkit.failures import CollectiveFailedError, publish_failure
 
 _PR_SET_PDEATHSIG = 1
@@ -38,8 +38,7 @@ def _die_with_launcher() -> None:
 
 
 def _record(error_file: str, exc: BaseException) -> None:
-    write_error_record(error_file, int(os.environ.get("RANK", "-1")), type(exc).__name__, str(exc),
-                       "".join(traceback.format_exception(exc)))
+    write_error_record(error_file, exception_record(int(os.environ.get("RANK", "-1")), exc))
 
 
 def _dump_stacks_on_request() -> None:

@@ -24,13 +24,13 @@ import atexit
 import contextlib
 import json
 import time
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit._process import exception_record
 from ddpkit.debug import CollectiveMismatchError
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure"]
@@ -83,10 +83,7 @@ def publish_failure(error: BaseException) -> None:
     if store is None:
         return
     rank = dist.get_rank()
-    record = json.dumps({
-        "rank": rank, "type": type(error).__name__, "message": str(error), "time": time.time(),
-        "traceback": "".join(traceback.format_exception(error)),
-    })
+    record = json.dumps(exception_record(rank, error))  # the launchers' error-file format
     try:
         store.compare_set(FAILURE_KEY, "", record)  # only the first failure: the root cause
     except RuntimeError:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit._process import describe_exit, write_error_record
+from ddpkit._process import describe_exit, failure_record, write_error_record
 from ddpkit._script_launch import LocalRanks, start_local_ranks
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import (
@@ -269,7 +269,7 @@ class DDPStrategy:
         error_file = os.environ.get("DDPKIT_ERROR_FILE")
         if error_file:
             last_line = trace.strip().splitlines()[-1] if trace.strip() else ""
-            write_error_record(error_file, self.global_rank, "Error", last_line, trace)
+            write_error_record(error_file, failure_record(self.global_rank, "Error", last_line, trace))
         if self._local_ranks is not None:  # this process started the other local ranks: end them
             self._local_ranks.terminate()
 
