@@ -55,6 +55,16 @@ def assert_close_grads(actual: dict, expected: dict, rtol: float = 1e-6, scale_t
             torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol)
 
 
+def train_on_global_batches(model: nn.Module, world_size: int, steps: int) -> None:
+    """The single-process reference: SGD on the concatenation of every rank's batch, step by step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = global_batch(world_size, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
 # --- gradients ---------------------------------------------------------------------------------
 
 
@@ -112,12 +122,7 @@ def train_steps(steps: int, use_torch_ddp: bool) -> list[torch.Tensor]:
 
 def test_twenty_sgd_steps_match_single_process(pool: WorkerPool) -> None:
     reference = make_mlp()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(20):
-        x, y = global_batch(pool.world_size, step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        optimizer.step()
+    train_on_global_batches(reference, pool.world_size, 20)
     for params in pool.run(train_steps, 20, False, timeout=60):
         for actual, expected in zip(params, reference.parameters()):
             torch.testing.assert_close(actual, expected.detach(), rtol=0, atol=1e-5)
@@ -587,12 +592,7 @@ def launches_and_parameters(as_view: bool, steps: int) -> tuple[list[list[int]],
 @pytest.mark.parametrize("as_view", [False, True], ids=["copies", "views"])
 def test_buckets_are_rebuilt_in_the_order_gradients_arrive(pool: WorkerPool, as_view: bool) -> None:
     reference = UsedInReverse()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(4):
-        x, y = global_batch(pool.world_size, step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        optimizer.step()
+    train_on_global_batches(reference, pool.world_size, 4)
     for per_step, params in pool.run(launches_and_parameters, as_view, 4, timeout=60):
         # Step 1, registration order: the first bucket holds the first layer, whose gradient comes
         # last, so nothing can launch before backward ends. From step 2 the first bucket launches early.
