@@ -306,7 +306,8 @@ class DistributedDataParallel(nn.Module):
     def _begin_backward(self) -> None:
         self._step.in_backward = True
         # Debug mode checks fingerprints before reducing, so nothing may launch during backward.
-        self._step.overlap = self._reduce_function is None and not self._pre_sync_hooks and not debug_enabled()
+        self._step.debug = debug_enabled()
+        self._step.overlap = self._reduce_function is None and not self._pre_sync_hooks and not self._step.debug
         # The bucket is averaged elementwise with no hook, or with a hook that declares
         # ``averages_elementwise`` (ddpkit's allreduce, fp16, bf16). Then DDP divides while copying
         # gradients in (one pass) and the negotiation flags travel in the buffer (no message);
@@ -403,7 +404,7 @@ class DistributedDataParallel(nn.Module):
 
     def _synchronise(self) -> None:
         """Complete, launch and await every bucket; copy results back; then buffers."""
-        if debug_enabled() and self._world_size > 1:
+        if self._step.debug and self._world_size > 1:
             _check_fingerprints("DistributedDataParallel backward", self.process_group)
         for bucket in self._buckets[self._step.next_bucket :]:
             for slot, ready in enumerate(bucket.ready):
@@ -625,6 +626,7 @@ class _StepState:
 
     in_backward: bool = False
     overlap: bool = True  # launch buckets during backward
+    debug: bool = False  # debug mode (ddpkit.debug) for this backward: fingerprints before reducing
     elementwise: bool = True  # DDP divides while copying in, and the flags travel in the buffer
     next_bucket: int = 0  # buckets launch strictly in index order
     in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)
