@@ -117,6 +117,8 @@ SLURM = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "6",
         ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
         ("host.example.com", ["host.example.com"]),
         ("n[9-11]", ["n9", "n10", "n11"]),
+        ("alpha beta gamma", ["alpha", "beta", "gamma"]),  # as some sites set it
+        (" a[1-2]  b3\tc, d ", ["a1", "a2", "b3", "c", "d"]),
     ],
 )
 def test_expand_slurm_nodelist(nodelist: str, hosts: list[str]) -> None:
@@ -127,6 +129,10 @@ def test_expand_slurm_nodelist(nodelist: str, hosts: list[str]) -> None:
 def test_expand_slurm_nodelist_rejects_garbage(nodelist: str) -> None:
     with pytest.raises(ValueError, match="SLURM_NODELIST"):
         expand_slurm_nodelist(nodelist)
+
+
+def test_space_separated_nodelist_gives_the_first_host_as_main_address() -> None:
+    assert SLURMEnvironment({**SLURM, "SLURM_NODELIST": "alpha beta gamma"}).main_address == "alpha"
 
 
 def test_slurm_reads_srun_variables_and_derives_port_from_job_id() -> None:

@@ -301,6 +301,8 @@ class TorchElasticEnvironment(_ResolvedEnvironment):
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """Expand a SLURM host list such as ``node[01-04,07],gpu5,rack[1-2]-n[1-2]`` into host names.
 
+    Hosts may be separated by commas or by whitespace (``"alpha beta gamma"``).
+
     Zero padding is kept (``node[01-03]`` gives node01, node02, node03); several bracket groups
     in one name give their product, as ``scontrol show hostnames`` does.
     """
@@ -311,14 +313,14 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split at commas outside brackets."""
+    """Split at commas and whitespace outside brackets (some sites separate hosts with spaces)."""
     items, depth, start = [], 0, 0
     for index, char in enumerate(text):
         if char == "[":
             depth += 1
         elif char == "]":
             depth -= 1
-        elif char == "," and depth == 0:
+        elif (char == "," or char.isspace()) and depth == 0:
             items.append(text[start:index])
             start = index + 1
     items.append(text[start:])
