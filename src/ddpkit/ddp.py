@@ -292,7 +292,9 @@ class DistributedDataParallel(nn.Module):
                 return  # a second call in the same backward (retain_graph reuse): already counted
             if self._step.observed is not None:
                 self._step.observed.append(name)
-            if batched:
+            if self._step.defer_copies:
+                pass  # a pre-sync hook may still change .grad: everything is copied after it ran
+            elif batched:
                 bucket.batched.append((parameter, view))
             else:
                 self._copy_into_bucket(parameter, view)
@@ -307,7 +309,8 @@ class DistributedDataParallel(nn.Module):
         self._step.in_backward = True
         # Debug mode checks fingerprints before reducing, so nothing may launch during backward.
         self._step.debug = debug_enabled()
-        self._step.overlap = self._reduce_function is None and not self._pre_sync_hooks and not self._step.debug
+        self._step.defer_copies = bool(self._pre_sync_hooks)
+        self._step.overlap = self._reduce_function is None and not self._step.defer_copies and not self._step.debug
         # The bucket is averaged elementwise with no hook, or with a hook that declares
         # ``averages_elementwise`` (ddpkit's allreduce, fp16, bf16). Then DDP divides while copying
         # gradients in (one pass) and the negotiation flags travel in the buffer (no message);
@@ -406,9 +409,14 @@ class DistributedDataParallel(nn.Module):
         """Complete, launch and await every bucket; copy results back; then buffers."""
         if self._step.debug and self._world_size > 1:
             _check_fingerprints("DistributedDataParallel backward", self.process_group)
+        if self._step.defer_copies:
+            # The hooks see the complete local gradients in .grad, and what they leave there is
+            # what gets reduced: nothing was copied into the buckets yet.
+            for hook in list(self._pre_sync_hooks.values()):
+                hook(self)
         for bucket in self._buckets[self._step.next_bucket :]:
             for slot, ready in enumerate(bucket.ready):
-                if not ready:  # no gradient in this backward: an accumulated one (no_sync), or zeros
+                if not ready or self._step.defer_copies:  # not ready: an accumulated gradient (no_sync), or zeros
                     self._copy_into_bucket(bucket.parameters[slot], bucket.views[slot])
             bucket.pending = 0
         if self._reduce_function is not None:
@@ -416,8 +424,6 @@ class DistributedDataParallel(nn.Module):
                 self._copy_batched(bucket)
             self._reduce_with_custom_function(self._reduce_function)
         else:
-            for hook in list(self._pre_sync_hooks.values()):
-                hook(self)
             self._launch_complete_buckets()
         self._await_and_copy_back(self._negotiation_needed())
         if self.broadcast_buffers:
@@ -626,6 +632,7 @@ class _StepState:
 
     in_backward: bool = False
     overlap: bool = True  # launch buckets during backward
+    defer_copies: bool = False  # copy gradients into buckets only at the end (pre-sync hooks change them)
     debug: bool = False  # debug mode (ddpkit.debug) for this backward: fingerprints before reducing
     elementwise: bool = True  # DDP divides while copying in, and the flags travel in the buffer
     next_bucket: int = 0  # buckets launch strictly in index order
