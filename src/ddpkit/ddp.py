@@ -233,8 +233,12 @@ class DistributedDataParallel(nn.Module):
         groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap)
         self._buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
                          for i, g in enumerate(groups)]
+        # A parameter frozen after wrapping cannot take a hook (torch refuses). It keeps its slot:
+        # the end of backward copies whatever gradient it has (none: zeros, or None when no rank
+        # has one), so unfreezing it later is right too, only without overlap for it.
         self._hook_handles = [bucket.parameters[slot].register_post_accumulate_grad_hook(self._make_hook(bucket, slot))
-                              for bucket in self._buckets for slot in range(len(bucket.parameters))]
+                              for bucket in self._buckets for slot in range(len(bucket.parameters))
+                              if bucket.parameters[slot].requires_grad]
         if self.gradient_as_bucket_view:
             # Gradients that were views into the old buffers move into the new ones (and the old
             # buffers are freed), so .grad stays a bucket view.
