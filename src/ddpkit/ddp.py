@@ -21,7 +21,12 @@ How a step goes:
    ``reduce_function``, which see only gradients, it is one small all-reduce). Every
    reduction is awaited and copied back before backward returns, so the optimizer sees
    averaged gradients.
-4. Buffers are broadcast from the group's first rank after backward, and before a forward
+4. Embedding weights with ``sparse=True`` get sparse gradients: they stay out of the buckets
+   and are averaged as sparse tensors after them (``ddpkit.sparse``); comm hooks and
+   ``reduce_function`` see only the dense buckets. A sparse gradient of any other parameter
+   (``F.embedding(..., sparse=True)`` on a plain parameter) is averaged densified in its
+   bucket and comes back dense: correct, at the cost of the whole tensor's bytes.
+5. Buffers are broadcast from the group's first rank after backward, and before a forward
    when forwards ran without a backward (evaluation).
 """
 
@@ -44,6 +49,7 @@ from ddpkit.debug import call_site, debug_enabled
 from ddpkit.distributed import _check_fingerprints, all_gather_object, broadcast_object, distributed_available
 from ddpkit.failures import CollectiveFailedError, guard, peer_failure
 from ddpkit.hangs import active_watch
+from ddpkit.sparse import average_sparse_gradients, sparse_gradient_parameters
 
 __all__ = ["DistributedDataParallel"]
 
@@ -133,7 +139,12 @@ class DistributedDataParallel(nn.Module):
         launch_order = self._check_same_module_everywhere(module)
         self._broadcast_state()
 
-        self._trainable = dict(named)
+        # Embeddings with sparse=True get sparse gradients: averaged as sparse tensors after the
+        # dense buckets (ddpkit.sparse), in the group's first rank's order, never put in a bucket.
+        sparse_ids = sparse_gradient_parameters(module)
+        self._trainable = {name: p for name, p in named if id(p) not in sparse_ids}
+        self._sparse = [p for name, p in ((n, dict(named).get(n)) for n in launch_order)
+                        if p is not None and id(p) in sparse_ids]
         self._bucket_cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
         self._scale = 1.0 / self._world_size
         # (submodule, name) of every buffer: read afresh each sync, so reassigned buffers are seen,
@@ -150,6 +161,8 @@ class DistributedDataParallel(nn.Module):
         self._buckets: list[Bucket] = []
         self._hook_handles: list[RemovableHandle] = []
         self._set_launch_order([name for name in launch_order if name in self._trainable])
+        # Their hook only makes sure the end of backward runs, also when no dense gradient arrives.
+        self._sparse_hook_handles = [p.register_post_accumulate_grad_hook(self._on_sparse_gradient) for p in self._sparse]
 
     # -----------------------------------------------------------------------------------------
     # Construction helpers
@@ -309,6 +322,10 @@ class DistributedDataParallel(nn.Module):
 
         return on_gradient_ready
 
+    def _on_sparse_gradient(self, parameter: Tensor) -> None:
+        if self.require_backward_grad_sync and not self._step.in_backward:
+            self._begin_backward()
+
     def _begin_backward(self) -> None:
         self._step.in_backward = True
         # Debug mode checks fingerprints before reducing, so nothing may launch during backward.
@@ -328,6 +345,10 @@ class DistributedDataParallel(nn.Module):
         if grad is None:
             view.zero_()
         elif grad is view:
+            if self._step.elementwise:
+                view.mul_(self._scale)
+        elif grad.layout != torch.strided:  # sparse, from a module ddpkit did not recognise: densified
+            view.copy_(grad.to_dense())
             if self._step.elementwise:
                 view.mul_(self._scale)
         elif self._step.elementwise:
@@ -351,7 +372,14 @@ class DistributedDataParallel(nn.Module):
         parameters = bucket.batched_parameters if every_one else [parameter for parameter, _ in arrived]
         views = bucket.batched_views if every_one else [view for _, view in arrived]
         grads = [parameter.grad for parameter in parameters]  # each hook fired, so none is None
-        torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+        try:
+            torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+        except RuntimeError:
+            if all(grad.layout == torch.strided for grad in grads):  # type: ignore[union-attr]
+                raise
+            # Sparse gradients from a module ddpkit did not recognise: densified one by one.
+            for view, grad in zip(views, grads):
+                view.copy_(grad.to_dense())  # type: ignore[union-attr]
         if self._step.elementwise:  # g * (1/world): the same arithmetic as mul(out=)
             if every_one:
                 bucket.batched_region.mul_(self._scale)  # they lie contiguous: one pass, not one call each
@@ -430,6 +458,8 @@ class DistributedDataParallel(nn.Module):
         else:
             self._launch_complete_buckets()
         self._await_and_copy_back(self._negotiation_needed())
+        if self._sparse and self._world_size > 1:
+            average_sparse_gradients(self._sparse, self.process_group, self._scale)
         if self.broadcast_buffers:
             self._sync_buffers()
         if self._step.observed is not None:
@@ -472,7 +502,7 @@ class DistributedDataParallel(nn.Module):
         """Wait for each bucket in turn and copy its results back at once, so copying bucket i
         overlaps with the reduction of the buckets after it (as torch's Reducer does)."""
         separate = None
-        if negotiate and not self._step.elementwise:
+        if negotiate and not self._step.elementwise and self._buckets:
             # Its answer only matters for parameters no rank touched (rare): copy everything back
             # first and undo those afterwards, rather than wait for it before the first copy.
             separate = self._launch_separate_negotiation()
@@ -507,8 +537,23 @@ class DistributedDataParallel(nn.Module):
             else:
                 targets.append(parameter.grad)
                 sources.append(view)
-        if targets:
+        if not targets:
+            return
+        try:
             torch._foreach_copy_(targets, sources)  # one call instead of one copy_ per parameter
+        except RuntimeError:
+            if all(target.layout == torch.strided for target in targets):
+                raise
+            self._copy_back_densifying(bucket, used)
+
+    def _copy_back_densifying(self, bucket: Bucket, used: list[bool] | None) -> None:
+        """The slow copy back, for a sparse gradient that went through a dense bucket: it comes back dense."""
+        for slot, (parameter, view) in enumerate(zip(bucket.parameters, bucket.views)):
+            if (used is None or used[slot]) and parameter.grad is not None and parameter.grad is not view:
+                if parameter.grad.layout == torch.strided:
+                    parameter.grad.copy_(view)
+                else:
+                    parameter.grad = view.clone()
 
     # -----------------------------------------------------------------------------------------
     # Public API
@@ -554,6 +599,12 @@ class DistributedDataParallel(nn.Module):
                 self._shadow_until_all_joined(shadow_step)
 
     def _check_join_supported(self) -> None:
+        if self._sparse:
+            raise ValueError(
+                f"DistributedDataParallel.join() cannot shadow the reduction of sparse gradients ({len(self._sparse)} "
+                "embedding weight(s) with sparse=True). Stop every rank at the shortest one with "
+                "ddpkit.even_batches(loader), or use sparse=False."
+            )
         hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
         if self._reduce_function is not None or self._pre_sync_hooks or (self._comm_hook is not None and not hook_elementwise):
             used = ("reduce_function" if self._reduce_function is not None else
