@@ -52,3 +52,65 @@ def test_a_pre_sync_hook_changes_gradients_of_every_size(pool2: WorkerPool, hook
     """pytorch-pfn-extras' semantics: the hook changes the local gradients, then they are averaged."""
     for extremes in pool2.run(pre_sync_step, hook_name, as_view, timeout=60):
         assert extremes == [(expected, expected)] * len(SIZES)
+
+
+# --- hooks are checked when registered ----------------------------------------------------------
+# (This file has string annotations, from __future__: the checks read those as well.)
+
+
+def one_argument(bucket):  # type: ignore[no-untyped-def]
+    return bucket
+
+
+def returns_int(state: object, bucket: dist.GradBucket) -> int:
+    return 0
+
+
+def takes_a_tensor(state: object, bucket: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    raise AssertionError("never called")
+
+
+def two_arguments_pre_sync(ddp, extra):  # type: ignore[no-untyped-def]
+    pass
+
+
+def registration_errors() -> list[str]:
+    model = DistributedDataParallel(nn.Linear(2, 2))
+    messages = []
+    for args in [(None, one_argument), (None, returns_int), (None, takes_a_tensor), (two_arguments_pre_sync,),
+                 (None, 3)]:
+        with pytest.raises((TypeError, ValueError)) as error:
+            model.register_comm_hook(*args)
+        messages.append(str(error.value))
+    return messages
+
+
+def test_a_malformed_hook_is_refused_when_registered_with_what_to_write(pool2: WorkerPool) -> None:
+    for messages in pool2.run(registration_errors, timeout=60):
+        signature, annotated_int, annotated_tensor, pre_sync, not_callable = messages
+        assert "one_argument" in signature and "hook(state, bucket)" in signature
+        assert "returns_int" in annotated_int and "'int'" in annotated_int and "Future" in annotated_int
+        assert "takes_a_tensor" in annotated_tensor and "GradBucket" in annotated_tensor
+        assert "two_arguments_pre_sync" in pre_sync and "hook(ddp_module)" in pre_sync
+        assert "got int" in not_callable
+
+
+def returns_none_unannotated(state, bucket):  # type: ignore[no-untyped-def]
+    dist.all_reduce(bucket.buffer())  # does the work, forgets to return the future
+
+
+def hook_returning_no_future() -> str:
+    model = DistributedDataParallel(nn.Linear(2, 2))
+    model.register_comm_hook(None, returns_none_unannotated)  # nothing to check yet: no annotations
+    with pytest.raises(TypeError) as error:
+        model(torch.ones(1, 2)).sum().backward()
+    return str(error.value)
+
+
+def test_a_hook_returning_no_future_fails_naming_the_hook() -> None:
+    """Not AttributeError "'NoneType' object has no attribute 'wait'" from inside DDP. A failure
+    in backward ends the group (ddpkit.failures), so this test has its own ranks."""
+    with WorkerPool(2, timeout=60, pg_timeout=20) as pool:
+        for message in pool.run(hook_returning_no_future, timeout=60):
+            assert "returns_none_unannotated" in message and "returned NoneType" in message
+            assert "torch.futures.Future" in message

@@ -49,6 +49,7 @@ from ddpkit.debug import call_site, debug_enabled
 from ddpkit.distributed import _check_fingerprints, all_gather_object, broadcast_object, distributed_available
 from ddpkit.failures import CollectiveFailedError, guard, peer_failure
 from ddpkit.hangs import active_watch
+from ddpkit.hooks.contract import check_comm_hook, check_hook_result, check_pre_sync_hook
 from ddpkit.sparse import average_sparse_gradients, sparse_gradient_parameters
 
 __all__ = ["DistributedDataParallel"]
@@ -409,7 +410,9 @@ class DistributedDataParallel(nn.Module):
                 return dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
             return group.allreduce([bucket.buffer], self._allreduce_options)
         is_last = bucket.index == len(self._buckets) - 1
-        return self._comm_hook(self._comm_state, GradBucket(bucket, is_last, prescaled=elementwise, with_flags=elementwise))
+        result = self._comm_hook(self._comm_state, GradBucket(bucket, is_last, prescaled=elementwise, with_flags=elementwise))
+        check_hook_result(self._comm_hook, result)
+        return result
 
     def _wait_into_bucket(self, bucket: Bucket, pending: Any) -> None:
         """Wait for one bucket's reduction and leave its result in the bucket's buffer (a hook may
@@ -657,8 +660,7 @@ class DistributedDataParallel(nn.Module):
         if set(values) != set(names) or len(args) + len(kwargs) != 2:
             raise TypeError("register_comm_hook takes (hook) or (state, hook); got "
                             f"{len(args)} positional and keyword {sorted(kwargs)} arguments.")
-        if not callable(values["hook"]):
-            raise TypeError(f"hook must be callable, got {type(values['hook']).__name__}.")
+        check_comm_hook(values["hook"])
         if self._comm_hook is not None:
             raise RuntimeError("A communication hook is already registered; torch allows one per module, and so does ddpkit.")
         if self._reduce_function is not None:
@@ -667,8 +669,7 @@ class DistributedDataParallel(nn.Module):
         return None
 
     def _add_pre_sync_hook(self, hook: Callable[[DistributedDataParallel], None]) -> RemovableHandle:
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}.")
+        check_pre_sync_hook(hook)
         handle = RemovableHandle(self._pre_sync_hooks)
         self._pre_sync_hooks[handle.id] = hook
         return handle
