@@ -170,12 +170,15 @@ def test_bad_configuration_is_refused() -> None:
         PowerSGDState(None, start_powerSGD_iter=0)
 
 
-def full_rank_powersgd(kind: str) -> list[torch.Tensor]:
+def full_rank_powersgd(kind: str, registration: str = "register_ddp_comm_hook") -> list[torch.Tensor]:
     """With rank = rows, P spans the whole column space: PowerSGD must return the exact mean."""
     torch.manual_seed(0)
     model = wrap(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3)), kind, 25)
     state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=1, min_compression_rate=0)
-    register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
+    if registration == "register_ddp_comm_hook":
+        register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
+    else:  # the module's own method, as for torch's powerSGD_hook: no names given
+        model.register_comm_hook(state, powerSGD_hook)
     generator = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
     for _ in range(2):  # step 0 plain, step 1 compressed
@@ -185,8 +188,9 @@ def full_rank_powersgd(kind: str) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.module.parameters()]
 
 
+@pytest.mark.parametrize("registration", ["register_ddp_comm_hook", "module.register_comm_hook"])
 @pytest.mark.parametrize("kind", ["torch", "ddpkit"])
-def test_full_rank_compression_returns_the_exact_mean(pool2: WorkerPool, kind: str) -> None:
+def test_full_rank_compression_returns_the_exact_mean(pool2: WorkerPool, kind: str, registration: str) -> None:
     local = []
     for rank in range(2):
         torch.manual_seed(0)
@@ -196,6 +200,34 @@ def test_full_rank_compression_returns_the_exact_mean(pool2: WorkerPool, kind: s
         nn.functional.mse_loss(model(x), y).backward()
         local.append([p.grad for p in model.parameters()])
     mean = [(a + b) / 2 for a, b in zip(*local)]
-    for grads in pool2.run(full_rank_powersgd, kind, timeout=60):
+    for grads in pool2.run(full_rank_powersgd, kind, registration, timeout=60):
         for grad, expected in zip(grads, mean):
             torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def drop_in_for_torch_powersgd(steps: int) -> tuple[list[torch.Tensor], set[str], set[str]]:
+    """torch's DDP with several buckets, the hook registered as torch's own would be, error
+    feedback and warm start on: it trains; state_dict() asks for names, then has them."""
+    model = nn.parallel.DistributedDataParallel(mlp(), bucket_cap_mb=0.001)
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
+    model.register_comm_hook(state, powerSGD_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    with pytest.raises(ValueError, match=r"state.name_parameters\(model.module\)"):
+        state.state_dict()
+    unnamed = set(state.error)
+    state.name_parameters(model.module)
+    return [p.detach().clone() for p in model.module.parameters()], unnamed, set(state.state_dict()["error"])
+
+
+def test_registered_on_torch_ddp_without_names_it_works_as_torch_hook_would(pool: WorkerPool) -> None:
+    results = pool.run(drop_in_for_torch_powersgd, 5, timeout=120)
+    for params, unnamed, named in results:
+        assert len(unnamed) == 3 and all(key.startswith("<unnamed>") for key in unnamed)
+        assert named == {"0.weight", "2.weight", "4.weight"}
+        for ours, first in zip(params, results[0][0]):
+            assert torch.equal(ours, first)  # every rank holds the same parameters

@@ -18,9 +18,13 @@ Where ddpkit differs from torch's ``powerSGD_hook``:
   torch chains them in future callbacks, whose order can differ between ranks (it aborts with
   "Received data size doesn't match expected size" on Gloo with more than one bucket). The
   messages are small, so waiting for them costs a few round trips per bucket.
-- Error-feedback and warm-start state is kept per parameter *name*, not per bucket index, so
-  it survives a change of bucketing and is saved with ``state_dict()``. ddpkit's module gives
-  the names; for torch's, ``register_ddp_comm_hook`` calls ``state.name_parameters(module)``.
+- Error-feedback and warm-start state is kept per parameter, not per bucket index, so it
+  survives a change of bucketing, and by *name* where names are known, so ``state_dict()``
+  can save it. ddpkit's module gives the names; for torch's, ``register_ddp_comm_hook`` calls
+  ``state.name_parameters(module)``. Registered with torch's own
+  ``model.register_comm_hook(state, powerSGD_hook)`` (a drop-in for torch's hook) it keys the
+  memory by parameter identity instead; only ``state_dict()`` then needs
+  ``state.name_parameters(model.module)`` first, and says so.
 - ``compression_stats()`` reports the bytes actually sent in the last iteration.
 """
 
@@ -66,15 +70,21 @@ class PowerSGDState:
         self.orthogonalization_epsilon = orthogonalization_epsilon
         self.random_seed = random_seed
         self.iter = 0
-        self.error: dict[str, Tensor] = {}  # what the approximation missed, per parameter name
-        self.q: dict[str, Tensor] = {}  # warm-start Q, per parameter name
+        # Keyed by parameter name, or by _identity_key(parameter) while names are unknown.
+        self.error: dict[str, Tensor] = {}  # what the approximation missed
+        self.q: dict[str, Tensor] = {}  # warm-start Q
         self._names: dict[int, str] = {}
         self._step = _Stats()
         self._last = _Stats()
 
     def name_parameters(self, module: nn.Module) -> None:
-        """Record parameter names for buckets that do not carry them (torch's GradBucket)."""
+        """Record parameter names for buckets that do not carry them (torch's GradBucket); memory
+        kept so far by parameter identity is renamed."""
         self._names = {id(parameter): name for name, parameter in module.named_parameters()}
+        renames = {_identity_key(parameter): name for name, parameter in module.named_parameters()}
+        for memory in (self.error, self.q):
+            for key in [key for key in memory if key in renames]:
+                memory[renames[key]] = memory.pop(key)
 
     def compression_stats(self) -> dict[str, float]:
         """Bytes of the last completed iteration: sent, and what plain all-reduce would send."""
@@ -82,6 +92,13 @@ class PowerSGDState:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: iteration, error feedback and warm-start matrices by name."""
+        unnamed = sum(key.startswith(_UNNAMED) for key in (*self.error, *self.q))
+        if unnamed:
+            raise ValueError(
+                f"PowerSGDState holds memory for {unnamed} parameter(s) known only by identity (the hook was "
+                "registered on torch's DDP without names), which another process could not match. Call "
+                "state.name_parameters(model.module) once, then state_dict()."
+            )
         return {"iter": self.iter, "error": {k: v.clone() for k, v in self.error.items()},
                 "q": {k: v.clone() for k, v in self.q.items()}}
 
@@ -90,18 +107,26 @@ class PowerSGDState:
         self.error = {k: v.clone() for k, v in state["error"].items()}
         self.q = {k: v.clone() for k, v in state["q"].items()}
 
-    def _parameter_names(self, bucket: Any) -> list[str]:
+    def _parameter_keys(self, bucket: Any) -> list[tuple[str, str]]:
+        """(memory key, seed label) of each parameter of the bucket. The label seeds Q and must be
+        the same on every rank: the name, or for an unnamed parameter its place in the bucket
+        (buckets are identical on every rank)."""
         names = getattr(bucket, "parameter_names", None)
         if callable(names):
-            return list(names())
-        missing = [p for p in bucket.parameters() if id(p) not in self._names]
-        if missing:
-            raise ValueError(
-                "PowerSGDState keeps its memory per parameter name, and this bucket's parameters are unnamed. "
-                "Call state.name_parameters(model.module) before training, or register the hook with "
-                "ddpkit.register_ddp_comm_hook, which does it."
-            )
-        return [self._names[id(p)] for p in bucket.parameters()]
+            return [(name, name) for name in names()]
+        keys = []
+        for slot, parameter in enumerate(bucket.parameters()):
+            name = self._names.get(id(parameter))
+            keys.append((name, name) if name is not None else
+                        (_identity_key(parameter), f"bucket {bucket.index()} slot {slot}"))
+        return keys
+
+
+_UNNAMED = "<unnamed>"
+
+
+def _identity_key(parameter: Tensor) -> str:
+    return f"{_UNNAMED}{id(parameter)}"
 
 
 class _Stats:
@@ -144,18 +169,18 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
 
 def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, world_size: int, stats: _Stats) -> None:
-    names = state._parameter_names(bucket)
-    matrices: list[tuple[str, Tensor]] = []  # (name, view of the bucket as n x m)
+    keys = state._parameter_keys(bucket)
+    matrices: list[tuple[tuple[str, str], Tensor]] = []  # ((memory key, seed label), view of the bucket as n x m)
     rest: list[Tensor] = []  # views averaged uncompressed
     offset = 0
-    for name, parameter in zip(names, bucket.parameters()):
+    for key, parameter in zip(keys, bucket.parameters()):
         view = buffer[offset : offset + parameter.numel()]
         offset += parameter.numel()
         n = parameter.shape[0] if parameter.dim() >= 2 else 1
         m = parameter.numel() // max(n, 1)
         rank = _rank_for(state, n, m)
         if parameter.dim() >= 2 and (n + m) * rank * state.min_compression_rate < n * m:
-            matrices.append((name, view.view(n, m)))
+            matrices.append((key, view.view(n, m)))
         else:
             rest.append(view)
     stats.compressed += len(matrices)
@@ -167,18 +192,19 @@ def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, worl
         return
 
     inputs = []
-    for name, matrix in matrices:
+    for (key, _), matrix in matrices:
         if state.use_error_feedback:
-            error = state.error.get(name)
+            error = state.error.get(key)
             if error is None or error.shape != matrix.shape:
-                error = state.error[name] = torch.zeros_like(matrix)
+                error = state.error[key] = torch.zeros_like(matrix)
             matrix.add_(error)
         inputs.append(matrix.clone() if state.use_error_feedback else matrix)
 
     # Q is kept column-major (a transposed view of an r x m tensor): with one thread, M @ Q then
     # takes 0.24 ms instead of 1.2 ms, and Q = (P^T M)^T 0.26 ms instead of 3.7 ms for M^T P
     # (1024 x 1024, rank 4), because M is read in its own row order.
-    qs = [_initial_q(state, name, matrix.shape[1], _rank_for(state, *matrix.shape), matrix) for name, matrix in matrices]
+    qs = [_initial_q(state, key, label, matrix.shape[1], _rank_for(state, *matrix.shape), matrix)
+          for (key, label), matrix in matrices]
     ps = [matrix @ q for (_, matrix), q in zip(matrices, qs)]
     _all_reduce_together(ps, state.process_group, stats)
     for p in ps:
@@ -186,13 +212,13 @@ def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, worl
     qs = [(p.t() @ matrix).t() for (_, matrix), p in zip(matrices, ps)]
     _all_reduce_together(qs, state.process_group, stats)
 
-    for (name, matrix), p, q, local in zip(matrices, ps, qs, inputs):
+    for ((key, _), matrix), p, q, local in zip(matrices, ps, qs, inputs):
         p.mul_(1.0 / world_size)  # scale the thin factor, not the full matrix
         torch.matmul(p, q.t(), out=matrix)
         if state.use_error_feedback:
-            state.error[name] = local.sub_(matrix)  # the copy becomes the new error: no allocation
+            state.error[key] = local.sub_(matrix)  # the copy becomes the new error: no allocation
         if state.warm_start:
-            state.q[name] = q
+            state.q[key] = q
 
 
 def _rank_for(state: PowerSGDState, n: int, m: int) -> int:
@@ -201,13 +227,13 @@ def _rank_for(state: PowerSGDState, n: int, m: int) -> int:
     return min(n, m, state.matrix_approximation_rank)
 
 
-def _initial_q(state: PowerSGDState, name: str, columns: int, rank: int, like: Tensor) -> Tensor:
-    q = state.q.get(name) if state.warm_start else None
+def _initial_q(state: PowerSGDState, key: str, label: str, columns: int, rank: int, like: Tensor) -> Tensor:
+    q = state.q.get(key) if state.warm_start else None
     if q is not None and q.shape == (columns, rank):
         return q
-    # The same on every rank: seeded by the configuration, the parameter's name and (without
-    # warm start) the iteration.
-    seed = state.random_seed + zlib.crc32(name.encode()) + (0 if state.warm_start else state.iter * 7919)
+    # The same on every rank: seeded by the configuration, the parameter's label (its name) and
+    # (without warm start) the iteration.
+    seed = state.random_seed + zlib.crc32(label.encode()) + (0 if state.warm_start else state.iter * 7919)
     generator = torch.Generator().manual_seed(seed % (2**63))
     return torch.randn(rank, columns, generator=generator).to(device=like.device, dtype=like.dtype).t()
 
