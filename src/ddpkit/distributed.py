@@ -314,7 +314,7 @@ class AllGatherGrad(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
-@_collective("tensor", compare_shape=False)
+@_collective("tensor")  # same shape on every rank: different ones would abort the process in Gloo
 def all_gather_ddp_if_available(tensor: Tensor, group: ProcessGroup = None, sync_grads: bool = False) -> Tensor:
     """Gather ``tensor`` (same shape on every rank) from all ranks of ``group``: ``(world_size, *shape)``.
 
