@@ -250,3 +250,50 @@ def join_with_sparse() -> str:
 def test_join_refuses_sparse_gradients_by_name(pool2: WorkerPool) -> None:
     for message in pool2.run(join_with_sparse, timeout=60):
         assert "sparse gradients" in message and "even_batches" in message
+
+
+# --- gradient accumulation with no_sync -------------------------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    """``second`` is used in the first micro-batch only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(6, 3)
+        self.second = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_second: bool) -> torch.Tensor:
+        return self.first(x) + self.second(x) if use_second else self.first(x)
+
+
+MICRO_BATCHES = 3
+
+
+def accumulate_then_sync(static_graph: bool) -> dict[str, torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(TwoHeads(), static_graph=static_graph)
+    for micro in range(MICRO_BATCHES):
+        x, y = global_batch(world, micro)
+        loss = nn.functional.mse_loss(model(shard(x, rank), micro == 0), shard(y, rank))
+        if micro < MICRO_BATCHES - 1:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    return {name: p.grad.clone() for name, p in model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("static_graph", [False, True], ids=["negotiated", "static_graph"])
+def test_a_parameter_unused_in_the_last_micro_batch_is_still_averaged(pool: WorkerPool, static_graph: bool) -> None:
+    """torch issue 69031 (find_unused_parameters lost such a gradient; fixed in torch 2.13), and
+    static_graph=True with no_sync (torch 2.13 fails an internal assert, torch PR 187732)."""
+    module = TwoHeads()
+    for micro in range(MICRO_BATCHES):
+        x, y = global_batch(pool.world_size, micro)
+        nn.functional.mse_loss(module(x, micro == 0), y).backward()
+    expected = {name: p.grad for name, p in module.named_parameters()}
+    for grads in pool.run(accumulate_then_sync, static_graph, timeout=60):
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], rtol=1e-5, atol=1e-7)
