@@ -34,16 +34,20 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 64, generator=generator), torch.randn(16, 8, generator=generator)
 
 
-def train_with_powersgd(kind: str, bucket_cap_mb: float, steps: int) -> tuple[int, list[torch.Tensor]]:
-    model = wrap(mlp(), kind, bucket_cap_mb)
-    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
-    register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
+def sgd_steps(model: nn.Module, steps: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
         x, y = batch(step)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
+
+
+def train_with_powersgd(kind: str, bucket_cap_mb: float, steps: int) -> tuple[int, list[torch.Tensor]]:
+    model = wrap(mlp(), kind, bucket_cap_mb)
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
+    register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
+    sgd_steps(model, steps)
     buckets = len(model._buckets) if kind == "ddpkit" else int(
         model._get_ddp_logging_data()["rebuilt_bucket_sizes"].count(",") + 1)
     return buckets, [p.grad.clone() for p in model.module.parameters()]
@@ -211,12 +215,7 @@ def drop_in_for_torch_powersgd(steps: int) -> tuple[list[torch.Tensor], set[str]
     model = nn.parallel.DistributedDataParallel(mlp(), bucket_cap_mb=0.001)
     state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
     model.register_comm_hook(state, powerSGD_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(steps):
-        x, y = batch(step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+    sgd_steps(model, steps)
     with pytest.raises(ValueError, match=r"state.name_parameters\(model.module\)"):
         state.state_dict()
     unnamed = set(state.error)

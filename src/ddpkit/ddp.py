@@ -144,8 +144,8 @@ class DistributedDataParallel(nn.Module):
         # dense buckets (ddpkit.sparse), in the group's first rank's order, never put in a bucket.
         sparse_ids = sparse_gradient_parameters(module)
         self._trainable = {name: p for name, p in named if id(p) not in sparse_ids}
-        self._sparse = [p for name, p in ((n, dict(named).get(n)) for n in launch_order)
-                        if p is not None and id(p) in sparse_ids]
+        by_name = dict(named)
+        self._sparse = [by_name[name] for name in launch_order if name in by_name and id(by_name[name]) in sparse_ids]
         self._bucket_cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
         self._scale = 1.0 / self._world_size
         # (submodule, name) of every buffer: read afresh each sync, so reassigned buffers are seen,
