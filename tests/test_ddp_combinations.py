@@ -13,7 +13,7 @@ from torch import nn
 
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
-from test_ddp import global_batch, make_mlp, shard
+from test_ddp import global_batch, grads_of, make_mlp, shard
 
 
 # --- requires_grad changed after wrapping ---------------------------------------------------------
@@ -297,3 +297,162 @@ def test_a_parameter_unused_in_the_last_micro_batch_is_still_averaged(pool: Work
     for grads in pool.run(accumulate_then_sync, static_graph, timeout=60):
         for name in expected:
             torch.testing.assert_close(grads[name], expected[name], rtol=1e-5, atol=1e-7)
+
+
+# --- autocast, bf16 and mixed-dtype parameters ------------------------------------------------------
+
+# bf16 keeps 8 significant bits (eps 2**-8). Sharded and whole-batch training round different
+# partial sums; a few such roundings, relative to each gradient's largest magnitude.
+BF16_SCALE_TOL = 4 * 2**-8
+
+
+class LowPrecisionMLP(nn.Module):
+    """make_mlp's layers, run under CPU autocast, all in bf16, or with the middle layer in bf16."""
+
+    def __init__(self, precision: str) -> None:
+        super().__init__()
+        self.layers = make_mlp()
+        self.precision = precision
+        if precision == "bf16":
+            self.layers.to(torch.bfloat16)
+        elif precision == "mixed":
+            self.layers[2].to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, tanh, middle, _, last = self.layers
+        if self.precision == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.layers(x).float()
+        if self.precision == "bf16":
+            return self.layers(x.bfloat16()).float()
+        hidden = torch.tanh(middle(tanh(first(x)).bfloat16())).float()  # mixed: bf16 in the middle only
+        return last(hidden)
+
+
+def low_precision_grads(precision: str, bucket_cap_mb: float, use_torch_ddp: bool) -> dict[str, torch.Tensor | None]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = LowPrecisionMLP(precision)
+    model = (nn.parallel.DistributedDataParallel(module) if use_torch_ddp
+             else DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb))
+    x, y = global_batch(world)
+    nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
+    return grads_of(module)
+
+
+@pytest.mark.parametrize("precision", ["autocast", "bf16", "mixed"])
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.001], ids=["one_bucket", "bucket_per_parameter"])
+def test_autocast_bf16_and_mixed_dtype_parameters_match_one_process(pool: WorkerPool, precision: str,
+                                                                   bucket_cap_mb: float) -> None:
+    """Each gradient keeps its parameter's dtype (buckets hold one dtype each), equals one process on
+    the concatenated batch within bf16's rounding, and torch's DDP within two bf16 roundings."""
+    module = LowPrecisionMLP(precision)
+    x, y = global_batch(pool.world_size)
+    nn.functional.mse_loss(module(x), y).backward()
+    expected = grads_of(module)
+    ours = pool.run(low_precision_grads, precision, bucket_cap_mb, False, timeout=60)
+    torchs = pool.run(low_precision_grads, precision, bucket_cap_mb, True, timeout=60)
+    for grads, torch_grads in zip(ours, torchs):
+        for name, wanted in expected.items():
+            assert wanted is not None and grads[name] is not None and torch_grads[name] is not None
+            assert grads[name].dtype == wanted.dtype, name
+            scale = wanted.float().abs().max().item()
+            torch.testing.assert_close(grads[name].float(), wanted.float(), rtol=0, atol=BF16_SCALE_TOL * scale)
+            # Scaling by 1/3 and summing round in another order than torch's Reducer: two roundings.
+            two_roundings = 2 * 2**-8 * scale if wanted.dtype == torch.bfloat16 else 1e-6 * scale
+            torch.testing.assert_close(grads[name].float(), torch_grads[name].float(), rtol=0, atol=two_roundings)
+
+
+# --- tied weights -------------------------------------------------------------------------------------
+
+
+class TiedLanguageModel(nn.Module):
+    """The output projection is the embedding table (weight tying, as in GPT-2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(VOCABULARY, 8)
+        self.hidden = nn.Linear(8, 8)
+        self.output = nn.Linear(8, VOCABULARY, bias=False)
+        self.output.weight = self.embedding.weight
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        return self.output(torch.tanh(self.hidden(self.embedding(words))))
+
+
+BATCH = 4
+
+
+def tied_words(world: int, step: int) -> torch.Tensor:
+    return torch.randint(0, VOCABULARY, (BATCH * world,), generator=torch.Generator().manual_seed(step))
+
+
+def sgd_on_tied(model: nn.Module, module: TiedLanguageModel, rank: int | None, world: int, steps: int) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    for step in range(steps):
+        words = tied_words(world, step)
+        if rank is not None:
+            words = words[rank * BATCH : (rank + 1) * BATCH]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(words), words).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def train_tied(steps: int, use_torch_ddp: bool) -> tuple[list[torch.Tensor], bool]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = TiedLanguageModel()
+    model = nn.parallel.DistributedDataParallel(module) if use_torch_ddp else DistributedDataParallel(module)
+    params = sgd_on_tied(model, module, rank, world, steps)
+    return params, module.output.weight is module.embedding.weight
+
+
+def test_tied_weights_are_one_parameter_summing_both_uses(pool: WorkerPool) -> None:
+    """A tied parameter is synchronised once, with the gradient of both its uses (as one process);
+    it stays tied."""
+    module = TiedLanguageModel()
+    expected = sgd_on_tied(module, module, None, pool.world_size, 3)
+    for use_torch_ddp in (False, True):
+        for params, still_tied in pool.run(train_tied, 3, use_torch_ddp, timeout=60):
+            assert still_tied
+            assert len(params) == len(expected)  # the tied table counted once
+            for actual, wanted in zip(params, expected):
+                torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-6)
+
+
+# --- determinism ---------------------------------------------------------------------------------------
+
+
+def seeded_training(hook_name: str, bucket_cap_mb: float) -> list[torch.Tensor]:
+    """Five SGD steps from seed 0 on a model large enough that Gloo splits its all-reduce in chunks."""
+    from ddpkit.hooks import allreduce_hook, fp16_compress_hook
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 8))
+    model = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+    hooks = {"allreduce": allreduce_hook, "fp16": fp16_compress_hook}
+    if hook_name in hooks:
+        model.register_comm_hook(None, hooks[hook_name])
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(5):
+        generator = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(16, 64, generator=generator), torch.randn(16, 8, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.1], ids=["one_bucket", "several_buckets"])
+def test_the_same_seed_gives_bitwise_identical_parameters(pool: WorkerPool, bucket_cap_mb: float) -> None:
+    """Two runs agree bit for bit, on every rank, with and without a hook; ddpkit's allreduce_hook
+    is bit-identical to no hook (the same buffer, flags included, so Gloo chunks it the same)."""
+    runs = {hook: [pool.run(seeded_training, hook, bucket_cap_mb, timeout=60) for _ in range(2)]
+            for hook in ("none", "allreduce", "fp16")}
+    for hook, (first, second) in runs.items():
+        for rank_params in (*first, *second):
+            for actual, wanted in zip(rank_params, first[0]):
+                assert torch.equal(actual, wanted), hook
+    for actual, wanted in zip(runs["allreduce"][0][0], runs["none"][0][0]):
+        assert torch.equal(actual, wanted)

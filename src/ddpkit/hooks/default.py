@@ -14,9 +14,9 @@ Differences from ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``, 
 - ``bf16_compress_hook`` works on Gloo: Gloo sums bfloat16 itself, so no CUDA/NCCL is needed
   (torch's refuses to run there).
 
-On ddpkit's module ``allreduce_hook`` is bit-identical to no hook on 2 ranks; on 3 or more it
-agrees to fp32 rounding (1e-6), because without a hook ddpkit's buckets also carry a few
-negotiation flags, which moves Gloo's ring chunk boundaries and so the order of some sums.
+On ddpkit's module ``allreduce_hook`` is bit-identical to no hook on any number of ranks: it
+all-reduces the same buffer (negotiation flags included) with the same arithmetic. torch's own
+``allreduce_hook`` divides after summing, which rounds differently on 3 ranks or more.
 
 A hook with the attribute ``averages_elementwise = True`` (these three have it) promises to
 return the elementwise average of the whole buffer. ddpkit's DDP then divides by the group
