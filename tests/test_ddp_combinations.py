@@ -456,3 +456,103 @@ def test_the_same_seed_gives_bitwise_identical_parameters(pool: WorkerPool, buck
                 assert torch.equal(actual, wanted), hook
     for actual, wanted in zip(runs["allreduce"][0][0], runs["none"][0][0]):
         assert torch.equal(actual, wanted)
+
+
+# --- torch.compile ------------------------------------------------------------------------------------
+
+# "aot_eager" runs what matters to DDP (Dynamo's graph capture and AOTAutograd's compiled backward,
+# which delivers gradients differently from eager autograd) without inductor's C++ code generation,
+# which takes minutes on a 2-core machine; benchmarks/compile_step.py measures inductor.
+COMPILE_BACKEND = "aot_eager"
+
+
+class OwnMLP(nn.Module):
+    """A module of the user's own: torch.compile(ddp_model) compiles the wrapped module's forward,
+    as for torch's DDP (whose forward Dynamo skips too); torch's own containers met first would be
+    skipped, so users compile inside for those."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = make_mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int) -> list[torch.Tensor]:
+    """SGD through ``model`` on this rank's shard of each global batch (rank None: the whole batch)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = global_batch(world, step)
+        if rank is not None:
+            x, y = shard(x, rank), shard(y, rank)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def compiled_training(where: str, steps: int) -> tuple[list[torch.Tensor], int]:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = OwnMLP()
+    counter = CompileCounterWithBackend(COMPILE_BACKEND)
+    if where == "inside":
+        model = DistributedDataParallel(torch.compile(module, backend=counter))
+    else:
+        model = torch.compile(DistributedDataParallel(module), backend=counter)
+    return sgd_on_shards(model, module, world, rank, steps), counter.frame_count
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_torch_compile_inside_or_outside_trains_as_one_process(pool: WorkerPool, where: str) -> None:
+    """DistributedDataParallel(torch.compile(module)) and torch.compile(DistributedDataParallel(module)):
+    the parameters of one process after 3 steps, and the module compiled as one graph (no graph break)."""
+    module = OwnMLP()
+    expected = sgd_on_shards(module, module, pool.world_size, None, 3)
+    for params, graphs in pool.run(compiled_training, where, 3, timeout=120):
+        assert graphs == 1
+        for actual, wanted in zip(params, expected):
+            torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-6)
+
+
+class IndexedTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(words))
+
+
+def compiled_step_failing_on_rank_one() -> tuple[str, str, int | None]:
+    """An error inside the compiled graph (an index out of range) on rank 1 at the third step."""
+    from ddpkit.failures import PeerFailedError
+
+    rank = dist.get_rank()
+    model = torch.compile(DistributedDataParallel(IndexedTable()), backend=COMPILE_BACKEND)
+    try:
+        for step in range(5):
+            words = torch.randint(0, 10, (8,))
+            if rank == 1 and step == 2:
+                words[0] = 50
+            model(words).sum().backward()
+    except PeerFailedError as error:
+        return "peer", str(error), error.rank
+    except IndexError as error:
+        return "own", str(error), None
+    return "none", "", None
+
+
+def test_an_error_inside_a_compiled_ddp_module_is_named_on_the_other_ranks() -> None:
+    """guard() runs outside the compiled graph: traced into it, its except clause never ran, and
+    rank 0 waited for the timeout and reported only its own stuck reduction."""
+    with WorkerPool(2, timeout=120, pg_timeout=5) as pool:
+        (kind0, text0, named0), (kind1, text1, _) = pool.run(compiled_step_failing_on_rank_one)
+    assert kind1 == "own" and "index out of range" in text1
+    assert kind0 == "peer" and named0 == 1, (kind0, text0)
+    assert text0.startswith("rank 1 failed: IndexError: index out of range")

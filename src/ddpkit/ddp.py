@@ -278,6 +278,10 @@ class DistributedDataParallel(nn.Module):
     # -----------------------------------------------------------------------------------------
     # Forward
 
+    # Under torch.compile(ddp_model), only the wrapped module is compiled: this frame runs as
+    # written, so guard() still sees an error raised inside the compiled module and publishes it
+    # (traced into the graph, its except clause would never run and peers would wait for the timeout).
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with guard():  # an error here is published to the other ranks (see ddpkit.failures)
             if self.broadcast_buffers and self._step.buffers_stale:
