@@ -1,12 +1,13 @@
 """ddpkit: data-parallel PyTorch training over many processes, GPUs and nodes.
 
 The engine underneath is ``torch.distributed`` (Gloo on CPU, NCCL on GPU). Public pieces:
-``ddpkit.DistributedDataParallel``, ``ddpkit.distributed`` (connection and collectives),
+``ddpkit.DistributedDataParallel``, ``ddpkit.SyncBatchNorm``, ``ddpkit.distributed`` (connection and collectives),
 ``ddpkit.environments`` (SLURM, LSF, MPI, torchrun, Kubeflow, local), ``ddpkit.failures``
 (``guard``: one rank's failure named on every rank) and ``ddpkit.testing`` (a multi-rank pool
 for tests).
 """
 
+from ddpkit.batchnorm import SyncBatchNorm
 from ddpkit.data import even_batches
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import (
@@ -40,6 +41,7 @@ __all__ = [
     "DistributedDataParallel",
     "LocalEnvironment",
     "PeerFailedError",
+    "SyncBatchNorm",
     "all_gather_ddp_if_available",
     "all_gather_object",
     "barrier",

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpkit._process import describe_exit, failure_record, write_error_record
 from ddpkit._script_launch import LocalRanks, start_local_ranks
+from ddpkit.batchnorm import SyncBatchNorm
 from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import (
     barrier,
@@ -160,7 +161,9 @@ class DDPStrategy:
     def configure_ddp(self, model: nn.Module) -> nn.Module:
         """Wrap ``model`` (on its device) for data parallelism; register the comm hook if one was given."""
         if self.sync_batchnorm:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            # torch's runs only on CUDA (with fused kernels there); ddpkit's works everywhere.
+            synchronised = nn.SyncBatchNorm if self.root_device.type == "cuda" else SyncBatchNorm
+            model = synchronised.convert_sync_batchnorm(model)
         if self.use_torch_ddp:
             device_ids = [self.root_device] if self.root_device.type == "cuda" else None
             wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)

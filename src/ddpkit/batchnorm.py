@@ -1,0 +1,175 @@
+"""Batch normalization over the whole group's batch, on any device and backend (Gloo/CPU included).
+
+torch's ``nn.SyncBatchNorm`` runs only on CUDA (on CPU it raises "expected input tensor to be on
+GPU"). ``SyncBatchNorm`` here has its constructor, attributes and ``convert_sync_batchnorm``, and
+computes the same thing with plain collectives:
+
+- forward (training): each rank's per-channel count, mean and sum of squared deviations are
+  all-gathered and combined (the parallel variance formula: no cancellation, any batch size per
+  rank, zero included); the running statistics get the group's mean and unbiased variance, as
+  ``nn.BatchNorm`` would on the concatenated batch;
+- backward: the per-channel sums of the output gradient and of its product with the normalised
+  input are all-reduced, so each rank's input gradient is the one-process input gradient of its
+  rows. ``weight`` and ``bias`` get this rank's share (the sum over its own rows), which DDP
+  then averages like any gradient, as with torch's SyncBatchNorm.
+
+Statistics are computed in at least float32 (bf16/fp16 inputs are normalised in float32 and the
+output cast back). In evaluation with running statistics, and without a process group of more
+than one rank, it is plain batch norm and communicates nothing.
+
+It is not a subclass of ``nn.SyncBatchNorm``: torch's DDP refuses any module containing one
+unless the module is on CUDA, and this one is meant to work under either DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Batch norm whose batch statistics are those of the whole process group's batch.
+
+    The same constructor as ``nn.SyncBatchNorm``; ``process_group=None`` is the default group.
+    Works on inputs of shape (N, C, ...) with N >= 0 on each rank.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Any = None, device: Any = None,
+                 dtype: Any = None, *, bias: bool = True) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects input of shape (N, C, ...); got {input.dim()}D input of shape "
+                             f"{tuple(input.shape)}.")
+        if input.size(1) != self.num_features:
+            raise ValueError(f"SyncBatchNorm was made for {self.num_features} channels; got input of shape "
+                             f"{tuple(input.shape)} with {input.size(1)} in dimension 1.")
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        uses_batch_statistics = self.training or not self.track_running_stats
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        synchronised = (uses_batch_statistics and dist.is_available() and dist.is_initialized()
+                        and dist.get_world_size(group) > 1)
+        if not synchronised:
+            return nn.modules.batchnorm._BatchNorm.forward(self, input)
+
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        update_running = self.training and self.track_running_stats
+        return _SynchronisedBatchNorm.apply(
+            input, self.weight, self.bias,
+            self.running_mean if update_running else None, self.running_var if update_running else None,
+            self.eps, momentum, group,
+        )
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
+        """``module`` with every batch-norm layer (``nn.BatchNorm1d/2d/3d``, torch's
+        ``SyncBatchNorm``) replaced by this class, sharing its parameters and buffers. Other
+        ``_BatchNorm`` subclasses are replaced too, as torch's ``convert_sync_batchnorm`` does."""
+        converted = module
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group, bias=module.bias is not None)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return converted
+
+
+def _reduced_dims(input: Tensor) -> list[int]:
+    return [0, *range(2, input.dim())]
+
+
+def _per_channel(values: Tensor, like: Tensor) -> Tensor:
+    """A per-channel vector shaped to broadcast over ``like`` (N, C, ...)."""
+    return values.view(1, -1, *([1] * (like.dim() - 2)))
+
+
+class _SynchronisedBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None,  # type: ignore[override]
+                running_mean: Tensor | None, running_var: Tensor | None,
+                eps: float, momentum: float, group: Any) -> Tensor:
+        compute_dtype = torch.promote_types(input.dtype, torch.float32)
+        values = input.to(compute_dtype)
+        dims = _reduced_dims(input)
+        channels = input.shape[1]
+        count = input.numel() // channels
+        if count > 0:
+            local_mean = values.mean(dims)
+            local_m2 = (values - _per_channel(local_mean, values)).square().sum(dims)
+        else:  # this rank has no rows this step: it contributes nothing, but takes part
+            local_mean = values.new_zeros(channels)
+            local_m2 = values.new_zeros(channels)
+        local = torch.stack([local_mean.new_full((channels,), float(count)), local_mean, local_m2])
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        counts, means, m2s = torch.stack(gathered).unbind(1)  # each (world, C)
+        total = counts[:, 0].sum()
+        if total.item() <= 1:
+            raise ValueError(
+                f"SyncBatchNorm needs more than 1 value per channel across the group when training; got input "
+                f"shape {tuple(input.shape)} on this rank and {int(total.item())} value(s) per channel in all. "
+                "Use a larger batch, or call model.eval() to use the running statistics."
+            )
+        mean = (counts * means).sum(0) / total
+        m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
+        variance = m2 / total
+        invstd = torch.rsqrt(variance + eps)
+        if running_mean is not None and running_var is not None:
+            with torch.no_grad():
+                unbiased = m2 / (total - 1)
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+
+        normalised = (values - _per_channel(mean, values)) * _per_channel(invstd, values)
+        output = normalised
+        if weight is not None:
+            output = output * _per_channel(weight.to(compute_dtype), values)
+        if bias is not None:
+            output = output + _per_channel(bias.to(compute_dtype), values)
+        ctx.save_for_backward(normalised, invstd, weight)
+        ctx.total, ctx.group, ctx.input_dtype = total, group, input.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output.to(input.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        normalised, invstd, weight = ctx.saved_tensors
+        dims = _reduced_dims(grad_output)
+        grad = grad_output.to(normalised.dtype)
+        if grad.numel() > 0:
+            local_sums = torch.stack([grad.sum(dims), (grad * normalised).sum(dims)])
+        else:
+            local_sums = normalised.new_zeros(2, normalised.shape[1])
+        global_sums = local_sums.clone()
+        dist.all_reduce(global_sums, group=ctx.group)
+        mean_grad, mean_grad_normalised = (global_sums / ctx.total).unbind(0)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        grad_input = (grad - _per_channel(mean_grad, grad)
+                      - normalised * _per_channel(mean_grad_normalised, grad)) * _per_channel(scale, grad)
+        # This rank's share of the parameter gradients: DDP averages them like any other.
+        grad_weight = local_sums[1].to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = local_sums[0].to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        return grad_input.to(ctx.input_dtype), grad_weight, grad_bias, None, None, None, None, None
