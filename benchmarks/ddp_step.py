@@ -1,8 +1,9 @@
 """Step time of ddpkit's DistributedDataParallel against torch's (and pytorch-pfn-extras').
 
-    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many]
+    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many] [--backend nccl]
 
-Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool). A step is zero_grad, forward,
+Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool); ``--backend nccl``: two ranks
+with one GPU each, models and batches on the GPU, each step ending with a CUDA synchronise. A step is zero_grad, forward,
 MSE/cross-entropy loss, backward (with gradient synchronisation) and an SGD step. Timed, in
 one run with the methods interleaved in a shuffled order each round (noise hits all alike):
 
@@ -102,35 +103,47 @@ def _peer_ddp() -> type | None:
 
 def measure(model_name: str, steps: int) -> dict[str, list[float]]:
     rank = dist.get_rank()
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     base, batch, loss_fn = build(model_name)
     methods: dict[str, Callable[[], None]] = {}
+    x, y = (tensor.to(device) for tensor in batch(0))
 
-    def trainer(model: nn.Module, sync: bool = True) -> Callable[[], None]:
+    def finish() -> None:
+        if on_gpu:  # the step's kernels ran, not only were queued
+            torch.cuda.synchronize(device)
+
+    def trainer(model: nn.Module) -> Callable[[], None]:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step() -> None:
-            x, y = batch(0)
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             optimizer.step()
+            finish()
         return step
 
     def copy() -> nn.Module:
         clone, _, _ = build(model_name)
         clone.load_state_dict(base.state_dict())
-        return clone
+        return clone.to(device)
+
+    def all_reduce(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat)
+        finish()
 
     single = trainer(copy())
     local = trainer(copy())
-    flat = torch.zeros(sum(p.numel() for p in base.parameters()))
+    flat = torch.zeros(sum(p.numel() for p in base.parameters()), device=device)
+    device_ids = [device] if on_gpu else None
     methods["one process"] = lambda: single() if rank == 0 else None
     methods["both, no sync"] = local
-    methods["raw all-reduce"] = lambda: dist.all_reduce(flat)
-    methods["torch DDP"] = trainer(nn.parallel.DistributedDataParallel(copy()))
+    methods["raw all-reduce"] = lambda: all_reduce(flat)
+    methods["torch DDP"] = trainer(nn.parallel.DistributedDataParallel(copy(), device_ids=device_ids))
     peer = _peer_ddp()
     if peer is not None:
         methods["ppe DDP"] = trainer(peer(copy()))
-    methods["ddpkit"] = trainer(DistributedDataParallel(copy()))
+    methods["ddpkit"] = trainer(DistributedDataParallel(copy(), device_ids=device_ids))
 
     return interleaved_samples(methods, steps)
 
@@ -140,9 +153,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per method (default: 40 for the MLP, 600 for the small models)")
     parser.add_argument("--models", nargs="+", default=["mlp", "lenet", "many"])
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                        help="nccl: one GPU per rank (needs 2 GPUs)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, 2 gloo ranks x 1 thread, medians per step (ms)")
-    with WorkerPool(2, timeout=1200) as pool:
+    print(f"torch {torch.__version__}, 2 {args.backend} ranks x 1 thread, medians per step (ms)")
+    with WorkerPool(2, timeout=1200, backend=args.backend) as pool:
         for model_name in args.models:
             steps = args.steps or (40 if model_name == "mlp" else 600)
             samples = pool.run(measure, model_name, steps)[0]

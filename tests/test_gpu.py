@@ -1,0 +1,187 @@
+"""CUDA/NCCL paths: DDP on GPUs (device_ids, inputs moved to the device), the fp16/bf16 hooks on
+NCCL, SyncBatchNorm on CUDA, a failure named on the other rank. Marked ``gpu``; they skip, saying
+why, on a machine without CUDA or with fewer GPUs than ranks (NCCL wants one GPU per rank).
+
+    python -m pytest -q -m gpu tests/test_gpu.py       # on a machine with 2 GPUs
+
+The functions take the device type, so ``GPU_TEST_DEVICE=cpu`` runs the same checks on Gloo/CPU
+(to check the checks themselves where no GPU is lent).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.batchnorm import SyncBatchNorm
+from ddpkit.ddp import DistributedDataParallel
+from ddpkit.failures import PeerFailedError
+from ddpkit.hooks import bf16_compress_hook, fp16_compress_hook
+from ddpkit.testing import WorkerPool
+from test_ddp import global_batch, make_mlp, shard
+from test_failures import Flaky
+from test_strategy import strategy
+
+RANKS = 2
+DEVICE_TYPE = os.environ.get("GPU_TEST_DEVICE", "cuda")
+BACKEND = "nccl" if DEVICE_TYPE == "cuda" else "gloo"
+
+
+def _missing_gpus() -> str | None:
+    if DEVICE_TYPE != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine (torch.cuda.is_available() is False); run on a GPU machine"
+    if torch.cuda.device_count() < RANKS:
+        return f"NCCL needs one GPU per rank: {RANKS} ranks, {torch.cuda.device_count()} GPU(s) here"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing_gpus() is not None, reason=str(_missing_gpus()))]
+
+
+@pytest.fixture(scope="module")
+def gpu_pool():  # type: ignore[no-untyped-def]
+    with WorkerPool(RANKS, timeout=120, pg_timeout=30, backend=BACKEND) as pool:
+        yield pool
+
+
+def this_device() -> torch.device:
+    if DEVICE_TYPE == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())  # the pool set one GPU per rank
+    return torch.device("cpu")
+
+
+def sgd_steps(model: nn.Module, module: nn.Module, rank: int | None, world: int, steps: int,
+              device: torch.device | None) -> list[torch.Tensor]:
+    """SGD on this rank's shard (rank None: the whole batch); inputs stay on the CPU when
+    ``device`` is None, so the DDP wrapper has to move them."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = global_batch(world, step)
+        if rank is not None:
+            x, y = shard(x, rank), shard(y, rank)
+        target_device = device or next(module.parameters()).device
+        optimizer.zero_grad()
+        out = model(x if device is None else x.to(device))
+        nn.functional.mse_loss(out, y.to(target_device)).backward()
+        optimizer.step()
+    return [p.detach().cpu() for p in module.parameters()]
+
+
+def reference_parameters(steps: int) -> list[torch.Tensor]:
+    module = make_mlp()
+    return sgd_steps(module, module, None, RANKS, steps, torch.device("cpu"))
+
+
+def train_on_device(hook: str) -> list[torch.Tensor]:
+    device = this_device()
+    module = make_mlp().to(device)
+    model = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
+    if hook != "none":
+        model.register_comm_hook(None, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook])
+    return sgd_steps(model, module, dist.get_rank(), dist.get_world_size(), 3, device=None)
+
+
+@pytest.mark.parametrize("hook", ["none", "fp16", "bf16"])
+def test_ddp_on_the_device_trains_as_one_process(gpu_pool: WorkerPool, hook: str) -> None:
+    """Inputs given on the CPU are moved to the module's device; the hooks compress on NCCL."""
+    tolerance = {"none": 1e-5, "fp16": 2e-3, "bf16": 2e-2}[hook]
+    expected = reference_parameters(3)
+    for params in gpu_pool.run(train_on_device, hook):
+        for actual, wanted in zip(params, expected):
+            torch.testing.assert_close(actual, wanted, rtol=tolerance, atol=tolerance)
+
+
+def scaled_fp16_steps(model: nn.Module, module: nn.Module, rank: int | None, steps: int) -> list[torch.Tensor]:
+    """autocast to fp16 with a GradScaler, as CUDA mixed-precision training does."""
+    device = next(module.parameters()).device
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
+    for step in range(steps):
+        x, y = global_batch(RANKS, step)
+        if rank is not None:
+            x, y = shard(x, rank), shard(y, rank)
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x.to(device)).float(), y.to(device))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return [p.detach().cpu() for p in module.parameters()]
+
+
+def train_with_grad_scaler() -> list[torch.Tensor]:
+    module = make_mlp().to(this_device())
+    return scaled_fp16_steps(DistributedDataParallel(module), module, dist.get_rank(), 3)
+
+
+def test_autocast_fp16_with_grad_scaler_trains_as_one_process(gpu_pool: WorkerPool) -> None:
+    """The scaled gradients are averaged, then unscaled by the scaler: one process's steps
+    within fp16 rounding (the reference runs on this machine's device of the same type)."""
+    device = torch.device(DEVICE_TYPE)
+    module = make_mlp().to(device)
+    expected = scaled_fp16_steps(module, module, None, 3)
+    for params in gpu_pool.run(train_with_grad_scaler):
+        for actual, wanted in zip(params, expected):
+            torch.testing.assert_close(actual, wanted, rtol=1e-2, atol=2e-3)
+
+
+def sync_batchnorm_on_device() -> tuple[torch.Tensor, torch.Tensor]:
+    device, rank = this_device(), dist.get_rank()
+    torch.manual_seed(0)
+    layer = SyncBatchNorm(3).to(device)
+    x = torch.randn(4 * RANKS, 3, 5, generator=torch.Generator().manual_seed(1))[rank * 4 : (rank + 1) * 4]
+    x = x.to(device).requires_grad_(True)
+    layer(x).square().sum().backward()
+    return layer.running_var.cpu(), x.grad.cpu()  # type: ignore[union-attr]
+
+
+def test_ddpkit_sync_batchnorm_on_the_device(gpu_pool: WorkerPool) -> None:
+    torch.manual_seed(0)
+    reference = nn.BatchNorm1d(3)
+    x = torch.randn(4 * RANKS, 3, 5, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    reference(x).square().sum().backward()
+    for rank, (running_var, grad) in enumerate(gpu_pool.run(sync_batchnorm_on_device)):
+        torch.testing.assert_close(running_var, reference.running_var, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, x.grad[rank * 4 : (rank + 1) * 4], rtol=1e-4, atol=1e-5)  # type: ignore[index]
+
+
+def strategy_batchnorm_class() -> type:
+    s = strategy(sync_batchnorm=True, parallel_devices=[this_device()] * RANKS)
+    net = s.setup(nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3)))
+    return type(s.get_model_from_plugin(net)[1])
+
+
+def test_strategy_uses_torchs_sync_batchnorm_on_cuda_and_ddpkits_elsewhere(gpu_pool: WorkerPool) -> None:
+    expected = nn.SyncBatchNorm if DEVICE_TYPE == "cuda" else SyncBatchNorm
+    for kind in gpu_pool.run(strategy_batchnorm_class):
+        assert kind is expected
+
+
+def failing_forward() -> tuple[str, int | None, float]:
+    """Rank 1's forward raises at the third step (inside DDP's forward, which publishes it)."""
+    device = this_device()
+    model = DistributedDataParallel(Flaky(failing_rank=1, failing_step=3).to(device))
+    start = time.monotonic()
+    try:
+        for _ in range(5):
+            model(torch.randn(8, 4, device=device)).sum().backward()
+    except PeerFailedError as error:
+        return "peer", error.rank, time.monotonic() - start
+    except ValueError:
+        return "own", None, time.monotonic() - start
+    return "none", None, time.monotonic() - start
+
+
+def test_a_failure_is_named_on_the_other_rank_before_the_timeout() -> None:
+    with WorkerPool(RANKS, timeout=120, pg_timeout=20, backend=BACKEND) as pool:
+        (kind0, named0, seconds0), (kind1, _, _) = pool.run(failing_forward)
+    assert kind1 == "own"
+    assert kind0 == "peer" and named0 == 1
+    assert seconds0 < 20
