@@ -31,12 +31,14 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from _timing import (  # benchmarks/ is on the path when run as a script
+    interleaved_samples,
+    paired_ratio,
+)
 from torch import nn
 
-from ddpkit.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
-
-from _timing import interleaved_samples, paired_ratio  # benchmarks/ is on the path when run as a script
 
 
 class MLP(nn.Module):

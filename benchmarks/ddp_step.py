@@ -63,12 +63,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _timing import (  # benchmarks/ is on the path when run as a script
+    interleaved_samples,
+    paired_ratio,
+)
 from torch import nn
 
-from ddpkit.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
-
-from _timing import interleaved_samples, paired_ratio  # benchmarks/ is on the path when run as a script
 
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:

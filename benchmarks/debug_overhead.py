@@ -23,14 +23,15 @@ import argparse
 from collections.abc import Callable
 
 import torch
+from _timing import (
+    interleaved_medians,  # benchmarks/ is on the path when run as a script
+)
 from torch import nn
 
 import ddpkit
-from ddpkit.debug import set_debug
-from ddpkit.hangs import watch_for_hangs
+from ddpkit.diagnostics.debug import set_debug
+from ddpkit.diagnostics.hangs import watch_for_hangs
 from ddpkit.testing import WorkerPool
-
-from _timing import interleaved_medians  # benchmarks/ is on the path when run as a script
 
 
 def with_debug(enabled: bool, action: Callable[[], object], hang_seconds: float | None = None) -> Callable[[], None]:

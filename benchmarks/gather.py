@@ -30,11 +30,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _timing import (
+    interleaved_medians,  # benchmarks/ is on the path when run as a script
+)
 
 from ddpkit.distributed import gather_all_tensors
 from ddpkit.testing import WorkerPool
-
-from _timing import interleaved_medians  # benchmarks/ is on the path when run as a script
 
 CALLS_PER_SAMPLE = 5
 

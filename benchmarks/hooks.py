@@ -41,7 +41,6 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import register_ddp_comm_hook
 from ddpkit.hooks import (
     PowerSGDState,
@@ -51,12 +50,12 @@ from ddpkit.hooks import (
     noop_hook,
     powerSGD_hook,
 )
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
 
-
 sys.path.insert(0, str(Path(__file__).parent))
-from ddp_step import build  # noqa: E402  (the same models as the step benchmark)
 from _timing import interleaved_medians  # noqa: E402
+from ddp_step import build  # noqa: E402  (the same models as the step benchmark)
 
 
 class ByteCounter:

@@ -1,4 +1,4 @@
-"""ddpkit.batchnorm.SyncBatchNorm on Gloo/CPU (where torch's raises "expected input tensor to be
+"""ddpkit.parallel.batchnorm.SyncBatchNorm on Gloo/CPU (where torch's raises "expected input tensor to be
 on GPU") against one process's nn.BatchNorm on the concatenated batch, uneven batches included."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_strategy import strategy
 from torch import nn
 
-from ddpkit.batchnorm import SyncBatchNorm
+from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.testing import WorkerPool
-from test_strategy import strategy
 
 CHANNELS = 4
 # Rows per rank: uneven, and one rank with none at all in the last case.
@@ -162,7 +162,7 @@ def test_strategy_sync_batchnorm_trains_as_one_process_on_cpu(pool: WorkerPool, 
     reference = ConvNet()
     expected = train_conv(reference, reference, None, pool.world_size, 3)
     for state, norm_module in pool.run(strategy_with_sync_batchnorm, use_torch_ddp, timeout=60):
-        assert norm_module == "ddpkit.batchnorm"
+        assert norm_module == "ddpkit.parallel.batchnorm"
         for name, wanted in expected.items():
             torch.testing.assert_close(state[name], wanted, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 

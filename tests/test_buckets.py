@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.buckets import Bucket, GradBucket, assign_buckets
+from ddpkit.parallel.buckets import Bucket, GradBucket, assign_buckets
 
 
 def floats(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
 
-from ddpkit.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
 
 BATCH_PER_RANK = 4
@@ -535,7 +535,9 @@ def test_static_graph_skips_negotiation_and_still_averages(pool: WorkerPool) -> 
 
 
 def torch_powersgd_on_ddpkit() -> list[torch.Tensor]:
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        powerSGD_hook as torch_powersgd,
+    )
 
     model = DistributedDataParallel(make_mlp(), static_graph=True)  # one bucket: torch's hook needs that on Gloo
     state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
@@ -605,7 +607,7 @@ def test_buckets_are_rebuilt_in_the_order_gradients_arrive(pool: WorkerPool, as_
 def test_forward_inputs_move_to_the_module_device_through_nested_containers() -> None:
     from collections import namedtuple
 
-    from ddpkit.ddp import _to_device
+    from ddpkit.parallel.ddp import _to_device
 
     Pair = namedtuple("Pair", ["left", "right"])
     meta = torch.device("meta")

@@ -9,12 +9,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from test_ddp import global_batch, grads_of, make_mlp, shard
 from torch import nn
 
-from ddpkit.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
-from test_ddp import global_batch, grads_of, make_mlp, shard
-
 
 # --- requires_grad changed after wrapping ---------------------------------------------------------
 
@@ -531,7 +530,7 @@ class IndexedTable(nn.Module):
 
 def compiled_step_failing_on_rank_one() -> tuple[str, str, int | None]:
     """An error inside the compiled graph (an index out of range) on rank 1 at the third step."""
-    from ddpkit.failures import PeerFailedError
+    from ddpkit.diagnostics.failures import PeerFailedError
 
     rank = dist.get_rank()
     model = torch.compile(DistributedDataParallel(IndexedTable()), backend=COMPILE_BACKEND)

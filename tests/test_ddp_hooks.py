@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.ddp import DistributedDataParallel
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
 
 # One small parameter (copied in batches), one above the batching threshold and one large one:
@@ -109,7 +109,7 @@ def hook_returning_no_future() -> str:
 
 def test_a_hook_returning_no_future_fails_naming_the_hook() -> None:
     """Not AttributeError "'NoneType' object has no attribute 'wait'" from inside DDP. A failure
-    in backward ends the group (ddpkit.failures), so this test has its own ranks."""
+    in backward ends the group (ddpkit.diagnostics.failures), so this test has its own ranks."""
     with WorkerPool(2, timeout=60, pg_timeout=20) as pool:
         for message in pool.run(hook_returning_no_future, timeout=60):
             assert "returns_none_unannotated" in message and "returned NoneType" in message

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.debug import CollectiveMismatchError, set_debug
+from ddpkit.diagnostics.debug import CollectiveMismatchError, set_debug
 from ddpkit.testing import WorkerPool
 
 

@@ -1,5 +1,5 @@
 """One rank's failure reaches the others through the store, in seconds, naming the rank and its
-exception (ddpkit.failures), with a process-group timeout of 5 s and Gloo, no launcher involved."""
+exception (ddpkit.diagnostics.failures), with a process-group timeout of 5 s and Gloo, no launcher involved."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.failures import PeerFailedError
-from ddpkit.hangs import watch_for_hangs
+from ddpkit.diagnostics.failures import PeerFailedError
+from ddpkit.diagnostics.hangs import watch_for_hangs
 from ddpkit.testing import WorkerPool
 
 PG_TIMEOUT = 5.0

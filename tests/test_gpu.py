@@ -16,16 +16,16 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
-from ddpkit.batchnorm import SyncBatchNorm
-from ddpkit.ddp import DistributedDataParallel
-from ddpkit.failures import PeerFailedError
-from ddpkit.hooks import bf16_compress_hook, fp16_compress_hook
-from ddpkit.testing import WorkerPool
 from test_ddp import global_batch, make_mlp, shard
 from test_failures import Flaky
 from test_strategy import strategy
+from torch import nn
+
+from ddpkit.diagnostics.failures import PeerFailedError
+from ddpkit.hooks import bf16_compress_hook, fp16_compress_hook
+from ddpkit.parallel.batchnorm import SyncBatchNorm
+from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.testing import WorkerPool
 
 RANKS = 2
 DEVICE_TYPE = os.environ.get("GPU_TEST_DEVICE", "cuda")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.hangs import last_report, watch_for_hangs
+from ddpkit.diagnostics.hangs import last_report, watch_for_hangs
 from ddpkit.testing import WorkerPool
 
 HANG_SECONDS = 1.0

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import register_ddp_comm_hook
 from ddpkit.hooks import (
     allreduce_hook,
@@ -19,6 +18,7 @@ from ddpkit.hooks import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
 
 HOOKS = {

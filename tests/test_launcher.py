@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.environments import find_free_port
-from ddpkit.launcher import performance_defaults
+from ddpkit.launching.launcher import performance_defaults
 
 PRELUDE = textwrap.dedent(
     """
@@ -220,7 +220,7 @@ def test_launch_runs_a_function_and_returns_results_by_rank() -> None:
 
 def test_launch_raises_the_failing_rank_and_its_traceback() -> None:
     from ddpkit import launch
-    from ddpkit.launcher import RankFailedError
+    from ddpkit.launching.launcher import RankFailedError
 
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:

@@ -8,14 +8,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from test_hooks import Counting
 from torch import nn
 
-from ddpkit.ddp import DistributedDataParallel
 from ddpkit.distributed import register_ddp_comm_hook
 from ddpkit.hooks import PowerSGDState, allreduce_hook, powerSGD_hook
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
-
-from test_hooks import Counting
 
 
 def mlp() -> nn.Module:

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from test_launcher import assert_gone, worker_pids
+from torch import nn
 
 SCRIPT = textwrap.dedent(
     """

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ddpkit.distributed as ddist
+import ddpkit.connection as connection
 from ddpkit.distributed import (
     all_gather_ddp_if_available,
     barrier,
@@ -92,7 +92,7 @@ def test_init_refuses_inconsistent_ranks_and_nccl_without_cuda(no_process_group:
 
 
 def test_init_without_torch_distributed(no_process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ddist.dist, "is_available", lambda: False)
+    monkeypatch.setattr(connection.dist, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="torch.distributed is not available"):
         init_dist_connection(LocalEnvironment({"MASTER_PORT": "29500"}), "gloo")
 

@@ -8,13 +8,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from test_ddp import BATCH_PER_RANK, make_mlp
 from torch import nn
 
 import ddpkit
-from ddpkit.hooks import fp16_compress_hook, powerSGD_hook, PowerSGDState
+from ddpkit.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook
 from ddpkit.testing import WorkerPool
-
-from test_ddp import BATCH_PER_RANK, make_mlp
 
 BATCHES = [10, 7, 4]  # per rank
 

@@ -2,34 +2,81 @@
 
 The engine underneath is ``torch.distributed`` (Gloo on CPU, NCCL on GPU). Public pieces:
 ``ddpkit.DistributedDataParallel``, ``ddpkit.SyncBatchNorm``, ``ddpkit.distributed`` (connection and collectives),
-``ddpkit.environments`` (SLURM, LSF, MPI, torchrun, Kubeflow, local), ``ddpkit.failures``
+``ddpkit.environments`` (SLURM, LSF, MPI, torchrun, Kubeflow, local), ``ddpkit.diagnostics.failures``
 (``guard``: one rank's failure named on every rank) and ``ddpkit.testing`` (a multi-rank pool
 for tests).
 """
 
-from ddpkit.batchnorm import SyncBatchNorm
-from ddpkit.data import even_batches
-from ddpkit.ddp import DistributedDataParallel
-from ddpkit.distributed import (
-    AllGatherGrad,
-    all_gather_ddp_if_available,
-    all_gather_object,
-    barrier,
-    broadcast,
-    broadcast_object,
-    destroy_dist_connection,
-    gather_all_tensors,
-    get_rank,
-    get_world_size,
-    init_dist_connection,
-    register_ddp_comm_hook,
-    sync_ddp,
-    sync_ddp_if_available,
-)
-from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
-from ddpkit.failures import CollectiveFailedError, PeerFailedError, guard
-from ddpkit.launcher import launch
-from ddpkit.strategy import DDPStrategy
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ddpkit import _moved
+
+# Public names are imported when first used, so that `ddpkit run` and a worker's bootstrap do not
+# import the DDP module, the strategy or torch.distributed's collectives before the script runs.
+_PUBLIC_NAMES = {
+    "AllGatherGrad": "ddpkit.distributed",
+    "ClusterEnvironment": "ddpkit.environments",
+    "CollectiveFailedError": "ddpkit.diagnostics.failures",
+    "DDPStrategy": "ddpkit.strategy",
+    "DistributedDataParallel": "ddpkit.parallel.ddp",
+    "LocalEnvironment": "ddpkit.environments",
+    "PeerFailedError": "ddpkit.diagnostics.failures",
+    "SyncBatchNorm": "ddpkit.parallel.batchnorm",
+    "all_gather_ddp_if_available": "ddpkit.distributed",
+    "all_gather_object": "ddpkit.distributed",
+    "barrier": "ddpkit.distributed",
+    "broadcast": "ddpkit.distributed",
+    "broadcast_object": "ddpkit.distributed",
+    "destroy_dist_connection": "ddpkit.distributed",
+    "detect_environment": "ddpkit.environments",
+    "even_batches": "ddpkit.data",
+    "gather_all_tensors": "ddpkit.distributed",
+    "get_rank": "ddpkit.distributed",
+    "get_world_size": "ddpkit.distributed",
+    "guard": "ddpkit.diagnostics.failures",
+    "init_dist_connection": "ddpkit.distributed",
+    "launch": "ddpkit.launching.launcher",
+    "register_ddp_comm_hook": "ddpkit.distributed",
+    "sync_ddp": "ddpkit.distributed",
+    "sync_ddp_if_available": "ddpkit.distributed",
+}
+
+_moved.install()
+
+if TYPE_CHECKING:
+    from ddpkit.data import even_batches
+    from ddpkit.diagnostics.failures import (
+        CollectiveFailedError,
+        PeerFailedError,
+        guard,
+    )
+    from ddpkit.distributed import (
+        AllGatherGrad,
+        all_gather_ddp_if_available,
+        all_gather_object,
+        barrier,
+        broadcast,
+        broadcast_object,
+        destroy_dist_connection,
+        gather_all_tensors,
+        get_rank,
+        get_world_size,
+        init_dist_connection,
+        register_ddp_comm_hook,
+        sync_ddp,
+        sync_ddp_if_available,
+    )
+    from ddpkit.environments import (
+        ClusterEnvironment,
+        LocalEnvironment,
+        detect_environment,
+    )
+    from ddpkit.launching.launcher import launch
+    from ddpkit.parallel.batchnorm import SyncBatchNorm
+    from ddpkit.parallel.ddp import DistributedDataParallel
+    from ddpkit.strategy import DDPStrategy
 
 __version__ = "0.1.0"
 
@@ -60,3 +107,18 @@ __all__ = [
     "sync_ddp",
     "sync_ddp_if_available",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _PUBLIC_NAMES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # found directly next time
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ddpkit.distributed import _communication_device, distributed_available, sync_ddp
+from ddpkit.collectives import communication_device, sync_ddp
+from ddpkit.connection import distributed_available
 
 __all__ = ["even_batches"]
 
@@ -34,7 +35,7 @@ def even_batches(batches: Iterable[T], group: ProcessGroup = None) -> Iterator[T
     if not distributed_available():
         yield from iterator
         return
-    device = _communication_device(group)
+    device = communication_device(group)
     while True:
         try:
             batch, has_one = next(iterator), 1

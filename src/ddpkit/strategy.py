@@ -31,21 +31,20 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit._process import describe_exit, failure_record, write_error_record
-from ddpkit._script_launch import LocalRanks, start_local_ranks
-from ddpkit.batchnorm import SyncBatchNorm
-from ddpkit.ddp import DistributedDataParallel
-from ddpkit.distributed import (
-    barrier,
-    broadcast_object,
+from ddpkit.collectives import barrier, broadcast_object, sync_ddp_if_available
+from ddpkit.connection import (
     destroy_dist_connection,
     distributed_available,
     init_dist_connection,
-    register_ddp_comm_hook,
-    sync_ddp_if_available,
 )
+from ddpkit.diagnostics.failures import guard
+from ddpkit.diagnostics.records import failure_record, write_error_record
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
-from ddpkit.failures import guard
+from ddpkit.hooks.registration import register_ddp_comm_hook
+from ddpkit.launching.in_script import LocalRanks, start_local_ranks
+from ddpkit.launching.processes import describe_exit
+from ddpkit.parallel.batchnorm import SyncBatchNorm
+from ddpkit.parallel.ddp import DistributedDataParallel
 
 __all__ = ["DDPStrategy"]
 
@@ -241,7 +240,7 @@ class DDPStrategy:
         """Nothing to prepare: ddpkit's module needs no per-step set-up before backward."""
 
     def backward(self, loss: Tensor) -> None:
-        with guard():  # a failure here is published to the other ranks (ddpkit.failures)
+        with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
             self.pre_backward(loss)
             loss.backward()
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ddpkit._process import describe_exit
+from ddpkit.launching.processes import describe_exit
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool"]
 
@@ -72,7 +72,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, pg_timeout: float,
     import torch
     import torch.distributed as dist
 
-    from ddpkit.distributed import destroy_dist_connection
+    from ddpkit.connection import destroy_dist_connection
 
     torch.set_num_threads(threads)
     # On SIGUSR1 the parent asks for this worker's stack (it is about to kill a hung pool).

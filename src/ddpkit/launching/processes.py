@@ -1,14 +1,16 @@
-"""Small helpers shared by the launcher, the worker bootstrap, the strategy and the test pool."""
+"""Worker processes: how they ended, their process groups, and which failure was the root cause.
+
+Shared by the launcher, in-script launching, the strategy and the test pool."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
-import traceback
 from dataclasses import dataclass
+
+from ddpkit.diagnostics.records import read_error_record
 
 
 def describe_exit(code: int | None) -> str:
@@ -16,35 +18,6 @@ def describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         return f"was killed by signal {signal.Signals(-code).name}"
     return f"exited with code {code}"
-
-
-def failure_record(rank: int, kind: str, message: str, trace: str) -> dict[str, object]:
-    """One rank's failure, as the launchers' error files and the store (``ddpkit.failures``) hold it."""
-    return {"rank": rank, "time": time.time(), "type": kind, "message": message, "traceback": trace}
-
-
-def exception_record(rank: int, error: BaseException) -> dict[str, object]:
-    """``failure_record`` of an exception, with its traceback."""
-    return failure_record(rank, type(error).__name__, str(error), "".join(traceback.format_exception(error)))
-
-
-def write_error_record(error_file: str, record: dict[str, object]) -> None:
-    """Record a failure where the launcher looks for it (DDPKIT_ERROR_FILE); best effort."""
-    try:
-        with open(error_file, "w", encoding="utf-8") as handle:
-            json.dump(record, handle)
-    except OSError:
-        pass
-
-
-def read_error_record(error_file: str) -> dict[str, object] | None:
-    """The failure a worker recorded with ``write_error_record``, or None when it recorded none."""
-    try:
-        with open(error_file, encoding="utf-8") as handle:
-            record: dict[str, object] = json.load(handle)
-            return record
-    except (OSError, ValueError):
-        return None
 
 
 def signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
@@ -90,7 +63,7 @@ def root_cause(failed: list[WorkerProcess], workers: list[WorkerProcess]) -> tup
     deliberate ``sys.exit``) comes first: its peers' errors ("connection closed") are its
     consequences. Otherwise the earliest recorded exception of any worker, whether or not it
     had exited yet: a worker records its exception first, then tells its peers
-    (``ddpkit.failures``), which may fail and exit before it does.
+    (``ddpkit.diagnostics.failures``), which may fail and exit before it does.
     """
     records = {worker.rank: read_error_record(worker.error_file) for worker in workers}
     for worker in failed:

@@ -1,12 +1,12 @@
 """Bootstrap of a worker started by ``ddpkit run`` or by in-script launching:
-``python -m ddpkit._worker script.py [args]`` or ``python -m ddpkit._worker -m module [args]``.
+``python -m ddpkit.launching.worker script.py [args]`` or ``python -m ddpkit.launching.worker -m module [args]``.
 
 Before running the script as ``__main__`` it (1) asks the kernel to send SIGTERM when the launcher
 dies (Linux ``PR_SET_PDEATHSIG``), and exits at once if the launcher is already gone, so no worker
 outlives a killed launcher; (2) records an uncaught exception, with its traceback and the time it
 happened, in the JSON file the launcher named (``DDPKIT_ERROR_FILE``), so the launcher can name the
 root cause: the earliest failure, not the rank that merely lost its peer; (3) publishes that
-exception to the other ranks through the process group's store (``ddpkit.failures``); (4) dumps
+exception to the other ranks through the process group's store (``ddpkit.diagnostics.failures``); (4) dumps
 its threads' stacks to a file on SIGUSR1, for ``ddpkit run``'s stack dumps.
 """
 
@@ -20,8 +20,8 @@ import signal
 import sys
 import traceback
 
-from ddpkit._process import exception_record, write_error_record
-from ddpkit.failures import CollectiveFailedError, publish_failure
+from ddpkit.diagnostics.failures import CollectiveFailedError, publish_failure
+from ddpkit.diagnostics.records import exception_record, write_error_record
 
 _PR_SET_PDEATHSIG = 1
 
@@ -54,7 +54,7 @@ def _dump_stacks_on_request() -> None:
 
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit("usage: python -m ddpkit._worker (script.py | -m module) [args...]")
+        raise SystemExit("usage: python -m ddpkit.launching.worker (script.py | -m module) [args...]")
     _dump_stacks_on_request()
     _die_with_launcher()
     error_file = os.environ.get("DDPKIT_ERROR_FILE")

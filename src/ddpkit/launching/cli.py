@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ddpkit.environments import LocalEnvironment, detect_environment
-from ddpkit.launcher import LaunchConfig, LaunchError, run_workers
+from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers
 
 __all__ = ["main"]
 
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # script here, once, instead of starting --nproc-per-node more.
         print(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly",
               file=sys.stderr, flush=True)
-        os.execv(sys.executable, [sys.executable, "-m", "ddpkit._worker", args.script, *args.script_args])
+        os.execv(sys.executable, [sys.executable, "-m", "ddpkit.launching.worker", args.script, *args.script_args])
     try:
         config = LaunchConfig(
             nproc_per_node=_nproc(args.nproc_per_node, launcher_argv),

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit._process import exception_record
-from ddpkit.debug import CollectiveMismatchError
+from ddpkit.diagnostics.debug import CollectiveMismatchError
+from ddpkit.diagnostics.records import exception_record
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure"]
 

@@ -22,7 +22,7 @@ How a step goes:
    reduction is awaited and copied back before backward returns, so the optimizer sees
    averaged gradients.
 4. Embedding weights with ``sparse=True`` get sparse gradients: they stay out of the buckets
-   and are averaged as sparse tensors after them (``ddpkit.sparse``); comm hooks and
+   and are averaged as sparse tensors after them (``ddpkit.parallel.sparse``); comm hooks and
    ``reduce_function`` see only the dense buckets. A sparse gradient of any other parameter
    (``F.embedding(..., sparse=True)`` on a plain parameter) is averaged densified in its
    bucket and comes back dense: correct, at the cost of the whole tensor's bytes.
@@ -35,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,13 +44,23 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ddpkit.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, GradBucket, assign_buckets
-from ddpkit.debug import call_site, debug_enabled
-from ddpkit.distributed import _check_fingerprints, all_gather_object, broadcast_object, distributed_available
-from ddpkit.failures import CollectiveFailedError, guard, peer_failure
-from ddpkit.hangs import active_watch
-from ddpkit.hooks.contract import check_comm_hook, check_hook_result, check_pre_sync_hook
-from ddpkit.sparse import average_sparse_gradients, sparse_gradient_parameters
+from ddpkit.collectives import all_gather_object, broadcast_object, check_fingerprints
+from ddpkit.connection import distributed_available
+from ddpkit.diagnostics.debug import call_site, debug_enabled
+from ddpkit.diagnostics.failures import CollectiveFailedError, guard, peer_failure
+from ddpkit.diagnostics.hangs import active_watch
+from ddpkit.hooks.contract import (
+    check_comm_hook,
+    check_hook_result,
+    check_pre_sync_hook,
+)
+from ddpkit.parallel.buckets import (
+    DEFAULT_FIRST_CAP_BYTES,
+    Bucket,
+    GradBucket,
+    assign_buckets,
+)
+from ddpkit.parallel.sparse import average_sparse_gradients, sparse_gradient_parameters
 
 __all__ = ["DistributedDataParallel"]
 
@@ -141,7 +151,7 @@ class DistributedDataParallel(nn.Module):
         self._broadcast_state()
 
         # Embeddings with sparse=True get sparse gradients: averaged as sparse tensors after the
-        # dense buckets (ddpkit.sparse), in the group's first rank's order, never put in a bucket.
+        # dense buckets (ddpkit.parallel.sparse), in the group's first rank's order, never put in a bucket.
         sparse_ids = sparse_gradient_parameters(module)
         self._trainable = {name: p for name, p in named if id(p) not in sparse_ids}
         by_name = dict(named)
@@ -283,7 +293,8 @@ class DistributedDataParallel(nn.Module):
     # (traced into the graph, its except clause would never run and peers would wait for the timeout).
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with guard():  # an error here is published to the other ranks (see ddpkit.failures)
+        # Everything stays in this one frame: with recursive=False, Dynamo compiles the frames it calls.
+        with guard():  # an error here is published to the other ranks (see ddpkit.diagnostics.failures)
             if self.broadcast_buffers and self._step.buffers_stale:
                 self._sync_buffers()  # forwards without backward (evaluation) since the last sync
             self._step.buffers_stale = True
@@ -435,7 +446,7 @@ class DistributedDataParallel(nn.Module):
         if watch is not None:
             watch.enter("DistributedDataParallel backward", call_site())
         try:
-            with guard():  # an error here is published to the other ranks (see ddpkit.failures)
+            with guard():  # an error here is published to the other ranks (see ddpkit.diagnostics.failures)
                 self._synchronise()
         finally:
             if watch is not None:
@@ -447,7 +458,7 @@ class DistributedDataParallel(nn.Module):
     def _synchronise(self) -> None:
         """Complete, launch and await every bucket; copy results back; then buffers."""
         if self._step.debug and self._world_size > 1:
-            _check_fingerprints("DistributedDataParallel backward", self.process_group)
+            check_fingerprints("DistributedDataParallel backward", self.process_group)
         if self._step.defer_copies:
             # The hooks see the complete local gradients in .grad, and what they leave there is
             # what gets reduced: nothing was copied into the buckets yet.
@@ -595,12 +606,12 @@ class DistributedDataParallel(nn.Module):
         values (zeros for a sum, ``torch.empty(0)`` for ``gather_all_tensors``), and a finished
         rank runs it once for every step the others take. Inside the block, ranks must not run
         forwards without backward while others have finished (their buffer broadcasts would have
-        no partner); debug mode (``ddpkit.debug``) reports any such mismatch. Comm hooks other
+        no partner); debug mode (``ddpkit.diagnostics.debug``) reports any such mismatch. Comm hooks other
         than ddpkit's elementwise ones (allreduce, fp16, bf16), ``reduce_function`` and
         one-argument hooks are not supported here.
         """
         self._check_join_supported()
-        yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.failures)
+        yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.diagnostics.failures)
         if self._world_size > 1:
             with guard():
                 self._shadow_until_all_joined(shadow_step)
@@ -633,7 +644,7 @@ class DistributedDataParallel(nn.Module):
     def _shadow_step(self) -> bool:
         """Take part in one reduction with zero gradients and flags; True if some rank still trains."""
         if debug_enabled():
-            _check_fingerprints("DistributedDataParallel backward", self.process_group)
+            check_fingerprints("DistributedDataParallel backward", self.process_group)
         pending = []
         for bucket in self._buckets:  # the same collectives, in the same order, as a real backward
             bucket.buffer.zero_()
@@ -654,7 +665,7 @@ class DistributedDataParallel(nn.Module):
         sees the complete local gradients (so registering one turns overlap off); returns a handle.
 
         ``register_comm_hook(state, hook)``: torch's ``hook(state, bucket) -> Future[Tensor]``
-        replaces each bucket's all-reduce; it receives a ``ddpkit.buckets.GradBucket``.
+        replaces each bucket's all-reduce; it receives a ``ddpkit.parallel.buckets.GradBucket``.
         """
         if len(args) == 1 and not kwargs:
             return self._add_pre_sync_hook(args[0])
@@ -693,7 +704,7 @@ class _StepState:
     in_backward: bool = False
     overlap: bool = True  # launch buckets during backward
     defer_copies: bool = False  # copy gradients into buckets only at the end (pre-sync hooks change them)
-    debug: bool = False  # debug mode (ddpkit.debug) for this backward: fingerprints before reducing
+    debug: bool = False  # debug mode (ddpkit.diagnostics.debug) for this backward: fingerprints before reducing
     elementwise: bool = True  # DDP divides while copying in, and the flags travel in the buffer
     next_bucket: int = 0  # buckets launch strictly in index order
     in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)

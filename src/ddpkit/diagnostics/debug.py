@@ -31,7 +31,7 @@ __all__ = ["CollectiveMismatchError", "Fingerprint", "call_site", "debug_enabled
 
 #: Integers per fingerprint in the all-gather that compares them.
 CODE_LENGTH = 24
-_PACKAGE = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # the ddpkit folder, every part of it
 _TORCH = str(Path(torch.__file__).resolve().parent)
 
 

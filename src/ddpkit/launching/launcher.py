@@ -1,13 +1,13 @@
 """Start, watch and reconcile the workers of one node (what ``ddpkit run`` does).
 
-Each worker runs ``python -m ddpkit._worker script.py args`` in a session of its own, so that
+Each worker runs ``python -m ddpkit.launching.worker script.py args`` in a session of its own, so that
 ending its process group ends its children too. The launcher polls them; at the first failure
 (non-zero exit or a signal) it asks the others to stop (SIGTERM to their process groups), kills
 what is left after ``grace`` seconds, and returns 1 with a summary that names the root cause: the
 earliest recorded exception (workers write them to an error file), else the first rank seen to
 fail. SIGINT and SIGTERM to the launcher end every worker the same way and return 130 and 143.
-SIGUSR1 to the launcher prints every worker's Python stacks (see ``ddpkit._worker``).
-Workers notice a launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit._worker``).
+SIGUSR1 to the launcher prints every worker's Python stacks (see ``ddpkit.launching.worker``).
+Workers notice a launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ddpkit._process import WorkerProcess, describe_exit, end_process_groups, root_cause
 from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
+from ddpkit.launching.processes import (
+    WorkerProcess,
+    describe_exit,
+    end_process_groups,
+    root_cause,
+)
 from ddpkit.testing import RankFailedError, WorkerPool
 
 # How long the launcher gives workers to write their stacks after SIGUSR1.
@@ -137,7 +142,7 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int) -> dict[str
 
 def worker_environment(config: LaunchConfig, port: int, local_rank: int, error_file: str,
                        base: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment of a worker this process starts and watches (see ``ddpkit._worker``)."""
+    """The whole environment of a worker this process starts and watches (see ``ddpkit.launching.worker``)."""
     return {**base, **rank_variables(config, port, local_rank), "DDPKIT_LAUNCHER_PID": str(os.getpid()),
             "DDPKIT_ERROR_FILE": error_file}
 
@@ -198,7 +203,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 stack_file = os.path.join(errors, f"rank{local_rank}.stacks")
                 environment = worker_environment(config, port, local_rank, error_file, {**defaults, **os.environ})
                 environment["DDPKIT_STACK_FILE"] = stack_file
-                process = subprocess.Popen([sys.executable, "-m", "ddpkit._worker", script, *script_args],
+                process = subprocess.Popen([sys.executable, "-m", "ddpkit.launching.worker", script, *script_args],
                                            env=environment, start_new_session=True)
                 workers.append(WorkerProcess(local_rank, int(environment["RANK"]), process, error_file, stack_file))
             return _watch(workers, stop_signal, stack_requests, grace, poll_interval)

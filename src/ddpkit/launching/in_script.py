@@ -5,7 +5,7 @@ same command for local ranks 1..N-1 (Lightning's ``DDPPlugin`` launcher), so tha
 
 trains on two processes without ``ddpkit run``.
 
-Children run through ``python -m ddpkit._worker`` with the torch.distributed variables and
+Children run through ``python -m ddpkit.launching.worker`` with the torch.distributed variables and
 ddpkit's marker set, each in a session of its own (so ending its process group ends its own
 children, e.g. DataLoader workers). They die with the script's process (``PR_SET_PDEATHSIG``),
 and record an uncaught exception in an error file. A watcher thread in the script's process
@@ -28,9 +28,19 @@ from types import TracebackType
 
 import torch
 
-from ddpkit._process import WorkerProcess, describe_exit, end_process_groups, root_cause
 from ddpkit.environments import find_free_port
-from ddpkit.launcher import LaunchConfig, performance_defaults, rank_variables, worker_environment
+from ddpkit.launching.launcher import (
+    LaunchConfig,
+    performance_defaults,
+    rank_variables,
+    worker_environment,
+)
+from ddpkit.launching.processes import (
+    WorkerProcess,
+    describe_exit,
+    end_process_groups,
+    root_cause,
+)
 
 __all__: list[str] = []
 
@@ -47,7 +57,7 @@ def command_of_this_script(argv: list[str] | None = None) -> list[str]:
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name and spec.name != "__main__":  # started as `python -m package.module`
         module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
-        return [sys.executable, "-m", "ddpkit._worker", "-m", module, *argv[1:]]
+        return [sys.executable, "-m", "ddpkit.launching.worker", "-m", module, *argv[1:]]
     script = argv[0] if argv else ""
     if not script or script == "-c" or not os.path.isfile(script):
         raise RuntimeError(
@@ -56,7 +66,7 @@ def command_of_this_script(argv: list[str] | None = None) -> list[str]:
             "Put the training code in a file and run that, start it with `ddpkit run`, or run a function on "
             "several processes with ddpkit.launch(fn, nprocs=N)."
         )
-    return [sys.executable, "-m", "ddpkit._worker", os.path.abspath(script), *argv[1:]]
+    return [sys.executable, "-m", "ddpkit.launching.worker", os.path.abspath(script), *argv[1:]]
 
 
 @dataclass

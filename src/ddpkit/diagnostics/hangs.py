@@ -13,7 +13,7 @@ enters (one small store write each), and a thread of each rank checks five times
   thread even while the main thread is blocked);
 - if another rank asked, it posts its own stack.
 
-The collective itself goes on waiting (the process-group timeout, or ``ddpkit.failures``,
+The collective itself goes on waiting (the process-group timeout, or ``ddpkit.diagnostics.failures``,
 still ends it). ``last_report()`` returns the latest report, for tests and tools.
 """
 
@@ -42,7 +42,7 @@ class _Watch:
 
     def __init__(self, seconds: float, group: Any, store: Any) -> None:
         # A weak reference: a strong one would keep the group's connections open after
-        # destroy_process_group, and peers blocked on them would not be freed (ddpkit.failures).
+        # destroy_process_group, and peers blocked on them would not be freed (ddpkit.diagnostics.failures).
         self.seconds, self.group, self.store = seconds, weakref.ref(group), store
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.main_thread = threading.main_thread().ident

@@ -1,0 +1,6 @@
+"""What ddpkit tells users when something goes wrong: one rank's failure named on every rank
+(``failures``, written as ``records``), hang diagnosis (``hangs``) and the debug-mode
+collective mismatch guard (``debug``).
+
+Imports nothing else of ddpkit, so every other part can use it.
+"""

@@ -1,0 +1,43 @@
+"""Failure records: one rank's failure as the launchers' error files and the store hold it.
+
+A record is a JSON object with ``rank``, ``time``, ``type``, ``message`` and ``traceback``
+(torchrun's error-file fields), so a failure written by a worker, by the strategy or by
+``guard()`` reads the same wherever it is shown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+
+__all__ = ["exception_record", "failure_record", "read_error_record", "write_error_record"]
+
+
+def failure_record(rank: int, kind: str, message: str, trace: str) -> dict[str, object]:
+    """One rank's failure, as the launchers' error files and the store (``ddpkit.diagnostics.failures``) hold it."""
+    return {"rank": rank, "time": time.time(), "type": kind, "message": message, "traceback": trace}
+
+
+def exception_record(rank: int, error: BaseException) -> dict[str, object]:
+    """``failure_record`` of an exception, with its traceback."""
+    return failure_record(rank, type(error).__name__, str(error), "".join(traceback.format_exception(error)))
+
+
+def write_error_record(error_file: str, record: dict[str, object]) -> None:
+    """Record a failure where the launcher looks for it (DDPKIT_ERROR_FILE); best effort."""
+    try:
+        with open(error_file, "w", encoding="utf-8") as handle:
+            json.dump(record, handle)
+    except OSError:
+        pass
+
+
+def read_error_record(error_file: str) -> dict[str, object] | None:
+    """The failure a worker recorded with ``write_error_record``, or None when it recorded none."""
+    try:
+        with open(error_file, encoding="utf-8") as handle:
+            record: dict[str, object] = json.load(handle)
+            return record
+    except (OSError, ValueError):
+        return None

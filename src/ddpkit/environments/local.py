@@ -1,0 +1,53 @@
+"""One node, or nodes joined by hand: processes started by ddpkit or by the user."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ddpkit.environments.base import (
+    DDPKIT_LAUNCHED,
+    _first_of,
+    _int_var,
+    _port_var,
+    _ResolvedEnvironment,
+    _validate,
+    find_free_port,
+)
+
+__all__ = ["LocalEnvironment"]
+
+
+class LocalEnvironment(_ResolvedEnvironment):
+    """One node (or nodes joined by hand with MASTER_ADDR), processes started by ddpkit or the user.
+
+    Reads the torch.distributed variables when they are set, with single-process defaults:
+    ``MASTER_ADDR`` (127.0.0.1), ``MASTER_PORT`` (a free port, chosen once when this object is
+    made; ``init_dist_connection`` exports it so that child processes share it), ``WORLD_SIZE``
+    (1), ``RANK`` (``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``), ``LOCAL_RANK`` (0),
+    ``LOCAL_WORLD_SIZE``, ``NODE_RANK``/``GROUP_RANK`` (0).
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        fix = "Set the variable correctly, or unset it to use the single-process default."
+        self._main_address = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+        self._main_port = _port_var(env, "MASTER_PORT", default=0) if env.get("MASTER_PORT") else find_free_port()
+        self._world_size = _int_var(env, "WORLD_SIZE", fix, default=1, minimum=1)
+        self._local_rank = _int_var(env, "LOCAL_RANK", fix, default=0)
+        node_var = _first_of(env, "NODE_RANK", "GROUP_RANK") or "NODE_RANK"
+        self._node_rank = _int_var(env, node_var, fix, default=0)
+        local_world = _int_var(env, "LOCAL_WORLD_SIZE", fix, default=0, minimum=1) if env.get("LOCAL_WORLD_SIZE") else None
+        default_rank = self._node_rank * (local_world or 1) + self._local_rank
+        self._global_rank = _int_var(env, "RANK", fix, default=default_rank)
+        self._external = "LOCAL_RANK" in env or DDPKIT_LAUNCHED in env
+        values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}
+        if local_world is not None:
+            values["local_world"] = local_world
+        names = {"rank": "RANK", "world": "WORLD_SIZE", "local": "LOCAL_RANK", "local_world": "LOCAL_WORLD_SIZE"}
+        _validate(names, values, fix)
+
+    @classmethod
+    def detect(cls, env: Mapping[str, str] | None = None) -> bool:
+        """Always true: the fallback when no scheduler is found."""
+        return True

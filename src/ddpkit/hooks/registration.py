@@ -1,0 +1,47 @@
+"""``register_ddp_comm_hook``: Lightning's way of registering a hook on a DDP module (torch's or ddpkit's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["register_ddp_comm_hook"]
+
+
+HookFn = Callable[[Any, Any], "torch.futures.Future[Tensor]"]
+
+
+def register_ddp_comm_hook(
+    model: torch.nn.Module,
+    ddp_comm_state: object | None = None,
+    ddp_comm_hook: HookFn | None = None,
+    ddp_comm_wrapper: Callable[[HookFn], HookFn] | None = None,
+) -> None:
+    """Register a communication hook ``hook(state, bucket) -> Future[Tensor]`` on a DDP module.
+
+    Works with ``torch.nn.parallel.DistributedDataParallel`` and with ddpkit's own module.
+    ``ddp_comm_wrapper`` (e.g. ``fp16_compress_wrapper``) wraps ``ddp_comm_hook``. Nothing is
+    registered when no hook is given.
+    """
+    if ddp_comm_hook is None:
+        if ddp_comm_wrapper is not None:
+            raise ValueError(
+                f"ddp_comm_wrapper={getattr(ddp_comm_wrapper, '__name__', ddp_comm_wrapper)!r} was given without "
+                "ddp_comm_hook: a wrapper changes another hook. Pass the hook to wrap too, "
+                "e.g. ddp_comm_hook=ddpkit.hooks.allreduce_hook."
+            )
+        return
+    register = getattr(model, "register_comm_hook", None)
+    if not callable(register):
+        raise TypeError(
+            f"register_ddp_comm_hook needs a DistributedDataParallel module (torch's or ddpkit's), got "
+            f"{type(model).__name__}. Wrap the model first, e.g. model = ddpkit.DistributedDataParallel(model)."
+        )
+    hook = ddp_comm_wrapper(ddp_comm_hook) if ddp_comm_wrapper is not None else ddp_comm_hook
+    name_parameters = getattr(ddp_comm_state, "name_parameters", None)
+    if callable(name_parameters):  # state kept per parameter name (PowerSGDState), torch's buckets lack names
+        name_parameters(getattr(model, "module", model))
+    register(state=ddp_comm_state, hook=hook)

@@ -1,0 +1,97 @@
+"""The layout rules of docs/architecture.md, checked on the source: the document names every
+module and only existing ones, imports go the documented way, and the 0.1 paths still work."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "ddpkit"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def modules() -> list[str]:
+    """Every module of the package as a path relative to src/ddpkit, e.g. 'parallel/ddp.py'."""
+    return sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py"))
+
+
+def imported_ddpkit_modules(relative: str) -> set[str]:
+    """The ddpkit modules a module imports anywhere in its body (function-level imports too)."""
+    tree = ast.parse((PACKAGE / relative).read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("ddpkit"))
+    return found
+
+
+def test_the_architecture_document_names_every_module_and_only_existing_ones() -> None:
+    text = ARCHITECTURE.read_text()
+    named = set(re.findall(r"`([a-z_/]+\.py)", text))
+    existing = set(modules())
+    assert named - existing == set(), "named in docs/architecture.md but missing"
+    # A subpackage's __init__ is named by its folder's docstring; every other module by its path.
+    unnamed = {m for m in existing - named if not m.endswith("/__init__.py")}
+    assert unnamed == set(), "modules docs/architecture.md does not name"
+
+
+@pytest.mark.parametrize(("part", "forbidden"), [
+    ("diagnostics/", ("ddpkit.",)),  # imports nothing else of ddpkit
+    ("environments/", ("ddpkit.connection", "ddpkit.collectives", "ddpkit.parallel", "ddpkit.strategy",
+                       "ddpkit.launching", "ddpkit.diagnostics")),
+    ("hooks/", ("ddpkit.parallel", "ddpkit.strategy")),
+    ("collectives.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.hooks")),
+    ("connection.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.collectives")),
+    ("parallel/", ("ddpkit.strategy", "ddpkit.launching")),
+    ("launching/", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.collectives")),
+])
+def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) -> None:
+    for module in modules():
+        if not module.startswith(part):
+            continue
+        own_part = "ddpkit." + part.rstrip("/").removesuffix(".py").replace("/", ".")
+        for imported in imported_ddpkit_modules(module):
+            if imported.startswith(own_part):
+                continue
+            assert not imported.startswith(forbidden), f"{module} imports {imported}"
+
+
+def test_collectives_and_connection_know_no_module() -> None:
+    for module in ("collectives.py", "connection.py"):
+        assert "nn.Module" not in (PACKAGE / module).read_text(), module
+
+
+def test_the_launcher_imports_neither_the_ddp_module_nor_the_strategy() -> None:
+    """What `ddpkit run` and a worker's bootstrap import before the user's script starts."""
+    code = ("import sys, ddpkit.launching.cli, ddpkit.launching.worker; "
+            "print(sorted(m for m in sys.modules if m in ('ddpkit.parallel.ddp', 'ddpkit.strategy')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("ddpkit.ddp", "ddpkit.parallel.ddp"), ("ddpkit.hangs", "ddpkit.diagnostics.hangs"),
+    ("ddpkit.debug", "ddpkit.diagnostics.debug"), ("ddpkit.failures", "ddpkit.diagnostics.failures"),
+    ("ddpkit.launcher", "ddpkit.launching.launcher"), ("ddpkit.buckets", "ddpkit.parallel.buckets"),
+])
+def test_the_module_paths_of_0_1_still_import_the_same_modules(old: str, new: str) -> None:
+    assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_public_names_resolve_and_launch_is_the_function() -> None:
+    import ddpkit
+
+    for name in ddpkit.__all__:
+        assert getattr(ddpkit, name) is not None, name
+    assert callable(ddpkit.launch) and ddpkit.launch.__module__ == "ddpkit.launching.launcher"
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        ddpkit.nothing_here  # noqa: B018
