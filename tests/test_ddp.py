@@ -192,8 +192,9 @@ def no_sync_accumulation() -> dict[str, torch.Tensor | None]:
         loss = nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank))  # forward outside no_sync
         if step < 2:
             with model.no_sync():
+                assert not model.require_backward_grad_sync
                 loss.backward()
-            assert not model.require_backward_grad_sync or True
+            assert model.require_backward_grad_sync  # restored on leaving no_sync
         else:
             loss.backward()
     return grads_of(model.module)

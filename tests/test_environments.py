@@ -33,7 +33,8 @@ def test_local_defaults_to_one_process_with_a_free_port() -> None:
         "127.0.0.1", 1, 0, 0, 0)
     assert 1 <= env.main_port <= 65535
     assert env.creates_processes_externally is False
-    assert env.main_port == env.main_port  # chosen once, not on every read
+    first = env.main_port
+    assert [env.main_port for _ in range(5)] == [first] * 5  # chosen once, not on every read
 
 
 def test_local_reads_torch_variables() -> None:
