@@ -31,7 +31,8 @@ PRELUDE = textwrap.dedent(
 )
 
 SCRIPTS = {
-    "ok.py": "total = sync_ddp(torch.ones(1)).item()\nprint(f'rank {rank} of {env.world_size()} total {total}', flush=True)\ndestroy_dist_connection()\n",
+    "ok.py": ("total = sync_ddp(torch.ones(1)).item()\n"
+              "print(f'rank {rank} of {env.world_size()} total {total}', flush=True)\ndestroy_dist_connection()\n"),
     "raises.py": "if rank == 1:\n    raise ValueError('broken on purpose')\ndist.barrier()\n",
     "killed.py": "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n",
     "sleeps.py": "time.sleep(60)\n",

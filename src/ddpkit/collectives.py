@@ -166,13 +166,13 @@ class AllGatherGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, group: ProcessGroup = None) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor, group: ProcessGroup = None) -> Tensor:
         rank, world_size = _group_rank_and_size(group)
         ctx.group, ctx.rank = group, rank
         return _all_gather_stacked(tensor, group, world_size)
 
     @staticmethod
-    def backward(ctx: Any, *grad_output: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_output: Tensor) -> tuple[Tensor, None]:
         # all_reduce works in place; the incoming gradient may be shared, so reduce a copy.
         grad = grad_output[0].contiguous().clone()
         if grad.numel() > 0:
@@ -190,7 +190,7 @@ def all_gather_ddp_if_available(tensor: Tensor, group: ProcessGroup = None, sync
     if not distributed_available():
         return tensor
     if sync_grads:
-        return AllGatherGrad.apply(tensor, group)
+        return AllGatherGrad.apply(tensor, group)  # type: ignore[no-untyped-call, no-any-return]  # torch: unannotated
     _, world_size = _group_rank_and_size(group)
     return _all_gather_stacked(tensor, group, world_size)
 
@@ -226,7 +226,7 @@ class _UnevenAllGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, flat: Tensor, group: ProcessGroup, numels: list[int], rank: int) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, flat: Tensor, group: ProcessGroup, numels: list[int], rank: int) -> tuple[Tensor, ...]:
         ctx.group, ctx.numels, ctx.rank = group, numels, rank
         pieces = [flat.new_empty(numel) for numel in numels]
         _exchange_with_peers([flat] * len(numels), pieces, rank, group)
@@ -234,7 +234,7 @@ class _UnevenAllGather(torch.autograd.Function):
         return tuple(pieces)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None, None, None]:
         # Autograd fills the gradients of unused pieces with zeros (materialize_grads), so each is a tensor.
         mine = ctx.numels[ctx.rank]
         sends = [grad.contiguous() for grad in grads]
@@ -263,11 +263,14 @@ def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: b
     source = result if sync_grads else result.detach()
 
     if all(shape == shapes[0] for shape in shapes):
-        stacked = AllGatherGrad.apply(source, group) if sync_grads else _all_gather_stacked(source, group, world_size)
+        if sync_grads:
+            stacked = AllGatherGrad.apply(source, group)  # type: ignore[no-untyped-call]  # torch: unannotated
+        else:
+            stacked = _all_gather_stacked(source, group, world_size)
         return list(stacked.unbind(0))
 
     numels = [math.prod(shape) for shape in shapes]
-    pieces = _UnevenAllGather.apply(source.contiguous().reshape(-1), group, numels, rank)
+    pieces = _UnevenAllGather.apply(source.contiguous().reshape(-1), group, numels, rank)  # type: ignore[no-untyped-call]
     return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
 
 
@@ -323,7 +326,8 @@ def _resolve_reduce_op(reduce_op: ReduceOpLike) -> tuple[Any, bool]:
             "or a torch.distributed.ReduceOp."
         )
     if isinstance(reduce_op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-        if reduce_op == dist.ReduceOp.AVG:  # Gloo has no AVG: sum, then divide
+        # The stubs type ReduceOp and RedOpType apart; at runtime they compare equal.
+        if reduce_op == dist.ReduceOp.AVG:  # type: ignore[comparison-overlap]  # Gloo has no AVG: sum, then divide
             return dist.ReduceOp.SUM, True
         return reduce_op, False
     raise TypeError(

@@ -101,7 +101,7 @@ def init_dist_connection(
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     if size == 1 and "init_method" not in kwargs and "store" not in kwargs:
-        kwargs["store"] = dist.HashStore()  # one process: nothing to meet, no port to open
+        kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     active_watch()  # with hang diagnosis on, every rank can answer for its stack from the start
 

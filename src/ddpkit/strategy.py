@@ -184,7 +184,7 @@ class DDPStrategy:
             wrapped = self.configure_ddp(self.model_to_device(model))
         return wrapped if optimizer is None else (wrapped, optimizer)
 
-    def setup_dataloader(self, loader: DataLoader) -> DataLoader:
+    def setup_dataloader(self, loader: DataLoader[Any]) -> DataLoader[Any]:
         """The same loader with a DistributedSampler, so that each rank reads its own share.
 
         ``set_epoch`` is called for you each time the returned loader is iterated (a new

@@ -79,10 +79,8 @@ def _worker_main(rank: int, world_size: int, store_path: str, pg_timeout: float,
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per process
-    dist.init_process_group(
-        backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=pg_timeout),
-    )
+    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]  # not re-exported by the stubs
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
     while True:
         try:
             message = conn.recv_bytes()
@@ -209,7 +207,8 @@ class WorkerPool:
         conn, process = self._conns[rank], self._processes[rank]
         try:
             if conn.poll():
-                return pickle.loads(conn.recv_bytes())
+                reply: tuple[str, Any] = pickle.loads(conn.recv_bytes())
+                return reply
         except (EOFError, OSError):
             pass
         process.join(timeout=5)

@@ -26,15 +26,18 @@ need no separate message (measured: 3 ms per step on the 8x1024 MLP). Set it on 
 only if that promise holds; torch's DDP ignores it.
 
 Annotations here are real objects, not strings (no ``from __future__ import annotations``):
-torch's DDP checks that a hook's ``bucket`` is annotated as ``dist.GradBucket``.
+torch's DDP checks that a hook's ``bucket`` is annotated as ``GradBucket``.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+# torch.distributed.GradBucket itself (the stubs do not re-export it), so torch's DDP accepts the annotation.
+from torch._C._distributed_c10d import GradBucket
 
 __all__ = [
     "allreduce_hook",
@@ -45,15 +48,15 @@ __all__ = [
     "noop_hook",
 ]
 
-Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[Tensor]]
+Hook = Callable[[Any, GradBucket], torch.futures.Future[Tensor]]
 
 
 def _first(value: Any) -> Tensor:
     """A future's value: a tensor, or (older hooks) a one-element list of it."""
-    return value[0] if isinstance(value, (list, tuple)) else value
+    return cast(Tensor, value[0] if isinstance(value, (list, tuple)) else value)
 
 
-def _divide_unless_prescaled(buffer: Tensor, process_group: Any, bucket: dist.GradBucket) -> Tensor:
+def _divide_unless_prescaled(buffer: Tensor, process_group: Any, bucket: GradBucket) -> Tensor:
     """Divide by the group size, unless ddpkit's DDP already did while filling the bucket."""
     prescaled = getattr(bucket, "prescaled", None)
     if callable(prescaled) and prescaled():
@@ -61,15 +64,15 @@ def _divide_unless_prescaled(buffer: Tensor, process_group: Any, bucket: dist.Gr
     return buffer.mul_(1.0 / dist.get_world_size(process_group))
 
 
-def allreduce_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket by one all-reduce: the same result as registering no hook."""
     buffer = bucket.buffer()
     _divide_unless_prescaled(buffer, process_group, bucket)
     future = dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
-    return future.then(lambda done: _first(done.value()))
+    return cast("torch.futures.Future[Tensor]", future.then(lambda done: _first(done.value())))
 
 
-def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     buffer = bucket.buffer()
     # Divide first, in the gradient's precision; the cast then only has to hold the mean.
     compressed = _divide_unless_prescaled(buffer, process_group, bucket).to(dtype)
@@ -79,15 +82,15 @@ def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: dist.GradBuck
         buffer.copy_(_first(done.value()))  # in place: no second full-precision copy
         return buffer
 
-    return future.then(decompress)
+    return cast("torch.futures.Future[Tensor]", future.then(decompress))
 
 
-def fp16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def fp16_compress_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """All-reduce the bucket in float16 (half the bytes), averaged, decompressed in place."""
     return _compress_hook(torch.float16, process_group, bucket)
 
 
-def bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def bf16_compress_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """All-reduce the bucket in bfloat16 (half the bytes, fp32's range), averaged; works on Gloo."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
@@ -105,7 +108,7 @@ bf16_compress_hook.__name__ = "ddpkit_bf16_compress_hook"  # __qualname__ stays,
 
 
 def _compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
-    def compressed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    def compressed_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
         original = bucket.buffer()
         bucket.set_buffer(original.to(dtype))
         future = hook(state, bucket)
@@ -134,7 +137,7 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
     return _compress_wrapper(torch.bfloat16, hook)
 
 
-def noop_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """Communicate nothing: each rank keeps its own gradients. For measuring what communication
     costs (step time with this hook against the real one), never for training."""
     future: torch.futures.Future[Tensor] = torch.futures.Future()

@@ -35,6 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+# torch.distributed.GradBucket itself (the stubs do not re-export it), so torch's DDP accepts the annotation.
+from torch._C._distributed_c10d import GradBucket
+
 from ddpkit.hooks.default import allreduce_hook
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
@@ -142,7 +145,7 @@ class _Stats:
                 "compressed_tensors": self.compressed, "uncompressed_tensors": self.uncompressed}
 
 
-def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """Average the bucket with PowerSGD (see the module docstring); torch's signature."""
     group = state.process_group
     world_size = dist.get_world_size(group)
@@ -173,14 +176,14 @@ def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, worl
     matrices: list[tuple[tuple[str, str], Tensor]] = []  # ((memory key, seed label), view of the bucket as n x m)
     rest: list[Tensor] = []  # views averaged uncompressed
     offset = 0
-    for key, parameter in zip(keys, bucket.parameters()):
+    for key_and_label, parameter in zip(keys, bucket.parameters()):
         view = buffer[offset : offset + parameter.numel()]
         offset += parameter.numel()
         n = parameter.shape[0] if parameter.dim() >= 2 else 1
         m = parameter.numel() // max(n, 1)
         rank = _rank_for(state, n, m)
         if parameter.dim() >= 2 and (n + m) * rank * state.min_compression_rate < n * m:
-            matrices.append((key, view.view(n, m)))
+            matrices.append((key_and_label, view.view(n, m)))
         else:
             rest.append(view)
     stats.compressed += len(matrices)

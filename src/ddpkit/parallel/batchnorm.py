@@ -67,7 +67,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             self.num_batches_tracked.add_(1)
             momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         update_running = self.training and self.track_running_stats
-        return _SynchronisedBatchNorm.apply(
+        return _SynchronisedBatchNorm.apply(  # type: ignore[no-untyped-call, no-any-return]  # torch: unannotated
             input, self.weight, self.bias,
             self.running_mean if update_running else None, self.running_var if update_running else None,
             self.eps, momentum, group,
@@ -108,7 +108,7 @@ def _per_channel(values: Tensor, like: Tensor) -> Tensor:
 
 class _SynchronisedBatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None,  # type: ignore[override]
+    def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None,
                 running_mean: Tensor | None, running_var: Tensor | None,
                 eps: float, momentum: float, group: Any) -> Tensor:
         compute_dtype = torch.promote_types(input.dtype, torch.float32)
@@ -155,7 +155,7 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
         return output.to(input.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         normalised, invstd, weight = ctx.saved_tensors
         dims = _reduced_dims(grad_output)
         grad = grad_output.to(normalised.dtype)

@@ -291,7 +291,7 @@ class DistributedDataParallel(nn.Module):
     # Under torch.compile(ddp_model), only the wrapped module is compiled: this frame runs as
     # written, so guard() still sees an error raised inside the compiled module and publishes it
     # (traced into the graph, its except clause would never run and peers would wait for the timeout).
-    @torch.compiler.disable(recursive=False)
+    @torch.compiler.disable(recursive=False)  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Everything stays in this one frame: with recursive=False, Dynamo compiles the frames it calls.
         with guard():  # an error here is published to the other ranks (see ddpkit.diagnostics.failures)
@@ -679,7 +679,8 @@ class DistributedDataParallel(nn.Module):
         if self._comm_hook is not None:
             raise RuntimeError("A communication hook is already registered; torch allows one per module, and so does ddpkit.")
         if self._reduce_function is not None:
-            raise RuntimeError("A communication hook cannot be combined with reduce_function, which replaces the whole reduction.")
+            raise RuntimeError("A communication hook cannot be combined with reduce_function, which replaces the whole "
+                               "reduction.")
         self._comm_state, self._comm_hook = values["state"], values["hook"]
         return None
 
@@ -689,11 +690,11 @@ class DistributedDataParallel(nn.Module):
         self._pre_sync_hooks[handle.id] = hook
         return handle
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's state dict: keys have no ``module.`` prefix."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
