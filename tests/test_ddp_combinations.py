@@ -4,7 +4,7 @@ on the concatenated batch: frozen parameters, sparse gradients, ..."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -27,10 +27,13 @@ def apply_freeze_schedule(module: nn.Module, step: int) -> None:
             parameter.requires_grad_(name != frozen)
 
 
-def sgd_with_freezing(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int) -> list[torch.Tensor]:
+def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int,
+                  before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """SGD through ``model`` on this rank's shard of each global batch (rank None: the whole batch)."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     for step in range(steps):
-        apply_freeze_schedule(module, step)
+        if before_step is not None:
+            before_step(step)
         x, y = global_batch(world, step)
         if rank is not None:
             x, y = shard(x, rank), shard(y, rank)
@@ -38,6 +41,10 @@ def sgd_with_freezing(model: nn.Module, module: nn.Module, world: int, rank: int
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
     return [p.detach().clone() for p in module.parameters()]
+
+
+def sgd_with_freezing(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int) -> list[torch.Tensor]:
+    return sgd_on_shards(model, module, world, rank, steps, before_step=lambda step: apply_freeze_schedule(module, step))
 
 
 def train_with_freezing(steps: int, use_torch_ddp: bool) -> list[torch.Tensor]:
@@ -476,19 +483,6 @@ class OwnMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
-
-
-def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int) -> list[torch.Tensor]:
-    """SGD through ``model`` on this rank's shard of each global batch (rank None: the whole batch)."""
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = global_batch(world, step)
-        if rank is not None:
-            x, y = shard(x, rank), shard(y, rank)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in module.parameters()]
 
 
 def compiled_training(where: str, steps: int) -> tuple[list[torch.Tensor], int]:
