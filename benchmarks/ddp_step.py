@@ -21,38 +21,7 @@ Prints medians (ms), the ratios ddpkit/torch and ppe/ddpkit of the medians, and 
 quartiles of ddpkit/torch taken round by round (the two ran moments apart, so a slow spell of
 the machine cancels out; that is the number to quote).
 
-Measured here (2 cores, torch 2.13 CPU, three runs, 2026-11-21): MLP one process 42-45,
-raw all-reduce 22-23, torch 77-84, pytorch-pfn-extras 116-125, ddpkit 78-84 ms; ddpkit/torch
-per round (median): MLP 0.97, 1.00, 0.99; LeNet 0.98, 1.00, 1.00; 120 tensors 0.98, 0.97,
-0.95; ppe/ddpkit 1.47-1.49 on the MLP. Quartiles of a single round's ratio span about
-0.8-1.2 on the small models: only medians over hundreds of rounds mean anything.
-
-What bounds the step: compute plus communication, nearly added. Two ranks share two cores,
-and Gloo's all-reduce spends CPU (copies and the sum), so overlapping it with backward
-hides little: the MLP step is about one-process time plus the raw all-reduce. Where a
-LeNet backward goes (perf_counter marks in each phase, 1000 steps, medians on rank 0):
-autograd until the last gradient 1.2-1.3 ms, copying the batched small gradients and the
-flags 0.06, the all-reduce call 0.09 (enqueueing and waking Gloo's thread), waiting for it
-0.5-0.6 (the raw all-reduce alone: 0.5-0.6), copying back and bookkeeping 0.06. ddpkit's
-Python on that path is ~0.2 ms of a 4-5 ms step, about what torch's C++ Reducer spends on
-its own copies and enqueue: hence parity. Neither can be 5% faster here without a cheaper
-all-reduce, which is the same Gloo call in both. (Before the batched gradients were laid
-out contiguously and the all-reduce called the group directly, the same phases took 0.08,
-0.11 and 0.08 ms, and LeNet measured 1.005-1.024.)
-
-A process that trains one model alone page-faults more than this interleaved benchmark
-shows: glibc returns freed gradients to the kernel and zero-fills them back every step
-(6-9k faults a step; MLP 88-97 ms for torch and ddpkit alike, in fresh processes). Here the
-other models keep the heap large. ``ddpkit run`` sets glibc thresholds that remove it
-(80-88 ms, see the README); it helps torch DDP equally, so it is no part of the ratios.
-
-Overlap buys nothing on this machine, and more buckets cost: with ``bucket_cap_mb`` forcing
-2, 3 buckets on LeNet the step took 1.17x, 1.24x torch's, and 4, 9 buckets on the 120-tensor
-model 1.17x, 1.55x (about 0.9 ms per extra Gloo all-reduce, while both ranks compute on the
-two cores); one bucket for the whole MLP (no overlap at all) measured the same as two
-(1.00-1.01). So the defaults stay torch's (25 MB, a 1 MB first bucket), which a GPU with a
-separate communication engine needs. Repeated runs of the same configuration moved by up
-to 12% (90-113 ms on the MLP): only ratios from one run mean anything.
+The measured figures, with the command, are in benchmarks/README.md.
 """
 
 from __future__ import annotations

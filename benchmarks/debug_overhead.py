@@ -8,13 +8,7 @@ run with the methods interleaved (benchmarks/_timing.py), and also with hang dia
 24 integers (sequence number, operation, dtype, shape) before each collective, and turns off
 DDP's overlap (buckets are reduced after the fingerprint check at the end of backward).
 
-Measured here (2 cores, torch 2.13 CPU, three runs of 60-100 rounds): debug mode costs about
-one small Gloo round trip per collective, +0.5-0.9 ms (one run: +1.3 ms on barrier); sync_ddp of
-one float 0.31-0.34 -> 0.85-0.97 ms; a 4x256 MLP DDP step 3.6-3.9 -> 4.5-5.0 ms (the check, and
-no overlap); an 8x1024 MLP step (81-89 ms) shows no difference beyond noise. A first version
-that exchanged pickled fingerprints every time cost 0.9-2.7 ms per collective; now the full
-fingerprints travel only when the 24-integer codes differ. Hang diagnosis
-(DDPKIT_HANG_SECONDS) costs one store write per collective: +0.01-0.08 ms.
+The measured figures, with the command, are in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -17,10 +17,8 @@ Target (foundation issue): ddpkit <= 1.1 x (fastest plain gather + header latenc
 What bounds it: moving the payload over loopback (1.0 and 1.5 MB per rank here). ddpkit's
 header costs one extra round trip; in exchange its point-to-point exchange sends only real rows
 (the padded gather sends 1500 rows from every rank) and copies nothing, which pays for the
-header at these sizes. Measured here (2 cores, three runs): ddpkit / (plain + header) 0.78-0.91,
-ddpkit / plain list all_gather 0.96-1.10, Lightning / ddpkit 1.9-2.2. Timing single calls
-right after a barrier instead gives lower absolute numbers but ratios from 0.85 to 1.43 between
-runs of the same code, because the barrier's exit skew lands in every sample.
+header at these sizes.
+The measured figures, with the command, are in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -20,12 +20,7 @@ spends reducing. fp16/bf16 halve the bytes but add two casts over 32 MB; PowerSG
 bucket. Loopback on two shared cores cannot show bandwidth savings as wall-clock gains, so
 the bytes column is the figure that carries to real networks.
 
-Measured here (one run, ms / bytes per step; runs differ by about +-5%): ddpkit no hook 81.5 /
-33587264 (gradients + 64 bytes of negotiation flags); allreduce 83.0 / 33587264; fp16 83.2 and
-bf16 77.6 / 16793632 (exactly half); PowerSGD r1 84.2 / 98368 (341x fewer: biases travel
-uncompressed); r4 92.8 / 294976; noop 54.3. torch: no hook 79.5, allreduce 83.3, fp16 84.5;
-PowerSGD with one bucket: ddpkit 84.5, torch 110.7. ddpkit/torch: allreduce 1.00, fp16 0.98,
-PowerSGD 0.76, no hook 1.02.
+The measured figures, with the command, are in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -304,3 +304,13 @@ def test_workers_get_their_share_of_the_cores_unless_the_user_chose(scripts: Pat
     else:
         assert [(rank, omp) for rank, _, omp, _ in reports] == [("0", user_threads), ("1", user_threads)], out
     assert ("OMP_NUM_THREADS=" in err) == (user_threads is None), err  # said when ddpkit chose, like torchrun
+
+
+def test_the_launchers_notices_follow_ddpkit_log_level(scripts: Path) -> None:
+    """The OMP_NUM_THREADS notice is a log message (ddpkit.launching): WARNING silences it."""
+    environment = {name: value for name, value in os.environ.items() if name not in PERFORMANCE_VARIABLES}
+    environment["DDPKIT_LOG_LEVEL"] = "WARNING"
+    launcher = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "threads.py"],
+                              cwd=scripts, text=True, capture_output=True, env=environment, timeout=60)
+    assert launcher.returncode == 0, launcher.stderr
+    assert "OMP_NUM_THREADS=" not in launcher.stderr, launcher.stderr

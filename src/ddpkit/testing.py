@@ -38,8 +38,11 @@ from datetime import timedelta
 from typing import Any
 
 from ddpkit.launching.processes import describe_exit
+from ddpkit.logs import get_logger
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool"]
+
+_log = get_logger("testing")
 
 _STOP = b"stop"
 # How long a rank's error waits for a peer's death to be seen before the error is reported.
@@ -218,7 +221,7 @@ class WorkerPool:
         for rank in ranks:
             process = self._processes[rank]
             if process.is_alive() and process.pid is not None:
-                print(f"--- stack of hung rank {rank} (pid {process.pid}) ---", file=sys.stderr, flush=True)
+                _log.warning(f"--- stack of hung rank {rank} (pid {process.pid}) ---")
                 os.kill(process.pid, signal.SIGUSR1)
                 time.sleep(0.2)  # let faulthandler write before the kill
 

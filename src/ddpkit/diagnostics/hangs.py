@@ -29,7 +29,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.logs import get_logger
+
 __all__ = ["last_report", "watch_for_hangs"]
+
+_log = get_logger("diagnostics")
 
 _POLL_SECONDS = 0.2
 # How long the reporting rank waits for the others' stacks.
@@ -82,7 +86,7 @@ class _Watch:
             request = self.store.add(_REQUEST_KEY, 1)
             self._post_stack(request)
             self.report = self._build_report(current, request)
-            os.write(2, self.report.encode(errors="replace"))  # not sys.stderr: another thread may be using it
+            _log.warning(self.report.rstrip("\n"))
             return
         request = self.store.add(_REQUEST_KEY, 0)
         if request > self.requests_answered:

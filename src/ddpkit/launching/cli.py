@@ -22,8 +22,11 @@ import torch
 
 from ddpkit.environments import LocalEnvironment, detect_environment
 from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers
+from ddpkit.logs import get_logger
 
 __all__ = ["main"]
+
+_log = get_logger("launching")
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
@@ -101,8 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if scheduler is not None:
         # The scheduler started every process already (srun, torchrun, mpirun, ...): run the
         # script here, once, instead of starting --nproc-per-node more.
-        print(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly",
-              file=sys.stderr, flush=True)
+        _log.info(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly")
         os.execv(sys.executable, [sys.executable, "-m", "ddpkit.launching.worker", args.script, *args.script_args])
     try:
         config = LaunchConfig(

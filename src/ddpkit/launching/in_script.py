@@ -41,8 +41,11 @@ from ddpkit.launching.processes import (
     end_process_groups,
     root_cause,
 )
+from ddpkit.logs import get_logger
 
 __all__: list[str] = []
+
+_log = get_logger("launching")
 
 _POLL_SECONDS = 0.1
 _GRACE_SECONDS = 3.0
@@ -175,8 +178,8 @@ def start_local_ranks(nproc_per_node: int, num_nodes: int, env: Mapping[str, str
         env = {**env, "OMP_NUM_THREADS": threads}
         os.environ["OMP_NUM_THREADS"] = threads
         torch.set_num_threads(int(threads))
-        print(f"ddpkit: OMP_NUM_THREADS={threads} for each of this node's {nproc_per_node} processes "
-              "(set it yourself to choose).", file=sys.stderr, flush=True)
+        _log.info(f"ddpkit: OMP_NUM_THREADS={threads} for each of this node's {nproc_per_node} processes "
+                  "(set it yourself to choose).")
     folder = tempfile.TemporaryDirectory(prefix="ddpkit-ranks-")
     children = []
     for local_rank in range(1, nproc_per_node):

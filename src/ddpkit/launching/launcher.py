@@ -33,6 +33,7 @@ from ddpkit.launching.processes import (
     end_process_groups,
     root_cause,
 )
+from ddpkit.logs import get_logger
 from ddpkit.testing import RankFailedError, WorkerPool
 
 # How long the launcher gives workers to write their stacks after SIGUSR1.
@@ -40,6 +41,8 @@ _STACK_DUMP_WAIT_SECONDS = 0.5
 
 __all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "performance_defaults", "rank_variables",
            "run_workers", "validate", "worker_environment"]
+
+_log = get_logger("launching")
 
 
 class LaunchError(ValueError):
@@ -191,8 +194,8 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     stack_requests: list[float] = []
     defaults = performance_defaults(config.nproc_per_node, os.environ)
     if "OMP_NUM_THREADS" in defaults:
-        print(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
-              f"{config.nproc_per_node} workers (set it yourself to choose).", file=sys.stderr, flush=True)
+        _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
+                  f"{config.nproc_per_node} workers (set it yourself to choose).")
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
     with tempfile.TemporaryDirectory(prefix="ddpkit-run-") as errors:
@@ -221,7 +224,7 @@ def _watch(workers: list[WorkerProcess], stop_signal: list[int], stack_requests:
             _print_stacks(workers)
         if stop_signal:
             name = signal.Signals(stop_signal[0]).name
-            print(f"ddpkit run: received {name}, stopping all {len(workers)} workers", file=sys.stderr, flush=True)
+            _log.warning(f"ddpkit run: received {name}, stopping all {len(workers)} workers")
             _end_all(workers, grace)
             return 128 + stop_signal[0]
         codes = [worker.process.poll() for worker in workers]

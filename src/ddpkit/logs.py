@@ -1,0 +1,78 @@
+"""ddpkit's messages: loggers named ``ddpkit.<part>``, each line prefixed with this process's rank.
+
+Every message that is not the direct answer to a command (a notice, a hang report) goes through
+``logging.getLogger("ddpkit.<part>")``. By default the ``ddpkit`` logger writes them to standard
+error itself, at ``INFO`` and above, with ``[rank N]`` in front once the rank is known, and does
+not pass them to the root logger (so a script's own logging set-up does not print them twice).
+``DDPKIT_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``, ``CRITICAL``) sets the level.
+To route them yourself: ``logging.getLogger("ddpkit").handlers.clear()`` and
+``logging.getLogger("ddpkit").propagate = True``.
+
+The handler writes with ``os.write``, not ``sys.stderr``: a hang report comes from a watchdog
+thread while the main thread may be stuck half-way through a write to ``sys.stderr``.
+
+The launchers' failure summary is the answer of ``ddpkit run`` and stays a plain write to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["LOG_LEVEL_VARIABLE", "get_logger"]
+
+#: The environment variable that sets the level of ddpkit's messages.
+LOG_LEVEL_VARIABLE = "DDPKIT_LOG_LEVEL"
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _RankPrefix(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        rank = _rank()
+        return text if rank is None else "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
+
+
+def _rank() -> str | None:
+    """This process's global rank when known: from the process group, else from RANK (set by the
+    launchers); None in the launcher itself."""
+    distributed = sys.modules.get("torch.distributed")  # never imported here: the launcher stays light
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return str(distributed.get_rank())
+    return os.environ.get("RANK")
+
+
+class _StandardErrorHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            os.write(2, (self.format(record) + "\n").encode(errors="replace"))
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+def _level_from_environment() -> int:
+    value = os.environ.get(LOG_LEVEL_VARIABLE, "INFO").strip().upper()
+    if value not in _LEVELS:
+        raise ValueError(
+            f"{LOG_LEVEL_VARIABLE}={os.environ[LOG_LEVEL_VARIABLE]!r} is not a logging level. "
+            f"Use one of {', '.join(_LEVELS)}, or unset it for INFO."
+        )
+    return int(getattr(logging, value))
+
+
+def _configure(root: logging.Logger) -> None:
+    handler = _StandardErrorHandler()
+    handler.setFormatter(_RankPrefix("%(message)s"))
+    root.addHandler(handler)
+    root.setLevel(_level_from_environment())
+    root.propagate = False
+
+
+def get_logger(part: str) -> logging.Logger:
+    """The logger of one part of ddpkit (``ddpkit.<part>``); sets up the ``ddpkit`` logger on first use."""
+    root = logging.getLogger("ddpkit")
+    if not getattr(root, "_ddpkit_configured", False):
+        _configure(root)
+        root._ddpkit_configured = True  # type: ignore[attr-defined]  # once, even if the user removes our handler
+    return logging.getLogger(f"ddpkit.{part}")
