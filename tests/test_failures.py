@@ -90,6 +90,27 @@ def test_hang_diagnosis_does_not_keep_a_failed_rank_connected() -> None:
         check(pool.run(train_with_a_failing_forward_while_watching_for_hangs, 1), 1)
 
 
+def train_with_an_optimizer_and_a_failing_forward(failing_rank: int) -> tuple[str, str, int | None, float]:
+    """As users train: optimizer steps (which import torch._dynamo after the group exists) before the failure."""
+    model = ddpkit.DistributedDataParallel(Flaky(failing_rank, failing_step=3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        for _ in range(6):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            optimizer.step()
+
+    return outcome(train)
+
+
+def test_a_failure_after_optimizer_steps_still_frees_the_peers() -> None:
+    """torch._dynamo, imported by the first optimizer step while the group exists, kept the group
+    alive past guard()'s teardown; ddpkit.connection imports it before any group exists."""
+    with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
+        check(pool.run(train_with_an_optimizer_and_a_failing_forward, 1), 1)
+
+
 def collectives_with_a_guarded_failure() -> tuple[str, str, int | None, float]:
     def work() -> None:
         for step in range(4):
