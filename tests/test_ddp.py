@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -55,14 +56,26 @@ def assert_close_grads(actual: dict, expected: dict, rtol: float = 1e-6, scale_t
             torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol)
 
 
-def train_on_global_batches(model: nn.Module, world_size: int, steps: int) -> None:
-    """The single-process reference: SGD on the concatenation of every rank's batch, step by step."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int,
+                  before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """SGD through ``model`` on this rank's shard of each global batch; rank None: the whole batch,
+    the single-process reference. Returns ``module``'s parameters."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     for step in range(steps):
-        x, y = global_batch(world_size, step)
+        if before_step is not None:
+            before_step(step)
+        x, y = global_batch(world, step)
+        if rank is not None:
+            x, y = shard(x, rank), shard(y, rank)
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def train_on_global_batches(model: nn.Module, world_size: int, steps: int) -> None:
+    """The single-process reference: SGD on the concatenation of every rank's batch, step by step."""
+    sgd_on_shards(model, model, world_size, None, steps)
 
 
 # --- gradients ---------------------------------------------------------------------------------
@@ -107,17 +120,9 @@ def test_complex_parameters_are_averaged(pool: WorkerPool, negotiate: bool) -> N
 
 def train_steps(steps: int, use_torch_ddp: bool) -> list[torch.Tensor]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if use_torch_ddp:
-        model: nn.Module = nn.parallel.DistributedDataParallel(make_mlp())
-    else:
-        model = DistributedDataParallel(make_mlp())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = global_batch(world, step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(shard(x, rank)), shard(y, rank)).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.module.parameters()]
+    module = make_mlp()
+    model = nn.parallel.DistributedDataParallel(module) if use_torch_ddp else DistributedDataParallel(module)
+    return sgd_on_shards(model, module, world, rank, steps)
 
 
 def test_twenty_sgd_steps_match_single_process(pool: WorkerPool) -> None:

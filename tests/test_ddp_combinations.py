@@ -4,12 +4,12 @@ on the concatenated batch: frozen parameters, sparse gradients, ..."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_ddp import global_batch, grads_of, make_mlp, shard
+from test_ddp import global_batch, grads_of, make_mlp, sgd_on_shards, shard
 from torch import nn
 
 from ddpkit.parallel.ddp import DistributedDataParallel
@@ -25,22 +25,6 @@ def apply_freeze_schedule(module: nn.Module, step: int) -> None:
         frozen = FREEZE_SCHEDULE[step]
         for name, parameter in module.named_parameters():
             parameter.requires_grad_(name != frozen)
-
-
-def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int,
-                  before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-    """SGD through ``model`` on this rank's shard of each global batch (rank None: the whole batch)."""
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    for step in range(steps):
-        if before_step is not None:
-            before_step(step)
-        x, y = global_batch(world, step)
-        if rank is not None:
-            x, y = shard(x, rank), shard(y, rank)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in module.parameters()]
 
 
 def sgd_with_freezing(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int) -> list[torch.Tensor]:

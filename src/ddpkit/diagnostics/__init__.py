@@ -2,5 +2,5 @@
 (``failures``, written as ``records``), hang diagnosis (``hangs``) and the debug-mode
 collective mismatch guard (``debug``).
 
-Imports nothing else of ddpkit, so every other part can use it.
+Imports nothing else of ddpkit but its loggers (``ddpkit.logs``), so every other part can use it.
 """

@@ -159,10 +159,7 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
         normalised, invstd, weight = ctx.saved_tensors
         dims = _reduced_dims(grad_output)
         grad = grad_output.to(normalised.dtype)
-        if grad.numel() > 0:
-            local_sums = torch.stack([grad.sum(dims), (grad * normalised).sum(dims)])
-        else:
-            local_sums = normalised.new_zeros(2, normalised.shape[1])
+        local_sums = torch.stack([grad.sum(dims), (grad * normalised).sum(dims)])  # zeros for a rank without rows
         global_sums = local_sums.clone()
         dist.all_reduce(global_sums, group=ctx.group)
         mean_grad, mean_grad_normalised = (global_sums / ctx.total).unbind(0)
