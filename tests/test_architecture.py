@@ -96,3 +96,15 @@ def test_public_names_resolve_and_launch_is_the_function() -> None:
     assert callable(ddpkit.launch) and ddpkit.launch.__module__ == "ddpkit.launching.launcher"
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         ddpkit.nothing_here  # noqa: B018
+
+
+def test_parts_are_attributes_of_the_package_after_a_plain_import() -> None:
+    """0.1 imported every part with ``import ddpkit``; code that then reads ``ddpkit.distributed.sync_ddp``
+    must still work now that the parts are imported when first used."""
+    code = ("import ddpkit; "
+            "print(ddpkit.distributed.sync_ddp.__name__, ddpkit.environments.SLURMEnvironment.__name__, "
+            "ddpkit.testing.WorkerPool.__name__, ddpkit.hooks.fp16_compress_hook.__name__, "
+            "ddpkit.failures.guard.__name__, ddpkit.ddp.DistributedDataParallel.__name__)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.split() == ["sync_ddp", "SLURMEnvironment", "WorkerPool", "fp16_compress_hook", "guard",
+                                     "DistributedDataParallel"]

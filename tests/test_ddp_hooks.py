@@ -114,3 +114,57 @@ def test_a_hook_returning_no_future_fails_naming_the_hook() -> None:
         for message in pool.run(hook_returning_no_future, timeout=60):
             assert "returns_none_unannotated" in message and "returned NoneType" in message
             assert "torch.futures.Future" in message
+
+
+# --- the elementwise promise (ddpkit.hooks.contract) ----------------------------------------------
+
+
+def averaging_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A user's own averaging hook: divides unless DDP already did, and notes what it was given."""
+    from ddpkit.hooks.contract import GradBucket
+
+    buffer = bucket.buffer()
+    assert isinstance(bucket, GradBucket)
+    SEEN.append((bucket.prescaled(), buffer.numel()))
+    if not bucket.prescaled():
+        buffer.div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
+
+
+SEEN: list[tuple[bool, int]] = []
+
+
+def train_with_declared_hook(declaration: str) -> tuple[list[tuple[bool, int]], list[float]]:
+    from ddpkit.hooks.contract import elementwise_average
+
+    hook = lambda state, bucket: averaging_hook(state, bucket)  # noqa: E731  # a fresh function to declare
+    if declaration == "decorator":
+        hook = elementwise_average(hook)
+    elif declaration == "attribute (0.1)":
+        hook.averages_elementwise = True  # type: ignore[attr-defined]
+    elif declaration == "attribute False":
+        hook.averages_elementwise = False  # type: ignore[attr-defined]
+    SEEN.clear()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(3, 2))
+    model.register_comm_hook(None, hook)
+    x = torch.arange(12.0).view(4, 3) + dist.get_rank()
+    model(x).pow(2).sum().backward()
+    return list(SEEN), [g for p in model.module.parameters() for g in p.grad.flatten().tolist()]
+
+
+@pytest.mark.parametrize(("declaration", "prescaled"), [
+    ("decorator", True), ("attribute (0.1)", True), ("none", False), ("attribute False", False)])
+def test_a_hook_declared_elementwise_gets_prescaled_buffers_with_the_flags(pool2: WorkerPool, declaration: str,
+                                                                           prescaled: bool) -> None:
+    """Declared: DDP divided already and the two negotiation flags ride in the buffer (6 + 2 + 2 elements);
+    not declared: the gradients alone (8), undivided. The averaged gradients are the same either way."""
+    results = pool2.run(train_with_declared_hook, declaration, timeout=60)
+    torch.manual_seed(0)
+    reference = nn.Linear(3, 2)
+    x = torch.cat([torch.arange(12.0).view(4, 3) + rank for rank in range(2)])
+    reference(x).pow(2).sum().div(2).backward()
+    expected = [g for p in reference.parameters() for g in p.grad.flatten().tolist()]
+    for seen, gradients in results:
+        assert seen == [(prescaled, 8 + 2 if prescaled else 8)]
+        assert gradients == pytest.approx(expected, rel=1e-6)

@@ -110,14 +110,25 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _PUBLIC_NAMES.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
     import importlib
 
+    module_name = _PUBLIC_NAMES.get(name)
+    if module_name is None:
+        return _submodule(importlib, name)
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value  # found directly next time
     return value
+
+
+def _submodule(importlib: Any, name: str) -> Any:
+    """``ddpkit.<part>`` after a plain ``import ddpkit`` (0.1 imported every part with the package)."""
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"ddpkit.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"ddpkit.{name}":
+                raise  # the part exists but needs something missing: say that, not "no attribute"
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -30,8 +30,8 @@ from ddpkit.diagnostics.debug import (
     fingerprint,
     mismatch,
 )
-from ddpkit.diagnostics.failures import CollectiveFailedError, peer_failure
-from ddpkit.diagnostics.hangs import active_watch
+from ddpkit.diagnostics.failures import PeerFailedError, peer_failure
+from ddpkit.diagnostics.hangs import HangWatch, active_watch
 
 __all__ = [
     "AllGatherGrad",
@@ -41,7 +41,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
-    "check_fingerprints",
+    "collective_call",
     "communication_device",
     "gather_all_tensors",
     "sync_ddp",
@@ -61,54 +61,90 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+class collective_call:
+    """The diagnostics seam: every ddpkit collective, and each gradient synchronisation of the
+    DDP module, runs inside ``with collective_call(operation, group, tensor):``.
+
+    - With hang diagnosis on (``ddpkit.diagnostics.hangs``), the watch notes that this rank is in
+      ``operation``, called from the user's code at ``call_site()``, until the block ends.
+    - In debug mode (``ddpkit.diagnostics.debug``; ``fingerprint`` overrides the setting), the ranks of
+      ``group`` first compare fingerprints (operation, sequence number, dtype and, if ``compare_shape``,
+      shape of ``tensor``, call site) and raise ``CollectiveMismatchError`` on every rank when they differ.
+    - When the block fails with a ``RuntimeError`` because another rank published its failure
+      (``ddpkit.diagnostics.failures``), ``PeerFailedError`` naming that rank and its exception is
+      raised instead of the connection error.
+
+    Blocks inside a block (a collective that another one makes) are neither watched nor checked
+    again. A class, not a generator: the call site is found by walking up the frames, and a
+    generator's caller would be ``contextlib``.
+    """
+
+    __slots__ = ("_operation", "_group", "_tensor", "_compare_shape", "_fingerprint", "_nesting", "_watch")
+
+    def __init__(self, operation: str, group: ProcessGroup = None, tensor: Any = None, *,
+                 compare_shape: bool = True, fingerprint: bool | None = None) -> None:
+        self._operation, self._group, self._tensor = operation, group, tensor
+        self._compare_shape, self._fingerprint = compare_shape, fingerprint
+        self._nesting: checking | None = None
+        self._watch: HangWatch | None = None
+
+    def __enter__(self) -> None:
+        debug = debug_enabled() if self._fingerprint is None else self._fingerprint
+        watch = active_watch()
+        if not (debug or watch is not None) or not distributed_available():
+            return
+        self._nesting = checking()
+        if not self._nesting.__enter__():
+            return  # inside another block, which is checked and watched
+        if watch is not None:
+            self._watch = watch
+            watch.enter(self._operation, call_site())
+        if debug:
+            try:
+                _check_fingerprints(self._operation, self._group, self._tensor, self._compare_shape)
+            except BaseException as error:
+                self.__exit__(type(error), error, error.__traceback__)
+                raise
+
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if self._watch is not None:
+            self._watch.leave()
+            self._watch = None
+        if self._nesting is not None:
+            self._nesting.__exit__()
+            self._nesting = None
+        if isinstance(error, RuntimeError) and not isinstance(error, PeerFailedError):
+            failure = peer_failure()
+            if failure is not None:
+                raise failure from error
+
+
 def _collective(tensor_argument: str | None = None,
                 compare_shape: bool = True) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-    """Wrap one of ddpkit's collectives.
-
-    - With hang diagnosis on (``ddpkit.diagnostics.hangs``), note the collective this rank is in.
-    - In debug mode (``ddpkit.diagnostics.debug``), first compare fingerprints across the ranks of the group
-      (operation, sequence number, dtype and, if ``compare_shape``, shape of the argument named
-      ``tensor_argument``, call site) and raise ``CollectiveMismatchError`` on every rank when they
-      differ. Collectives made inside one are not checked again.
-    - When it fails because another rank published its failure (``ddpkit.diagnostics.failures``), raise
-      ``PeerFailedError`` naming that rank and its exception instead of a connection error.
-    """
+    """Run one of ddpkit's collectives inside ``collective_call``, named after the function; in
+    debug mode its argument ``tensor_argument`` (and ``group``) are the ones fingerprinted."""
 
     def decorate(collective: Callable[_P, _R]) -> Callable[_P, _R]:
         signature = inspect.signature(collective)
+        operation = collective.__name__
 
         @functools.wraps(collective)
         def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            try:
-                debug, watch = debug_enabled(), active_watch()
-                if not (debug or watch) or not distributed_available():
-                    return collective(*args, **kwargs)
-                with checking() as outermost:
-                    if not outermost:  # inside another ddpkit collective, which is checked and watched
-                        return collective(*args, **kwargs)
-                    if watch is not None:
-                        watch.enter(collective.__name__, call_site())
-                    try:
-                        if debug:
-                            arguments = signature.bind(*args, **kwargs).arguments
-                            tensor = arguments.get(tensor_argument) if tensor_argument else None
-                            check_fingerprints(collective.__name__, arguments.get("group"), tensor, compare_shape)
-                        return collective(*args, **kwargs)
-                    finally:
-                        if watch is not None:
-                            watch.leave()
-            except RuntimeError as error:
-                failure = None if isinstance(error, CollectiveFailedError) else peer_failure()
-                if failure is not None:
-                    raise failure from error
-                raise
+            debug = debug_enabled()
+            group = tensor = None
+            if debug:
+                arguments = signature.bind(*args, **kwargs).arguments
+                group = arguments.get("group")
+                tensor = arguments.get(tensor_argument) if tensor_argument else None
+            with collective_call(operation, group, tensor, compare_shape=compare_shape, fingerprint=debug):
+                return collective(*args, **kwargs)
 
         return run
 
     return decorate
 
 
-def check_fingerprints(operation: str, group: ProcessGroup, tensor: Any = None, compare_shape: bool = True) -> None:
+def _check_fingerprints(operation: str, group: ProcessGroup, tensor: Any = None, compare_shape: bool = True) -> None:
     """Debug mode: raise on every rank of ``group`` if they are not all about to run the same collective."""
     mine = fingerprint(operation, group, tensor, compare_shape)
     _, world_size = _group_rank_and_size(group)
@@ -218,9 +254,8 @@ class _UnevenAllGather(torch.autograd.Function):
     """Every rank's flat tensor, whatever their lengths, one output per rank.
 
     Each rank sends its tensor to every other rank point to point: only real elements travel,
-    with no padding and no staging copy. Measured on 2 and 3 Gloo ranks (1000/1500/1200 x 256
-    float32): 1.2 / 1.9 ms, against 1.5 / 3.0 ms for an uneven all-to-all (which needs a
-    world_size-fold send buffer) and 1.7 / 3.4 ms for a padded all_gather. The backward sends
+    with no padding and no staging copy: faster than an uneven all-to-all (which needs a
+    world_size-fold send buffer) or a padded all_gather (benchmarks/README.md). The backward sends
     each piece's gradient to the rank that owns it, which sums what it receives (as
     ``AllGatherGrad`` does).
     """

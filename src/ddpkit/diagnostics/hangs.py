@@ -41,7 +41,7 @@ _GATHER_SECONDS = 1.5
 _REQUEST_KEY = "ddpkit/hang/requests"
 
 
-class _Watch:
+class HangWatch:
     """One process's record of the collective it is in, and the thread that watches it."""
 
     def __init__(self, seconds: float, group: Any, store: Any) -> None:
@@ -129,7 +129,7 @@ class _Watch:
 class _Settings:
     def __init__(self) -> None:
         self.seconds: float | None = None  # set by watch_for_hangs; None: DDPKIT_HANG_SECONDS
-        self.watch: _Watch | None = None
+        self.watch: HangWatch | None = None
 
 
 _settings = _Settings()
@@ -160,7 +160,7 @@ def _configured_seconds() -> float:
         raise ValueError(f"DDPKIT_HANG_SECONDS={value!r} is not a number of seconds. Set e.g. 60, or unset it.") from None
 
 
-def active_watch() -> _Watch | None:
+def active_watch() -> HangWatch | None:
     """The watch of this process when hang diagnosis is on (started on first use), else None."""
     seconds = _configured_seconds()
     if seconds <= 0 or not (dist.is_available() and dist.is_initialized()):
@@ -168,6 +168,6 @@ def active_watch() -> _Watch | None:
     watch = _settings.watch
     group = dist.distributed_c10d._get_default_group()
     if watch is None or watch.group() is not group or not watch.running():  # first use, a new group, or turned back on
-        watch = _settings.watch = _Watch(seconds, group, dist.distributed_c10d._get_default_store())
+        watch = _settings.watch = HangWatch(seconds, group, dist.distributed_c10d._get_default_store())
     watch.seconds = seconds
     return watch

@@ -1,5 +1,6 @@
 """Communication hooks for torch's and ddpkit's DistributedDataParallel (see ``default``)."""
 
+from ddpkit.hooks.contract import elementwise_average
 from ddpkit.hooks.default import (
     allreduce_hook,
     bf16_compress_hook,
@@ -15,6 +16,7 @@ __all__ = [
     "allreduce_hook",
     "bf16_compress_hook",
     "bf16_compress_wrapper",
+    "elementwise_average",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 # torch.distributed.GradBucket itself (the stubs do not re-export it), so torch's DDP accepts the annotation.
 from torch._C._distributed_c10d import GradBucket
 
+from ddpkit.hooks.contract import GradBucket as DdpkitGradBucket
 from ddpkit.hooks.default import allreduce_hook
 
 __all__ = ["PowerSGDState", "powerSGD_hook"]
@@ -114,9 +115,8 @@ class PowerSGDState:
         """(memory key, seed label) of each parameter of the bucket. The label seeds Q and must be
         the same on every rank: the name, or for an unnamed parameter its place in the bucket
         (buckets are identical on every rank)."""
-        names = getattr(bucket, "parameter_names", None)
-        if callable(names):
-            return [(name, name) for name in names()]
+        if isinstance(bucket, DdpkitGradBucket):
+            return [(name, name) for name in bucket.parameter_names()]
         keys = []
         for slot, parameter in enumerate(bucket.parameters()):
             name = self._names.get(id(parameter))
@@ -203,9 +203,8 @@ def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, worl
             matrix.add_(error)
         inputs.append(matrix.clone() if state.use_error_feedback else matrix)
 
-    # Q is kept column-major (a transposed view of an r x m tensor): with one thread, M @ Q then
-    # takes 0.24 ms instead of 1.2 ms, and Q = (P^T M)^T 0.26 ms instead of 3.7 ms for M^T P
-    # (1024 x 1024, rank 4), because M is read in its own row order.
+    # Q is kept column-major (a transposed view of an r x m tensor), so that M @ Q and
+    # Q = (P^T M)^T read M in its own row order: several times faster than M^T P (benchmarks/README.md).
     qs = [_initial_q(state, key, label, matrix.shape[1], _rank_for(state, *matrix.shape), matrix)
           for (key, label), matrix in matrices]
     ps = [matrix @ q for (_, matrix), q in zip(matrices, qs)]

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from ddpkit.hooks.contract import NamesParameters
 
 __all__ = ["register_ddp_comm_hook"]
 
 
 HookFn = Callable[[Any, Any], "torch.futures.Future[Tensor]"]
+
+
+@runtime_checkable
+class _DataParallelModule(Protocol):
+    """torch's DistributedDataParallel or ddpkit's: the wrapped module and ``register_comm_hook``."""
+
+    module: torch.nn.Module
+
+    def register_comm_hook(self, state: object, hook: HookFn) -> Any: ...
 
 
 def register_ddp_comm_hook(
@@ -34,14 +45,12 @@ def register_ddp_comm_hook(
                 "e.g. ddp_comm_hook=ddpkit.hooks.allreduce_hook."
             )
         return
-    register = getattr(model, "register_comm_hook", None)
-    if not callable(register):
+    if not isinstance(model, _DataParallelModule):
         raise TypeError(
             f"register_ddp_comm_hook needs a DistributedDataParallel module (torch's or ddpkit's), got "
             f"{type(model).__name__}. Wrap the model first, e.g. model = ddpkit.DistributedDataParallel(model)."
         )
     hook = ddp_comm_wrapper(ddp_comm_hook) if ddp_comm_wrapper is not None else ddp_comm_hook
-    name_parameters = getattr(ddp_comm_state, "name_parameters", None)
-    if callable(name_parameters):  # state kept per parameter name (PowerSGDState), torch's buckets lack names
-        name_parameters(getattr(model, "module", model))
-    register(state=ddp_comm_state, hook=hook)
+    if isinstance(ddp_comm_state, NamesParameters):  # torch's buckets carry no parameter names
+        ddp_comm_state.name_parameters(model.module)
+    model.register_comm_hook(state=ddp_comm_state, hook=hook)

@@ -1,5 +1,5 @@
-"""Gradient buckets: which parameters are reduced together, their flat buffers, and the
-``GradBucket`` view that torch-style communication hooks receive.
+"""Gradient buckets: which parameters are reduced together, and their flat buffers (the
+``GradBucket`` view that communication hooks receive is part of ``ddpkit.hooks.contract``).
 
 Parameters are taken in reverse order of registration (roughly the order backward produces
 their gradients), grouped by dtype and device, and cut into buckets of at most ``cap_bytes``;
@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+# The view of a bucket that communication hooks receive; defined with the hook contract.
+from ddpkit.hooks.contract import GradBucket
 
 __all__ = ["Bucket", "GradBucket", "assign_buckets"]
 
@@ -64,8 +67,8 @@ class Bucket:
 
     Parameters smaller than ``batch_below_numel`` elements ("batched": their gradients are
     copied in together when the bucket launches, see DistributedDataParallel) lie first and
-    contiguous, in slot order, in ``batched_region``, so one pass divides them all (per-tensor
-    calls cost ~1 us each on CPU); the larger ones follow. The layout inside a bucket is free:
+    contiguous, in slot order, in ``batched_region``, so one pass divides them all (a call per
+    small tensor costs more than its data); the larger ones follow. The layout inside a bucket is free:
     it is reduced as a whole.
     """
 
@@ -110,56 +113,3 @@ class Bucket:
         self.ready = [False] * len(self.parameters)
         self.pending = len(self.parameters)
         self.batched = []
-
-
-class GradBucket:
-    """What a torch-style communication hook receives: torch ``GradBucket``'s methods.
-
-    ``buffer()`` is the flat tensor of gradients to reduce; the hook returns a future whose
-    value is the reduced flat tensor (or a one-element list of it, as older torch hooks return).
-    """
-
-    def __init__(self, bucket: Bucket, is_last: bool, prescaled: bool = False, with_flags: bool = False) -> None:
-        self._bucket = bucket
-        # For hooks that average elementwise, the buffer also holds the negotiation flags after
-        # the gradients, so they are summed with them (see DistributedDataParallel).
-        self._buffer = bucket.buffer if with_flags else bucket.grads
-        self._is_last = is_last
-        self._prescaled = prescaled
-
-    def index(self) -> int:
-        return self._bucket.index
-
-    def buffer(self) -> Tensor:
-        return self._buffer
-
-    def get_tensors(self) -> list[Tensor]:
-        """The pre-1.10 torch spelling, still used by hooks written against it."""
-        return [self._buffer]
-
-    def gradients(self) -> list[Tensor]:
-        return list(self._bucket.views)
-
-    def parameters(self) -> list[Tensor]:
-        return list(self._bucket.parameters)
-
-    def prescaled(self) -> bool:
-        """ddpkit's addition: True when the gradients are already divided by the group size (DDP
-        did it while copying them in, for hooks that declare ``averages_elementwise``)."""
-        return self._prescaled
-
-    def parameter_names(self) -> list[str]:
-        """ddpkit's addition: the names of ``parameters()``, for state kept per parameter (PowerSGD)."""
-        return list(self._bucket.names)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, buffer: Tensor) -> None:
-        """Replace the tensor this bucket hands out, as torch's does (a wrapper may swap in an
-        fp16 copy); DDP copies the hook's result back into its own gradients."""
-        if buffer.numel() != self._buffer.numel():
-            raise ValueError(
-                f"set_buffer needs {self._buffer.numel()} elements (the bucket's buffer), got {buffer.numel()}."
-            )
-        self._buffer = buffer

@@ -44,20 +44,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ddpkit.collectives import all_gather_object, broadcast_object, check_fingerprints
+from ddpkit.collectives import all_gather_object, broadcast_object, collective_call
 from ddpkit.connection import distributed_available
-from ddpkit.diagnostics.debug import call_site, debug_enabled
-from ddpkit.diagnostics.failures import CollectiveFailedError, guard, peer_failure
-from ddpkit.diagnostics.hangs import active_watch
+from ddpkit.diagnostics.debug import debug_enabled
+from ddpkit.diagnostics.failures import CollectiveFailedError, guard
 from ddpkit.hooks.contract import (
+    GradBucket,
     check_comm_hook,
     check_hook_result,
     check_pre_sync_hook,
+    describe_hook,
+    is_elementwise_average,
 )
 from ddpkit.parallel.buckets import (
+    DEFAULT_CAP_BYTES,
     DEFAULT_FIRST_CAP_BYTES,
     Bucket,
-    GradBucket,
     assign_buckets,
 )
 from ddpkit.parallel.sparse import average_sparse_gradients, sparse_gradient_parameters
@@ -72,6 +74,9 @@ TensorsFunction = Callable[[Sequence[Tensor], ProcessGroup], None]
 # separate torch call from Python exceeds the cost of moving its data. Larger ones are copied
 # (and scaled) at once in one pass, while backward goes on.
 _BATCH_BELOW_NUMEL = 16384
+
+# What a backward's synchronisation is called in hang reports and debug-mode fingerprints.
+_SYNCHRONISATION = "DistributedDataParallel backward"
 
 # torch DDP keyword arguments that ddpkit honours; any other is ignored with a warning.
 # output_device is honoured in that outputs stay on the process's one device.
@@ -134,7 +139,7 @@ class DistributedDataParallel(nn.Module):
             )
         self._world_size = dist.get_world_size(process_group)
         # The bucket all-reduce calls the group directly with options made once: dist.all_reduce
-        # re-checks its arguments on every call (~15-20 us on this path, measured).
+        # re-checks its arguments on every call, a cost the hot path need not pay.
         self._allreduce_options = dist.AllreduceOptions()
         self._allreduce_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stub's type is narrower
         self._allreduce_options.asyncOp = True
@@ -156,7 +161,8 @@ class DistributedDataParallel(nn.Module):
         self._trainable = {name: p for name, p in named if id(p) not in sparse_ids}
         by_name = dict(named)
         self._sparse = [by_name[name] for name in launch_order if name in by_name and id(by_name[name]) in sparse_ids]
-        self._bucket_cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
+        cap_mb = kwargs.get("bucket_cap_mb")
+        self._bucket_cap = DEFAULT_CAP_BYTES if cap_mb is None else int(float(cap_mb) * 1024 * 1024)
         self._scale = 1.0 / self._world_size
         # (submodule, name) of every buffer: read afresh each sync, so reassigned buffers are seen,
         # without walking the module tree every step.
@@ -167,7 +173,7 @@ class DistributedDataParallel(nn.Module):
         # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
         self._pre_sync_hooks: OrderedDict[int, Callable[[DistributedDataParallel], None]] = OrderedDict()
         # What changes every step lives in a plain object: writing attributes of an nn.Module goes
-        # through its registration checks (~7 us each, measured ~75 us a step on LeNet).
+        # through its registration checks, several microseconds each.
         self._step = _StepState()
         self._buckets: list[Bucket] = []
         self._hook_handles: list[RemovableHandle] = []
@@ -229,6 +235,10 @@ class DistributedDataParallel(nn.Module):
         argument) serves the broadcasts from the group's first rank."""
         if not tensors or self._world_size == 1:
             return
+        with collective_call("DistributedDataParallel broadcast", self.process_group):
+            self._broadcast_from(tensors, source)
+
+    def _broadcast_from(self, tensors: list[Tensor], source: int) -> None:
         if self._broadcast_function is not None and source == 0:
             self._broadcast_function(tensors, self.process_group)
             return
@@ -348,11 +358,11 @@ class DistributedDataParallel(nn.Module):
         self._step.debug = debug_enabled()
         self._step.defer_copies = bool(self._pre_sync_hooks)
         self._step.overlap = self._reduce_function is None and not self._step.defer_copies and not self._step.debug
-        # The bucket is averaged elementwise with no hook, or with a hook that declares
-        # ``averages_elementwise`` (ddpkit's allreduce, fp16, bf16). Then DDP divides while copying
+        # The bucket is averaged elementwise with no hook, or with a hook declared
+        # ``elementwise_average`` (ddpkit's allreduce, fp16, bf16; ddpkit.hooks.contract). Then DDP divides while copying
         # gradients in (one pass) and the negotiation flags travel in the buffer (no message);
         # otherwise the hook or reduce_function divides, and negotiation takes its own all-reduce.
-        hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
+        hook_elementwise = is_elementwise_average(self._comm_hook)
         self._step.elementwise = self._reduce_function is None and (self._comm_hook is None or hook_elementwise)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -442,23 +452,18 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward: complete, launch and await every bucket; copy results back."""
         self._step.synced_backwards += 1
-        watch = active_watch()
-        if watch is not None:
-            watch.enter("DistributedDataParallel backward", call_site())
+        fingerprint = self._step.debug and self._world_size > 1
         try:
-            with guard():  # an error here is published to the other ranks (see ddpkit.diagnostics.failures)
+            # guard(): an error of this rank's is published to the other ranks (ddpkit.diagnostics.failures)
+            with collective_call(_SYNCHRONISATION, self.process_group, fingerprint=fingerprint), guard():
                 self._synchronise()
         finally:
-            if watch is not None:
-                watch.leave()
             self._step.end_backward()
             for bucket in self._buckets:
                 bucket.reset()
 
     def _synchronise(self) -> None:
         """Complete, launch and await every bucket; copy results back; then buffers."""
-        if self._step.debug and self._world_size > 1:
-            check_fingerprints("DistributedDataParallel backward", self.process_group)
         if self._step.defer_copies:
             # The hooks see the complete local gradients in .grad, and what they leave there is
             # what gets reduced: nothing was copied into the buckets yet.
@@ -489,13 +494,11 @@ class DistributedDataParallel(nn.Module):
         self._step.next_bucket = len(self._buckets)
 
     def _wait(self, bucket: Bucket, pending: Any) -> Any:
-        """Wait for one bucket's reduction; when it fails or times out, say what that usually means."""
+        """Wait for one bucket's reduction; when it fails or times out, say what that usually means
+        (``collective_call`` names the rank instead when a peer published its failure)."""
         try:
             return pending.wait()
         except RuntimeError as error:
-            failure = peer_failure()
-            if failure is not None:
-                raise failure from error
             raise CollectiveFailedError(
                 f"ddpkit DistributedDataParallel: the gradient reduction of bucket {bucket.index} of "
                 f"{len(self._buckets)} (parameters {bucket.names[:3]}{'...' if len(bucket.names) > 3 else ''}) "
@@ -606,9 +609,9 @@ class DistributedDataParallel(nn.Module):
         values (zeros for a sum, ``torch.empty(0)`` for ``gather_all_tensors``), and a finished
         rank runs it once for every step the others take. Inside the block, ranks must not run
         forwards without backward while others have finished (their buffer broadcasts would have
-        no partner); debug mode (``ddpkit.diagnostics.debug``) reports any such mismatch. Comm hooks other
-        than ddpkit's elementwise ones (allreduce, fp16, bf16), ``reduce_function`` and
-        one-argument hooks are not supported here.
+        no partner); debug mode (``ddpkit.diagnostics.debug``) reports any such mismatch. Comm hooks not
+        declared ``elementwise_average`` (ddpkit's allreduce, fp16 and bf16 are), ``reduce_function``
+        and one-argument hooks are not supported here.
         """
         self._check_join_supported()
         yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.diagnostics.failures)
@@ -623,14 +626,15 @@ class DistributedDataParallel(nn.Module):
                 "embedding weight(s) with sparse=True). Stop every rank at the shortest one with "
                 "ddpkit.even_batches(loader), or use sparse=False."
             )
-        hook_elementwise = bool(getattr(self._comm_hook, "averages_elementwise", False))
+        hook_elementwise = is_elementwise_average(self._comm_hook)
         if self._reduce_function is not None or self._pre_sync_hooks or (self._comm_hook is not None and not hook_elementwise):
             used = ("reduce_function" if self._reduce_function is not None else
                     "a one-argument comm hook" if self._pre_sync_hooks else
-                    f"the comm hook {getattr(self._comm_hook, '__name__', self._comm_hook)!r}")
+                    f"the comm hook {describe_hook(self._comm_hook)}")
             raise ValueError(
-                f"DistributedDataParallel.join() cannot shadow reductions made by {used}: it supports no hook or "
-                "ddpkit.hooks' allreduce_hook, fp16_compress_hook and bf16_compress_hook. For uneven data with "
+                f"DistributedDataParallel.join() cannot shadow reductions made by {used}: it supports no hook, "
+                "ddpkit.hooks' allreduce_hook, fp16_compress_hook and bf16_compress_hook, and hooks declared "
+                "@ddpkit.hooks.elementwise_average. For uneven data with "
                 "other reductions, stop every rank at the shortest one with ddpkit.even_batches(loader)."
             )
 
@@ -643,8 +647,10 @@ class DistributedDataParallel(nn.Module):
 
     def _shadow_step(self) -> bool:
         """Take part in one reduction with zero gradients and flags; True if some rank still trains."""
-        if debug_enabled():
-            check_fingerprints("DistributedDataParallel backward", self.process_group)
+        with collective_call(_SYNCHRONISATION, self.process_group):  # the same as a real backward's
+            return self._reduce_zeros()
+
+    def _reduce_zeros(self) -> bool:
         pending = []
         for bucket in self._buckets:  # the same collectives, in the same order, as a real backward
             bucket.buffer.zero_()
