@@ -43,6 +43,15 @@ def in_debug_mode(scenario: str) -> tuple[str, str, float]:
                 model(torch.ones(2, 3)).sum().backward()
             else:
                 ddpkit.sync_ddp(torch.ones(1))
+        elif scenario == "evaluation vs training":
+            model = ddpkit.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+            if rank == 0:
+                model(torch.ones(2, 3))
+                model(torch.ones(2, 3))  # a second forward without backward: buffers broadcast first
+            else:
+                model(torch.ones(2, 3)).sum().backward()
+        elif scenario == "named barriers":
+            _strategy().barrier("before saving" if rank == 0 else "after saving")
         elif scenario == "all agree":
             model = ddpkit.DistributedDataParallel(nn.Linear(3, 1))
             model(torch.ones(2, 3)).sum().backward()
@@ -63,6 +72,8 @@ def in_debug_mode(scenario: str) -> tuple[str, str, float]:
     ("broadcast shapes", ["broadcast(float32, shape (2, 2)) at ", "broadcast(float32, shape (2, 3)) at "]),
     ("order", ["different order", "rank 0 called #", " sync_ddp(float32, shape (2,)) at ", "rank 1 called #", " barrier at "]),
     ("ddp vs collective", ["different order", "DistributedDataParallel backward", "sync_ddp"]),
+    ("named barriers", ["different order", "barrier 'before saving' at ", "barrier 'after saving' at "]),
+    ("evaluation vs training", ["different order", "DistributedDataParallel broadcast", "DistributedDataParallel backward"]),
 ])
 def test_a_mismatch_raises_on_every_rank_with_both_fingerprints_and_call_sites(
         debug_pool: WorkerPool, scenario: str, expected: list[str]) -> None:

@@ -194,3 +194,38 @@ def test_rank_zero_failing_to_write_a_checkpoint_is_named_on_the_ranks_waiting_f
     assert kind0 == "own" and "Errno" in text0, text0  # cannot make a folder where a file is
     assert kind1 == "peer" and named == 0 and text1.startswith("rank 0 failed: "), text1
     assert seconds < PG_TIMEOUT
+
+
+RECONCILED_TRACE = 'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\nValueError: bad batch 7\n'
+
+
+def reconcile_on_rank_one(folder: str) -> tuple[str, str, int | None, float] | dict[str, object]:
+    """Rank 1 handles its own exception and reports it as a Lightning trainer would; rank 0 waits at a barrier."""
+    import json
+    import os
+
+    from test_strategy import strategy
+
+    s = strategy()
+    if s.global_rank == 0:
+        return outcome(lambda: s.barrier("next epoch"))
+    error_file = os.path.join(folder, "rank1.json")
+    os.environ["DDPKIT_ERROR_FILE"] = error_file  # as `ddpkit run` sets it
+    try:
+        time.sleep(0.3)  # rank 0 is already waiting
+        s.reconciliate_processes(RECONCILED_TRACE)
+    finally:
+        del os.environ["DDPKIT_ERROR_FILE"]
+    with open(error_file, encoding="utf-8") as handle:
+        record: dict[str, object] = json.load(handle)
+    return record
+
+
+def test_reconciliate_processes_names_the_failure_on_the_other_ranks_and_for_the_launcher(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
+        (kind, text, named, seconds), record = pool.run(reconcile_on_rank_one, str(tmp_path))
+    assert kind == "peer" and named == 1, (kind, text)
+    assert text.startswith("rank 1 failed: ValueError: bad batch 7") and 'File "train.py", line 9' in text
+    assert seconds < 2.0, seconds  # freed by the record, not the process-group timeout
+    assert record["rank"] == 1 and record["type"] == "ValueError" and record["message"] == "bad batch 7"
+    assert record["traceback"] == RECONCILED_TRACE

@@ -41,3 +41,24 @@ def test_a_late_rank_is_named_with_the_stacks_of_every_rank() -> None:
     assert "ddpkit.sync_ddp(torch.ones(2))" in report  # and rank 0's, where it waits
     seconds = float(re.search(r"has waited ([\d.]+) s", report).group(1))  # type: ignore[union-attr]
     assert HANG_SECONDS <= seconds <= HANG_SECONDS + 2
+
+
+def rank_one_is_late_for_a_named_barrier() -> str:
+    from test_strategy import strategy
+
+    s = strategy()
+    watch_for_hangs(HANG_SECONDS)
+    try:
+        if dist.get_rank() == 1:
+            time.sleep(4)  # past the hang time and the report's gathering of stacks
+        s.barrier("before saving")
+        return last_report()
+    finally:
+        watch_for_hangs(None)
+
+
+def test_a_strategy_barrier_is_reported_by_its_name() -> None:
+    with WorkerPool(2, timeout=60, pg_timeout=10) as pool:
+        report, _ = pool.run(rank_one_is_late_for_a_named_barrier)
+    assert "barrier 'before saving' at " in report and "test_hangs.py:" in report, report
+    assert "Ranks that have not arrived: [1]." in report

@@ -34,6 +34,9 @@ SCRIPTS = {
     "ok.py": ("total = sync_ddp(torch.ones(1)).item()\n"
               "print(f'rank {rank} of {env.world_size()} total {total}', flush=True)\ndestroy_dist_connection()\n"),
     "raises.py": "if rank == 1:\n    raise ValueError('broken on purpose')\ndist.barrier()\n",
+    "catches.py": ("import ddpkit\nif rank == 1:\n    try:\n        with ddpkit.guard():\n"
+                   "            raise ValueError('caught and logged')\n    except ValueError:\n"
+                   "        sys.exit(3)\ndist.barrier()\n"),
     "killed.py": "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()\n",
     "sleeps.py": "time.sleep(60)\n",
     "threads.py": "print(f'rank {rank} threads {torch.get_num_threads()} OMP {os.environ[\"OMP_NUM_THREADS\"]} '"
@@ -100,6 +103,14 @@ def test_a_raising_worker_ends_the_job_naming_its_rank_and_traceback(scripts: Pa
     assert "rank 1 (local rank 1" in err and "failed first with ValueError: broken on purpose" in err
     assert "raise ValueError('broken on purpose')" in err  # the traceback
     assert_gone(pids)
+
+
+def test_a_worker_that_catches_its_guarded_failure_and_exits_is_named_with_it(scripts: Path) -> None:
+    """guard() records the failure for the launcher too: the script's own exit code does not hide the cause."""
+    launcher = launch(scripts, "--nproc-per-node", "2", "catches.py")
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    assert "rank 1 (local rank 1" in err and "failed first with ValueError: caught and logged" in err, err
 
 
 def test_a_killed_worker_ends_the_job_naming_the_signal(scripts: Path) -> None:

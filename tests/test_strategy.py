@@ -4,6 +4,7 @@ and the plugin API (reduce, broadcast, block_backward_sync, checkpoints) does wh
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,50 @@ def test_setup_dataloader_shards_and_reshuffles_each_epoch(pool2: WorkerPool) ->
 def test_model_to_device_needs_a_model() -> None:
     with pytest.raises(ValueError, match="needs a model"):
         DDPStrategy(cluster_environment=LocalEnvironment({"MASTER_PORT": "1"})).model_to_device()
+
+
+def dispatch_waits() -> list[float]:
+    s = strategy()
+    waited = []
+    for step in (s.pre_dispatch, s.post_dispatch):
+        if s.global_rank == 1:
+            time.sleep(0.5)
+        start = time.monotonic()
+        step()
+        waited.append(time.monotonic() - start)
+    return waited
+
+
+def test_pre_and_post_dispatch_wait_for_every_rank(pool2: WorkerPool) -> None:
+    """Lightning's hooks before and after training: barriers, so none starts or tears down alone."""
+    rank0, rank1 = pool2.run(dispatch_waits, timeout=60)
+    assert min(rank0) > 0.4, rank0  # rank 0 waited for rank 1, twice
+    assert max(rank1) < 0.4, rank1
+
+
+def train_in_subgroups() -> dict[str, object]:
+    """Ranks 0 and 1 train together; rank 2 alone: two data-parallel groups in one world."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]  # every rank creates every group, in order
+    rank = dist.get_rank()
+    mine = groups[0] if rank < 2 else groups[1]
+    s = strategy(process_group=mine)
+    net = s.setup(model())
+    net(torch.full((1, 5), float(rank + 1))).sum().backward()
+    s.barrier("trained")
+    return {
+        "group_is_mine": s.data_parallel_group is mine,
+        "broadcast": s.broadcast(rank),
+        "sampler_kwargs": s.distributed_sampler_kwargs,
+        "bias_grad": net.module[0].bias.grad.tolist(),
+    }
+
+
+def test_a_process_group_in_ddp_kwargs_is_the_data_parallel_group(pool3: WorkerPool) -> None:
+    """Gradients, broadcasts, barriers and data shards all stay inside the group given to the DDP module."""
+    results = pool3.run(train_in_subgroups, timeout=60)
+    assert [r["group_is_mine"] for r in results] == [True] * 3
+    assert [r["broadcast"] for r in results] == [0, 0, 2]  # src=0 counts inside each group
+    assert [r["sampler_kwargs"] for r in results] == [
+        {"num_replicas": 2, "rank": 0}, {"num_replicas": 2, "rank": 1}, {"num_replicas": 1, "rank": 0}]
+    assert results[0]["bias_grad"] == results[1]["bias_grad"]  # averaged over ranks 0 and 1
+    assert results[2]["bias_grad"] != results[0]["bias_grad"]  # rank 2's own

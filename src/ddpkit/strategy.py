@@ -28,17 +28,18 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.collectives import barrier, broadcast_object, sync_ddp_if_available
+from ddpkit.collectives import barrier, broadcast_object, collective_call, sync_ddp_if_available
 from ddpkit.connection import (
     destroy_dist_connection,
     distributed_available,
     init_dist_connection,
 )
-from ddpkit.diagnostics.failures import guard
-from ddpkit.diagnostics.records import failure_record, write_error_record
+from ddpkit.diagnostics.failures import guard, record_failure
+from ddpkit.diagnostics.records import failure_record
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, start_local_ranks
@@ -58,7 +59,14 @@ class DDPStrategy:
     ``parallel_devices``: the devices of this node (index = local rank); default one CUDA device
     per local rank when CUDA is available, else the CPU. ``ddp_kwargs`` go to the DDP module
     (``find_unused_parameters`` defaults to False, as in Lightning); ``use_torch_ddp=True``
-    wraps with torch's DistributedDataParallel instead of ddpkit's.
+    wraps with torch's DistributedDataParallel instead of ddpkit's. With
+    ``process_group=<group>`` among them the data-parallel group is that group: gradients are
+    averaged over it, and ``barrier``, ``broadcast`` and the sampler's shards are its own.
+
+    Lightning's ``pre_backward(closure_loss)`` is not here: Lightning calls torch DDP's
+    ``prepare_for_backward`` there because its training step's output does not pass through
+    DDP's forward; here the model is called directly, and both DDP modules prepare their
+    backward in their own forward.
     """
 
     def __init__(
@@ -113,11 +121,17 @@ class DDPStrategy:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        """How the data is sharded: one share per rank of the data-parallel group."""
+        group = self.data_parallel_group
+        if group is None:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": dist.get_world_size(group), "rank": dist.get_rank(group)}
 
     @property
     def data_parallel_group(self) -> Any:
-        return None  # the default (world) group
+        """The process group gradients are averaged over: ``ddp_kwargs["process_group"]``, or
+        None for the default (world) group."""
+        return self.ddp_kwargs.get("process_group")
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -193,8 +207,9 @@ class DDPStrategy:
         if isinstance(loader.sampler, DistributedSampler):
             return loader
         shuffle = not isinstance(loader.sampler, torch.utils.data.SequentialSampler)
+        shard = self.distributed_sampler_kwargs
         sampler: DistributedSampler[Any] = DistributedSampler(
-            loader.dataset, num_replicas=self.world_size, rank=self.global_rank, shuffle=shuffle)
+            loader.dataset, num_replicas=shard["num_replicas"], rank=shard["rank"], shuffle=shuffle)
         return _EpochDataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
                                 num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                                 pin_memory=loader.pin_memory, drop_last=loader.drop_last)
@@ -202,7 +217,14 @@ class DDPStrategy:
     # -- during training -------------------------------------------------------------------------
 
     def barrier(self, name: str | None = None) -> None:
-        barrier(self.data_parallel_group)
+        """Wait for every rank of the data-parallel group. ``name`` labels the barrier in hang
+        reports (``ddpkit.diagnostics.hangs``) and debug-mode mismatches: ranks at barriers of
+        different names are at different places of the script."""
+        if name is None:
+            barrier(self.data_parallel_group)
+            return
+        with collective_call(f"barrier {name!r}", self.data_parallel_group):
+            barrier(self.data_parallel_group)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return broadcast_object(obj, src=src, group=self.data_parallel_group)
@@ -236,12 +258,8 @@ class DDPStrategy:
             return Join([self.model])
         return contextlib.nullcontext()
 
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        """Nothing to prepare: ddpkit's module needs no per-step set-up before backward."""
-
     def backward(self, loss: Tensor) -> None:
         with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
-            self.pre_backward(loss)
             loss.backward()
 
     def on_before_forward(self, model: nn.Module, *args: Any) -> tuple[Any, ...]:
@@ -263,15 +281,18 @@ class DDPStrategy:
         self.barrier("post_dispatch")
 
     def reconciliate_processes(self, trace: str) -> None:
-        """Report a failure of this process to the launcher, which then stops the others.
+        """Report a failure of this process, given as its formatted traceback (Lightning calls this
+        when a rank fails; call it in your ``except`` block if you handle the exception yourself).
 
-        Under ``ddpkit run`` the trace goes to the error file the launcher reads to name the root
-        cause; elsewhere the scheduler ends the job when this process exits non-zero.
+        The other ranks raise ``PeerFailedError`` naming this rank and the trace's last line in
+        their current or next ddpkit collective; ``ddpkit run`` names it as the root cause; local
+        ranks this process started in-script are ended.
         """
-        error_file = os.environ.get("DDPKIT_ERROR_FILE")
-        if error_file:
-            last_line = trace.strip().splitlines()[-1] if trace.strip() else ""
-            write_error_record(error_file, failure_record(self.global_rank, "Error", last_line, trace))
+        last_line = trace.strip().splitlines()[-1] if trace.strip() else "(no traceback given)"
+        kind, separator, message = last_line.partition(": ")
+        if not separator or " " in kind:  # not "SomeError: message"
+            kind, message = "Error", last_line
+        record_failure(failure_record(self.global_rank, kind, message, trace))
         if self._local_ranks is not None:  # this process started the other local ranks: end them
             self._local_ranks.terminate()
 

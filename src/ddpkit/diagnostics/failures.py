@@ -12,9 +12,11 @@ With it:
    raises ``PeerFailedError``: "rank K failed: <its exception>", with K's traceback.
 
 Failures are published by ``with ddpkit.guard():`` blocks, by the strategy and DDP module
-(which run their work inside one), and by the worker bootstrap of ``ddpkit run`` for any
-uncaught exception. It works under any launcher or scheduler, since the store is the one the
-process group already uses. The store lives in global rank 0's process: when rank 0 is the
+(which run their work inside one), by ``DDPStrategy.reconciliate_processes``, and by the worker
+bootstrap of ``ddpkit run`` for any uncaught exception, all through ``record_failure``, which also
+writes the record to the file the launcher reads to name the root cause (``DDPKIT_ERROR_FILE``).
+It works under any launcher or scheduler, since the store is the one the process group already
+uses. The store lives in global rank 0's process: when rank 0 is the
 one that fails, it keeps the store up for a moment at exit so that the others can read why.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -31,9 +34,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.diagnostics.debug import CollectiveMismatchError
-from ddpkit.diagnostics.records import exception_record
+from ddpkit.diagnostics.records import exception_record, write_error_record
 
-__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure"]
+__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure", "record_failure"]
 
 FAILURE_KEY = "ddpkit/failure"
 _SEEN_KEY = "ddpkit/failure_seen"
@@ -75,22 +78,39 @@ def guard() -> Iterator[None]:
 
 
 def publish_failure(error: BaseException) -> None:
-    """Record ``error`` as this rank's failure in the store (unless one is recorded already) and
-    tear the process group down, so that peers blocked in collectives fail now."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """``record_failure`` of ``error``, this process's exception."""
+    record_failure(exception_record(_this_rank(), error))
+
+
+def record_failure(record: dict[str, object], publish: bool = True) -> None:
+    """The one writer of failure records (``ddpkit.diagnostics.records`` format).
+
+    Writes ``record`` to the file the launcher reads (``DDPKIT_ERROR_FILE``, when set; this
+    process's first failure is kept) and, with ``publish``, to the process group's store (the
+    job's first failure is kept: the root cause), then tears the process group down, so that
+    peers blocked in collectives fail now.
+    """
+    error_file = os.environ.get("DDPKIT_ERROR_FILE")
+    if error_file:
+        write_error_record(error_file, record)
+    if not publish or not (dist.is_available() and dist.is_initialized()):
         return
     store = _default_store()
     if store is None:
         return
-    rank = dist.get_rank()
-    record = json.dumps(exception_record(rank, error))  # the launchers' error-file format
     try:
-        store.compare_set(FAILURE_KEY, "", record)  # only the first failure: the root cause
+        store.compare_set(FAILURE_KEY, "", json.dumps(record))
     except RuntimeError:
         return  # the store is gone (its host died first): nothing to tell, and no one to tell it
-    if rank == 0:
+    if dist.get_rank() == 0:
         atexit.register(_linger_until_read, store, dist.get_world_size())
     dist.destroy_process_group()
+
+
+def _this_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "-1"))
 
 
 def peer_failure() -> PeerFailedError | None:

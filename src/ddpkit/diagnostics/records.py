@@ -25,11 +25,12 @@ def exception_record(rank: int, error: BaseException) -> dict[str, object]:
 
 
 def write_error_record(error_file: str, record: dict[str, object]) -> None:
-    """Record a failure where the launcher looks for it (DDPKIT_ERROR_FILE); best effort."""
+    """Record a failure where the launcher looks for it (DDPKIT_ERROR_FILE); best effort. The
+    first failure of the process is kept: it is the cause, the later ones its consequences."""
     try:
-        with open(error_file, "w", encoding="utf-8") as handle:
+        with open(error_file, "x", encoding="utf-8") as handle:
             json.dump(record, handle)
-    except OSError:
+    except OSError:  # FileExistsError included: a failure is recorded already
         pass
 
 

@@ -20,8 +20,8 @@ import signal
 import sys
 import traceback
 
-from ddpkit.diagnostics.failures import CollectiveFailedError, publish_failure
-from ddpkit.diagnostics.records import exception_record, write_error_record
+from ddpkit.diagnostics.failures import CollectiveFailedError, record_failure
+from ddpkit.diagnostics.records import exception_record
 
 _PR_SET_PDEATHSIG = 1
 
@@ -35,10 +35,6 @@ def _die_with_launcher() -> None:
             pass
     if launcher and os.getppid() != launcher:  # it died before prctl took effect
         os._exit(1)
-
-
-def _record(error_file: str, exc: BaseException) -> None:
-    write_error_record(error_file, exception_record(int(os.environ.get("RANK", "-1")), exc))
 
 
 def _dump_stacks_on_request() -> None:
@@ -57,7 +53,6 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m ddpkit.launching.worker (script.py | -m module) [args...]")
     _dump_stacks_on_request()
     _die_with_launcher()
-    error_file = os.environ.get("DDPKIT_ERROR_FILE")
     try:
         if argv[0] == "-m":  # as `python -m module args`: the module's own sys.argv[0], the cwd on the path
             sys.argv = [argv[1], *argv[2:]]
@@ -70,10 +65,10 @@ def main(argv: list[str]) -> None:
     except SystemExit:
         raise
     except BaseException as exc:
-        if error_file:
-            _record(error_file, exc)
-        if not isinstance(exc, CollectiveFailedError):  # a consequence is not news to the others
-            publish_failure(exc)  # tell the other ranks, and free those blocked in collectives
+        # For the launcher, and (unless it is a consequence, not news to them) for the other ranks,
+        # which frees those blocked in collectives.
+        record = exception_record(int(os.environ.get("RANK", "-1")), exc)
+        record_failure(record, publish=not isinstance(exc, CollectiveFailedError))
         traceback.print_exc()
         sys.stderr.flush()
         # os._exit keeps the code: sys.exit after a Gloo error can turn into an abort (134).
