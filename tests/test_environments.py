@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from ddpkit.environments import (
@@ -27,14 +30,17 @@ def summary(env: ClusterEnvironment) -> tuple:
 # --- Local ---------------------------------------------------------------------------------
 
 
-def test_local_defaults_to_one_process_with_a_free_port() -> None:
+def test_local_defaults_to_one_process_and_no_port() -> None:
     env = LocalEnvironment({})
     assert (env.main_address, env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (
         "127.0.0.1", 1, 0, 0, 0)
-    assert 1 <= env.main_port <= 65535
+    assert env.main_port == 0  # not chosen: one process meets no one; a launcher gives processes theirs
     assert env.creates_processes_externally is False
-    first = env.main_port
-    assert [env.main_port for _ in range(5)] == [first] * 5  # chosen once, not on every read
+    assert env.backend is None
+
+
+def test_local_reads_the_launchers_backend() -> None:
+    assert LocalEnvironment({"DDPKIT_BACKEND": "gloo", "MASTER_PORT": "29500"}).backend == "gloo"
 
 
 def test_local_reads_torch_variables() -> None:
@@ -285,3 +291,37 @@ def test_detect_environment_order(variables: dict[str, str], expected: type) -> 
 def test_lsf_detected(rankfile: str) -> None:
     variables = lsf(rankfile)
     assert not SLURMEnvironment.detect(variables) and LSFEnvironment.detect(variables)
+
+
+def test_no_environment_binds_connects_or_writes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Environments only read: constructing each of them opens no socket and writes no variable."""
+    import socket
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an environment opened a socket")
+
+    monkeypatch.setattr(socket, "socket", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    rankfile = tmp_path / "ranks"
+    rankfile.write_text("launch\nhostA\nhostA\n")
+    samples = {
+        LocalEnvironment: {},
+        TorchElasticEnvironment: {"MASTER_ADDR": "h", "MASTER_PORT": "1234", "WORLD_SIZE": "2", "RANK": "1",
+                                  "GROUP_RANK": "0", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+        KubeflowEnvironment: {"KUBERNETES_PORT": "x", "MASTER_ADDR": "h", "MASTER_PORT": "1234", "WORLD_SIZE": "2",
+                              "RANK": "1"},
+        SLURMEnvironment: {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+                           "SLURM_NODELIST": "node1", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "train",
+                           "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1"},
+        LSFEnvironment: {"LSB_JOBID": "5", "JSM_NAMESPACE_SIZE": "2", "JSM_NAMESPACE_RANK": "1",
+                         "JSM_NAMESPACE_LOCAL_RANK": "1", "LSB_DJOB_RANKFILE": str(rankfile)},
+        MPIEnvironment: {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h"},
+    }
+    process_environment = dict(os.environ)
+    for kind, variables in samples.items():
+        before = dict(variables)
+        env = kind(variables, hostname="hostA") if kind is LSFEnvironment else kind(variables)  # type: ignore[call-arg]
+        assert env.world_size() in (1, 2), kind
+        assert variables == before, kind
+    assert dict(os.environ) == process_environment

@@ -83,8 +83,17 @@ def test_init_one_process_uses_no_network(no_process_group: None) -> None:
 
 def test_init_refuses_inconsistent_ranks_and_nccl_without_cuda(no_process_group: None) -> None:
     env = LocalEnvironment({"MASTER_PORT": "29500"})
-    with pytest.raises(ValueError, match="global_rank=2 and world_size=2"):
+    with pytest.raises(ValueError, match="global_rank=2 is not smaller than world_size=2"):
         init_dist_connection(env, "gloo", global_rank=2, world_size=2)
+    with pytest.raises(ValueError, match="global_rank=-1 is negative"):
+        init_dist_connection(env, "gloo", global_rank=-1, world_size=2)
+    with pytest.raises(ValueError, match="world_size=0 must be at least 1"):
+        init_dist_connection(env, "gloo", global_rank=0, world_size=0)
+    with pytest.raises(ValueError, match="No port to meet on.*MASTER_PORT"):
+        init_dist_connection(LocalEnvironment({"WORLD_SIZE": "2", "RANK": "0"}), "gloo")
+    if not torch.cuda.is_available():  # the launcher's --backend reaches the connection through the environment
+        with pytest.raises(ValueError, match=r"'nccl' \(DDPKIT_BACKEND, from `ddpkit run --backend`\) needs CUDA"):
+            init_dist_connection(LocalEnvironment({"MASTER_PORT": "29500", "DDPKIT_BACKEND": "nccl"}))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="'nccl' needs CUDA.*'gloo'"):
             init_dist_connection(env, "nccl")

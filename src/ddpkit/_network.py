@@ -1,4 +1,5 @@
-"""Which network interface Gloo should use to reach the other nodes.
+"""Sockets: which network interface Gloo should use to reach the other nodes, and free ports
+for whoever starts processes (the launcher, in-script launching; never an environment).
 
 Without ``GLOO_SOCKET_IFNAME``, Gloo binds to the address this host's *name* resolves to, and
 to loopback when that fails. Both are wrong surprisingly often across nodes: Debian and Ubuntu
@@ -15,7 +16,7 @@ import ipaddress
 import socket
 import struct
 
-__all__: list[str] = []
+__all__ = ["find_free_port", "gloo_interface_towards"]
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
@@ -61,3 +62,10 @@ def _interface_with_address(ip: str) -> str | None:
             if socket.inet_ntoa(answer[20:24]) == ip:
                 return name
     return None
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ddpkit._network import gloo_interface_towards
 from ddpkit.diagnostics.hangs import active_watch
-from ddpkit.environments import ClusterEnvironment
+from ddpkit.environments import ChoosesBackend, ClusterEnvironment, check_place
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -69,26 +69,29 @@ def init_dist_connection(
         )
     rank = cluster_environment.global_rank() if global_rank is None else global_rank
     size = cluster_environment.world_size() if world_size is None else world_size
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(
-            f"global_rank={rank} and world_size={size} are inconsistent: the rank must be in 0..world_size-1 "
-            "and world_size at least 1. Check the values passed to init_dist_connection or the environment."
-        )
-    # DDPKIT_BACKEND is set by `ddpkit run --backend`.
-    backend = torch_distributed_backend or os.environ.get("DDPKIT_BACKEND") or (
-        "nccl" if torch.cuda.is_available() else "gloo")
+    if global_rank is not None or world_size is not None:  # the environment checked its own values
+        check_place({"rank": "global_rank", "world": "world_size"}, {"rank": rank, "world": size},
+                    "Check the values passed to init_dist_connection.")
+    chosen = cluster_environment.backend if isinstance(cluster_environment, ChoosesBackend) else None
+    backend = torch_distributed_backend or chosen or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError(
-            "torch_distributed_backend='nccl' needs CUDA GPUs, and none is available to this process. "
-            "Use 'gloo' on CPU."
-        )
+        source = ("torch_distributed_backend='nccl'" if torch_distributed_backend else
+                  "Backend 'nccl' (DDPKIT_BACKEND, from `ddpkit run --backend`)")
+        raise ValueError(f"{source} needs CUDA GPUs, and none is available to this process. Use 'gloo' on CPU.")
 
     if dist.is_initialized():
         _check_existing_group(rank, size, torch_distributed_backend)
         return
+    if size > 1 and cluster_environment.main_port == 0:
+        raise ValueError(
+            f"No port to meet on: {type(cluster_environment).__name__} has no main port (MASTER_PORT is not set), "
+            f"and the {size} processes of the job must all connect to one. Set MASTER_PORT to the same free port "
+            "for every process, or start them with `ddpkit run`, which chooses one."
+        )
 
-    os.environ["MASTER_ADDR"] = cluster_environment.main_address
-    os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
+    if cluster_environment.main_port:  # 0: one process, which meets no one (no port chosen, none exported)
+        os.environ["MASTER_ADDR"] = cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
     os.environ["WORLD_SIZE"] = str(size)
     os.environ["RANK"] = str(rank)
     if backend == "gloo" and size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):

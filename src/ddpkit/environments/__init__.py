@@ -26,12 +26,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from ddpkit._network import find_free_port  # here in 0.1; it binds, so it lives with the sockets
 from ddpkit.environments.base import (
     DDPKIT_LAUNCHED,
+    ChoosesBackend,
     ClusterEnvironment,
     _ResolvedEnvironment,
+    check_place,
     environment_variables,
-    find_free_port,
 )
 from ddpkit.environments.kubeflow import KubeflowEnvironment
 from ddpkit.environments.local import LocalEnvironment
@@ -42,6 +44,7 @@ from ddpkit.environments.torchelastic import TorchElasticEnvironment
 
 __all__ = [
     "DDPKIT_LAUNCHED",
+    "ChoosesBackend",
     "ClusterEnvironment",
     "KubeflowEnvironment",
     "LSFEnvironment",
@@ -49,6 +52,7 @@ __all__ = [
     "MPIEnvironment",
     "SLURMEnvironment",
     "TorchElasticEnvironment",
+    "check_place",
     "detect_environment",
     "environment_variables",
     "expand_slurm_nodelist",

@@ -1,12 +1,12 @@
-"""What every cluster environment shares: the protocol, validated reading of variables, ports."""
+"""What every cluster environment shares: the protocol, validated reading of variables, the one
+consistency check of a process's place (``check_place``)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-__all__ = ["DDPKIT_LAUNCHED", "ClusterEnvironment", "environment_variables", "find_free_port"]
+__all__ = ["DDPKIT_LAUNCHED", "ChoosesBackend", "ClusterEnvironment", "check_place", "environment_variables"]
 
 #: Set by ddpkit's launcher in every worker it starts.
 DDPKIT_LAUNCHED = "DDPKIT_LAUNCHED"
@@ -51,6 +51,15 @@ class ClusterEnvironment(Protocol):
         ...
 
 
+@runtime_checkable
+class ChoosesBackend(Protocol):
+    """An environment that also names the torch.distributed backend of the job (``ddpkit run
+    --backend``); None leaves the choice to the connection (NCCL with CUDA, else Gloo)."""
+
+    @property
+    def backend(self) -> str | None: ...
+
+
 class _ResolvedEnvironment:
     """The values every environment ends up with; subclasses only parse their variables."""
 
@@ -61,6 +70,7 @@ class _ResolvedEnvironment:
     _local_rank: int
     _node_rank: int
     _external: bool
+    _backend: str | None = None
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         raise NotImplementedError  # each environment parses its own variables
@@ -80,6 +90,10 @@ class _ResolvedEnvironment:
     @property
     def creates_processes_externally(self) -> bool:
         return self._external
+
+    @property
+    def backend(self) -> str | None:
+        return self._backend
 
     def world_size(self) -> int:
         return self._world_size
@@ -144,12 +158,19 @@ def _check_below(name: str, value: int, limit_name: str, limit: int, fix: str) -
 _RANK_LIMITS = (("rank", "world"), ("local", "local_world"), ("node", "nodes"))
 
 
-def _validate(names: Mapping[str, str], values: Mapping[str, int], fix: str) -> None:
-    """Check that every rank is below its size and a node is not larger than the job.
+def check_place(names: Mapping[str, str], values: Mapping[str, int], fix: str) -> None:
+    """The one consistency check of a process's place in the job (every environment's, and the
+    connection's for ranks given by hand): sizes at least 1, ranks from 0 and below their size,
+    a node no larger than the job.
 
-    ``names`` maps roles (rank, world, local, local_world, node, nodes) to the variable that
-    supplied them; a role missing from ``values`` is not checked.
+    ``names`` maps roles (rank, world, local, local_world, node, nodes) to the variable or
+    argument that supplied them, for the message; a role missing from ``values`` is not checked.
     """
+    for small, big in _RANK_LIMITS:
+        if big in values and values[big] < 1:
+            raise ValueError(f"{names[big]}={values[big]} must be at least 1. {fix}")
+        if small in values and values[small] < 0:
+            raise ValueError(f"{names[small]}={values[small]} is negative: ranks count from 0. {fix}")
     for small, big in _RANK_LIMITS:
         if small in values and big in values:
             _check_below(names[small], values[small], names[big], values[big], fix)
@@ -173,11 +194,14 @@ def _required_port(env: Mapping[str, str], fix: str) -> int:
     return _port_var(env, "MASTER_PORT", default=0)
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def _read_torch_variables(environment: _ResolvedEnvironment, env: Mapping[str, str], fix: str) -> None:
+    """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK, all required: what an agent that starts each
+    process (torchrun, the Kubeflow operator) sets for it."""
+    environment._main_address = _required_address(env, fix)
+    environment._main_port = _required_port(env, fix)
+    environment._world_size = _int_var(env, "WORLD_SIZE", fix, minimum=1)
+    environment._global_rank = _int_var(env, "RANK", fix)
+    environment._external = True
 
 
 def environment_variables(environment: ClusterEnvironment) -> dict[str, str]:

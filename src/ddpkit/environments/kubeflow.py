@@ -5,13 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ddpkit.environments.base import (
-    _int_var,
-    _required_address,
-    _required_port,
-    _ResolvedEnvironment,
-    _validate,
-)
+from ddpkit.environments.base import _read_torch_variables, _ResolvedEnvironment, check_place
 
 __all__ = ["KubeflowEnvironment"]
 
@@ -24,14 +18,10 @@ class KubeflowEnvironment(_ResolvedEnvironment):
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         fix = "These are set by the Kubeflow training operator for each pod of a PyTorchJob."
-        self._main_address = _required_address(env, fix)
-        self._main_port = _required_port(env, fix)
-        self._world_size = _int_var(env, "WORLD_SIZE", fix, minimum=1)
-        self._global_rank = _int_var(env, "RANK", fix)
-        _validate({"rank": "RANK", "world": "WORLD_SIZE"}, {"rank": self._global_rank, "world": self._world_size}, fix)
+        _read_torch_variables(self, env, fix)
+        check_place({"rank": "RANK", "world": "WORLD_SIZE"}, {"rank": self._global_rank, "world": self._world_size}, fix)
         self._local_rank = 0
         self._node_rank = self._global_rank
-        self._external = True
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:

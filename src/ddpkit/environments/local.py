@@ -11,8 +11,7 @@ from ddpkit.environments.base import (
     _int_var,
     _port_var,
     _ResolvedEnvironment,
-    _validate,
-    find_free_port,
+    check_place,
 )
 
 __all__ = ["LocalEnvironment"]
@@ -22,17 +21,20 @@ class LocalEnvironment(_ResolvedEnvironment):
     """One node (or nodes joined by hand with MASTER_ADDR), processes started by ddpkit or the user.
 
     Reads the torch.distributed variables when they are set, with single-process defaults:
-    ``MASTER_ADDR`` (127.0.0.1), ``MASTER_PORT`` (a free port, chosen once when this object is
-    made; ``init_dist_connection`` exports it so that child processes share it), ``WORLD_SIZE``
-    (1), ``RANK`` (``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``), ``LOCAL_RANK`` (0),
-    ``LOCAL_WORLD_SIZE``, ``NODE_RANK``/``GROUP_RANK`` (0).
+    ``MASTER_ADDR`` (127.0.0.1), ``MASTER_PORT`` (0: not chosen; one process needs none, and
+    processes started together get theirs from whoever starts them: ``ddpkit run``, in-script
+    launching), ``WORLD_SIZE`` (1), ``RANK`` (``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``),
+    ``LOCAL_RANK`` (0), ``LOCAL_WORLD_SIZE``, ``NODE_RANK``/``GROUP_RANK`` (0), and ``backend``
+    from ``DDPKIT_BACKEND`` (set by ``ddpkit run --backend``). Like every environment it only
+    reads: it binds no port.
     """
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         fix = "Set the variable correctly, or unset it to use the single-process default."
         self._main_address = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
-        self._main_port = _port_var(env, "MASTER_PORT", default=0) if env.get("MASTER_PORT") else find_free_port()
+        self._main_port = _port_var(env, "MASTER_PORT", default=0) if env.get("MASTER_PORT", "").strip() else 0
+        self._backend = env.get("DDPKIT_BACKEND", "").strip() or None
         self._world_size = _int_var(env, "WORLD_SIZE", fix, default=1, minimum=1)
         self._local_rank = _int_var(env, "LOCAL_RANK", fix, default=0)
         node_var = _first_of(env, "NODE_RANK", "GROUP_RANK") or "NODE_RANK"
@@ -45,7 +47,7 @@ class LocalEnvironment(_ResolvedEnvironment):
         if local_world is not None:
             values["local_world"] = local_world
         names = {"rank": "RANK", "world": "WORLD_SIZE", "local": "LOCAL_RANK", "local_world": "LOCAL_WORLD_SIZE"}
-        _validate(names, values, fix)
+        check_place(names, values, fix)
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:

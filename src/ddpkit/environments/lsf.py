@@ -11,7 +11,7 @@ from ddpkit.environments.base import (
     _int_var,
     _port_var,
     _ResolvedEnvironment,
-    _validate,
+    check_place,
 )
 
 __all__ = ["LSFEnvironment"]
@@ -36,7 +36,7 @@ class LSFEnvironment(_ResolvedEnvironment):
         self._local_rank = _int_var(env, "JSM_NAMESPACE_LOCAL_RANK", fix)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}
         names = {"rank": "JSM_NAMESPACE_RANK", "world": "JSM_NAMESPACE_SIZE", "local": "JSM_NAMESPACE_LOCAL_RANK"}
-        _validate(names, values, fix)
+        check_place(names, values, fix)
         job_id = _int_var(env, "LSB_JOBID", fix)
 
         hosts = self._compute_hosts(env)

@@ -13,7 +13,7 @@ from ddpkit.environments.base import (
     _int_var,
     _port_var,
     _ResolvedEnvironment,
-    _validate,
+    check_place,
 )
 
 __all__ = ["MPIEnvironment"]
@@ -61,7 +61,7 @@ class MPIEnvironment(_ResolvedEnvironment):
         names = {"rank": rank_var, "world": size_var, "local": local_name, "local_world": local_size_var}
         if local_size is not None:
             values["local_world"] = local_size
-        _validate(names, values, fix)
+        check_place(names, values, fix)
 
         if node_var is not None and env.get(node_var):
             self._node_rank = _int_var(env, node_var, fix)

@@ -13,7 +13,7 @@ from ddpkit.environments.base import (
     _int_var,
     _port_var,
     _ResolvedEnvironment,
-    _validate,
+    check_place,
 )
 
 __all__ = ["SLURMEnvironment", "expand_slurm_nodelist"]
@@ -103,7 +103,7 @@ class SLURMEnvironment(_ResolvedEnvironment):
             values["local_world"] = _int_var(env, "SLURM_NTASKS_PER_NODE", fix, minimum=1)
         if env.get("SLURM_NNODES"):
             values["nodes"] = _int_var(env, "SLURM_NNODES", fix, minimum=1)
-        _validate(names, values, fix)
+        check_place(names, values, fix)
 
         nodelist_var = _first_of(env, "SLURM_NODELIST", "SLURM_JOB_NODELIST")
         if env.get("MASTER_ADDR", "").strip():

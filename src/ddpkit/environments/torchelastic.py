@@ -5,13 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ddpkit.environments.base import (
-    _int_var,
-    _required_address,
-    _required_port,
-    _ResolvedEnvironment,
-    _validate,
-)
+from ddpkit.environments.base import _int_var, _read_torch_variables, _ResolvedEnvironment, check_place
 
 __all__ = ["TorchElasticEnvironment"]
 
@@ -24,18 +18,14 @@ class TorchElasticEnvironment(_ResolvedEnvironment):
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         fix = "These are set by torchrun: start the script with `torchrun --nproc-per-node N script.py`."
-        self._main_address = _required_address(env, fix)
-        self._main_port = _required_port(env, fix)
-        self._world_size = _int_var(env, "WORLD_SIZE", fix, minimum=1)
-        self._global_rank = _int_var(env, "RANK", fix)
+        _read_torch_variables(self, env, fix)
         self._local_rank = _int_var(env, "LOCAL_RANK", fix)
         self._node_rank = _int_var(env, "GROUP_RANK", fix, default=0)
-        self._external = True
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}
         if env.get("LOCAL_WORLD_SIZE"):
             values["local_world"] = _int_var(env, "LOCAL_WORLD_SIZE", fix, minimum=1)
         names = {"rank": "RANK", "world": "WORLD_SIZE", "local": "LOCAL_RANK", "local_world": "LOCAL_WORLD_SIZE"}
-        _validate(names, values, fix)
+        check_place(names, values, fix)
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:

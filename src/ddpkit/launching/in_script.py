@@ -28,7 +28,7 @@ from types import TracebackType
 
 import torch
 
-from ddpkit.environments import find_free_port
+from ddpkit._network import find_free_port
 from ddpkit.launching.launcher import (
     LaunchConfig,
     performance_defaults,

@@ -26,7 +26,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ddpkit.environments import DDPKIT_LAUNCHED, find_free_port
+from ddpkit._network import find_free_port
+from ddpkit.environments import DDPKIT_LAUNCHED
 from ddpkit.launching.processes import (
     WorkerProcess,
     describe_exit,
@@ -152,10 +153,9 @@ def worker_environment(config: LaunchConfig, port: int, local_rank: int, error_f
 
 # glibc's malloc hands freed memory of 128 KiB and more back to the kernel and takes it back on the
 # next allocation, zero-filled page by page: training frees and reallocates its gradients and
-# activations every step. Measured (2 workers, 8 x Linear(1024, 1024), ddpkit run): 6-9k page
-# faults and 95-121 ms per step with glibc's defaults, about 200 and 80-81 ms with these. A
-# trim threshold alone was worse (11k faults: it turns glibc's adaptive mmap threshold off).
-# 32 MiB is the largest mmap threshold glibc accepts on 64-bit systems.
+# activations every step; these thresholds keep it in the heap (figures: benchmarks/README.md,
+# "Allocator and threads"). Both are set: a trim threshold alone turns glibc's adaptive mmap
+# threshold off and faults more. 32 MiB is the largest mmap threshold glibc accepts on 64-bit systems.
 _MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(256 * 1024 * 1024)}
 _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
@@ -165,8 +165,7 @@ def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[s
     where ``base`` (the user's environment) has not chosen already:
 
     - ``OMP_NUM_THREADS``: the cores this process may use, shared out among the workers (torchrun
-      sets 1). Measured: 2 workers on 2 cores, each with torch's default of every core, took 200 ms
-      a step where one thread each took 100 ms.
+      sets 1): workers that each use every core take turns on them (benchmarks/README.md).
     - glibc's malloc thresholds (Linux; see ``_MALLOC_DEFAULTS``), unless any malloc setting is given.
     """
     defaults: dict[str, str] = {}
