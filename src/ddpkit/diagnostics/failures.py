@@ -36,7 +36,8 @@ import torch.distributed as dist
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.records import exception_record, write_error_record
 
-__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure", "record_failure"]
+__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure", "record_exception",
+           "record_failure"]
 
 FAILURE_KEY = "ddpkit/failure"
 _SEEN_KEY = "ddpkit/failure_seen"
@@ -78,8 +79,13 @@ def guard() -> Iterator[None]:
 
 
 def publish_failure(error: BaseException) -> None:
-    """``record_failure`` of ``error``, this process's exception."""
-    record_failure(exception_record(_this_rank(), error))
+    """``record_exception`` of ``error``, published to the other ranks."""
+    record_exception(error)
+
+
+def record_exception(error: BaseException, publish: bool = True) -> None:
+    """``record_failure`` of ``error``, this process's exception (``publish``: to the other ranks too)."""
+    record_failure(exception_record(_this_rank(), error), publish)
 
 
 def record_failure(record: dict[str, object], publish: bool = True) -> None:

@@ -107,6 +107,15 @@ class _ResolvedEnvironment:
     def node_rank(self) -> int:
         return self._node_rank
 
+    def _read_torch_variables(self, env: Mapping[str, str], fix: str) -> None:
+        """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK, all required: what an agent that starts
+        each process (torchrun, the Kubeflow operator) sets for it."""
+        self._main_address = _required_address(env, fix)
+        self._main_port = _required_port(env, fix)
+        self._world_size = _int_var(env, "WORLD_SIZE", fix, minimum=1)
+        self._global_rank = _int_var(env, "RANK", fix)
+        self._external = True
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(main_address={self._main_address!r}, main_port={self._main_port}, "
@@ -192,16 +201,6 @@ def _required_port(env: Mapping[str, str], fix: str) -> int:
     if not env.get("MASTER_PORT", "").strip():
         raise ValueError(f"MASTER_PORT is not set. {fix}")
     return _port_var(env, "MASTER_PORT", default=0)
-
-
-def _read_torch_variables(environment: _ResolvedEnvironment, env: Mapping[str, str], fix: str) -> None:
-    """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK, all required: what an agent that starts each
-    process (torchrun, the Kubeflow operator) sets for it."""
-    environment._main_address = _required_address(env, fix)
-    environment._main_port = _required_port(env, fix)
-    environment._world_size = _int_var(env, "WORLD_SIZE", fix, minimum=1)
-    environment._global_rank = _int_var(env, "RANK", fix)
-    environment._external = True
 
 
 def environment_variables(environment: ClusterEnvironment) -> dict[str, str]:

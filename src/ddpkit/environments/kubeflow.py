@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ddpkit.environments.base import _read_torch_variables, _ResolvedEnvironment, check_place
+from ddpkit.environments.base import _ResolvedEnvironment, check_place
 
 __all__ = ["KubeflowEnvironment"]
 
@@ -18,7 +18,7 @@ class KubeflowEnvironment(_ResolvedEnvironment):
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         fix = "These are set by the Kubeflow training operator for each pod of a PyTorchJob."
-        _read_torch_variables(self, env, fix)
+        self._read_torch_variables(env, fix)
         check_place({"rank": "RANK", "world": "WORLD_SIZE"}, {"rank": self._global_rank, "world": self._world_size}, fix)
         self._local_rank = 0
         self._node_rank = self._global_rank

@@ -33,7 +33,7 @@ class LocalEnvironment(_ResolvedEnvironment):
         env = os.environ if env is None else env
         fix = "Set the variable correctly, or unset it to use the single-process default."
         self._main_address = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
-        self._main_port = _port_var(env, "MASTER_PORT", default=0) if env.get("MASTER_PORT", "").strip() else 0
+        self._main_port = _port_var(env, "MASTER_PORT", default=0)  # 0 when unset: not chosen
         self._backend = env.get("DDPKIT_BACKEND", "").strip() or None
         self._world_size = _int_var(env, "WORLD_SIZE", fix, default=1, minimum=1)
         self._local_rank = _int_var(env, "LOCAL_RANK", fix, default=0)

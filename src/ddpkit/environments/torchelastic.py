@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ddpkit.environments.base import _int_var, _read_torch_variables, _ResolvedEnvironment, check_place
+from ddpkit.environments.base import _int_var, _ResolvedEnvironment, check_place
 
 __all__ = ["TorchElasticEnvironment"]
 
@@ -18,7 +18,7 @@ class TorchElasticEnvironment(_ResolvedEnvironment):
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         fix = "These are set by torchrun: start the script with `torchrun --nproc-per-node N script.py`."
-        _read_torch_variables(self, env, fix)
+        self._read_torch_variables(env, fix)
         self._local_rank = _int_var(env, "LOCAL_RANK", fix)
         self._node_rank = _int_var(env, "GROUP_RANK", fix, default=0)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}

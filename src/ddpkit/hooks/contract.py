@@ -16,7 +16,8 @@ What a hook is:
 How a torch-style hook says that it returns the elementwise average of the whole buffer:
 decorate it with ``@elementwise_average`` (or set ``hook.averages_elementwise = True``, as
 ddpkit 0.1 documented: the same attribute). ``ElementwiseAveragingHook`` is that promise as a
-type; ``is_elementwise_average(hook)`` the one place that reads it. ddpkit's DDP then divides by
+type; ``is_elementwise_average(hook)`` the one place that reads it (ddpkit's DDP reads it once,
+when the hook is registered). ddpkit's DDP then divides by
 the group size while copying gradients into the bucket (``bucket.prescaled()`` is True, the hook
 skips its own division) and puts its negotiation flags after the gradients in ``buffer()``,
 summed along with them. torch's DDP ignores the promise.

@@ -20,8 +20,7 @@ import signal
 import sys
 import traceback
 
-from ddpkit.diagnostics.failures import CollectiveFailedError, record_failure
-from ddpkit.diagnostics.records import exception_record
+from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
 
 _PR_SET_PDEATHSIG = 1
 
@@ -67,8 +66,7 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         # For the launcher, and (unless it is a consequence, not news to them) for the other ranks,
         # which frees those blocked in collectives.
-        record = exception_record(int(os.environ.get("RANK", "-1")), exc)
-        record_failure(record, publish=not isinstance(exc, CollectiveFailedError))
+        record_exception(exc, publish=not isinstance(exc, CollectiveFailedError))
         traceback.print_exc()
         sys.stderr.flush()
         # os._exit keeps the code: sys.exit after a Gloo error can turn into an abort (134).

@@ -170,6 +170,13 @@ class DistributedDataParallel(nn.Module):
                               for name, buffer in owner._buffers.items() if buffer is not None]
         self._comm_state: object = None
         self._comm_hook: Callable[[object, GradBucket], torch.futures.Future[Any]] | None = None
+        # Whether each bucket is averaged elementwise: with no hook and no reduce_function, or with
+        # a hook declared ``elementwise_average`` (ddpkit.hooks.contract; ddpkit's allreduce, fp16,
+        # bf16). Then DDP divides while copying gradients in (one pass) and the negotiation flags
+        # travel in the buffer (no message); otherwise the hook or reduce_function divides, and
+        # negotiation takes its own all-reduce. Decided when the hook is registered, not in every
+        # backward: the protocol check costs tens of microseconds.
+        self._averages_elementwise = self._reduce_function is None
         # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
         self._pre_sync_hooks: OrderedDict[int, Callable[[DistributedDataParallel], None]] = OrderedDict()
         # What changes every step lives in a plain object: writing attributes of an nn.Module goes
@@ -358,12 +365,7 @@ class DistributedDataParallel(nn.Module):
         self._step.debug = debug_enabled()
         self._step.defer_copies = bool(self._pre_sync_hooks)
         self._step.overlap = self._reduce_function is None and not self._step.defer_copies and not self._step.debug
-        # The bucket is averaged elementwise with no hook, or with a hook declared
-        # ``elementwise_average`` (ddpkit's allreduce, fp16, bf16; ddpkit.hooks.contract). Then DDP divides while copying
-        # gradients in (one pass) and the negotiation flags travel in the buffer (no message);
-        # otherwise the hook or reduce_function divides, and negotiation takes its own all-reduce.
-        hook_elementwise = is_elementwise_average(self._comm_hook)
-        self._step.elementwise = self._reduce_function is None and (self._comm_hook is None or hook_elementwise)
+        self._step.elementwise = self._averages_elementwise
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
@@ -626,8 +628,7 @@ class DistributedDataParallel(nn.Module):
                 "embedding weight(s) with sparse=True). Stop every rank at the shortest one with "
                 "ddpkit.even_batches(loader), or use sparse=False."
             )
-        hook_elementwise = is_elementwise_average(self._comm_hook)
-        if self._reduce_function is not None or self._pre_sync_hooks or (self._comm_hook is not None and not hook_elementwise):
+        if not self._averages_elementwise or self._pre_sync_hooks:
             used = ("reduce_function" if self._reduce_function is not None else
                     "a one-argument comm hook" if self._pre_sync_hooks else
                     f"the comm hook {describe_hook(self._comm_hook)}")
@@ -688,6 +689,7 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("A communication hook cannot be combined with reduce_function, which replaces the whole "
                                "reduction.")
         self._comm_state, self._comm_hook = values["state"], values["hook"]
+        self._averages_elementwise = is_elementwise_average(self._comm_hook)
         return None
 
     def _add_pre_sync_hook(self, hook: Callable[[DistributedDataParallel], None]) -> RemovableHandle:
