@@ -210,12 +210,16 @@ def reconcile_on_rank_one(folder: str) -> tuple[str, str, int | None, float] | d
     if s.global_rank == 0:
         return outcome(lambda: s.barrier("next epoch"))
     error_file = os.path.join(folder, "rank1.json")
+    pool_error_file = os.environ.get("DDPKIT_ERROR_FILE")
     os.environ["DDPKIT_ERROR_FILE"] = error_file  # as `ddpkit run` sets it
     try:
         time.sleep(0.3)  # rank 0 is already waiting
         s.reconciliate_processes(RECONCILED_TRACE)
     finally:
-        del os.environ["DDPKIT_ERROR_FILE"]
+        if pool_error_file is None:
+            del os.environ["DDPKIT_ERROR_FILE"]
+        else:
+            os.environ["DDPKIT_ERROR_FILE"] = pool_error_file
     with open(error_file, encoding="utf-8") as handle:
         record: dict[str, object] = json.load(handle)
     return record

@@ -101,7 +101,8 @@ def test_a_failing_child_ends_the_job_naming_its_rank_and_cause(folder: Path) ->
     out, err = process.communicate(timeout=60)
     assert time.monotonic() - started < 10
     assert process.returncode != 0
-    assert "local rank 1 (global rank 1" in err and "ValueError: local rank 1 broke on purpose" in err, err
+    assert "ddpkit: rank 1 (local rank 1, pid" in err and "failed first with ValueError: local rank 1 broke on purpose" in err
+    assert "ddpkit: ending the job." in err, err
     assert_gone(pids)
 
 

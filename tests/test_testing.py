@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from test_launcher import assert_gone, worker_pids
 
+from ddpkit import guard
 from ddpkit.testing import RankFailedError, RankTimeoutError, WorkerPool
 
 
@@ -33,6 +39,17 @@ def rank_zero_reports_a_reset_before_rank_one_is_seen_dead() -> None:
         time.sleep(0.2)  # the order the pool sees under load: the witness's error first
         os.kill(os.getpid(), signal.SIGKILL)
     raise ConnectionResetError("Read error: Connection reset by peer")
+
+
+def rank_one_fails_first_and_lives_on_while_rank_zero_answers_first() -> None:
+    if dist.get_rank() == 1:
+        try:
+            with guard():  # records the failure when it happens
+                raise ValueError("the real cause on rank 1")
+        finally:
+            time.sleep(0.6)  # logging, cleaning up: it answers after its witness
+    time.sleep(0.1)
+    raise RuntimeError("rank 0 lost its peer")
 
 
 def rank_one_hangs() -> None:
@@ -72,13 +89,75 @@ def test_a_peer_that_died_is_named_rather_than_the_rank_that_saw_its_connection_
     assert pool2.run(rank_and_size) == [(0, 2), (1, 2)]
 
 
-def test_a_hung_rank_is_bounded_by_the_timeout(pool2: WorkerPool) -> None:
+def test_the_rank_that_failed_first_is_named_not_the_one_that_answered_first(pool2: WorkerPool) -> None:
+    with pytest.raises(RankFailedError) as info:
+        pool2.run(rank_one_fails_first_and_lives_on_while_rank_zero_answers_first)
+    assert info.value.rank == 1, info.value
+    assert "ValueError: the real cause on rank 1" in str(info.value)
+    assert pool2.run(rank_and_size) == [(0, 2), (1, 2)]
+
+
+def test_a_hung_rank_is_bounded_by_the_timeout_and_its_stack_shown(pool2: WorkerPool, capfd) -> None:  # type: ignore[no-untyped-def]
     start = time.monotonic()
     with pytest.raises(RankTimeoutError) as info:
         pool2.run(rank_one_hangs, timeout=2)
     assert time.monotonic() - start < 4
     assert 1 in info.value.ranks
+    err = capfd.readouterr().err
+    assert "stack of hung rank 1" in err and "in rank_one_hangs" in err, err
     assert pool2.run(rank_and_size) == [(0, 2), (1, 2)]
+
+
+POOL_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+    from ddpkit.testing import WorkerPool
+
+    # The workers run this file's top level too (to find its functions); rank 1's is slow, as a
+    # script with a heavy import on a loaded machine. The pool's error file names the rank.
+    if sys.argv[1:2] == ["slow-start"] and os.environ.get("DDPKIT_ERROR_FILE", "").endswith("rank1.json"):
+        time.sleep(4)
+
+
+    def write_pid_and_block(folder):
+        with open(os.path.join(folder, f"pid{dist.get_rank()}"), "w") as handle:
+            handle.write(str(os.getpid()))
+        time.sleep(60)
+
+
+    def rank_and_size():
+        return dist.get_rank(), dist.get_world_size()
+
+
+    if __name__ == "__main__":
+        if sys.argv[1] == "block":
+            with WorkerPool(2, timeout=120) as pool:
+                pool.run(write_pid_and_block, os.path.dirname(os.path.abspath(__file__)))
+        else:
+            with WorkerPool(2, timeout=60, pg_timeout=1) as pool:
+                print(pool.run(rank_and_size))
+    """
+)
+
+
+def test_workers_of_a_pool_die_with_the_process_that_started_it(tmp_path: Path) -> None:
+    (tmp_path / "pool_script.py").write_text(POOL_SCRIPT)
+    script = subprocess.Popen([sys.executable, "pool_script.py", "block"], cwd=tmp_path)
+    try:
+        pids = worker_pids(tmp_path, 2)  # each is busy in a function, not waiting for the next one
+    finally:
+        script.kill()
+        script.wait()
+    assert_gone(pids)
+
+
+def test_a_slow_starting_rank_is_waited_for_whatever_the_process_group_timeout(tmp_path: Path) -> None:
+    (tmp_path / "pool_script.py").write_text(POOL_SCRIPT)
+    done = subprocess.run([sys.executable, "pool_script.py", "slow-start"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[(0, 2), (1, 2)]"
 
 
 def test_unpicklable_functions_are_refused_before_sending(pool2: WorkerPool) -> None:

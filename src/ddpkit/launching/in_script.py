@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -29,18 +28,8 @@ from types import TracebackType
 import torch
 
 from ddpkit._network import find_free_port
-from ddpkit.launching.launcher import (
-    LaunchConfig,
-    performance_defaults,
-    rank_variables,
-    worker_environment,
-)
-from ddpkit.launching.processes import (
-    WorkerProcess,
-    describe_exit,
-    end_process_groups,
-    root_cause,
-)
+from ddpkit.launching.launcher import LaunchConfig, performance_defaults, rank_variables
+from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.logs import get_logger
 
 __all__: list[str] = []
@@ -76,8 +65,7 @@ def command_of_this_script(argv: list[str] | None = None) -> list[str]:
 class LocalRanks:
     """The children this process started, and the thread that watches them."""
 
-    children: list[WorkerProcess]
-    folder: tempfile.TemporaryDirectory[str]
+    children: WorkerProcesses
     finished: threading.Event = field(default_factory=threading.Event)
     # Held by whoever reports: the watcher must not end the process while the main thread prints.
     _report_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -102,7 +90,7 @@ class LocalRanks:
         sys.excepthook = on_uncaught_exception
 
     def _failed_children(self) -> list[WorkerProcess]:
-        return [child for child in self.children if child.process.poll() not in (None, 0)]
+        return self.children.failed()
 
     def _watch(self) -> None:
         while not self.finished.is_set():
@@ -120,16 +108,13 @@ class LocalRanks:
         another thread's write, and the process may end right after."""
         if not failed:
             return
-        first, record = root_cause(failed, self.children)
-        cause = f"\n{record['traceback']}".rstrip() if record else ""
-        message = (f"\nddpkit: local rank {first.local_rank} (global rank {first.rank}, pid {first.process.pid}) "
-                   f"{describe_exit(first.process.returncode)}; ending the job.{cause}\n")
+        message = f"\nddpkit: {self.children.describe_root_cause(failed)}\nddpkit: ending the job.\n"
         os.write(2, message.encode(errors="replace"))
 
     def terminate(self) -> None:
         """End every child that is still running (SIGTERM to its process group, SIGKILL after a grace)."""
         self.finished.set()
-        end_process_groups([child.process for child in self.children], _GRACE_SECONDS)
+        self.children.end(_GRACE_SECONDS)
 
     def join(self, timeout: float) -> list[tuple[int, int]]:
         """Wait for the children to end by themselves; return (local rank, exit code) of those that failed.
@@ -138,15 +123,15 @@ class LocalRanks:
         """
         deadline = time.monotonic() + timeout
         failed = []
-        for child in self.children:
+        for child in self.children.workers:
             try:
                 code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 code = -signal.SIGTERM
             if code != 0:
                 failed.append((child.local_rank, code))
-        self.terminate()
-        self.folder.cleanup()
+        self.finished.set()
+        self.children.close(_GRACE_SECONDS)
         return failed
 
 
@@ -180,15 +165,12 @@ def start_local_ranks(nproc_per_node: int, num_nodes: int, env: Mapping[str, str
         torch.set_num_threads(int(threads))
         _log.info(f"ddpkit: OMP_NUM_THREADS={threads} for each of this node's {nproc_per_node} processes "
                   "(set it yourself to choose).")
-    folder = tempfile.TemporaryDirectory(prefix="ddpkit-ranks-")
-    children = []
+    children = WorkerProcesses("ranks")
     for local_rank in range(1, nproc_per_node):
-        error_file = os.path.join(folder.name, f"local_rank{local_rank}.json")
-        child_env = worker_environment(config, port, local_rank, error_file, env)
-        process = subprocess.Popen(command, env=child_env, start_new_session=True)
-        children.append(WorkerProcess(local_rank, int(child_env["RANK"]), process, error_file))
+        variables = rank_variables(config, port, local_rank)
+        children.start(command, {**env, **variables}, int(variables["RANK"]), local_rank)
     os.environ.update(rank_variables(config, port, local_rank=0))  # this process is local rank 0
-    ranks = LocalRanks(children, folder)
+    ranks = LocalRanks(children)
     ranks.watch()
     return ranks
 

@@ -1,13 +1,14 @@
-"""Start, watch and reconcile the workers of one node (what ``ddpkit run`` does).
+"""Start, watch and reconcile the workers of one node (what ``ddpkit run`` does), and ``launch(fn)``.
 
-Each worker runs ``python -m ddpkit.launching.worker script.py args`` in a session of its own, so that
-ending its process group ends its children too. The launcher polls them; at the first failure
-(non-zero exit or a signal) it asks the others to stop (SIGTERM to their process groups), kills
-what is left after ``grace`` seconds, and returns 1 with a summary that names the root cause: the
-earliest recorded exception (workers write them to an error file), else the first rank seen to
-fail. SIGINT and SIGTERM to the launcher end every worker the same way and return 130 and 143.
-SIGUSR1 to the launcher prints every worker's Python stacks (see ``ddpkit.launching.worker``).
-Workers notice a launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
+The workers are started, ended and blamed by ``launching.processes``: each runs
+``python -m ddpkit.launching.worker script.py args`` in a session of its own. The launcher polls
+them; at the first failure (non-zero exit or a signal) it asks the others to stop (SIGTERM to their
+process groups), kills what is left after ``grace`` seconds, and returns 1 with a summary that
+names the root cause: the earliest recorded exception (workers write them to an error file), else
+the first rank seen to fail. SIGINT and SIGTERM to the launcher end every worker the same way and
+return 130 and 143. SIGUSR1 to the launcher prints every worker's Python stacks. Workers notice a
+launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
+``launch(fn)`` runs a function instead of a script, on the same kind of workers (``launching.pool``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import math
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,20 +27,12 @@ from typing import Any
 
 from ddpkit._network import find_free_port
 from ddpkit.environments import DDPKIT_LAUNCHED
-from ddpkit.launching.processes import (
-    WorkerProcess,
-    describe_exit,
-    end_process_groups,
-    root_cause,
-)
+from ddpkit.launching.pool import RankFailedError, WorkerPool
+from ddpkit.launching.processes import WorkerProcesses
 from ddpkit.logs import get_logger
-from ddpkit.testing import RankFailedError, WorkerPool
-
-# How long the launcher gives workers to write their stacks after SIGUSR1.
-_STACK_DUMP_WAIT_SECONDS = 0.5
 
 __all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "performance_defaults", "rank_variables",
-           "run_workers", "validate", "worker_environment"]
+           "run_workers", "validate"]
 
 _log = get_logger("launching")
 
@@ -144,13 +135,6 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int) -> dict[str
     return variables
 
 
-def worker_environment(config: LaunchConfig, port: int, local_rank: int, error_file: str,
-                       base: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment of a worker this process starts and watches (see ``ddpkit.launching.worker``)."""
-    return {**base, **rank_variables(config, port, local_rank), "DDPKIT_LAUNCHER_PID": str(os.getpid()),
-            "DDPKIT_ERROR_FILE": error_file}
-
-
 # glibc's malloc hands freed memory of 128 KiB and more back to the kernel and takes it back on the
 # next allocation, zero-filled page by page: training frees and reallocates its gradients and
 # activations every step; these thresholds keep it in the heap (figures: benchmarks/README.md,
@@ -183,6 +167,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     validate(config, script)
     port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
     stop_signal: list[int] = []
+    stack_requests: list[float] = []
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
         stop_signal.append(signum)
@@ -190,96 +175,53 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     def request_stacks(_signum: int, _frame: FrameType | None) -> None:
         stack_requests.append(time.monotonic())
 
-    stack_requests: list[float] = []
     defaults = performance_defaults(config.nproc_per_node, os.environ)
     if "OMP_NUM_THREADS" in defaults:
         _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
                   f"{config.nproc_per_node} workers (set it yourself to choose).")
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
-    with tempfile.TemporaryDirectory(prefix="ddpkit-run-") as errors:
-        workers = []
-        try:
-            for local_rank in range(config.nproc_per_node):
-                error_file = os.path.join(errors, f"rank{local_rank}.json")
-                stack_file = os.path.join(errors, f"rank{local_rank}.stacks")
-                environment = worker_environment(config, port, local_rank, error_file, {**defaults, **os.environ})
-                environment["DDPKIT_STACK_FILE"] = stack_file
-                process = subprocess.Popen([sys.executable, "-m", "ddpkit.launching.worker", script, *script_args],
-                                           env=environment, start_new_session=True)
-                workers.append(WorkerProcess(local_rank, int(environment["RANK"]), process, error_file, stack_file))
-            return _watch(workers, stop_signal, stack_requests, grace, poll_interval)
-        finally:
-            _end_all(workers, grace)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    workers = WorkerProcesses("run")
+    try:
+        for local_rank in range(config.nproc_per_node):
+            variables = rank_variables(config, port, local_rank)
+            workers.start([sys.executable, "-m", "ddpkit.launching.worker", script, *script_args],
+                          {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
+        return _watch(workers, stop_signal, stack_requests, grace, poll_interval)
+    finally:
+        workers.close(grace)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _watch(workers: list[WorkerProcess], stop_signal: list[int], stack_requests: list[float], grace: float,
+def _watch(workers: WorkerProcesses, stop_signal: list[int], stack_requests: list[float], grace: float,
            poll_interval: float) -> int:
+    count = len(workers.workers)
     while True:
         if stack_requests:
             stack_requests.clear()
             _print_stacks(workers)
         if stop_signal:
             name = signal.Signals(stop_signal[0]).name
-            _log.warning(f"ddpkit run: received {name}, stopping all {len(workers)} workers")
-            _end_all(workers, grace)
+            _log.warning(f"ddpkit run: received {name}, stopping all {count} workers")
+            workers.end(grace)
             return 128 + stop_signal[0]
-        codes = [worker.process.poll() for worker in workers]
-        failed = [worker for worker, code in zip(workers, codes) if code not in (None, 0)]
+        failed = workers.failed()
         if failed:
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
-            _end_all(workers, grace)
-            print(_summary(workers, failed), file=sys.stderr, flush=True)
+            workers.end(grace)
+            print(f"ddpkit run: {workers.describe_root_cause(failed)}\nddpkit run: all {count} workers were stopped.",
+                  file=sys.stderr, flush=True)
             return 1
-        if all(code == 0 for code in codes):
+        if workers.all_succeeded():
             return 0
         time.sleep(poll_interval)
 
 
-def _print_stacks(workers: list[WorkerProcess]) -> None:
-    """Ask every running worker for its threads' stacks (SIGUSR1, to the worker only: its children
-    have no handler) and print what they wrote, rank by rank."""
-    sizes = {}
-    for worker in workers:
-        if worker.process.poll() is None:
-            sizes[worker.rank] = _size(worker.stack_file)
-            os.kill(worker.process.pid, signal.SIGUSR1)
-    time.sleep(_STACK_DUMP_WAIT_SECONDS)
-    print(f"ddpkit run: Python stacks of {len(sizes)} running workers (SIGUSR1)", file=sys.stderr)
-    for worker in workers:
-        if worker.rank in sizes:
-            with open(worker.stack_file, encoding="utf-8", errors="replace") as handle:
-                handle.seek(sizes[worker.rank])
-                stacks = handle.read().rstrip() or "(nothing written)"
-            print(f"=== rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) ===\n{stacks}",
-                  file=sys.stderr)
+def _print_stacks(workers: WorkerProcesses) -> None:
+    """Print every running worker's Python stacks, rank by rank (SIGUSR1 to the launcher)."""
+    stacks = workers.stacks()
+    print(f"ddpkit run: Python stacks of {len(stacks)} running workers (SIGUSR1)", file=sys.stderr)
+    for worker, written in stacks:
+        print(f"=== {worker} ===\n{written}", file=sys.stderr)
     sys.stderr.flush()
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _end_all(workers: list[WorkerProcess], grace: float) -> None:
-    """SIGTERM to every live worker's process group, SIGKILL after ``grace`` seconds, reap all."""
-    pending = [worker for worker in workers if not worker.reaped]
-    end_process_groups([worker.process for worker in pending], grace)
-    for worker in pending:
-        worker.reaped = True
-
-
-def _summary(workers: list[WorkerProcess], failed: list[WorkerProcess]) -> str:
-    """Name the root cause (see ``root_cause``) among the workers found failed at the first poll
-    that saw a failure."""
-    stopped = f"ddpkit run: all {len(workers)} workers were stopped."
-    worker, record = root_cause(failed, workers)
-    if record is None:
-        return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) "
-                f"{describe_exit(worker.process.returncode)} without recording an exception.\n{stopped}")
-    return (f"ddpkit run: rank {worker.rank} (local rank {worker.local_rank}, pid {worker.process.pid}) failed "
-            f"first with {record['type']}: {record['message']}\n{record['traceback']}{stopped}")

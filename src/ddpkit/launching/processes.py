@@ -1,16 +1,35 @@
-"""Worker processes: how they ended, their process groups, and which failure was the root cause.
+"""The one process manager: start worker processes, watch them, end them, name the root cause.
 
-Shared by the launcher, in-script launching, the strategy and the test pool."""
+``ddpkit run`` (``launching.launcher``), in-script launching (``launching.in_script``) and the
+function pool behind ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``) start
+their workers here, so every worker is started, ended and blamed the same way:
+
+- it runs ``python -m ddpkit.launching.worker ...`` in a session of its own, so that ending its
+  process group also ends its children (DataLoader workers, say);
+- it is told ``DDPKIT_LAUNCHER_PID`` (it dies with the process that started it),
+  ``DDPKIT_ERROR_FILE`` (where it records its first failure: ``diagnostics.failures.record_failure``)
+  and ``DDPKIT_STACK_FILE`` (where it writes its threads' stacks on SIGUSR1);
+- when several fail, ``root_cause`` picks the one whose failure caused the others', from those records.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpkit.diagnostics.records import read_error_record
+
+__all__ = ["WorkerProcess", "WorkerProcesses", "describe_exit"]
+
+# How long workers get to write their stacks after SIGUSR1.
+_STACK_DUMP_WAIT_SECONDS = 0.5
 
 
 def describe_exit(code: int | None) -> str:
@@ -20,55 +39,143 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    """Send ``sig`` to the process group (session) a worker was started in, if it still exists."""
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def end_process_groups(processes: list[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM to each process's group, SIGKILL after ``grace`` seconds, and reap every process.
-
-    The SIGKILL goes to every group, finished or not: it also reaches grandchildren left behind.
-    """
-    for process in processes:
-        if process.poll() is None:
-            signal_group(process, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    for process in processes:
-        signal_group(process, signal.SIGKILL)
-        process.wait()
-
-
-@dataclass
+@dataclass(eq=False)
 class WorkerProcess:
-    """A worker that a launcher (``ddpkit run``, or the script itself) started and watches."""
+    """One worker that this process started and watches."""
 
     local_rank: int
     rank: int
     process: subprocess.Popen[bytes]
-    error_file: str  # where it records an uncaught exception (write_error_record)
-    stack_file: str = ""  # where it dumps its stacks on SIGUSR1, if anywhere
+    error_file: str  # where it records its first failure (DDPKIT_ERROR_FILE)
+    stack_file: str  # where it appends its stacks on SIGUSR1 (DDPKIT_STACK_FILE)
     reaped: bool = False  # its process group has been killed and the process waited for
 
+    def __str__(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.process.pid})"
 
-def root_cause(failed: list[WorkerProcess], workers: list[WorkerProcess]) -> tuple[WorkerProcess, dict[str, object] | None]:
-    """The worker whose failure caused the others', and its record.
 
-    One of ``failed`` that ended without recording an exception (killed by a signal, or a
-    deliberate ``sys.exit``) comes first: its peers' errors ("connection closed") are its
-    consequences. Otherwise the earliest recorded exception of any worker, whether or not it
-    had exited yet: a worker records its exception first, then tells its peers
-    (``ddpkit.diagnostics.failures``), which may fail and exit before it does.
+class WorkerProcesses:
+    """The workers this process started, and a private folder for their records and stacks.
+
+    ``close`` (or leaving the ``with`` block) ends the workers still running and removes the folder.
     """
-    records = {worker.rank: read_error_record(worker.error_file) for worker in workers}
-    for worker in failed:
-        if records[worker.rank] is None:
-            return worker, None
-    recorded = [(record, worker) for worker in workers if (record := records[worker.rank]) is not None]
-    record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
-    return worker, record
+
+    def __init__(self, purpose: str) -> None:
+        self.folder = tempfile.mkdtemp(prefix=f"ddpkit-{purpose}-")
+        self.workers: list[WorkerProcess] = []
+
+    def __enter__(self) -> WorkerProcesses:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close(grace=0.0)
+
+    def start(self, command: Sequence[str], environment: Mapping[str, str], rank: int, local_rank: int,
+              pass_fds: Sequence[int] = ()) -> WorkerProcess:
+        """Start ``command`` (a ``ddpkit.launching.worker`` command line) as the worker of ``rank``."""
+        error_file = os.path.join(self.folder, f"rank{rank}.json")
+        stack_file = os.path.join(self.folder, f"rank{rank}.stacks")
+        variables = {"DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file,
+                     "DDPKIT_STACK_FILE": stack_file}
+        process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True,
+                                   pass_fds=tuple(pass_fds))
+        worker = WorkerProcess(local_rank, rank, process, error_file, stack_file)
+        self.workers.append(worker)
+        return worker
+
+    def failed(self) -> list[WorkerProcess]:
+        """The workers that have ended with a non-zero code or a signal."""
+        return [worker for worker in self.workers if worker.process.poll() not in (None, 0)]
+
+    def all_succeeded(self) -> bool:
+        return all(worker.process.poll() == 0 for worker in self.workers)
+
+    def root_cause(self, failed: Sequence[WorkerProcess]) -> tuple[WorkerProcess, dict[str, object] | None]:
+        """The worker whose failure caused the others', and its record.
+
+        One of ``failed`` that ended without recording an exception (killed by a signal, or a
+        deliberate ``sys.exit``) comes first: its peers' errors ("connection closed") are its
+        consequences. Otherwise the earliest recorded exception of any worker, whether or not it
+        had exited yet: a worker records its exception first, then tells its peers
+        (``ddpkit.diagnostics.failures``), which may fail and exit before it does.
+        """
+        records = {worker.rank: read_error_record(worker.error_file) for worker in self.workers}
+        for worker in failed:
+            if records[worker.rank] is None and worker.process.poll() is not None:
+                return worker, None
+        recorded = [(record, worker) for worker in self.workers if (record := records[worker.rank]) is not None]
+        if not recorded:
+            return failed[0], None
+        record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
+        return worker, record
+
+    def describe_root_cause(self, failed: Sequence[WorkerProcess]) -> str:
+        """One paragraph naming the root cause (``root_cause``): the rank, how it ended, its traceback."""
+        worker, record = self.root_cause(failed)
+        if record is None:
+            return f"{worker} {describe_exit(worker.process.poll())} without recording an exception."
+        return f"{worker} failed first with {record['type']}: {record['message']}\n{str(record['traceback']).rstrip()}"
+
+    def forget_failures(self) -> None:
+        """Remove the failure records, so that the next failure is recorded (workers that live on
+        through several tasks, as the pool's do)."""
+        for worker in self.workers:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(worker.error_file)
+
+    def stacks(self, ranks: Sequence[int] | None = None) -> list[tuple[WorkerProcess, str]]:
+        """The Python stacks of every running worker (of ``ranks``, when given), as each wrote them.
+
+        SIGUSR1 goes to the worker only, not its process group: its children have no handler.
+        """
+        offsets = []
+        for worker in self.workers:
+            if (ranks is None or worker.rank in ranks) and worker.process.poll() is None:
+                offsets.append((worker, _size(worker.stack_file)))
+                os.kill(worker.process.pid, signal.SIGUSR1)
+        time.sleep(_STACK_DUMP_WAIT_SECONDS)
+        stacks = []
+        for worker, offset in offsets:
+            try:
+                with open(worker.stack_file, encoding="utf-8", errors="replace") as handle:
+                    handle.seek(offset)
+                    written = handle.read().rstrip()
+            except OSError:
+                written = ""
+            stacks.append((worker, written or "(nothing written)"))
+        return stacks
+
+    def end(self, grace: float) -> None:
+        """SIGTERM to each live worker's process group, SIGKILL after ``grace`` seconds, reap every worker.
+
+        The SIGKILL goes to every group, finished or not: it also reaches grandchildren left behind.
+        """
+        pending = [worker for worker in self.workers if not worker.reaped]
+        for worker in pending:
+            if worker.process.poll() is None:
+                _signal_group(worker.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(worker.process.poll() is None for worker in pending) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for worker in pending:
+            _signal_group(worker.process, signal.SIGKILL)
+            worker.process.wait()
+            worker.reaped = True
+
+    def close(self, grace: float) -> None:
+        """``end`` the workers and remove their folder."""
+        self.end(grace)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    """Send ``sig`` to the process group (session) a worker was started in, if it still exists."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

@@ -1,7 +1,9 @@
-"""Bootstrap of a worker started by ``ddpkit run`` or by in-script launching:
-``python -m ddpkit.launching.worker script.py [args]`` or ``python -m ddpkit.launching.worker -m module [args]``.
+"""Bootstrap of every worker that ddpkit starts (``launching.processes``):
+``python -m ddpkit.launching.worker script.py [args]`` or ``python -m ddpkit.launching.worker -m module [args]``
+for ``ddpkit run`` and in-script launching, ``python -m ddpkit.launching.worker --serve-functions`` for
+the function pool of ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``).
 
-Before running the script as ``__main__`` it (1) asks the kernel to send SIGTERM when the launcher
+Before running the script as ``__main__`` (or serving the pool) it (1) asks the kernel to send SIGTERM when the launcher
 dies (Linux ``PR_SET_PDEATHSIG``), and exits at once if the launcher is already gone, so no worker
 outlives a killed launcher; (2) records an uncaught exception, with its traceback and the time it
 happened, in the JSON file the launcher named (``DDPKIT_ERROR_FILE``), so the launcher can name the
@@ -21,6 +23,7 @@ import sys
 import traceback
 
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
+from ddpkit.launching.pool import SERVE_FUNCTIONS, serve
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,7 +56,9 @@ def main(argv: list[str]) -> None:
     _dump_stacks_on_request()
     _die_with_launcher()
     try:
-        if argv[0] == "-m":  # as `python -m module args`: the module's own sys.argv[0], the cwd on the path
+        if argv == [SERVE_FUNCTIONS]:
+            serve()
+        elif argv[0] == "-m":  # as `python -m module args`: the module's own sys.argv[0], the cwd on the path
             sys.argv = [argv[1], *argv[2:]]
             sys.path.insert(0, os.getcwd())
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
