@@ -32,6 +32,8 @@ from ddpkit.diagnostics.debug import (
 )
 from ddpkit.diagnostics.failures import PeerFailedError, peer_failure
 from ddpkit.diagnostics.hangs import HangWatch, active_watch
+from ddpkit.diagnostics.peer_watch import watch_peers
+from ddpkit.diagnostics.waits import run_collective
 
 __all__ = [
     "AllGatherGrad",
@@ -89,6 +91,7 @@ class collective_call:
         self._watch: HangWatch | None = None
 
     def __enter__(self) -> None:
+        watch_peers()
         debug = debug_enabled() if self._fingerprint is None else self._fingerprint
         watch = active_watch()
         if not (debug or watch is not None) or not distributed_available():
@@ -186,7 +189,7 @@ def _all_gather_stacked(tensor: Tensor, group: ProcessGroup, world_size: int) ->
     flat = tensor.detach().contiguous().reshape(-1)
     out = flat.new_empty(world_size * flat.numel())
     if flat.numel() > 0:  # every rank has the same numel here, so all skip or none does
-        dist.all_gather_single(out, flat, group=group)
+        run_collective(dist.all_gather_single, out, flat, group=group)
     return out.view(world_size, *tensor.shape)
 
 
@@ -212,7 +215,7 @@ class AllGatherGrad(torch.autograd.Function):
         # all_reduce works in place; the incoming gradient may be shared, so reduce a copy.
         grad = grad_output[0].contiguous().clone()
         if grad.numel() > 0:
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+            run_collective(dist.all_reduce, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad[ctx.rank], None
 
 
@@ -397,7 +400,7 @@ def sync_ddp(result: Tensor | float | int, group: ProcessGroup = None, reduce_op
         return tensor
     _, world_size = _group_rank_and_size(group)
     reduced = tensor.detach().clone()  # torch reduces in place; the caller's tensor stays as it was
-    dist.all_reduce(reduced, op=op, group=group)
+    run_collective(dist.all_reduce, reduced, op=op, group=group)
     if divide:
         reduced /= world_size
     return reduced
@@ -442,7 +445,7 @@ def broadcast(tensor: Tensor, src: int = 0, group: ProcessGroup = None) -> Tenso
             + ". Give every rank a tensor of the source's shape (or use broadcast_object when only the source "
             "knows the shape)."
         )
-    dist.broadcast(tensor, src=src if group is None else dist.get_global_rank(group, src), group=group)
+    run_collective(dist.broadcast, tensor, src=src if group is None else dist.get_global_rank(group, src), group=group)
     return tensor
 
 
@@ -467,11 +470,11 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
         size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
     else:
         size = torch.zeros(1, dtype=torch.long, device=device)
-    dist.broadcast(size, src=global_src, group=group)
+    run_collective(dist.broadcast, size, src=global_src, group=group)
     if rank != src:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     data = payload.to(device)
-    dist.broadcast(data, src=global_src, group=group)
+    run_collective(dist.broadcast, data, src=global_src, group=group)
     return obj if rank == src else _unpickle(data)
 
 
@@ -503,4 +506,4 @@ def barrier(group: ProcessGroup = None) -> None:
     """Wait until every rank of ``group`` arrives; a no-op when not distributed."""
     if distributed_available():
         _group_rank_and_size(group)
-        dist.barrier(group=group)
+        run_collective(dist.barrier, group=group)

@@ -19,7 +19,10 @@ import torch._dynamo  # noqa: F401  (imported before any process group exists; s
 import torch.distributed as dist
 
 from ddpkit._network import gloo_interface_towards
+from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.hangs import active_watch
+from ddpkit.diagnostics.peer_watch import watch_peers
+from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import ChoosesBackend, ClusterEnvironment, check_place
 
 __all__ = [
@@ -107,6 +110,7 @@ def init_dist_connection(
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     active_watch()  # with hang diagnosis on, every rank can answer for its stack from the start
+    watch_peers()
 
 
 def _check_existing_group(rank: int, size: int, backend: str | None) -> None:
@@ -146,7 +150,10 @@ def destroy_dist_connection() -> None:
     if not distributed_available():
         return
     if dist.get_world_size() > 1:
-        dist.barrier()
+        try:
+            run_collective(dist.barrier)
+        except PeerFailedError:
+            pass  # a rank failed (and said so): there is no clean exit to wait for
     dist.destroy_process_group()
     time.sleep(_TEARDOWN_GIL_RELEASE_S)
 

@@ -6,10 +6,12 @@ With it:
 
 1. The failing rank publishes its rank and traceback under one key of the default group's
    store (the first failure wins: it is the root cause), then tears its process group down.
-   That closes its connections, so a peer blocked in a collective fails at once instead of
-   waiting for the timeout.
-2. Where ddpkit sees a collective fail (its DDP module, its collectives), it reads the key and
-   raises ``PeerFailedError``: "rank K failed: <its exception>", with K's traceback.
+2. The other ranks find the record: ddpkit's collectives and the DDP module wait in slices and
+   read it between them (``ddpkit.diagnostics.waits``), so they raise ``PeerFailedError``, "rank
+   K failed: <its exception>" with K's traceback, within a fraction of a second, even while the
+   failed process lives on and keeps its connections open. Where a collective fails outright,
+   ddpkit reads the record too. A rank blocked in a call of its own is handled by the peer watch
+   (``ddpkit.diagnostics.peer_watch``).
 
 Failures are published by ``with ddpkit.guard():`` blocks, by the strategy and DDP module
 (which run their work inside one), by ``DDPStrategy.reconciliate_processes``, and by the worker
@@ -26,6 +28,7 @@ import atexit
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -36,8 +39,8 @@ import torch.distributed as dist
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.records import exception_record, write_error_record
 
-__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "publish_failure", "record_exception",
-           "record_failure"]
+__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "peer_failure_raised", "publish_failure",
+           "read_failure_record", "record_exception", "record_failure"]
 
 FAILURE_KEY = "ddpkit/failure"
 _SEEN_KEY = "ddpkit/failure_seen"
@@ -121,25 +124,50 @@ def _this_rank() -> int:
 
 def peer_failure() -> PeerFailedError | None:
     """The failure another rank published, as the error to raise; None when there is none (or the
-    store cannot be reached). Call it after a collective has failed."""
+    store cannot be reached). Call it after a collective has failed, or between slices of a wait."""
     store = _default_store()
     if store is None:
         return None
+    record = read_failure_record(store)
+    if record is None or (dist.is_initialized() and record["rank"] == dist.get_rank()):
+        return None  # none, or our own failure: the original exception is already on its way
+    if not _state.seen:
+        _state.seen = True
+        with contextlib.suppress(RuntimeError):
+            store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
+    _state.raised.set()
+    return PeerFailedError(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
+
+
+def read_failure_record(store: Any) -> dict[str, Any] | None:
+    """The failure record published in ``store`` (``ddpkit.diagnostics.records`` format), or None
+    when there is none or the store cannot be reached (it may have died with its host)."""
     previous_timeout = store.timeout
     try:
-        store.set_timeout(_READ_TIMEOUT)  # the store may have died with its host: do not wait long
+        store.set_timeout(_READ_TIMEOUT)
         if not store.check([FAILURE_KEY]):
             return None
-        record = json.loads(store.get(FAILURE_KEY))
-        store.add(_SEEN_KEY, 1)
+        record: dict[str, Any] = json.loads(store.get(FAILURE_KEY))
+        return record
     except (RuntimeError, ValueError):
         return None
     finally:
         with contextlib.suppress(RuntimeError):  # the group goes on using this store when nobody failed
             store.set_timeout(previous_timeout)
-    if dist.is_initialized() and record["rank"] == dist.get_rank():
-        return None  # our own failure: the original exception is already on its way
-    return PeerFailedError(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
+
+
+def peer_failure_raised() -> bool:
+    """Whether ddpkit has handed this process a ``PeerFailedError`` (it is on its way up the user's code)."""
+    return _state.raised.is_set()
+
+
+class _State:
+    def __init__(self) -> None:
+        self.seen = False  # this process has counted itself among the readers of the record
+        self.raised = threading.Event()
+
+
+_state = _State()
 
 
 def _default_store() -> Any:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 # torch.distributed.GradBucket itself (the stubs do not re-export it), so torch's DDP accepts the annotation.
 from torch._C._distributed_c10d import GradBucket
 
+from ddpkit.diagnostics.waits import run_collective
 from ddpkit.hooks.contract import GradBucket as DdpkitGradBucket
 from ddpkit.hooks.default import allreduce_hook
 
@@ -245,7 +246,7 @@ def _all_reduce_together(tensors: list[Tensor], group: Any, stats: _Stats, scale
     flat = torch.cat([t.reshape(-1) for t in tensors])
     if scale is not None:
         flat.mul_(scale)
-    dist.all_reduce(flat, group=group)
+    run_collective(dist.all_reduce, flat, group=group)
     stats.sent += flat.numel() * flat.element_size()
     torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 

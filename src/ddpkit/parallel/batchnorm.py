@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddpkit.diagnostics.waits import run_collective
+
 __all__ = ["SyncBatchNorm"]
 
 
@@ -124,7 +126,7 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
             local_m2 = values.new_zeros(channels)
         local = torch.stack([local_mean.new_full((channels,), float(count)), local_mean, local_m2])
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, local, group=group)
+        run_collective(dist.all_gather, gathered, local, group=group)
         counts, means, m2s = torch.stack(gathered).unbind(1)  # each (world, C)
         total = counts[:, 0].sum()
         if total.item() <= 1:
@@ -161,7 +163,7 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
         grad = grad_output.to(normalised.dtype)
         local_sums = torch.stack([grad.sum(dims), (grad * normalised).sum(dims)])  # zeros for a rank without rows
         global_sums = local_sums.clone()
-        dist.all_reduce(global_sums, group=ctx.group)
+        run_collective(dist.all_reduce, global_sums, group=ctx.group)
         mean_grad, mean_grad_normalised = (global_sums / ctx.total).unbind(0)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         grad_input = (grad - _per_channel(mean_grad, grad)

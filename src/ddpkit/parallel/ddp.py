@@ -48,6 +48,7 @@ from ddpkit.collectives import all_gather_object, broadcast_object, collective_c
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.debug import debug_enabled
 from ddpkit.diagnostics.failures import CollectiveFailedError, guard
+from ddpkit.diagnostics.waits import run_collective, wait_for
 from ddpkit.hooks.contract import (
     GradBucket,
     check_comm_hook,
@@ -256,7 +257,7 @@ class DistributedDataParallel(nn.Module):
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         for group in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in group])
-            dist.broadcast(flat, src=global_source, group=self.process_group)
+            run_collective(dist.broadcast, flat, src=global_source, group=self.process_group)
             if self._rank != source:
                 offset = 0
                 for tensor in group:
@@ -499,7 +500,7 @@ class DistributedDataParallel(nn.Module):
         """Wait for one bucket's reduction; when it fails or times out, say what that usually means
         (``collective_call`` names the rank instead when a peer published its failure)."""
         try:
-            return pending.wait()
+            return wait_for(pending, self.process_group)
         except RuntimeError as error:
             raise CollectiveFailedError(
                 f"ddpkit DistributedDataParallel: the gradient reduction of bucket {bucket.index} of "
@@ -542,7 +543,7 @@ class DistributedDataParallel(nn.Module):
             self._copy_back(bucket, used)
         if separate is not None:
             counts, work = separate
-            work.wait()
+            wait_for(work, self.process_group)
             parameters = [p for bucket in self._buckets for p in bucket.parameters]
             for parameter, count in zip(parameters, counts.tolist()):
                 if count == 0:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddpkit.diagnostics.waits import run_collective
+
 __all__ = ["average_sparse_gradients", "sparse_gradient_parameters"]
 
 # Header states of one parameter on one rank.
@@ -50,7 +52,7 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: Any, scale: fl
     device = parameters[0].device
     header = torch.tensor([_header(grad) for grad in local], dtype=torch.long, device=device)
     headers = [torch.empty_like(header) for _ in range(world_size)]
-    dist.all_gather(headers, header, group=group)
+    run_collective(dist.all_gather, headers, header, group=group)
     everyone = torch.stack(headers).cpu().tolist()  # [rank][parameter] -> [state, rows, sparse dims]
     for index, (parameter, grad) in enumerate(zip(parameters, local)):
         states = [rank_headers[index] for rank_headers in everyone]
@@ -81,7 +83,7 @@ def _average_dense(parameter: Tensor, grad: Tensor | None, group: Any, scale: fl
         summed = torch.zeros_like(parameter)
     else:
         summed = (grad.to_dense() if grad.is_sparse else grad) * scale
-    dist.all_reduce(summed, group=group)
+    run_collective(dist.all_reduce, summed, group=group)
     return summed
 
 
@@ -96,8 +98,8 @@ def _average_sparse(parameter: Tensor, grad: Tensor | None, rows: list[int], spa
         torch.mul(grad._values(), scale, out=values[: grad._nnz()])
     gathered_indices = [torch.empty_like(indices) for _ in rows]
     gathered_values = [torch.empty_like(values) for _ in rows]
-    dist.all_gather(gathered_indices, indices, group=group)
-    dist.all_gather(gathered_values, values, group=group)
+    run_collective(dist.all_gather, gathered_indices, indices, group=group)
+    run_collective(dist.all_gather, gathered_values, values, group=group)
     summed = torch.sparse_coo_tensor(
         torch.cat([piece[:, :count] for piece, count in zip(gathered_indices, rows)], dim=1),
         torch.cat([piece[:count] for piece, count in zip(gathered_values, rows)]),
