@@ -139,12 +139,18 @@ def peer_failure() -> PeerFailedError | None:
     return PeerFailedError(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
 
 
-def read_failure_record(store: Any) -> dict[str, Any] | None:
+def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -> dict[str, Any] | None:
     """The failure record published in ``store`` (``ddpkit.diagnostics.records`` format), or None
-    when there is none or the store cannot be reached (it may have died with its host)."""
+    when there is none or the store cannot be reached (it may have died with its host).
+
+    ``timeout`` bounds the read (the store's own timeout is restored after); None leaves the
+    store's timeout alone, for a reader in another thread: changing it, even briefly, would
+    change it for the main thread's store operations too.
+    """
     previous_timeout = store.timeout
     try:
-        store.set_timeout(_READ_TIMEOUT)
+        if timeout is not None:
+            store.set_timeout(timeout)
         if not store.check([FAILURE_KEY]):
             return None
         record: dict[str, Any] = json.loads(store.get(FAILURE_KEY))
@@ -152,8 +158,9 @@ def read_failure_record(store: Any) -> dict[str, Any] | None:
     except (RuntimeError, ValueError):
         return None
     finally:
-        with contextlib.suppress(RuntimeError):  # the group goes on using this store when nobody failed
-            store.set_timeout(previous_timeout)
+        if timeout is not None:
+            with contextlib.suppress(RuntimeError):  # the group goes on using this store when nobody failed
+                store.set_timeout(previous_timeout)
 
 
 def peer_failure_raised() -> bool:

@@ -69,7 +69,7 @@ class _PeerWatch:
             time.sleep(_READ_SECONDS)
             if not self._current():
                 return
-            record = read_failure_record(self.store)
+            record = read_failure_record(self.store, timeout=None)  # see read_failure_record
             if record is not None and int(record["rank"]) != self.rank:
                 self._on_peer_failure(record)
                 return
