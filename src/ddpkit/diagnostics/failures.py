@@ -63,6 +63,11 @@ class PeerFailedError(CollectiveFailedError):
         self.rank, self.kind, self.message, self.trace = rank, kind, message, trace
         super().__init__(f"rank {rank} failed: {kind}: {message}\n--- traceback of rank {rank} ---\n{trace.rstrip()}")
 
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> PeerFailedError:
+        """The error that names the failure of a published record (``ddpkit.diagnostics.records`` format)."""
+        return cls(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
+
 
 @contextlib.contextmanager
 def guard() -> Iterator[None]:
@@ -96,8 +101,8 @@ def record_failure(record: dict[str, object], publish: bool = True) -> None:
 
     Writes ``record`` to the file the launcher reads (``DDPKIT_ERROR_FILE``, when set; this
     process's first failure is kept) and, with ``publish``, to the process group's store (the
-    job's first failure is kept: the root cause), then tears the process group down, so that
-    peers blocked in collectives fail now.
+    job's first failure is kept: the root cause), then tears the process group down (where nothing
+    else holds it, that also closes its connections; ddpkit's waits do not depend on it).
     """
     error_file = os.environ.get("DDPKIT_ERROR_FILE")
     if error_file:
@@ -136,7 +141,7 @@ def peer_failure() -> PeerFailedError | None:
         with contextlib.suppress(RuntimeError):
             store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
     _state.raised.set()
-    return PeerFailedError(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
+    return PeerFailedError.from_record(record)
 
 
 def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -> dict[str, Any] | None:
@@ -163,9 +168,10 @@ def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -
                 store.set_timeout(previous_timeout)
 
 
-def peer_failure_raised() -> bool:
-    """Whether ddpkit has handed this process a ``PeerFailedError`` (it is on its way up the user's code)."""
-    return _state.raised.is_set()
+def peer_failure_raised(within: float = 0.0) -> bool:
+    """Whether ddpkit has handed this process a ``PeerFailedError`` (it is on its way up the user's
+    code), waiting up to ``within`` seconds for it to happen."""
+    return _state.raised.wait(within)
 
 
 class _State:

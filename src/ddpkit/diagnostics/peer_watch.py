@@ -32,8 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.failures import PeerFailedError, peer_failure_raised, read_failure_record
-from ddpkit.diagnostics.records import exception_record, write_error_record
+from ddpkit.diagnostics.failures import PeerFailedError, peer_failure_raised, read_failure_record, record_exception
 from ddpkit.logs import get_logger
 
 __all__ = ["PEER_FAILED_EXIT_CODE", "watch_peers"]
@@ -75,25 +74,20 @@ class _PeerWatch:
                 return
 
     def _on_peer_failure(self, record: dict[str, Any]) -> None:
-        failure = PeerFailedError(int(record["rank"]), str(record["type"]), str(record["message"]),
-                                  str(record["traceback"]))
+        failure = PeerFailedError.from_record(record)
         if self.backend == "nccl":
             _abort_nccl_communicators()
         seconds = _exit_seconds()
         if seconds <= 0:
             return
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if peer_failure_raised():
-                return  # ddpkit raised it in the main thread: the user's code decides what follows
-            time.sleep(0.05)
+        if peer_failure_raised(within=seconds):
+            return  # ddpkit raised it in the main thread: the user's code decides what follows
         _log.error(f"{failure}\nddpkit: ending rank {self.rank} (exit code {PEER_FAILED_EXIT_CODE}): it did not "
                    f"get to a ddpkit call that raises this within {seconds:g} s of the failure (it is blocked in a "
                    "call ddpkit cannot interrupt, e.g. torch.distributed's own, or still computing). Set "
                    "DDPKIT_PEER_FAILURE_EXIT_SECONDS=0 to keep it running instead.")
-        error_file = os.environ.get("DDPKIT_ERROR_FILE")
-        if error_file:  # for the launcher; the failed rank's own record is earlier, and stays the root cause
-            write_error_record(error_file, exception_record(self.rank, failure))
+        # For the launcher; the failed rank's own record is earlier, and stays the root cause.
+        record_exception(failure, publish=False)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(PEER_FAILED_EXIT_CODE)

@@ -81,20 +81,17 @@ class LocalRanks:
                 previous(kind, value, trace)
                 sys.stderr.flush()
                 deadline = time.monotonic() + _CHILD_FAILURE_SECONDS
-                while not self._failed_children() and time.monotonic() < deadline:
+                while not self.children.failed() and time.monotonic() < deadline:
                     time.sleep(_POLL_SECONDS)
                 if not self.finished.is_set():
-                    self._write_report(self._failed_children())
+                    self._write_report(self.children.failed())
                     self.terminate()
 
         sys.excepthook = on_uncaught_exception
 
-    def _failed_children(self) -> list[WorkerProcess]:
-        return self.children.failed()
-
     def _watch(self) -> None:
         while not self.finished.is_set():
-            failed = self._failed_children()
+            failed = self.children.failed()
             if failed and self._report_lock.acquire(blocking=False):
                 if self.finished.is_set():  # the main thread reported and ended them already
                     return

@@ -27,14 +27,13 @@ from datetime import timedelta
 from typing import Any
 
 from ddpkit.launching.processes import WorkerProcesses, describe_exit
+from ddpkit.launching.worker import SERVE_FUNCTIONS
 from ddpkit.logs import get_logger
 
-__all__ = ["SERVE_FUNCTIONS", "RankFailedError", "RankTimeoutError", "WorkerPool", "serve"]
+__all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool", "serve"]
 
 _log = get_logger("launching")
 
-# The worker bootstrap's argument that makes it serve this pool (``ddpkit.launching.worker``).
-SERVE_FUNCTIONS = "--serve-functions"
 # The worker's end of its pipe, a file descriptor it inherits.
 _CONNECTION_VARIABLE = "DDPKIT_POOL_CONNECTION"
 _STOP = b"stop"

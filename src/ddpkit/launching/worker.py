@@ -23,9 +23,10 @@ import sys
 import traceback
 
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
-from ddpkit.launching.pool import SERVE_FUNCTIONS, serve
 
 _PR_SET_PDEATHSIG = 1
+# The argument that makes a worker serve the function pool (``launching.pool``) instead of a script.
+SERVE_FUNCTIONS = "--serve-functions"
 
 
 def _die_with_launcher() -> None:
@@ -57,6 +58,8 @@ def main(argv: list[str]) -> None:
     _die_with_launcher()
     try:
         if argv == [SERVE_FUNCTIONS]:
+            from ddpkit.launching.pool import serve  # only a pool's workers need it
+
             serve()
         elif argv[0] == "-m":  # as `python -m module args`: the module's own sys.argv[0], the cwd on the path
             sys.argv = [argv[1], *argv[2:]]
