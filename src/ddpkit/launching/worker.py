@@ -9,20 +9,29 @@ outlives a killed launcher; (2) records an uncaught exception, with its tracebac
 happened, in the JSON file the launcher named (``DDPKIT_ERROR_FILE``), so the launcher can name the
 root cause: the earliest failure, not the rank that merely lost its peer; (3) publishes that
 exception to the other ranks through the process group's store (``ddpkit.diagnostics.failures``); (4) dumps
-its threads' stacks to a file on SIGUSR1, for ``ddpkit run``'s stack dumps.
+its threads' stacks to a file on SIGUSR1, for ``ddpkit run``'s stack dumps; (5) when the script
+has ended, finishes the process itself (``_finish``), so that a clean script exits 0 every time.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import os
 import runpy
 import signal
 import sys
 import traceback
+from typing import Any
 
+import torch.distributed as dist
+
+from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
+from ddpkit.logs import get_logger
+
+_log = get_logger("launching")
 
 _PR_SET_PDEATHSIG = 1
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a script.
@@ -56,6 +65,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m ddpkit.launching.worker (script.py | -m module) [args...]")
     _dump_stacks_on_request()
     _die_with_launcher()
+    namespace: dict[str, Any] = {}
     try:
         if argv == [SERVE_FUNCTIONS]:
             from ddpkit.launching.pool import serve  # only a pool's workers need it
@@ -64,21 +74,65 @@ def main(argv: list[str]) -> None:
         elif argv[0] == "-m":  # as `python -m module args`: the module's own sys.argv[0], the cwd on the path
             sys.argv = [argv[1], *argv[2:]]
             sys.path.insert(0, os.getcwd())
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            namespace = runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit:
-        raise
+            namespace = runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exit_request:
+        _finish(_exit_code(exit_request), namespace)
     except BaseException as exc:
         # For the launcher, and (unless it is a consequence, not news to them) for the other ranks,
         # which frees those blocked in collectives.
         record_exception(exc, publish=not isinstance(exc, CollectiveFailedError))
         traceback.print_exc()
-        sys.stderr.flush()
-        # os._exit keeps the code: sys.exit after a Gloo error can turn into an abort (134).
-        os._exit(1)
+        # Not sys.exit: finalising after a Gloo error can turn the code into an abort (134), and
+        # a collective left pending would hold the process until its peers exit. A thread may be
+        # blocked in a collective that only this exit ends: not waited for.
+        leave(1, wait_for_threads=False)
+    _finish(0, namespace)
+
+
+def _exit_code(exit_request: SystemExit) -> int:
+    """The exit code the interpreter would give ``sys.exit(code)`` (a message is printed, code 1)."""
+    code = exit_request.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int, namespace: dict[str, Any]) -> None:
+    """End this process as the interpreter would after the script, minus its finalisation
+    (``diagnostics.exits.leave``: a clean script would otherwise abort now and then at exit).
+
+    After the exit handlers, and after a clean end only, a process group the script left alive is
+    torn down in order (every rank passes a barrier first). Then the script's objects are released,
+    which closes and flushes the files they hold.
+    """
+
+    def release_the_script() -> None:
+        if code == 0:
+            _tear_down_group()
+        namespace.clear()
+        gc.collect()
+
+    leave(code, release_the_script)
+
+
+def _tear_down_group() -> None:
+    """``destroy_dist_connection`` of a process group the script left alive; a failure of a peer
+    there is the peer's to report (this rank's script succeeded)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from ddpkit.connection import destroy_dist_connection
+
+    try:
+        destroy_dist_connection()
+    except RuntimeError as error:
+        _log.debug(f"ddpkit: tearing down the process group after the script ended failed: {error}")
 
 
 if __name__ == "__main__":
