@@ -182,6 +182,7 @@ def test_without_a_launcher_a_ddpkit_collective_is_freed_within_a_second(tmp_pat
     peer = ranks[1 - failing_rank]
     try:
         _, err = peer.communicate(timeout=60)
+        ended = time.time()
     finally:
         for process in ranks:
             process.kill()
@@ -189,6 +190,10 @@ def test_without_a_launcher_a_ddpkit_collective_is_freed_within_a_second(tmp_pat
     assert f"PeerFailedError: rank {failing_rank} failed: ValueError: rank {failing_rank} broke on purpose" in err, err
     freed = float((tmp_path / f"freed{1 - failing_rank}").read_text())
     assert freed - raised_at(tmp_path) <= BOUND_SECONDS, freed - raised_at(tmp_path)
+    # The uncaught error ends the peer's process too, although the collective it stopped waiting
+    # for is still pending in Gloo (finalising would wait for it until the failed process exits).
+    assert peer.returncode == 1, (peer.returncode, err)
+    assert ended - raised_at(tmp_path) <= 2.0, f"the peer ended {ended - raised_at(tmp_path):.2f} s after the raise"
 
 
 @pytest.mark.parametrize("failing_rank", [1, 0])

@@ -117,7 +117,7 @@ class collective_call:
             self._nesting.__exit__()
             self._nesting = None
         if isinstance(error, RuntimeError) and not isinstance(error, PeerFailedError):
-            failure = peer_failure()
+            failure = peer_failure(probe_first=True)
             if failure is not None:
                 raise failure from error
 

@@ -20,6 +20,9 @@ writes the record to the file the launcher reads to name the root cause (``DDPKI
 It works under any launcher or scheduler, since the store is the one the process group already
 uses. The store lives in global rank 0's process: when rank 0 is the
 one that fails, it keeps the store up for a moment at exit so that the others can read why.
+When rank 0 dies without a word (SIGKILL, the out-of-memory killer, its machine), the store dies
+with it: a collective that fails, or a read of the store that fails, then checks whether the
+store still accepts connections and raises ``StoreHostGoneError`` (a ``PeerFailedError``) naming it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import atexit
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -37,10 +41,12 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.diagnostics.debug import CollectiveMismatchError
+from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
 
-__all__ = ["CollectiveFailedError", "PeerFailedError", "guard", "peer_failure", "peer_failure_raised", "publish_failure",
-           "read_failure_record", "record_exception", "record_failure"]
+__all__ = ["CollectiveFailedError", "PeerFailedError", "StoreHostGoneError", "guard", "peer_failure",
+           "peer_failure_raised", "publish_failure", "read_failure_record", "record_exception", "record_failure",
+           "store_host_gone"]
 
 FAILURE_KEY = "ddpkit/failure"
 _SEEN_KEY = "ddpkit/failure_seen"
@@ -49,6 +55,9 @@ _SEEN_KEY = "ddpkit/failure_seen"
 _LINGER_SECONDS = 3.0
 # Reading the record after a collective failed: the store may be gone with its host.
 _READ_TIMEOUT = timedelta(seconds=2)
+# Connecting to the store's address to learn whether its host is still there: a process that died
+# refuses at once; a machine that went down does not answer.
+_PROBE_SECONDS = 1.0
 
 
 class CollectiveFailedError(RuntimeError):
@@ -67,6 +76,22 @@ class PeerFailedError(CollectiveFailedError):
     def from_record(cls, record: dict[str, Any]) -> PeerFailedError:
         """The error that names the failure of a published record (``ddpkit.diagnostics.records`` format)."""
         return cls(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
+
+
+class StoreHostGoneError(PeerFailedError):
+    """The process that hosts the process group's store (global rank 0, or torchrun's agent when
+    it keeps the store) is gone without a word: killed, or its machine went down. ``rank`` is 0,
+    or -1 for torchrun's agent."""
+
+    def __init__(self, address: tuple[str, int], reason: str) -> None:
+        by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        host = "torchrun's agent" if by_agent else "rank 0"
+        self.rank, self.kind, self.trace, self.address = (-1 if by_agent else 0), "StoreHostGone", "", address
+        self.message = (f"{host}, the host of the process group's store at {address[0]}:{address[1]}, is gone: the "
+                        f"store does not accept connections any more ({reason}). It ended without a chance to say why "
+                        f"(killed, e.g. by SIGKILL or the out-of-memory killer, or its machine went down): its own "
+                        f"log, the launcher or the scheduler says more. This rank cannot go on without it.")
+        CollectiveFailedError.__init__(self, self.message)
 
 
 @contextlib.contextmanager
@@ -127,26 +152,72 @@ def _this_rank() -> int:
     return int(os.environ.get("RANK", "-1"))
 
 
-def peer_failure() -> PeerFailedError | None:
-    """The failure another rank published, as the error to raise; None when there is none (or the
-    store cannot be reached). Call it after a collective has failed, or between slices of a wait."""
+def peer_failure(probe_first: bool = False) -> PeerFailedError | None:
+    """The failure another rank published, as the error to raise (``StoreHostGoneError`` when the
+    store's host is gone); None when there is none. Call it between slices of a wait, or with
+    ``probe_first`` after a collective failed (a dead host's store is then not asked: torch
+    prints a long warning for each failed store request)."""
     store = _default_store()
     if store is None:
         return None
-    record = read_failure_record(store)
+    gone = _state.gone_error(store)
+    if gone is None and probe_first:
+        gone = store_host_gone()
+    if gone is not None:
+        _state.raised.set()
+        return gone
+    try:
+        record = read_failure_record(store)
+    except RuntimeError:
+        return store_host_gone()
     if record is None or (dist.is_initialized() and record["rank"] == dist.get_rank()):
         return None  # none, or our own failure: the original exception is already on its way
     if not _state.seen:
         _state.seen = True
         with contextlib.suppress(RuntimeError):
             store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
-    _state.raised.set()
+    _raising()
     return PeerFailedError.from_record(record)
+
+
+def store_host_gone() -> StoreHostGoneError | None:
+    """``StoreHostGoneError`` when the default group's store (a TCP store) no longer accepts
+    connections, else None. Found by connecting to it, which its server ignores; remembered."""
+    store = _default_store()
+    address = _tcp_address(store)
+    if address is None:
+        return None
+    gone = _state.gone_error(store)
+    if gone is not None:
+        return gone
+    try:
+        socket.create_connection(address, timeout=_PROBE_SECONDS).close()
+        return None
+    except OSError as error:
+        _state.gone = (id(store), address, error.strerror or type(error).__name__)
+    _raising()
+    return _state.gone_error(store)
+
+
+def _raising() -> None:
+    """ddpkit is about to raise a ``PeerFailedError``: the collective it stopped waiting for stays
+    pending in Gloo, and finalising would wait for it, so an uncaught exception leaves at once."""
+    leave_on_uncaught_exception()
+    _state.raised.set()
+
+
+def _tcp_address(store: Any) -> tuple[str, int] | None:
+    """(host, port) of the TCP store under ``store``'s prefixes; None for other stores."""
+    while store is not None and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return (host, port) if isinstance(host, str) and isinstance(port, int) else None
 
 
 def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -> dict[str, Any] | None:
     """The failure record published in ``store`` (``ddpkit.diagnostics.records`` format), or None
-    when there is none or the store cannot be reached (it may have died with its host).
+    when there is none. Raises ``RuntimeError`` when the store cannot be reached (it may have died
+    with its host: ``store_host_gone`` tells).
 
     ``timeout`` bounds the read (the store's own timeout is restored after); None leaves the
     store's timeout alone, for a reader in another thread: changing it, even briefly, would
@@ -160,7 +231,7 @@ def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -
             return None
         record: dict[str, Any] = json.loads(store.get(FAILURE_KEY))
         return record
-    except (RuntimeError, ValueError):
+    except ValueError:
         return None
     finally:
         if timeout is not None:
@@ -178,6 +249,14 @@ class _State:
     def __init__(self) -> None:
         self.seen = False  # this process has counted itself among the readers of the record
         self.raised = threading.Event()
+        self.gone: tuple[int, tuple[str, int], str] | None = None  # (id of the store, its address, why) once its host is gone
+
+    def gone_error(self, store: Any) -> StoreHostGoneError | None:
+        """A new ``StoreHostGoneError`` when ``store``'s host was found gone (a new error each time:
+        one raised twice would carry both tracebacks)."""
+        if self.gone is None or self.gone[0] != id(store):
+            return None
+        return StoreHostGoneError(self.gone[1], self.gone[2])
 
 
 _state = _State()

@@ -9,6 +9,8 @@ failure record every ``_READ_SECONDS``, handles them:
   aborted. When a peer's failure appears, the watch aborts this process's NCCL communicators
   at once (``torch.distributed``'s abort of the process groups), so every pending NCCL
   operation ends with an error, which ddpkit turns into ``PeerFailedError``.
+- **The store's host is gone** (rank 0 killed without a word): the read fails, and the watch
+  makes ddpkit's waits raise ``StoreHostGoneError`` (and aborts NCCL communicators).
 - **A call of the user's own** (``torch.distributed.all_reduce(t)`` without ddpkit) blocks in
   Gloo's C++ code, out of Python's reach. If ddpkit has not handed this process a
   ``PeerFailedError`` within ``DDPKIT_PEER_FAILURE_EXIT_SECONDS`` (default 1) after the failure
@@ -32,7 +34,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.failures import PeerFailedError, peer_failure_raised, read_failure_record, record_exception
+from ddpkit.diagnostics.failures import (
+    PeerFailedError,
+    peer_failure_raised,
+    read_failure_record,
+    record_exception,
+    store_host_gone,
+)
 from ddpkit.logs import get_logger
 
 __all__ = ["PEER_FAILED_EXIT_CODE", "watch_peers"]
@@ -68,10 +76,24 @@ class _PeerWatch:
             time.sleep(_READ_SECONDS)
             if not self._current():
                 return
-            record = read_failure_record(self.store, timeout=None)  # see read_failure_record
+            try:
+                record = read_failure_record(self.store, timeout=None)  # see read_failure_record
+            except RuntimeError:
+                if self._current() and store_host_gone() is not None:
+                    self._on_store_host_gone()
+                    return
+                continue
             if record is not None and int(record["rank"]) != self.rank:
                 self._on_peer_failure(record)
                 return
+
+    def _on_store_host_gone(self) -> None:
+        """Rank 0 (the store's host) is gone: ddpkit's waits raise ``StoreHostGoneError`` from now
+        on (``failures.store_host_gone`` remembers it). The process is not ended: a rank 0 that
+        finished its script and exited looks the same from here, and a call of the user's own
+        fails by itself, since rank 0's connections are closed."""
+        if self.backend == "nccl":
+            _abort_nccl_communicators()
 
     def _on_peer_failure(self, record: dict[str, Any]) -> None:
         failure = PeerFailedError.from_record(record)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.failures import peer_failure
+from ddpkit.diagnostics.failures import StoreHostGoneError, peer_failure
 
 __all__ = ["SLICE", "run_collective", "wait_for"]
 
@@ -48,7 +48,7 @@ def wait_for(pending: Any, group: Any = None) -> Any:
         except RuntimeError as error:
             if _SLICE_ENDED not in str(error):
                 raise
-        _raise_peer_failure()
+        _raise_peer_failure(group)
 
 
 def run_collective(collective: Callable[..., Any], *args: Any, group: Any = None, **kwargs: Any) -> Any:
@@ -61,14 +61,24 @@ def _wait_for_future(future: Any) -> Any:
     done = threading.Event()
     future.add_done_callback(lambda _future: done.set())
     while not done.wait(SLICE.total_seconds()):
-        _raise_peer_failure()
+        _raise_peer_failure(None)
     return future.wait()
 
 
-def _raise_peer_failure() -> None:
+def _raise_peer_failure(group: Any) -> None:
     failure = peer_failure()
-    if failure is not None:
-        raise failure
+    if failure is None:
+        return
+    if isinstance(failure, StoreHostGoneError) and failure.rank == 0 and not _includes_rank_zero(group):
+        return  # rank 0 may have finished and left; this group's collective does not need it
+    raise failure
+
+
+def _includes_rank_zero(group: Any) -> bool:
+    try:
+        return group is None or 0 in dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return True
 
 
 def _is_nccl(group: Any) -> bool:
