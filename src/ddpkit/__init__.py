@@ -23,6 +23,7 @@ _PUBLIC_NAMES = {
     "DistributedDataParallel": "ddpkit.parallel.ddp",
     "LocalEnvironment": "ddpkit.environments",
     "PeerFailedError": "ddpkit.diagnostics.failures",
+    "StoreHostGoneError": "ddpkit.diagnostics.failures",
     "SyncBatchNorm": "ddpkit.parallel.batchnorm",
     "all_gather_ddp_if_available": "ddpkit.distributed",
     "all_gather_object": "ddpkit.distributed",
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from ddpkit.diagnostics.failures import (
         CollectiveFailedError,
         PeerFailedError,
+        StoreHostGoneError,
         guard,
     )
     from ddpkit.distributed import (
@@ -88,6 +90,7 @@ __all__ = [
     "DistributedDataParallel",
     "LocalEnvironment",
     "PeerFailedError",
+    "StoreHostGoneError",
     "SyncBatchNorm",
     "all_gather_ddp_if_available",
     "all_gather_object",

@@ -1,17 +1,30 @@
 """Hang diagnosis: when a collective waits longer than a set time, say who has not arrived and
 where every rank is.
 
-Turn it on with ``DDPKIT_HANG_SECONDS=30`` (or ``watch_for_hangs(30)`` on every rank), much
-shorter than the process-group timeout if you like. Then each rank notes in the process
-group's store the sequence number, operation and call site of every ddpkit collective it
-enters (one small store write each), and a thread of each rank checks five times a second:
+On by default: a ddpkit collective (a DDP synchronisation, a barrier, ...) that waits
+``DEFAULT_HANG_SECONDS`` (60 s, Horovod's stall-check default) is reported. That is ten times
+below ddpkit's process-group timeout (10 minutes) and far above a slow step: the time counted is
+what one rank waits for the others inside a collective, not a step. A rank that legitimately
+waits that long (rank 0 writing a large checkpoint while the others wait in a barrier) only gets
+a report that shows it. Set ``DDPKIT_HANG_SECONDS=N`` (or ``watch_for_hangs(N)`` on every rank)
+to choose, ``DDPKIT_HANG_SECONDS=0`` to turn it off.
+
+Each rank notes in memory the sequence number, operation and call site of every ddpkit
+collective it enters (no communication on the training path); a thread of each rank publishes
+that progress in the process group's store when it has changed, at most once a second,
+and checks:
 
 - if this rank's collective has waited longer than the set time, it asks every rank for its
-  stack (a counter in the store), and about a second later prints a report to stderr: the
-  collective, the ranks that have not arrived (their last collective is an earlier one) and
-  each rank's last collective and current Python stack (that of its main thread, read by the
-  thread even while the main thread is blocked);
+  stack (a counter in the store), and about a second later logs a report: the collective, the
+  ranks that have not arrived (their last collective is an earlier one) and each rank's last
+  collective and current Python stack (that of its main thread, read by the thread even while
+  the main thread is blocked);
 - if another rank asked, it posts its own stack.
+
+A rank that cannot answer is named and described: on the reporting rank's machine, a stopped
+process (SIGSTOP, a debugger) is said to be stopped; a running one whose threads cannot run is
+most likely inside a C extension that holds the GIL, and when it runs under ddpkit's worker
+bootstrap its stack is read anyway (faulthandler writes it from a signal handler, without the GIL).
 
 The collective itself goes on waiting (the process-group timeout, or ``ddpkit.diagnostics.failures``,
 still ends it). ``last_report()`` returns the latest report, for tests and tools.
@@ -19,7 +32,10 @@ still ends it). ``last_report()`` returns the latest report, for tests and tools
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -31,13 +47,17 @@ import torch.distributed as dist
 
 from ddpkit.logs import get_logger
 
-__all__ = ["last_report", "watch_for_hangs"]
+__all__ = ["DEFAULT_HANG_SECONDS", "last_report", "watch_for_hangs"]
 
 _log = get_logger("diagnostics")
 
-_POLL_SECONDS = 0.2
+DEFAULT_HANG_SECONDS = 60.0
+# Once a second: the reports come a minute late anyway, and the store is shared by every rank.
+_POLL_SECONDS = 1.0
+# How long a rank that runs under ddpkit's bootstrap gets to write its stack after SIGUSR1.
+_SIGNALLED_STACK_SECONDS = 0.5
 # How long the reporting rank waits for the others' stacks.
-_GATHER_SECONDS = 1.5
+_GATHER_SECONDS = 2.5
 _REQUEST_KEY = "ddpkit/hang/requests"
 
 
@@ -51,10 +71,15 @@ class HangWatch:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.main_thread = threading.main_thread().ident
         self.entered = 0
+        self.last_entered = "no ddpkit collective yet"
+        self.published = 0  # the sequence number last published in the store
         self.current: tuple[int, str, str, float] | None = None  # (sequence, operation, call site, start)
         self.reported_sequence = 0
         self.requests_answered = 0
         self.report = ""
+        # Where this process is, for a reporting rank on the same machine when this one cannot answer.
+        self.store.set(f"ddpkit/hang/process/{self.rank}", json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "stack_file": os.environ.get("DDPKIT_STACK_FILE")}))
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watch", daemon=True)
         self._thread.start()
 
@@ -62,9 +87,11 @@ class HangWatch:
         return self._thread.is_alive()
 
     def enter(self, operation: str, call_site: str) -> None:
+        """This rank enters collective ``operation``, called at ``call_site``: memory only, since it
+        runs on the training path (the watch thread publishes it)."""
         self.entered += 1
         self.current = (self.entered, operation, call_site, time.monotonic())
-        self.store.set(f"ddpkit/hang/progress/{self.rank}", f"#{self.entered} {operation} at {call_site}")
+        self.last_entered = f"#{self.entered} {operation} at {call_site}"
 
     def leave(self) -> None:
         self.current = None
@@ -80,6 +107,10 @@ class HangWatch:
                 return
 
     def _check(self) -> None:
+        entered, last_entered = self.entered, self.last_entered
+        if entered != self.published:
+            self.store.set(f"ddpkit/hang/progress/{self.rank}", last_entered)
+            self.published = entered
         current = self.current
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
@@ -114,16 +145,71 @@ class HangWatch:
             entered = int(progress[1:].split()[0]) if progress.startswith("#") else 0
             if entered < sequence:
                 missing.append(rank)
-            stack = self._read(key) or "(no answer: the rank's process may be stopped or its watch thread blocked)\n"
+            stack = self._read(key) or self._describe_silent_rank(rank)
             sections.append(f"--- rank {rank}: last entered {progress}; now {stack}")
         lines.append(f"Ranks that have not arrived: {missing or 'none (they are in it: a slow peer or the network)'}.")
         return "\n".join(lines) + "\n" + "".join(sections)
+
+    def _describe_silent_rank(self, rank: int) -> str:
+        """What can be said of a rank whose watch thread did not post its stack."""
+        process = json.loads(self._read(f"ddpkit/hang/process/{rank}") or "{}")
+        host, pid, stack_file = process.get("host"), process.get("pid"), process.get("stack_file")
+        where = f"pid {pid} on {host}"
+        if host != socket.gethostname() or not isinstance(pid, int):
+            return (f"no answer ({where}): it is stopped (SIGSTOP, a debugger), or inside a C extension that holds "
+                    f"the GIL, or its machine is unreachable. `py-spy dump --pid {pid}` on {host} shows where.\n")
+        state = _process_state(pid)
+        if state is None:
+            return f"no answer ({where}): the process has ended.\n"
+        if state in "Tt":
+            return (f"no answer ({where}): the process is STOPPED (SIGSTOP, or a debugger holds it), so its stack "
+                    f"cannot be read. `kill -CONT {pid}` resumes it.\n")
+        description = (f"no answer ({where}, state {state}): the process runs but its Python threads cannot, so it is "
+                       "most likely inside a C extension that holds the GIL.")
+        stack = _signalled_stack(pid, stack_file)
+        if stack:
+            return f"{description} Its threads' stacks (faulthandler):\n{stack}"
+        return f"{description} `py-spy dump --pid {pid}` shows where.\n"
 
     def _read(self, key: str) -> str | None:
         if not self.store.check([key]):
             return None
         value: bytes = self.store.get(key)
         return value.decode(errors="replace")
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of a process of this machine (R running, S sleeping, T stopped, ...), or
+    None when it has ended (or /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            state = handle.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in "ZX" else state
+
+
+def _signalled_stack(pid: int, stack_file: str | None) -> str:
+    """The stacks a process under ddpkit's worker bootstrap writes to its stack file on SIGUSR1
+    (``launching.worker``; from a signal handler, so without the GIL); '' when it has none."""
+    if not stack_file:
+        return ""
+    try:
+        offset = os.path.getsize(stack_file)
+        os.kill(pid, signal.SIGUSR1)
+    except OSError:
+        return ""
+    deadline = time.monotonic() + _SIGNALLED_STACK_SECONDS
+    written = ""
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            with open(stack_file, encoding="utf-8", errors="replace") as handle:
+                handle.seek(offset)
+                written = handle.read()
+        except OSError:
+            return ""
+    return written
 
 
 class _Settings:
@@ -136,8 +222,8 @@ _settings = _Settings()
 
 
 def watch_for_hangs(seconds: float | None) -> None:
-    """Report collectives that wait longer than ``seconds`` (None: follow ``DDPKIT_HANG_SECONDS``;
-    0: off). Call it on every rank."""
+    """Report collectives that wait longer than ``seconds`` (None: follow ``DDPKIT_HANG_SECONDS``,
+    ``DEFAULT_HANG_SECONDS`` when unset; 0: off). Call it on every rank."""
     if seconds is not None and seconds < 0:
         raise ValueError(f"watch_for_hangs(seconds={seconds}): give a positive number of seconds, 0 or None.")
     _settings.seconds = seconds
@@ -153,7 +239,7 @@ def _configured_seconds() -> float:
         return _settings.seconds
     value = os.environ.get("DDPKIT_HANG_SECONDS", "").strip()
     if not value:
-        return 0.0
+        return DEFAULT_HANG_SECONDS
     try:
         return max(0.0, float(value))
     except ValueError:
