@@ -195,6 +195,9 @@ def _signalled_stack(pid: int, stack_file: str | None) -> str:
     if not stack_file:
         return ""
     try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            if b"ddpkit.launching.worker" not in handle.read():
+                return ""  # not the worker any more (its pid was reused): SIGUSR1 could end that process
         offset = os.path.getsize(stack_file)
         os.kill(pid, signal.SIGUSR1)
     except OSError:
@@ -249,8 +252,8 @@ def _configured_seconds() -> float:
 def active_watch() -> HangWatch | None:
     """The watch of this process when hang diagnosis is on (started on first use), else None."""
     seconds = _configured_seconds()
-    if seconds <= 0 or not (dist.is_available() and dist.is_initialized()):
-        return None
+    if seconds <= 0 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None  # off, or no one to wait for
     watch = _settings.watch
     group = dist.distributed_c10d._get_default_group()
     if watch is None or watch.group() is not group or not watch.running():  # first use, a new group, or turned back on
