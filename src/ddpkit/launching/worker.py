@@ -15,9 +15,11 @@ has ended, finishes the process itself (``_finish``), so that a clean script exi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import gc
+import io
 import os
 import runpy
 import signal
@@ -117,9 +119,25 @@ def _finish(code: int, namespace: dict[str, Any]) -> None:
         if code == 0:
             _tear_down_group()
         namespace.clear()
+        _flush_open_files()
         gc.collect()
 
     leave(code, release_the_script)
+
+
+def _flush_open_files() -> None:
+    """Flush every file object still open, before the garbage collector meets them.
+
+    ``runpy`` hands back a copy of the script's globals; the original stays alive through the
+    script's functions (a reference cycle), and with it the files the script never closed.
+    The collector finalises such a cycle's objects in no set order: a text file's buffered
+    writer may be closed before the text file flushes into it, and the text is lost. The
+    interpreter's own exit avoids this by clearing ``__main__``'s globals first.
+    """
+    for candidate in gc.get_objects():
+        if isinstance(candidate, io.IOBase) and not candidate.closed:
+            with contextlib.suppress(OSError, ValueError):  # unwritable, or not flushable
+                candidate.flush()
 
 
 def _tear_down_group() -> None:
