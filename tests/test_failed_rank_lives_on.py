@@ -171,6 +171,20 @@ def start_bare_ranks(folder: Path, world_size: int, *args: str, **variables: str
     return ranks
 
 
+def wait_then_end_all(ranks: list[subprocess.Popen[str]],
+                      waited_for: list[subprocess.Popen[str]]) -> list[tuple[str, float]]:
+    """(stderr, wall-clock end) of each process of ``waited_for``, in order; then every rank is ended."""
+    ended = []
+    try:
+        for process in waited_for:
+            ended.append((process.communicate(timeout=60)[1], time.time()))
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
+    return ended
+
+
 def raised_at(folder: Path) -> float:
     return float((folder / "raised").read_text())
 
@@ -180,13 +194,7 @@ def test_without_a_launcher_a_ddpkit_collective_is_freed_within_a_second(tmp_pat
     (tmp_path / "script.py").write_text(SCRIPT)
     ranks = start_bare_ranks(tmp_path, 2, "ddpkit", str(failing_rank))
     peer = ranks[1 - failing_rank]
-    try:
-        _, err = peer.communicate(timeout=60)
-        ended = time.time()
-    finally:
-        for process in ranks:
-            process.kill()
-            process.communicate()
+    [(err, ended)] = wait_then_end_all(ranks, [peer])
     assert f"PeerFailedError: rank {failing_rank} failed: ValueError: rank {failing_rank} broke on purpose" in err, err
     freed = float((tmp_path / f"freed{1 - failing_rank}").read_text())
     assert freed - raised_at(tmp_path) <= BOUND_SECONDS, freed - raised_at(tmp_path)
@@ -202,13 +210,7 @@ def test_without_a_launcher_the_users_own_blocked_call_ends_its_rank_within_two_
     (tmp_path / "script.py").write_text(SCRIPT)
     ranks = start_bare_ranks(tmp_path, 2, "torch", str(failing_rank))
     peer = ranks[1 - failing_rank]
-    try:
-        _, err = peer.communicate(timeout=60)
-        ended = time.time()
-    finally:
-        for process in ranks:
-            process.kill()
-            process.communicate()
+    [(err, ended)] = wait_then_end_all(ranks, [peer])
     assert peer.returncode == PEER_FAILED_EXIT_CODE, (peer.returncode, err)
     assert f"rank {failing_rank} failed: ValueError: rank {failing_rank} broke on purpose" in err, err
     assert f"ending rank {1 - failing_rank} (exit code {PEER_FAILED_EXIT_CODE})" in err, err
@@ -232,13 +234,7 @@ def test_under_ddpkit_run_the_job_ends_in_seconds_naming_the_failed_rank(tmp_pat
 def test_the_watch_can_be_told_to_let_a_blocked_rank_wait(tmp_path: Path) -> None:
     (tmp_path / "script.py").write_text(SCRIPT)
     ranks = start_bare_ranks(tmp_path, 2, "torch", "1", DDPKIT_PEER_FAILURE_EXIT_SECONDS="0", LIVES_ON="3")
-    try:
-        _, err = ranks[0].communicate(timeout=60)
-        ended = time.time()
-    finally:
-        for process in ranks:
-            process.kill()
-            process.communicate()
+    [(err, ended)] = wait_then_end_all(ranks, [ranks[0]])
     assert ranks[0].returncode not in (0, PEER_FAILED_EXIT_CODE), (ranks[0].returncode, err)
     assert "ending rank 0" not in err, err
     assert ended - raised_at(tmp_path) >= 3.0  # freed only when the failed process exited

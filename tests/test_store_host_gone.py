@@ -8,16 +8,11 @@ or a barrier when rank 0 dies; a process-group timeout far longer than the bound
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-
-from ddpkit.environments import find_free_port
+from test_failed_rank_lives_on import start_bare_ranks, wait_then_end_all
 
 BOUND_SECONDS = 2.0
 
@@ -56,18 +51,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def start_bare_ranks(folder: Path, world_size: int, blocked_in: str) -> list[subprocess.Popen[str]]:
-    port = find_free_port()
-    ranks = []
-    for rank in range(world_size):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-               "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "store-host-gone"}
-        ranks.append(subprocess.Popen([sys.executable, "script.py", blocked_in], cwd=folder, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return ranks
-
-
 @pytest.mark.parametrize(("world_size", "blocked_in"), [
     (2, "collective"), (2, "backward"), (3, "barrier"), (4, "collective"),
 ])
@@ -75,22 +58,13 @@ def test_every_rank_says_that_rank_0_is_gone_within_two_seconds(
         tmp_path: Path, world_size: int, blocked_in: str) -> None:
     (tmp_path / "script.py").write_text(SCRIPT)
     ranks = start_bare_ranks(tmp_path, world_size, blocked_in)
-    errors, ended = {}, {}
-    try:
-        for rank in range(1, world_size):
-            errors[rank] = ranks[rank].communicate(timeout=60)[1]
-            ended[rank] = time.time()
-    finally:
-        for process in ranks:
-            process.kill()
-            process.communicate()
+    results = wait_then_end_all(ranks, ranks[1:])
     killed = float((tmp_path / "killed").read_text())
-    for rank in range(1, world_size):
-        err = errors[rank]
+    for rank, (err, ended) in enumerate(results, start=1):
         assert ranks[rank].returncode == 1, (rank, ranks[rank].returncode, err)
         assert "StoreHostGoneError: rank 0, the host of the process group's store at 127.0.0.1:" in err, err
         freed, kind, named = (tmp_path / f"freed{rank}").read_text().split()
         assert (kind, named) == ("StoreHostGoneError", "0")
         assert float(freed) - killed <= BOUND_SECONDS, f"rank {rank} raised {float(freed) - killed:.2f} s after the kill"
         # and its process ends soon after (bounded by the order the test waits in, rank 1 first)
-        assert ended[rank] - killed <= BOUND_SECONDS + 2, f"rank {rank} ended {ended[rank] - killed:.2f} s after the kill"
+        assert ended - killed <= BOUND_SECONDS + 2, f"rank {rank} ended {ended - killed:.2f} s after the kill"

@@ -160,12 +160,18 @@ def peer_failure(probe_first: bool = False) -> PeerFailedError | None:
     store = _default_store()
     if store is None:
         return None
-    gone = _state.gone_error(store)
-    if gone is None and probe_first:
-        gone = store_host_gone()
-    if gone is not None:
+    failure = _state.gone_error(store) or (store_host_gone() if probe_first else None) or _published_failure(store)
+    if failure is not None:
+        # The collective ddpkit stops waiting for stays pending in Gloo, and finalising would wait
+        # for it: an uncaught exception leaves at once.
+        leave_on_uncaught_exception()
         _state.raised.set()
-        return gone
+    return failure
+
+
+def _published_failure(store: Any) -> PeerFailedError | None:
+    """The failure another rank published in ``store``; ``StoreHostGoneError`` when it cannot be read
+    because its host is gone."""
     try:
         record = read_failure_record(store)
     except RuntimeError:
@@ -176,7 +182,6 @@ def peer_failure(probe_first: bool = False) -> PeerFailedError | None:
         _state.seen = True
         with contextlib.suppress(RuntimeError):
             store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
-    _raising()
     return PeerFailedError.from_record(record)
 
 
@@ -195,15 +200,10 @@ def store_host_gone() -> StoreHostGoneError | None:
         return None
     except OSError as error:
         _state.gone = (id(store), address, error.strerror or type(error).__name__)
-    _raising()
-    return _state.gone_error(store)
-
-
-def _raising() -> None:
-    """ddpkit is about to raise a ``PeerFailedError``: the collective it stopped waiting for stays
-    pending in Gloo, and finalising would wait for it, so an uncaught exception leaves at once."""
+    # Found by the peer watch too: then the main thread's own call fails with torch's error, and
+    # that exception, uncaught, should not wait for the interpreter's finalisation either.
     leave_on_uncaught_exception()
-    _state.raised.set()
+    return _state.gone_error(store)
 
 
 def _tcp_address(store: Any) -> tuple[str, int] | None:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.logs import get_logger
 
 __all__ = ["DEFAULT_HANG_SECONDS", "last_report", "watch_for_hangs"]
@@ -240,13 +241,7 @@ def last_report() -> str:
 def _configured_seconds() -> float:
     if _settings.seconds is not None:
         return _settings.seconds
-    value = os.environ.get("DDPKIT_HANG_SECONDS", "").strip()
-    if not value:
-        return DEFAULT_HANG_SECONDS
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        raise ValueError(f"DDPKIT_HANG_SECONDS={value!r} is not a number of seconds. Set e.g. 60, or unset it.") from None
+    return seconds_setting("DDPKIT_HANG_SECONDS", DEFAULT_HANG_SECONDS, "60")
 
 
 def active_watch() -> HangWatch | None:

@@ -41,6 +41,7 @@ from ddpkit.diagnostics.failures import (
     record_exception,
     store_host_gone,
 )
+from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.logs import get_logger
 
 __all__ = ["PEER_FAILED_EXIT_CODE", "watch_peers"]
@@ -133,14 +134,8 @@ def _abort_nccl_communicators() -> None:
 def _exit_seconds() -> float:
     """``DDPKIT_PEER_FAILURE_EXIT_SECONDS``: how long a rank whose peer failed may go on without
     ddpkit raising ``PeerFailedError`` in it before the watch ends it (0: never)."""
-    value = os.environ.get("DDPKIT_PEER_FAILURE_EXIT_SECONDS", "").strip()
-    if not value:
-        return _DEFAULT_EXIT_SECONDS
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        raise ValueError(f"DDPKIT_PEER_FAILURE_EXIT_SECONDS={value!r} is not a number of seconds. Set e.g. 1, "
-                         "0 to never end a rank whose peer failed, or unset it.") from None
+    return seconds_setting("DDPKIT_PEER_FAILURE_EXIT_SECONDS", _DEFAULT_EXIT_SECONDS,
+                           "1, 0 to never end a rank whose peer failed")
 
 
 class _Watches:
