@@ -181,6 +181,11 @@ def communication_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); earlier
+# releases, which pyproject's torch>=2.4 admits, have only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _all_gather_stacked(tensor: Tensor, group: ProcessGroup, world_size: int) -> Tensor:
     """All ranks' ``tensor`` (same shape everywhere) stacked into ``(world_size, *shape)``.
 
@@ -189,7 +194,7 @@ def _all_gather_stacked(tensor: Tensor, group: ProcessGroup, world_size: int) ->
     flat = tensor.detach().contiguous().reshape(-1)
     out = flat.new_empty(world_size * flat.numel())
     if flat.numel() > 0:  # every rank has the same numel here, so all skip or none does
-        run_collective(dist.all_gather_single, out, flat, group=group)
+        run_collective(_all_gather_single, out, flat, group=group)
     return out.view(world_size, *tensor.shape)
 
 

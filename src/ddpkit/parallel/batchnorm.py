@@ -44,7 +44,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: Any = None, device: Any = None,
                  dtype: Any = None, *, bias: bool = True) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        # torch added `bias` to batch norm in 2.13; earlier releases (pyproject admits torch>=2.4)
+        # always have one, so the argument is passed only when it asks for something else.
+        without_bias = {"bias": False} if affine and not bias else {}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **without_bias)
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
