@@ -139,6 +139,21 @@ def test_model_to_device_needs_a_model() -> None:
         DDPStrategy(cluster_environment=LocalEnvironment({"MASTER_PORT": "1"})).model_to_device()
 
 
+def strategy_backends() -> None:
+    """The backend the strategy asks for reaches the connection (and not the DDP module): the
+    pool's Gloo group is kept when asked for "gloo" and refused when asked for "nccl"."""
+    strategy(process_group_backend="gloo")
+    error, message = ((RuntimeError, "existing 'gloo', requested 'nccl'") if torch.cuda.is_available()
+                      else (ValueError, "needs CUDA GPUs"))
+    with pytest.raises(error, match=message):
+        strategy(process_group_backend="nccl")
+
+
+def test_process_group_backend_chooses_the_backend(pool2: WorkerPool) -> None:
+    """Lightning's ``process_group_backend``: e.g. "gloo" for processes that share one GPU."""
+    pool2.run(strategy_backends)
+
+
 def dispatch_waits() -> list[float]:
     s = strategy()
     waited = []

@@ -57,7 +57,9 @@ class DDPStrategy:
     """Multi-process data parallelism, one device per process (Lightning's ``DDPPlugin`` arguments).
 
     ``parallel_devices``: the devices of this node (index = local rank); default one CUDA device
-    per local rank when CUDA is available, else the CPU. ``ddp_kwargs`` go to the DDP module
+    per local rank when CUDA is available, else the CPU. ``process_group_backend`` (Lightning's
+    name): the torch.distributed backend; default "nccl" on CUDA devices, else the environment's
+    choice or "gloo" ("gloo" on CUDA lets processes share a GPU). ``ddp_kwargs`` go to the DDP module
     (``find_unused_parameters`` defaults to False, as in Lightning); ``use_torch_ddp=True``
     wraps with torch's DistributedDataParallel instead of ddpkit's. With
     ``process_group=<group>`` among them the data-parallel group is that group: gradients are
@@ -79,6 +81,7 @@ class DDPStrategy:
         ddp_comm_hook: Callable[..., Any] | None = None,
         ddp_comm_wrapper: Callable[..., Any] | None = None,
         use_torch_ddp: bool = False,
+        process_group_backend: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         self.cluster_environment = cluster_environment if cluster_environment is not None else detect_environment()
@@ -89,6 +92,7 @@ class DDPStrategy:
         self.ddp_comm_hook = ddp_comm_hook
         self.ddp_comm_wrapper = ddp_comm_wrapper
         self.use_torch_ddp = use_torch_ddp
+        self.process_group_backend = process_group_backend
         self.ddp_kwargs = {"find_unused_parameters": False, **ddp_kwargs}
         self.model: nn.Module | None = None
         self._local_ranks: LocalRanks | None = None  # children started by this process (in-script launching)
@@ -151,7 +155,8 @@ class DDPStrategy:
             self.cluster_environment = LocalEnvironment()  # re-read: this process is now local rank 0
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
-        init_dist_connection(self.cluster_environment, "nccl" if self.root_device.type == "cuda" else None)
+        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else None)
+        init_dist_connection(self.cluster_environment, backend)
 
     def _processes_to_start_per_node(self) -> int:
         """How many processes in-script launching must make on this node (this one included); 0: none."""
