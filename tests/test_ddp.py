@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -187,6 +188,34 @@ def test_dynamic_graph_missing_gradients_count_as_zero_and_unused_stay_none(pool
     assert expected["never.weight"] is None and expected["frozen.weight"] is None
     for grads in pool.run(dynamic_graph_step, step, with_hook, timeout=60):
         assert_close_grads(grads, expected)
+
+
+def host_reads_in_backward(use_every_parameter: bool) -> int:
+    """How many tensors the synchronised backward reads back to the host (``Tensor.tolist``)."""
+    rank = dist.get_rank()
+    model = DistributedDataParallel(Branches(), bucket_cap_mb=0.0001)
+    use_odd = use_every_parameter or rank == 1
+    loss = model(torch.randn(4, 6), use_odd).sum() + model.module.never(torch.randn(4, 6)).sum()
+    reads = []
+
+    def count(frame: object, event: str, function: object) -> None:
+        if event == "c_call" and getattr(function, "__name__", "") == "tolist":
+            reads.append(function)
+
+    sys.setprofile(count)
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    return len(reads)
+
+
+def test_the_gradient_flags_are_read_only_when_a_parameter_lacks_a_gradient(pool2: WorkerPool) -> None:
+    """On a GPU, reading the flags back stalls the CPU until the reduction ends: when every
+    parameter has a gradient on this rank, the summed flags are positive without looking."""
+    assert pool2.run(host_reads_in_backward, True) == [0, 0]
+    missing_here, everything_here = pool2.run(host_reads_in_backward, False)  # only rank 1 uses odd_only
+    assert missing_here > 0 and everything_here == 0
 
 
 def no_sync_accumulation() -> dict[str, torch.Tensor | None]:

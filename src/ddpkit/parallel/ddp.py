@@ -426,6 +426,7 @@ class DistributedDataParallel(nn.Module):
                 bucket.flags.fill_(1)
             else:
                 bucket.flags.copy_(torch.tensor([p.grad is not None for p in bucket.parameters]))
+                self._step.buckets_missing_grads.add(bucket.index)
         self._step.in_flight.append((bucket, self._start_reduction(bucket, self._step.elementwise)))
 
     def _start_reduction(self, bucket: Bucket, elementwise: bool) -> Any:
@@ -536,7 +537,9 @@ class DistributedDataParallel(nn.Module):
             if pending is not None:
                 self._wait_into_bucket(bucket, pending)
             used = None  # None: every parameter of the bucket has a gradient somewhere
-            if negotiate and separate is None:
+            # With a gradient for every parameter here, every summed flag is positive: no need to
+            # read them (on a GPU the read would stall the CPU until the reduction has finished).
+            if negotiate and separate is None and bucket.index in self._step.buckets_missing_grads:
                 flags = bucket.flags.real.tolist()  # .real: complex buckets carry their flags as 1+0j
                 if min(flags) <= 0:
                     used = [flag > 0 for flag in flags]
@@ -718,6 +721,7 @@ class _StepState:
     elementwise: bool = True  # DDP divides while copying in, and the flags travel in the buffer
     next_bucket: int = 0  # buckets launch strictly in index order
     in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)
+    buckets_missing_grads: set[int] = field(default_factory=set)  # buckets with a parameter lacking .grad here
     buffers_stale: bool = False  # forwards ran since the last buffer broadcast
     synced_backwards: int = 0  # since construction; the rank with most joined last (see join)
     #: Names in the order their gradients arrived, during the first synchronised backward only.
@@ -727,6 +731,7 @@ class _StepState:
         self.in_backward = False
         self.next_bucket = 0
         self.in_flight = []
+        self.buckets_missing_grads = set()
 
 
 def _first_difference(reference: list[tuple[Any, ...]], other: list[tuple[Any, ...]], other_rank: int) -> str | None:
