@@ -1,9 +1,12 @@
 """Step time of ddpkit's DistributedDataParallel against torch's (and pytorch-pfn-extras').
 
-    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many] [--backend nccl]
+    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many] [--device cuda] [--ranks N]
 
-Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool); ``--backend nccl``: two ranks
-with one GPU each, models and batches on the GPU, each step ending with a CUDA synchronise. A step is zero_grad, forward,
+Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool). ``--device cuda``: models and
+batches on the GPU, each step ending with a CUDA synchronise; NCCL with one GPU per rank when
+there are as many GPUs as ranks (``--ranks``, default 2), else ``--backend gloo`` lets ranks share
+a GPU (Gloo all-reduces CUDA tensors through host memory, so that measures ddpkit's overhead on
+GPU compute, not NCCL). A step is zero_grad, forward,
 MSE/cross-entropy loss, backward (with gradient synchronisation) and an SGD step. Timed, in
 one run with the methods interleaved in a shuffled order each round (noise hits all alike):
 
@@ -72,9 +75,9 @@ def _peer_ddp() -> type | None:
     return PPE
 
 
-def measure(model_name: str, steps: int) -> dict[str, list[float]]:
+def measure(model_name: str, steps: int, device_type: str) -> dict[str, list[float]]:
     rank = dist.get_rank()
-    on_gpu = dist.get_backend() == "nccl"
+    on_gpu = device_type == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     base, batch, loss_fn = build(model_name)
     methods: dict[str, Callable[[], None]] = {}
@@ -124,14 +127,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per method (default: 40 for the MLP, 600 for the small models)")
     parser.add_argument("--models", nargs="+", default=["mlp", "lenet", "many"])
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
-                        help="nccl: one GPU per rank (needs 2 GPUs)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="default: gloo on cpu, nccl on cuda (needs one GPU per rank)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, 2 {args.backend} ranks x 1 thread, medians per step (ms)")
-    with WorkerPool(2, timeout=1200, backend=args.backend) as pool:
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < args.ranks:
+        parser.error(f"NCCL needs one GPU per rank: --ranks {args.ranks}, {torch.cuda.device_count()} GPU(s) "
+                     "here; pass fewer --ranks, or --backend gloo to let ranks share a GPU")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {args.ranks} {backend} ranks x 1 thread on {where}, medians per step (ms)")
+    with WorkerPool(args.ranks, timeout=1200, backend=backend) as pool:
         for model_name in args.models:
-            steps = args.steps or (40 if model_name == "mlp" else 600)
-            samples = pool.run(measure, model_name, steps)[0]
+            steps = args.steps or (40 if model_name == "mlp" and args.device == "cpu" else 600)
+            samples = pool.run(measure, model_name, steps, args.device)[0]
             line = "  ".join(f"{name} {statistics.median(values):7.2f}" for name, values in samples.items())
             ratio = statistics.median(samples["ddpkit"]) / statistics.median(samples["torch DDP"])
             paired, lower, upper = paired_ratio(samples, "ddpkit", "torch DDP")

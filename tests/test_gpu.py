@@ -5,7 +5,9 @@ why, on a machine without CUDA or with fewer GPUs than ranks (NCCL wants one GPU
     python -m pytest -q -m gpu tests/test_gpu.py       # on a machine with 2 GPUs
 
 The functions take the device type, so ``GPU_TEST_DEVICE=cpu`` runs the same checks on Gloo/CPU
-(to check the checks themselves where no GPU is lent).
+(to check the checks themselves where no GPU is lent). On a machine with one GPU,
+``GPU_TEST_BACKEND=gloo`` lets both ranks share it (Gloo all-reduces CUDA tensors): the CUDA
+paths of ddpkit are checked, NCCL's are not.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ddpkit.testing import WorkerPool
 
 RANKS = 2
 DEVICE_TYPE = os.environ.get("GPU_TEST_DEVICE", "cuda")
-BACKEND = "nccl" if DEVICE_TYPE == "cuda" else "gloo"
+BACKEND = os.environ.get("GPU_TEST_BACKEND", "nccl" if DEVICE_TYPE == "cuda" else "gloo")
 
 
 def _missing_gpus() -> str | None:
@@ -37,8 +39,9 @@ def _missing_gpus() -> str | None:
         return None
     if not torch.cuda.is_available():
         return "no CUDA device on this machine (torch.cuda.is_available() is False); run on a GPU machine"
-    if torch.cuda.device_count() < RANKS:
-        return f"NCCL needs one GPU per rank: {RANKS} ranks, {torch.cuda.device_count()} GPU(s) here"
+    if BACKEND == "nccl" and torch.cuda.device_count() < RANKS:
+        return (f"NCCL needs one GPU per rank: {RANKS} ranks, {torch.cuda.device_count()} GPU(s) here "
+                "(GPU_TEST_BACKEND=gloo shares one GPU between the ranks)")
     return None
 
 
@@ -153,7 +156,7 @@ def test_ddpkit_sync_batchnorm_on_the_device(gpu_pool: WorkerPool) -> None:
 
 
 def strategy_batchnorm_class() -> type:
-    s = strategy(sync_batchnorm=True, parallel_devices=[this_device()] * RANKS)
+    s = strategy(sync_batchnorm=True, parallel_devices=[this_device()] * RANKS, process_group_backend=BACKEND)
     net = s.setup(nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3)))
     return type(s.get_model_from_plugin(net)[1])
 
