@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 
 RUNS = int(os.environ.get("DDPKIT_CLEAN_EXIT_RUNS", "2"))
+# Each run has its own bound (run_script), so the loop never needs more than RUNS of them; the
+# suite's backstop of 120 s would otherwise stop a long soak after a dozen runs.
+LOOP_BOUND = pytest.mark.timeout(120 * RUNS)
 
 TRAINING = textwrap.dedent(
     """
@@ -98,6 +101,7 @@ def run_script(folder: Path, name: str, body: str, *args: str) -> subprocess.Com
                           cwd=folder, text=True, capture_output=True, timeout=120)
 
 
+@LOOP_BOUND
 @pytest.mark.parametrize("ending", ["destroy", "none"])
 def test_a_training_script_exits_0_every_time(tmp_path: Path, ending: str) -> None:
     for run in range(RUNS):
@@ -106,6 +110,7 @@ def test_a_training_script_exits_0_every_time(tmp_path: Path, ending: str) -> No
         assert result.stdout.count("trained") == 2
 
 
+@LOOP_BOUND
 def test_a_gloo_callback_at_exit_does_not_abort_the_process(tmp_path: Path) -> None:
     for run in range(RUNS):
         result = run_script(tmp_path, "pending.py", PENDING_CALLBACK)
