@@ -146,7 +146,7 @@ class WorkerProcesses:
         return stacks
 
     def end(self, grace: float) -> None:
-        """SIGTERM to each live worker's process group, SIGKILL after ``grace`` seconds, reap every worker.
+        """SIGTERM (and SIGCONT) to each live worker's process group, SIGKILL after ``grace`` seconds, reap every worker.
 
         The SIGKILL goes to every group, finished or not: it also reaches grandchildren left behind.
         """
@@ -154,6 +154,9 @@ class WorkerProcesses:
         for worker in pending:
             if worker.process.poll() is None:
                 _signal_group(worker.process, signal.SIGTERM)
+                # A stopped worker (SIGSTOP, a debugger) acts on SIGTERM only once continued, as
+                # systemd and a shell's kill also know: without this it would wait out the grace.
+                _signal_group(worker.process, signal.SIGCONT)
         deadline = time.monotonic() + grace
         while any(worker.process.poll() is None for worker in pending) and time.monotonic() < deadline:
             time.sleep(0.02)
