@@ -7,8 +7,12 @@ import ctypes
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +138,78 @@ def test_a_rank_stuck_in_a_c_extension_is_named_with_its_stack() -> None:
     assert "Ranks that have not arrived: [1]." in report, report
     assert "most likely inside a C extension that holds the GIL" in report, report
     assert "stuck_in_a_c_extension_holding_the_gil" in report  # its Python stack, written by faulthandler
+
+
+FROZEN_UNDER_THE_LAUNCHER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    import torch.distributed as dist
+    import ddpkit
+
+    ddpkit.init_dist_connection(ddpkit.detect_environment(), timeout=60)
+    ddpkit.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(1.5)  # its watch has published its progress (it does once a second)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        ddpkit.sync_ddp(torch.ones(2))
+    except ddpkit.PeerFailedError as error:
+        print(f"rank {dist.get_rank()} raised after {time.monotonic() - start:.1f} s naming rank {error.rank}: "
+              f"{error.kind}", flush=True)
+        raise
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_hang_abort_ends_the_job_naming_the_stuck_rank(tmp_path: Path) -> None:
+    """DDPKIT_HANG_ABORT_SECONDS: the frozen rank is the root cause, not the rank that waited for it."""
+    (tmp_path / "script.py").write_text(FROZEN_UNDER_THE_LAUNCHER)
+    environment = {**os.environ, "DDPKIT_HANG_SECONDS": "1", "DDPKIT_HANG_ABORT_SECONDS": "1"}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "3", "script.py"],
+                            cwd=tmp_path, env=environment, text=True, capture_output=True, timeout=60)
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    root_cause = output[output.index("ddpkit run: rank "):]
+    assert root_cause.startswith("ddpkit run: rank 1 "), root_cause
+    assert "failed first with HangError: rank 1 did not arrive at collective #2 sync_ddp" in root_cause, root_cause
+    assert "the process is STOPPED" in root_cause  # the report travels as the record's traceback
+    raised = re.findall(r"rank (\d) raised after ([\d.]+) s naming rank 1: HangError", output)
+    assert raised, output
+    # Hang report after 1-2 s (the watch looks once a second), the stacks gathered within 2.5 s,
+    # the abort 1 s after it (checked once a second), then the next slice of the waits.
+    assert all(float(seconds) < 9 for _, seconds in raised), raised
+    assert elapsed < 30, (elapsed, output)
+
+
+def every_rank_is_in_the_slow_collective() -> tuple[str, bool]:
+    """Rank 1 is inside collective #2 as far as the watch can tell (slow inside it, as on a slow
+    network) while rank 0 waits for it: the hang abort must not end the job."""
+    from ddpkit.diagnostics.hangs import active_watch
+
+    os.environ["DDPKIT_HANG_ABORT_SECONDS"] = "1"
+    watch_for_hangs(HANG_SECONDS)
+    try:
+        ddpkit.barrier()
+        if dist.get_rank() == 1:
+            watch = active_watch()
+            assert watch is not None
+            watch.enter("sync_ddp", "a slow network")
+            time.sleep(7)  # the report (~2-4 s) and the abort time after it pass
+            watch.leave()
+        ddpkit.sync_ddp(torch.ones(2))
+        return last_report(), dist.distributed_c10d._get_default_store().check(["ddpkit/failure"])
+    finally:
+        watch_for_hangs(None)
+        del os.environ["DDPKIT_HANG_ABORT_SECONDS"]
+
+
+def test_hang_abort_does_not_end_a_job_whose_ranks_are_all_inside_the_collective() -> None:
+    with WorkerPool(2, timeout=60, pg_timeout=30) as pool:
+        (report, published), _ = pool.run(every_rank_is_in_the_slow_collective)
+    assert "Ranks that have not arrived: none (they are in it" in report, report
+    assert not published

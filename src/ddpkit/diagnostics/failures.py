@@ -121,13 +121,15 @@ def record_exception(error: BaseException, publish: bool = True) -> None:
     record_failure(exception_record(_this_rank(), error), publish)
 
 
-def record_failure(record: dict[str, object], publish: bool = True) -> None:
+def record_failure(record: dict[str, object], publish: bool = True, tear_down: bool = True) -> None:
     """The one writer of failure records (``ddpkit.diagnostics.records`` format).
 
     Writes ``record`` to the file the launcher reads (``DDPKIT_ERROR_FILE``, when set; this
     process's first failure is kept) and, with ``publish``, to the process group's store (the
-    job's first failure is kept: the root cause), then tears the process group down (where nothing
-    else holds it, that also closes its connections; ddpkit's waits do not depend on it).
+    job's first failure is kept: the root cause), then, with ``tear_down``, tears the process
+    group down (where nothing else holds it, that also closes its connections; ddpkit's waits do
+    not depend on it). A record may name another rank than this one: a rank that is stuck,
+    published by the rank that waited for it (``ddpkit.diagnostics.hangs``).
     """
     error_file = os.environ.get("DDPKIT_ERROR_FILE")
     if error_file:
@@ -143,7 +145,8 @@ def record_failure(record: dict[str, object], publish: bool = True) -> None:
         return  # the store is gone (its host died first): nothing to tell, and no one to tell it
     if dist.get_rank() == 0:
         atexit.register(_linger_until_read, store, dist.get_world_size())
-    dist.destroy_process_group()
+    if tear_down:
+        dist.destroy_process_group()
 
 
 def _this_rank() -> int:

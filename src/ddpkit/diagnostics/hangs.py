@@ -27,7 +27,14 @@ most likely inside a C extension that holds the GIL, and when it runs under ddpk
 bootstrap its stack is read anyway (faulthandler writes it from a signal handler, without the GIL).
 
 The collective itself goes on waiting (the process-group timeout, or ``ddpkit.diagnostics.failures``,
-still ends it). ``last_report()`` returns the latest report, for tests and tools.
+still ends it), unless ``DDPKIT_HANG_ABORT_SECONDS=N`` is set (off by default, as Horovod's stall
+shutdown): then, N seconds after its report, a rank still waiting for a rank that has not arrived
+publishes a ``HangError`` failure naming that rank (the first of them) as the root cause, with the
+report as its traceback. Every rank in a ddpkit collective raises ``PeerFailedError`` naming the
+stuck rank, those elsewhere are ended by the peer watch, and ``ddpkit run`` names the stuck rank
+as the root cause, not the rank that timed out. Where every rank is inside the collective (a slow
+peer or network, no one missing), nothing is ended. ``last_report()`` returns the latest report,
+for tests and tools.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.diagnostics.failures import record_failure
+from ddpkit.diagnostics.records import failure_record
 from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.logs import get_logger
 
@@ -76,6 +85,10 @@ class HangWatch:
         self.published = 0  # the sequence number last published in the store
         self.current: tuple[int, str, str, float] | None = None  # (sequence, operation, call site, start)
         self.reported_sequence = 0
+        self.reported_at = 0.0
+        self.missing: list[int] = []  # the ranks that had not arrived at the reported collective
+        self.abort_seconds = 0.0  # DDPKIT_HANG_ABORT_SECONDS, set by active_watch in the main thread
+        self.ended_sequence = 0
         self.requests_answered = 0
         self.report = ""
         # Where this process is, for a reporting rank on the same machine when this one cannot answer.
@@ -117,8 +130,14 @@ class HangWatch:
             self.reported_sequence = current[0]
             request = self.store.add(_REQUEST_KEY, 1)
             self._post_stack(request)
-            self.report = self._build_report(current, request)
+            self.report, self.missing = self._build_report(current, request)
+            self.reported_at = time.monotonic()
             _log.warning(self.report.rstrip("\n"))
+            return
+        if (current is not None and current[0] == self.reported_sequence != self.ended_sequence
+                and self.abort_seconds > 0 and time.monotonic() - self.reported_at > self.abort_seconds):
+            self.ended_sequence = current[0]
+            self._end_the_job(current)
             return
         request = self.store.add(_REQUEST_KEY, 0)
         if request > self.requests_answered:
@@ -132,7 +151,26 @@ class HangWatch:
         self.store.set(f"ddpkit/hang/stack/{request}/{self.rank}", f"{where}\n{stack}")
         self.requests_answered = request
 
-    def _build_report(self, current: tuple[int, str, str, float], request: int) -> str:
+    def _end_the_job(self, current: tuple[int, str, str, float]) -> None:
+        """Publish the first missing rank's hang as the job's failure (DDPKIT_HANG_ABORT_SECONDS).
+
+        The group is not torn down from this thread: the main thread's wait reads the record and
+        raises, as every other rank's does.
+        """
+        sequence, operation, call_site, started = current
+        setting = f"DDPKIT_HANG_ABORT_SECONDS={self.abort_seconds:g}"
+        if not self.missing:
+            _log.warning(f"ddpkit: {setting}: not ending the job: every rank is inside collective #{sequence} "
+                         f"{operation} (a slow peer or network); the process-group timeout still bounds it.")
+            return
+        stuck = self.missing[0]
+        message = (f"rank {stuck} did not arrive at collective #{sequence} {operation} (called at {call_site}), for "
+                   f"which rank {self.rank} waited {time.monotonic() - started:.1f} s; {setting} ended the job "
+                   f"{self.abort_seconds:g} s after the hang report. Where every rank was: the report below.")
+        _log.error(f"ddpkit: ending the job: {message}")
+        record_failure(failure_record(stuck, "HangError", message, self.report), tear_down=False)
+
+    def _build_report(self, current: tuple[int, str, str, float], request: int) -> tuple[str, list[int]]:
         sequence, operation, call_site, started = current
         keys = [f"ddpkit/hang/stack/{request}/{rank}" for rank in range(self.world_size)]
         deadline = time.monotonic() + _GATHER_SECONDS
@@ -149,7 +187,7 @@ class HangWatch:
             stack = self._read(key) or self._describe_silent_rank(rank)
             sections.append(f"--- rank {rank}: last entered {progress}; now {stack}")
         lines.append(f"Ranks that have not arrived: {missing or 'none (they are in it: a slow peer or the network)'}.")
-        return "\n".join(lines) + "\n" + "".join(sections)
+        return "\n".join(lines) + "\n" + "".join(sections), missing
 
     def _describe_silent_rank(self, rank: int) -> str:
         """What can be said of a rank whose watch thread did not post its stack."""
@@ -254,4 +292,5 @@ def active_watch() -> HangWatch | None:
     if watch is None or watch.group() is not group or not watch.running():  # first use, a new group, or turned back on
         watch = _settings.watch = HangWatch(seconds, group, dist.distributed_c10d._get_default_store())
     watch.seconds = seconds
+    watch.abort_seconds = seconds_setting("DDPKIT_HANG_ABORT_SECONDS", 0.0, "30")
     return watch

@@ -107,7 +107,10 @@ class WorkerProcesses:
         if not recorded:
             return failed[0], None
         record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
-        return worker, record
+        # A record names the rank that failed, which is not always the one that wrote it: a rank
+        # stuck in a hang is named by the rank that waited for it (ddpkit.diagnostics.hangs).
+        named = [other for other in self.workers if other.rank == int(str(record["rank"]))]
+        return (named[0] if named else worker), record
 
     def describe_root_cause(self, failed: Sequence[WorkerProcess]) -> str:
         """One paragraph naming the root cause (``root_cause``): the rank, how it ended, its traceback."""
