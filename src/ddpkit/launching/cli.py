@@ -1,12 +1,12 @@
 """``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``).
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
-               [--master-port P] [--backend gloo|nccl] script.py [script args...]
+               [--master-port P] [--backend gloo|nccl] [--max-restarts N] script.py [script args...]
 
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
 environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MASTER_ADDR,
-DDPKIT_MASTER_PORT, DDPKIT_BACKEND. ``auto`` means one process per GPU, or one per CPU core
-without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
+DDPKIT_MASTER_PORT, DDPKIT_BACKEND, DDPKIT_MAX_RESTARTS. ``auto`` means one process per GPU, or one
+per CPU core without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
 torchrun, mpirun, jsrun, Kubeflow: see ``detect_environment``), the script runs once in this
 process instead.
 """
@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     _flag(run, "master-addr", default="127.0.0.1", help="address of the node with rank 0")
     _flag(run, "master-port", default=None, help="port on the master node (default: a free one, single node only)")
     _flag(run, "backend", default=None, choices=list(_BACKENDS), help="torch.distributed backend")
+    _flag(run, "max-restarts", default="0", help="times to start every worker again after a failure")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -115,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             master_port=None if args.master_port in (None, "") else _integer("master-port", args.master_port,
                                                                              launcher_argv),
             backend=_backend(args.backend, launcher_argv),
+            max_restarts=_integer("max-restarts", args.max_restarts, launcher_argv),
         )
         return run_workers(args.script, args.script_args, config)
     except LaunchError as error:

@@ -5,9 +5,12 @@ The workers are started, ended and blamed by ``launching.processes``: each runs
 them; at the first failure (non-zero exit or a signal) it asks the others to stop (SIGTERM to their
 process groups), kills what is left after ``grace`` seconds, and returns 1 with a summary that
 names the root cause: the earliest recorded exception (workers write them to an error file), else
-the first rank seen to fail. SIGINT and SIGTERM to the launcher end every worker the same way and
-return 130 and 143. SIGUSR1 to the launcher prints every worker's Python stacks. Workers notice a
-launcher killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
+the first rank seen to fail. With ``--max-restarts N`` it then starts every worker again, up to N
+times (``DDPKIT_RESTART_COUNT`` and torchrun's ``TORCHELASTIC_RESTART_COUNT`` say which start it
+is), and the exit code and summary are the last failure's. SIGINT and SIGTERM to the launcher end
+every worker the same way and return 130 and 143, without a restart. SIGUSR1 to the launcher
+prints every worker's Python stacks. Workers notice a launcher killed with SIGKILL through
+PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 ``launch(fn)`` runs a function instead of a script, on the same kind of workers (``launching.pool``).
 """
 
@@ -51,6 +54,7 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (single node only)
     backend: str | None = None
+    max_restarts: int = 0  # times the workers are started again after a failure (torchrun's flag)
 
     @property
     def world_size(self) -> int:
@@ -80,6 +84,14 @@ def validate(config: LaunchConfig, script: str) -> None:
         raise LaunchError(f"--nproc-per-node={config.nproc_per_node}: need at least 1 process per node.")
     if config.nnodes < 1:
         raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
+    if config.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={config.max_restarts}: give 0 (no restart) or more.")
+    if config.max_restarts > 0 and config.nnodes > 1:
+        raise LaunchError(
+            f"--max-restarts={config.max_restarts} with --nnodes={config.nnodes}: restarting needs every node's "
+            "launcher to restart together, which ddpkit run cannot do yet. Use --max-restarts on a single node, or "
+            "let the scheduler requeue the job (e.g. sbatch --requeue) and resume from a checkpoint."
+        )
     if not 0 <= config.node_rank < config.nnodes:
         raise LaunchError(
             f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
@@ -117,9 +129,10 @@ def _port_is_free(address: str, port: int) -> bool:
     return True
 
 
-def rank_variables(config: LaunchConfig, port: int, local_rank: int) -> dict[str, str]:
+def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_count: int = 0) -> dict[str, str]:
     """What a worker of this node needs to find its place in the job: torch.distributed's
-    variables, ddpkit's marker and the backend."""
+    variables, ddpkit's marker, the backend, and which start of the workers this is (0 the first;
+    torchrun's names too, for scripts written for it)."""
     variables = {
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(port),
@@ -129,6 +142,9 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int) -> dict[str
         "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
         "NODE_RANK": str(config.node_rank),
         DDPKIT_LAUNCHED: "1",
+        "DDPKIT_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
     }
     if config.backend:
         variables["DDPKIT_BACKEND"] = config.backend
@@ -163,9 +179,12 @@ def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[s
 
 def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, grace: float = 3.0,
                 poll_interval: float = 0.05) -> int:
-    """Run ``script`` on this node's workers until all succeed or one fails; return the exit code."""
+    """Run ``script`` on this node's workers until all succeed or one fails; return the exit code.
+
+    After a failure the workers are started again, up to ``config.max_restarts`` times, each time
+    meeting on a new port (unless ``master_port`` is given); a stop signal is never retried.
+    """
     validate(config, script)
-    port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
     stop_signal: list[int] = []
     stack_requests: list[float] = []
 
@@ -181,21 +200,40 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                   f"{config.nproc_per_node} workers (set it yourself to choose).")
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
-    workers = WorkerProcesses("run")
     try:
-        for local_rank in range(config.nproc_per_node):
-            variables = rank_variables(config, port, local_rank)
-            workers.start([sys.executable, "-m", "ddpkit.launching.worker", script, *script_args],
-                          {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
-        return _watch(workers, stop_signal, stack_requests, grace, poll_interval)
+        restart_count = 0
+        while True:
+            port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
+            workers = WorkerProcesses("run")
+            try:
+                for local_rank in range(config.nproc_per_node):
+                    variables = rank_variables(config, port, local_rank, restart_count)
+                    workers.start([sys.executable, "-m", "ddpkit.launching.worker", script, *script_args],
+                                  {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
+                code, root_cause = _watch(workers, stop_signal, stack_requests, grace, poll_interval)
+            finally:
+                workers.close(grace)
+            if root_cause is None:  # success, or stopped by a signal
+                return code
+            count = config.nproc_per_node
+            print(f"ddpkit run: {root_cause}\nddpkit run: all {count} workers were stopped.", file=sys.stderr,
+                  flush=True)
+            if restart_count >= config.max_restarts:
+                if config.max_restarts:
+                    _log.error(f"ddpkit run: no restart left (--max-restarts={config.max_restarts}): ending the job.")
+                return code
+            restart_count += 1
+            _log.warning(f"ddpkit run: restarting all {count} workers (restart {restart_count} of "
+                         f"{config.max_restarts}); DDPKIT_RESTART_COUNT={restart_count}")
     finally:
-        workers.close(grace)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
 def _watch(workers: WorkerProcesses, stop_signal: list[int], stack_requests: list[float], grace: float,
-           poll_interval: float) -> int:
+           poll_interval: float) -> tuple[int, str | None]:
+    """Poll the workers until all succeed (0), a stop signal comes (128 + its number) or one fails
+    (1, and the description of the root cause, after every worker was stopped)."""
     count = len(workers.workers)
     while True:
         if stack_requests:
@@ -205,16 +243,14 @@ def _watch(workers: WorkerProcesses, stop_signal: list[int], stack_requests: lis
             name = signal.Signals(stop_signal[0]).name
             _log.warning(f"ddpkit run: received {name}, stopping all {count} workers")
             workers.end(grace)
-            return 128 + stop_signal[0]
+            return 128 + stop_signal[0], None
         failed = workers.failed()
         if failed:
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
             workers.end(grace)
-            print(f"ddpkit run: {workers.describe_root_cause(failed)}\nddpkit run: all {count} workers were stopped.",
-                  file=sys.stderr, flush=True)
-            return 1
+            return 1, workers.describe_root_cause(failed)
         if workers.all_succeeded():
-            return 0
+            return 0, None
         time.sleep(poll_interval)
 
 
