@@ -1,13 +1,17 @@
 """Train a small classifier on synthetic data, data-parallel with ddpkit.
 
     ddpkit run --nproc-per-node 2 examples/train.py [--epochs 5] [--checkpoint ckpt.pt] [--resume]
+    ddpkit run --nproc-per-node 2 --max-restarts 1 examples/train.py --checkpoint ckpts/ --crash-at-step 40
 
 The dataset comes from a fixed seed (nothing is downloaded). Rank 0 shows a progress bar (tqdm
 when installed) and loss and accuracy per epoch; a checkpoint is saved after every epoch when
-``--checkpoint`` is given, and ``--resume`` continues from it. The last line reports throughput,
-whether every rank holds the same parameters, and (``--check-reference``, on by default, only
-when starting from scratch) the largest difference to one process trained on the same global
-batches. Started with plain ``python``, it runs as a single process.
+``--checkpoint`` is given (a file, or a folder that gets ``checkpoint.pt``), and ``--resume``
+continues from it; so does a start after a restart of the launcher (``--max-restarts``), by
+itself. ``--crash-at-step N`` makes rank 1 fail at global step N of the first start, to see a
+restart resume. The last line reports throughput, whether every rank holds the same parameters,
+and (``--check-reference``, on by default) the largest difference to one process trained on the
+same global batches from scratch, also after a resume. Started with plain ``python``, it runs as
+a single process.
 
 Compared with a single-process loop, the ddpkit lines are the ones marked ``# ddpkit``.
 """
@@ -15,6 +19,7 @@ Compared with a single-process loop, the ddpkit lines are the ones marked ``# dd
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -65,8 +70,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoint", default=None, help="save here after every epoch")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--checkpoint", default=None, help="save here (a file or a folder) after every epoch")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint (after a restart: always)")
+    parser.add_argument("--crash-at-step", type=int, default=None,
+                        help="rank 1 fails at this global step of the first start (to try --max-restarts)")
     parser.add_argument("--no-check-reference", dest="check_reference", action="store_false")
     parser.add_argument("--processes", type=int, default=1,
                         help="run directly (python train.py) on this many processes; not needed under ddpkit run")
@@ -85,19 +92,28 @@ def main() -> None:
     loader = strategy.setup_dataloader(                                         # ddpkit
         DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True))
 
+    checkpoint = args.checkpoint
+    if checkpoint and (os.path.isdir(checkpoint) or checkpoint.endswith(os.sep)):
+        checkpoint = os.path.join(checkpoint, "checkpoint.pt")
     first_epoch = 0
-    state = strategy.load_checkpoint(args.checkpoint) if args.resume else None
+    # After a restart (ddpkit run --max-restarts, torchrun) the job continues by itself.
+    resume = args.resume or strategy.restart_count > 0                          # ddpkit
+    state = strategy.load_checkpoint(checkpoint) if resume and checkpoint else None
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         first_epoch = state["epoch"] + 1
         loader.epoch = first_epoch  # the sampler's shuffle continues where it stopped
-        strategy.print(f"resumed from {args.checkpoint} after epoch {first_epoch}")
+        strategy.print(f"resumed from {checkpoint} after epoch {first_epoch}")
 
     start, seen = time.perf_counter(), 0
+    step = first_epoch * len(loader)
     for epoch in range(first_epoch, args.epochs):
         totals = torch.zeros(3)  # loss sum, correct, samples
         for x, y in progress(loader, len(loader), strategy.is_global_zero, f"epoch {epoch + 1}"):
+            step += 1
+            if step == args.crash_at_step and strategy.global_rank == 1 and strategy.restart_count == 0:
+                raise RuntimeError(f"--crash-at-step {step}: rank 1 fails on purpose")
             optimizer.zero_grad()
             logits = model(x)
             loss = F.cross_entropy(logits, y)
@@ -108,16 +124,16 @@ def main() -> None:
         totals = strategy.reduce(totals, reduce_op="sum")
         strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
                        f"accuracy {totals[1] / totals[2]:.3f}", flush=True)
-        if args.checkpoint:
-            strategy.save_checkpoint(args.checkpoint, {"model": model.state_dict(), "epoch": epoch,
-                                                       "optimizer": optimizer.state_dict()})
+        if checkpoint:
+            strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "epoch": epoch,
+                                                  "optimizer": optimizer.state_dict()})
     elapsed = time.perf_counter() - start
     throughput = strategy.reduce(torch.tensor(float(seen)), reduce_op="sum").item() / max(elapsed, 1e-9)
 
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     identical = all(torch.equal(flat, other) for other in ddpkit.gather_all_tensors(flat))
     difference = None
-    if args.check_reference and first_epoch == 0 and strategy.is_global_zero:
+    if args.check_reference and strategy.is_global_zero:
         difference = (flat - reference_parameters(args, strategy.world_size)).abs().max().item()
     if strategy.is_global_zero:
         note = "" if difference is None else f", max |difference| to one process {difference:.2e}"

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
@@ -51,6 +52,30 @@ def test_a_checkpoint_resumes_where_the_run_stopped(tmp_path: Path) -> None:
     assert whole.returncode == first.returncode == resumed.returncode == 0, resumed.stderr
     assert f"resumed from {checkpoint} after epoch 2" in resumed.stdout
     assert losses(first.stdout) + losses(resumed.stdout) == losses(whole.stdout)  # the same training
+
+
+def final_parameters(checkpoint: Path) -> list[torch.Tensor]:
+    return list(torch.load(checkpoint, weights_only=False)["model"].values())
+
+
+def test_a_restarted_job_resumes_by_itself_and_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    """Issue 14, items 2 and 6: rank 1 fails in the middle of epoch 2; the launcher restarts the
+    workers, which resume from the checkpoint of epoch 1 and end with the uninterrupted run's
+    parameters; the last line still compares with one process trained from scratch."""
+    common = ["--epochs", "3", "--samples", "1024"]
+    whole = run_example(*common, "--checkpoint", str(tmp_path / "whole.pt"), "--no-check-reference")
+    command = [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "--max-restarts", "1", str(EXAMPLE),
+               *common, "--checkpoint", f"{tmp_path / 'restarted'}{os.sep}", "--crash-at-step", "12"]
+    restarted = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert whole.returncode == 0 and restarted.returncode == 0, restarted.stderr
+    assert "--crash-at-step 12: rank 1 fails on purpose" in restarted.stderr
+    assert "restarting all 2 workers (restart 1 of 1)" in restarted.stderr
+    assert f"resumed from {tmp_path / 'restarted' / 'checkpoint.pt'} after epoch 1" in restarted.stdout
+    for after_restart, uninterrupted in zip(final_parameters(tmp_path / "restarted" / "checkpoint.pt"),
+                                            final_parameters(tmp_path / "whole.pt")):
+        torch.testing.assert_close(after_restart, uninterrupted, rtol=0, atol=1e-6)
+    difference = float(restarted.stdout.split("max |difference| to one process")[1].split()[0])
+    assert difference < 1e-5
 
 
 def test_one_process_without_the_launcher() -> None:

@@ -199,3 +199,17 @@ def test_a_process_group_in_ddp_kwargs_is_the_data_parallel_group(pool3: WorkerP
         {"num_replicas": 2, "rank": 0}, {"num_replicas": 2, "rank": 1}, {"num_replicas": 1, "rank": 0}]
     assert results[0]["bias_grad"] == results[1]["bias_grad"]  # averaged over ranks 0 and 1
     assert results[2]["bias_grad"] != results[0]["bias_grad"]  # rank 2's own
+
+
+def test_restart_count_comes_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = DDPStrategy(cluster_environment=LocalEnvironment({"MASTER_PORT": "1"}))
+    monkeypatch.delenv("DDPKIT_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert s.restart_count == 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's
+    assert s.restart_count == 1
+    monkeypatch.setenv("DDPKIT_RESTART_COUNT", "2")  # ddpkit run's (it sets both alike)
+    assert s.restart_count == 2
+    monkeypatch.setenv("DDPKIT_RESTART_COUNT", "two")
+    with pytest.raises(ValueError, match="DDPKIT_RESTART_COUNT='two' is not a restart count"):
+        _ = s.restart_count

@@ -116,6 +116,25 @@ class DDPStrategy:
         return self.global_rank == 0
 
     @property
+    def restart_count(self) -> int:
+        """How often the workers were started again before this start (0: the first start), from
+        ``ddpkit run --max-restarts`` (``DDPKIT_RESTART_COUNT``) or torchrun
+        (``TORCHELASTIC_RESTART_COUNT``). A script resumes from its checkpoint when it is above 0."""
+        for variable in ("DDPKIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+            value = os.environ.get(variable, "").strip()
+            if not value:
+                continue
+            try:
+                count = int(value)
+            except ValueError:
+                count = -1
+            if count < 0:
+                raise ValueError(f"{variable}={value!r} is not a restart count (0 or more); the launcher sets it, "
+                                 "so unset it if you set it yourself.")
+            return count
+        return 0
+
+    @property
     def root_device(self) -> torch.device:
         if self.parallel_devices:
             return self.parallel_devices[self.local_rank]
