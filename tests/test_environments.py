@@ -110,9 +110,10 @@ def test_torchelastic_bad_values() -> None:
 
 # --- SLURM -------------------------------------------------------------------------------------
 
+# A task of `srun --nodes=2 --ntasks-per-node=4` (SLURM_STEP_ID: it belongs to a job step).
 SLURM = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "6", "SLURM_LOCALID": "2",
          "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234567",
-         "SLURM_JOB_NAME": "train"}
+         "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "4(x2)"}
 
 
 @pytest.mark.parametrize(
@@ -152,16 +153,37 @@ def test_slurm_master_variables_override() -> None:
     assert (env.main_address, env.main_port) == ("10.1.1.1", 30000)
 
 
-def test_slurm_interactive_job_is_not_detected() -> None:
-    assert not SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "bash"})
-    assert not SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "interactive"})
+def test_slurm_detects_the_srun_step_not_the_job_name() -> None:
+    """Issue 15, items 1-3: the step, not the job's name, says whether srun started this process."""
+    assert SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "bash"})  # srun bash -c "python ..."
+    assert SLURMEnvironment.detect({**SLURM, "SLURM_JOB_NAME": "interactive"})  # srun inside salloc
+    assert SLURMEnvironment.detect({**SLURM, "SLURM_STEP_ID": "", "SLURM_STEPID": "3"})  # the older name
+    salloc_shell = {k: v for k, v in SLURM.items() if k not in ("SLURM_PROCID", "SLURM_STEP_ID", "SLURM_LOCALID")}
+    assert not SLURMEnvironment.detect({**salloc_shell, "SLURM_JOB_NAME": "interactive"})
+    batch_step = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"} | {"SLURM_PROCID": "0"}
+    assert not SLURMEnvironment.detect(batch_step)  # sbatch's script itself: one process, not rank 0 of 8
+    assert type(detect_environment(batch_step)) is LocalEnvironment
     assert not SLURMEnvironment.detect({})
 
 
-def test_slurm_ntasks_without_ntasks_per_node_is_refused_with_a_hint() -> None:
+def test_slurm_ntasks_placed_unevenly_is_refused_with_a_hint() -> None:
     variables = {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"}
-    with pytest.raises(ValueError, match="--ntasks-per-node"):
-        SLURMEnvironment(variables)
+    with pytest.raises(ValueError, match=r"SLURM_TASKS_PER_NODE='4,3,1'.*--ntasks-per-node"):
+        SLURMEnvironment({**variables, "SLURM_TASKS_PER_NODE": "4,3,1", "SLURM_NNODES": "3"})
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE is not set.*--ntasks-per-node"):
+        SLURMEnvironment({k: v for k, v in variables.items() if k != "SLURM_TASKS_PER_NODE"})
+
+
+def test_slurm_ntasks_placed_evenly_is_accepted() -> None:
+    """Issue 15, item 6: `srun --ntasks=2` on one node places both tasks there, as srun says."""
+    one_node = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+                "SLURM_NNODES": "1", "SLURM_NODELIST": "node1", "SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0",
+                "SLURM_TASKS_PER_NODE": "2"}
+    assert summary(SLURMEnvironment(one_node)) == ("node1", 15012, 2, 1, 1, 0, True)
+    variables = {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"}  # 4(x2)
+    assert SLURMEnvironment(variables).world_size() == 8
+    with pytest.raises(ValueError, match="SLURM_LOCALID=4 is not smaller than SLURM_TASKS_PER_NODE=4"):
+        SLURMEnvironment({**variables, "SLURM_LOCALID": "4"})
 
 
 def test_slurm_bad_values() -> None:
@@ -241,6 +263,17 @@ def test_mpi_single_node_needs_no_master_addr_and_derives_one_port_per_job() -> 
     assert rank0.main_address == "127.0.0.1"
     assert rank0.main_port == rank1.main_port
     assert 20000 <= rank0.main_port < 30000
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_open_mpi_on_one_node_is_node_0_whatever_its_node_rank_variable(size: int) -> None:
+    """Issue 15, item 4: OMPI_COMM_WORLD_NODE_RANK numbers the processes on a node (as Open MPI's
+    mpirun sets it: 0..size-1 here), not the nodes."""
+    for rank in range(size):
+        variables = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+                     "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(size),
+                     "OMPI_COMM_WORLD_NODE_RANK": str(rank)}
+        assert MPIEnvironment(variables).node_rank() == 0
 
 
 def test_mpi_bad_values() -> None:

@@ -221,7 +221,7 @@ def test_under_a_scheduler_it_starts_no_processes_of_its_own(scripts: Path) -> N
     for rank in range(2):  # what `srun --ntasks-per-node 2 ddpkit run --nproc-per-node 4 ok.py` would start
         environment = {**os.environ, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
                        "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank)}
+                       "SLURM_STEP_ID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank)}
         launchers.append(subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "4", "ok.py"],
                                           cwd=scripts, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           env=environment))
@@ -230,6 +230,32 @@ def test_under_a_scheduler_it_starts_no_processes_of_its_own(scripts: Path) -> N
     reports = sorted(re.findall(r"rank (\d) of (\d)", "".join(out for out, _ in outputs)))
     assert reports == [("0", "2"), ("1", "2")]  # two processes in all, not eight
     assert all("SLURMEnvironment started this process" in err for _, err in outputs)
+
+
+# What sbatch's script sees with `#SBATCH --ntasks-per-node=2` (outside any job step: no SLURM_STEP_ID).
+BATCH_STEP = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+              "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train.sbatch", "SLURM_JOB_ID": "41",
+              "SLURM_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "2"}
+
+
+def test_in_an_sbatch_script_it_starts_its_workers(scripts: Path) -> None:
+    """Issue 15, item 3: in the batch script no srun started anything, so ddpkit run does."""
+    launcher = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "ok.py"],
+                              cwd=scripts, text=True, capture_output=True, timeout=60, env={**os.environ, **BATCH_STEP})
+    assert launcher.returncode == 0, launcher.stderr
+    assert sorted(re.findall(r"rank (\d) of (\d) total ([\d.]+)", launcher.stdout)) == [("0", "2", "2.0"),
+                                                                                       ("1", "2", "2.0")]
+    assert "started this process" not in launcher.stderr
+
+
+def test_a_script_run_alone_in_an_sbatch_script_trains_alone_and_says_why(scripts: Path) -> None:
+    """Issue 15, item 2: it used to become rank 0 of 2 and wait for a rank 1 that nobody starts."""
+    result = subprocess.run([sys.executable, "ok.py"], cwd=scripts, text=True, capture_output=True, timeout=60,
+                            env={**os.environ, **BATCH_STEP, "RANK": "0"})
+    assert result.returncode == 0, result.stderr
+    assert "rank 0 of 1 total 1.0" in result.stdout
+    assert "trains alone (world size 1) inside a Slurm allocation of SLURM_NTASKS=2 tasks" in result.stderr
+    assert "`srun python script.py`" in result.stderr
 
 
 def rank_times(factor: int) -> tuple[int, float]:

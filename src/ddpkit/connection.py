@@ -23,7 +23,8 @@ from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.hangs import active_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.waits import run_collective
-from ddpkit.environments import ChoosesBackend, ClusterEnvironment, check_place
+from ddpkit.environments import ChoosesBackend, ClusterEnvironment, SLURMEnvironment, check_place
+from ddpkit.logs import get_logger
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -33,6 +34,8 @@ __all__ = [
     "get_world_size",
     "init_dist_connection",
 ]
+
+_log = get_logger("connection")
 
 #: Process-group timeout when the caller gives none. torch's 30 minutes leaves a job stuck for
 #: half an hour when one rank dies; 10 minutes still covers a slow checkpoint on rank 0 while
@@ -106,11 +109,26 @@ def init_dist_connection(
     timeout = kwargs.pop("timeout", DEFAULT_TIMEOUT)
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
+    if size == 1:
+        _warn_if_slurm_expected_more()
     if size == 1 and "init_method" not in kwargs and "store" not in kwargs:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     active_watch()  # with hang diagnosis on, every rank can answer for its stack from the start
     watch_peers()
+
+
+def _warn_if_slurm_expected_more() -> None:
+    """One process alone in a Slurm allocation of several tasks was most likely meant to be one of
+    them: started in ``sbatch``'s script or ``salloc``'s shell rather than by srun."""
+    tasks = os.environ.get("SLURM_NTASKS", "").strip()
+    if tasks.isdigit() and int(tasks) > 1 and not SLURMEnvironment.detect():
+        _log.warning(
+            f"ddpkit: this process trains alone (world size 1) inside a Slurm allocation of SLURM_NTASKS={tasks} "
+            "tasks, because srun did not start it (it runs in sbatch's script or salloc's shell, outside any job "
+            f"step). To train on all {tasks}: `srun python script.py`, or `ddpkit run --nproc-per-node N script.py` "
+            "to start the processes of this node from here."
+        )
 
 
 def _check_existing_group(rank: int, size: int, backend: str | None) -> None:

@@ -12,7 +12,8 @@ its value and the fix, before any process tries to connect.
    launcher inherited, e.g. ``srun ddpkit run --nproc-per-node 4``.
 2. ``TorchElasticEnvironment`` (torchrun sets per-process variables; it may run inside SLURM).
 3. ``MPIEnvironment`` (mpirun sets per-process variables; it may run inside SLURM or LSF).
-4. ``SLURMEnvironment`` (``srun``; not an interactive ``salloc`` shell named ``bash``/``interactive``).
+4. ``SLURMEnvironment`` (a task of an ``srun`` step; not ``salloc``'s shell nor ``sbatch``'s script,
+   which run outside any step).
 5. ``LSFEnvironment`` (``jsrun`` on LSF clusters).
 6. ``KubeflowEnvironment`` (a PyTorchJob pod).
 7. ``LocalEnvironment`` (the default: one node, processes started by ddpkit or by hand).

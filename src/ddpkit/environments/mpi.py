@@ -19,10 +19,12 @@ from ddpkit.environments.base import (
 __all__ = ["MPIEnvironment"]
 
 
-# (rank, size, local rank, local size, node rank or None) per MPI implementation.
+# (rank, size, local rank, local size, node rank or None) per MPI implementation. Open MPI's
+# OMPI_COMM_WORLD_NODE_RANK is not the node's index: it numbers the processes on a node (0 and 1
+# for `mpirun -np 2` on one host), so the node rank comes from the placement, as for the others.
 _MPI_FLAVOURS: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK"),  # Open MPI
+     "OMPI_COMM_WORLD_LOCAL_SIZE", None),  # Open MPI
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
      "MV2_COMM_WORLD_LOCAL_SIZE", None),  # MVAPICH2
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),  # MPICH / Intel MPI (Hydra)

@@ -85,22 +85,16 @@ class SLURMEnvironment(_ResolvedEnvironment):
         env = os.environ if env is None else env
         fix = "These are set by srun; run the script with `srun python script.py` inside the allocation."
         self._world_size = _int_var(env, "SLURM_NTASKS", fix, minimum=1)
-        if self._world_size > 1 and not env.get("SLURM_NTASKS_PER_NODE"):
-            raise ValueError(
-                f"SLURM_NTASKS={self._world_size} is set but SLURM_NTASKS_PER_NODE is not: you asked for "
-                f"`--ntasks={self._world_size}`, which lets SLURM place tasks unevenly across nodes. "
-                f"HINT: use `--ntasks-per-node=N` (with `--nodes=M`) instead of `--ntasks`."
-            )
+        tasks_per_node, tasks_per_node_var = _tasks_per_node(env, self._world_size)
         self._global_rank = _int_var(env, "SLURM_PROCID", fix)
         self._local_rank = _int_var(env, "SLURM_LOCALID", fix)
         self._node_rank = _int_var(env, "SLURM_NODEID", fix, default=0)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank,
                   "node": self._node_rank}
         names = {"rank": "SLURM_PROCID", "world": "SLURM_NTASKS", "local": "SLURM_LOCALID",
-                 "local_world": "SLURM_NTASKS_PER_NODE", "node": "SLURM_NODEID", "nodes": "SLURM_NNODES"}
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").strip()
-        if per_node.isdigit():  # it can also read like "2(x3)" on heterogeneous jobs
-            values["local_world"] = _int_var(env, "SLURM_NTASKS_PER_NODE", fix, minimum=1)
+                 "local_world": tasks_per_node_var, "node": "SLURM_NODEID", "nodes": "SLURM_NNODES"}
+        if tasks_per_node is not None:
+            values["local_world"] = tasks_per_node
         if env.get("SLURM_NNODES"):
             values["nodes"] = _int_var(env, "SLURM_NNODES", fix, minimum=1)
         check_place(names, values, fix)
@@ -129,6 +123,47 @@ class SLURMEnvironment(_ResolvedEnvironment):
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:
-        """An ``srun`` task: SLURM_NTASKS is set and the job is not an interactive shell."""
+        """A task of a job step that ``srun`` started: SLURM_NTASKS, SLURM_PROCID and the step's id
+        (SLURM_STEP_ID) are set. The shell of ``salloc`` has no SLURM_PROCID, and the batch script of
+        ``sbatch`` runs outside any step (no SLURM_STEP_ID) although SLURM_NTASKS counts the tasks
+        srun would start: a process there is one process, not a rank of SLURM_NTASKS. The job's
+        name says nothing (``srun bash -c "python ..."`` names it ``bash``)."""
         env = os.environ if env is None else env
-        return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+        return ("SLURM_NTASKS" in env and "SLURM_PROCID" in env
+                and _first_of(env, "SLURM_STEP_ID", "SLURM_STEPID") is not None)
+
+
+def _tasks_per_node(env: Mapping[str, str], world_size: int) -> tuple[int | None, str]:
+    """The tasks on each node (the local world size; None when it cannot be known, for one task)
+    and the variable it came from.
+
+    From SLURM_NTASKS_PER_NODE (``--ntasks-per-node``), else from SLURM_TASKS_PER_NODE, which srun
+    always sets (``2(x3)``: 2 on each of 3 nodes; ``2,1``: uneven). Uneven placement is refused:
+    DDP's local ranks need the same count everywhere.
+    """
+    requested = env.get("SLURM_NTASKS_PER_NODE", "").strip()
+    if requested.isdigit() and int(requested) >= 1:
+        return int(requested), "SLURM_NTASKS_PER_NODE"
+    placed = env.get("SLURM_TASKS_PER_NODE", "").strip()
+    counts = _expand_tasks_per_node(placed) if placed else None
+    if counts and len(set(counts)) == 1:
+        return counts[0], "SLURM_TASKS_PER_NODE"
+    if world_size == 1:
+        return None, "SLURM_TASKS_PER_NODE"
+    where = f"SLURM_TASKS_PER_NODE={placed!r}" if placed else "SLURM_TASKS_PER_NODE is not set"
+    raise ValueError(
+        f"SLURM_NTASKS={world_size} tasks are not placed evenly on the nodes ({where}): you asked for "
+        f"`--ntasks={world_size}`, which lets SLURM place tasks unevenly across nodes, and every node needs the "
+        f"same number of processes. HINT: use `--ntasks-per-node=N` (with `--nodes=M`) instead of `--ntasks`."
+    )
+
+
+def _expand_tasks_per_node(value: str) -> list[int] | None:
+    """``2(x3),1`` -> [2, 2, 2, 1]; None when it does not read that way."""
+    counts: list[int] = []
+    for part in value.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
