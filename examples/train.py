@@ -140,8 +140,15 @@ def main() -> None:
         print(f"done: {throughput:.0f} samples/s over {strategy.world_size} processes, "
               f"parameters identical on all ranks: {identical}{note}", flush=True)
     strategy.teardown()                                                         # ddpkit
-    if not identical or (difference is not None and difference > 1e-4):
-        raise SystemExit("the ranks disagree, or differ from the single-process reference")
+    if not identical:
+        raise SystemExit("the ranks' parameters differ: they should be identical after every step")
+    # Summing a batch in two halves rounds differently from summing it whole, and the rounding
+    # accumulates step by step: the tolerance grows with the square root of the steps trained.
+    tolerance = max(1e-4, 2e-5 * (args.epochs * len(loader)) ** 0.5)
+    if difference is not None and difference > tolerance:
+        raise SystemExit(f"the parameters differ from one process trained on the same batches by {difference:.2e}, "
+                         f"more than float32 rounding explains after {args.epochs * len(loader)} steps "
+                         f"({tolerance:.1e})")
 
 
 def reference_parameters(args: argparse.Namespace, world_size: int) -> torch.Tensor:
