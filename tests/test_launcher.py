@@ -124,6 +124,18 @@ def test_a_killed_worker_ends_the_job_naming_the_signal(scripts: Path) -> None:
     assert_gone(pids)
 
 
+def test_the_launcher_process_does_not_load_torch(tmp_path: Path) -> None:
+    """Issue 16, item 3: importing torch takes seconds, and only the workers need it."""
+    (tmp_path / "parent.py").write_text(
+        "import os\n"
+        "with open(f'/proc/{os.getppid()}/maps') as maps:\n"
+        "    print('launcher loaded torch:', any('libtorch' in line for line in maps), flush=True)\n")
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "parent.py"],
+                            cwd=tmp_path, text=True, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "launcher loaded torch: False" in result.stdout, result.stdout
+
+
 def test_a_stopped_worker_is_ended_by_sigterm_without_waiting_out_the_grace() -> None:
     """A worker frozen with SIGSTOP (a hang ended by DDPKIT_HANG_ABORT_SECONDS, a forgotten
     debugger) gets SIGCONT after SIGTERM, so the job ends at once rather than after ``grace``."""

@@ -18,8 +18,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from ddpkit.environments import LocalEnvironment, detect_environment
 from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers
 from ddpkit.logs import get_logger
@@ -74,6 +72,8 @@ def _integer(flag: str, value: str, argv: Sequence[str]) -> int:
 
 def _nproc(value: str, argv: Sequence[str]) -> int:
     if value == "auto":
+        import torch  # only here: the launcher itself needs no torch, and importing it takes seconds
+
         return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
     return _integer("nproc-per-node", value, argv)
 

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddpkit.launching.processes import WorkerProcesses, describe_exit
-from ddpkit.launching.worker import SERVE_FUNCTIONS
+from ddpkit.launching.processes import SERVE_FUNCTIONS, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool", "serve"]

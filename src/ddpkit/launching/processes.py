@@ -26,6 +26,10 @@ from dataclasses import dataclass
 
 from ddpkit.diagnostics.records import read_error_record
 
+# The argument that makes a worker serve the function pool (``launching.pool``) instead of a
+# script. Here rather than in ``launching.worker``, which imports torch: the launcher does not.
+SERVE_FUNCTIONS = "--serve-functions"
+
 __all__ = ["WorkerProcess", "WorkerProcesses", "describe_exit"]
 
 # How long workers get to write their stacks after SIGUSR1.

@@ -31,13 +31,12 @@ import torch.distributed as dist
 
 from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
+from ddpkit.launching.processes import SERVE_FUNCTIONS
 from ddpkit.logs import get_logger
 
 _log = get_logger("launching")
 
 _PR_SET_PDEATHSIG = 1
-# The argument that makes a worker serve the function pool (``launching.pool``) instead of a script.
-SERVE_FUNCTIONS = "--serve-functions"
 
 
 def _die_with_launcher() -> None:
