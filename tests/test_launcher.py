@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.diagnostics.hangs import _process_state
 from ddpkit.environments import find_free_port
 from ddpkit.launching.launcher import performance_defaults
 from ddpkit.launching.processes import WorkerProcesses
@@ -143,18 +144,13 @@ def test_a_stopped_worker_is_ended_by_sigterm_without_waiting_out_the_grace() ->
         worker = workers.start([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"],
                                os.environ, rank=0, local_rank=0)
         deadline = time.monotonic() + 30
-        while _state_of(worker.process.pid) != "T" and time.monotonic() < deadline:
+        while _process_state(worker.process.pid) != "T" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _state_of(worker.process.pid) == "T"
+        assert _process_state(worker.process.pid) == "T"
         start = time.monotonic()
         workers.end(grace=20)
         assert time.monotonic() - start < 5
         assert worker.process.returncode == -signal.SIGTERM  # it acted on SIGTERM, not the SIGKILL after the grace
-
-
-def _state_of(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-        return handle.read().rpartition(")")[2].split()[0]
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -85,7 +85,7 @@ class SLURMEnvironment(_ResolvedEnvironment):
         env = os.environ if env is None else env
         fix = "These are set by srun; run the script with `srun python script.py` inside the allocation."
         self._world_size = _int_var(env, "SLURM_NTASKS", fix, minimum=1)
-        tasks_per_node, tasks_per_node_var = _tasks_per_node(env, self._world_size)
+        tasks_per_node, tasks_per_node_var = _tasks_per_node(env, self._world_size, fix)
         self._global_rank = _int_var(env, "SLURM_PROCID", fix)
         self._local_rank = _int_var(env, "SLURM_LOCALID", fix)
         self._node_rank = _int_var(env, "SLURM_NODEID", fix, default=0)
@@ -133,7 +133,7 @@ class SLURMEnvironment(_ResolvedEnvironment):
                 and _first_of(env, "SLURM_STEP_ID", "SLURM_STEPID") is not None)
 
 
-def _tasks_per_node(env: Mapping[str, str], world_size: int) -> tuple[int | None, str]:
+def _tasks_per_node(env: Mapping[str, str], world_size: int, fix: str) -> tuple[int | None, str]:
     """The tasks on each node (the local world size; None when it cannot be known, for one task)
     and the variable it came from.
 
@@ -141,9 +141,8 @@ def _tasks_per_node(env: Mapping[str, str], world_size: int) -> tuple[int | None
     always sets (``2(x3)``: 2 on each of 3 nodes; ``2,1``: uneven). Uneven placement is refused:
     DDP's local ranks need the same count everywhere.
     """
-    requested = env.get("SLURM_NTASKS_PER_NODE", "").strip()
-    if requested.isdigit() and int(requested) >= 1:
-        return int(requested), "SLURM_NTASKS_PER_NODE"
+    if env.get("SLURM_NTASKS_PER_NODE", "").strip().isdigit():  # it can also read like "2(x3)"
+        return _int_var(env, "SLURM_NTASKS_PER_NODE", fix, minimum=1), "SLURM_NTASKS_PER_NODE"
     placed = env.get("SLURM_TASKS_PER_NODE", "").strip()
     counts = _expand_tasks_per_node(placed) if placed else None
     if counts and len(set(counts)) == 1:
