@@ -134,7 +134,9 @@ def _flush_open_files() -> None:
     interpreter's own exit avoids this by clearing ``__main__``'s globals first.
     """
     for candidate in gc.get_objects():
-        if isinstance(candidate, io.IOBase) and not candidate.closed:
+        # type(), not isinstance(): isinstance reads each object's __class__, and some objects
+        # warn when touched (torch.distributed.reduce_op prints a FutureWarning at every exit).
+        if issubclass(type(candidate), io.IOBase) and not candidate.closed:
             with contextlib.suppress(OSError, ValueError):  # unwritable, or not flushable
                 candidate.flush()
 
