@@ -8,10 +8,12 @@ when installed) and loss and accuracy per epoch; a checkpoint is saved after eve
 ``--checkpoint`` is given (a file, or a folder that gets ``checkpoint.pt``), and ``--resume``
 continues from it; so does a start after a restart of the launcher (``--max-restarts``), by
 itself. ``--crash-at-step N`` makes rank 1 fail at global step N of the first start, to see a
-restart resume. The last line reports throughput, whether every rank holds the same parameters,
-and (``--check-reference``, on by default) the largest difference to one process trained on the
-same global batches from scratch, also after a resume. Started with plain ``python``, it runs as
-a single process.
+restart resume. With ``--checkpoint``, a preemption (SIGTERM to ``ddpkit run``, or its
+``--preemption-signal``) saves in the middle of the epoch and exits with 75, and the same
+command run again continues from that batch. The last line reports throughput, whether every
+rank holds the same parameters, and (``--check-reference``, on by default) the largest
+difference to one process trained on the same global batches from scratch, also after a
+resume. Started with plain ``python``, it runs as a single process.
 
 Compared with a single-process loop, the ddpkit lines are the ones marked ``# ddpkit``.
 """
@@ -19,6 +21,7 @@ Compared with a single-process loop, the ddpkit lines are the ones marked ``# dd
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -95,22 +98,31 @@ def main() -> None:
     checkpoint = args.checkpoint
     if checkpoint and (os.path.isdir(checkpoint) or checkpoint.endswith(os.sep)):
         checkpoint = os.path.join(checkpoint, "checkpoint.pt")
-    first_epoch = 0
-    # After a restart (ddpkit run --max-restarts, torchrun) the job continues by itself.
+    first_epoch, first_batch, totals = 0, 0, torch.zeros(3)  # totals: loss sum, correct, samples
+    # After a restart (ddpkit run --max-restarts, torchrun) or a preemption the job continues by itself.
     resume = args.resume or strategy.restart_count > 0                          # ddpkit
-    state = strategy.load_checkpoint(checkpoint) if resume and checkpoint else None
-    if state is not None:
+    state = strategy.load_checkpoint(checkpoint) if checkpoint else None        # ddpkit
+    if state is not None and (resume or state["preempted"]):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        first_epoch = state["epoch"] + 1
+        first_epoch, first_batch = state["epoch"], state["batch"]
+        if first_batch and strategy.is_global_zero:  # the epoch's totals so far, summed over the ranks
+            totals = state["totals"]
         loader.epoch = first_epoch  # the sampler's shuffle continues where it stopped
-        strategy.print(f"resumed from {checkpoint} after epoch {first_epoch}")
+        where = f"after epoch {first_epoch}" if first_batch == 0 else f"in epoch {first_epoch + 1} after batch {first_batch}"
+        strategy.print(f"resumed from {checkpoint} {where}")
 
     start, seen = time.perf_counter(), 0
-    step = first_epoch * len(loader)
+    step = first_epoch * len(loader) + first_batch
     for epoch in range(first_epoch, args.epochs):
-        totals = torch.zeros(3)  # loss sum, correct, samples
-        for x, y in progress(loader, len(loader), strategy.is_global_zero, f"epoch {epoch + 1}"):
+        skip = first_batch if epoch == first_epoch else 0
+        if not skip:
+            totals = torch.zeros(3)
+        # The sampler gives the epoch's order again; the batches trained before the preemption are
+        # read and passed over (cheap here; a large dataset would skip indices in its sampler).
+        batches = itertools.islice(loader, skip, None)
+        for batch, (x, y) in enumerate(progress(batches, len(loader) - skip, strategy.is_global_zero,
+                                                f"epoch {epoch + 1}"), start=skip + 1):
             step += 1
             if step == args.crash_at_step and strategy.global_rank == 1 and strategy.restart_count == 0:
                 raise RuntimeError(f"--crash-at-step {step}: rank 1 fails on purpose")
@@ -121,12 +133,21 @@ def main() -> None:
             optimizer.step()
             totals += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y))])
             seen += len(y)
+            # Every rank learns of a preemption at the same step (without a checkpoint, SIGTERM just ends the job).
+            if checkpoint and strategy.preempted():                             # ddpkit
+                strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                                      "epoch": epoch, "batch": batch, "preempted": True,
+                                                      "totals": strategy.reduce(totals, reduce_op="sum")})
+                strategy.print(f"preempted: saved epoch {epoch + 1} batch {batch} to {checkpoint}; run the same "
+                               "command again to continue", flush=True)
+                strategy.exit_preempted()                                       # ddpkit
         totals = strategy.reduce(totals, reduce_op="sum")
         strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
                        f"accuracy {totals[1] / totals[2]:.3f}", flush=True)
         if checkpoint:
-            strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "epoch": epoch,
-                                                  "optimizer": optimizer.state_dict()})
+            strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                                  "epoch": epoch + 1, "batch": 0, "totals": totals,
+                                                  "preempted": False})
     elapsed = time.perf_counter() - start
     throughput = strategy.reduce(torch.tensor(float(seen)), reduce_op="sum").item() / max(elapsed, 1e-9)
 

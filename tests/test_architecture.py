@@ -50,6 +50,8 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
                        "ddpkit.launching", "ddpkit.diagnostics")),
     ("hooks/", ("ddpkit.parallel", "ddpkit.strategy")),
     ("logs.py", ("ddpkit.",)),
+    ("preemption.py", ("ddpkit.",)),  # the launcher imports it: no torch, nothing that imports it
+    ("agreement.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.launching")),
     ("collectives.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.hooks")),
     ("connection.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.collectives")),
     ("parallel/", ("ddpkit.strategy", "ddpkit.launching")),

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +86,32 @@ def test_a_long_run_matches_one_process_to_the_last_bit() -> None:
     result = run_example("--epochs", "30")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "max |difference| to one process 0.00e+00" in result.stdout, result.stdout
+
+
+def test_a_preempted_run_saves_mid_epoch_and_the_same_command_finishes_it(tmp_path: Path) -> None:
+    """Issue 14, item 3: SIGTERM to `ddpkit run` saves in the middle of an epoch and exits 75; the
+    same command run again resumes at that batch and ends with the uninterrupted run's parameters."""
+    common = ["--epochs", "20", "--samples", "2048"]
+    whole = run_example(*common, "--checkpoint", str(tmp_path / "whole.pt"), "--no-check-reference")
+    checkpoint = tmp_path / "preempted" / "checkpoint.pt"
+    command = [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", str(EXAMPLE), *common,
+               "--checkpoint", f"{checkpoint.parent}{os.sep}"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not checkpoint.exists() and time.monotonic() < deadline:  # after epoch 1
+        time.sleep(0.01)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, err
+    stopped = re.search(r"preempted: saved epoch (\d+) batch (\d+)", out)
+    assert stopped is not None and int(stopped[1]) < 20, out
+    again = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {checkpoint} in epoch {stopped[1]} after batch {stopped[2]}" in again.stdout, again.stdout
+    for resumed, uninterrupted in zip(final_parameters(checkpoint), final_parameters(tmp_path / "whole.pt")):
+        torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=1e-6)
+    assert "max |difference| to one process 0.00e+00" in again.stdout
+    assert losses(out) + losses(again.stdout) == losses(whole.stdout)  # the interrupted epoch's loss too
 
 
 def test_one_process_without_the_launcher() -> None:

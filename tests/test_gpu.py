@@ -188,3 +188,32 @@ def test_a_failure_is_named_on_the_other_rank_before_the_timeout() -> None:
     assert kind1 == "own"
     assert kind0 == "peer" and named0 == 1
     assert seconds0 < 20
+
+
+def agree_without_synchronising() -> int:
+    """Rank 1 raises its flag at call 10 of a loop of GPU steps; returns the call at which this
+    rank was told to stop. On CUDA, torch's sync debug mode makes any operation that waits for the
+    device raise (reading a CUDA tensor on the host, say); only the agreement's event is waited for."""
+    from ddpkit.agreement import StepAgreement
+
+    device = this_device()
+    agreement, weights = StepAgreement(round_interval_seconds=0), torch.randn(256, 256, device=device)
+    decided = -1
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for call in range(40):
+            weights = torch.tanh(weights @ weights)  # queued device work, never waited for here
+            if agreement.decide(dist.get_rank() == 1 and call >= 10):
+                decided = call
+                break
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    return decided
+
+
+def test_the_preemption_agreement_never_synchronises_the_device(gpu_pool: WorkerPool) -> None:
+    """README, "Never lose work": the host reads the agreement's result through an event."""
+    stop0, stop1 = gpu_pool.run(agree_without_synchronising)
+    assert stop0 == stop1 and 10 <= stop0 <= 12

@@ -9,6 +9,9 @@
             optimizer.zero_grad()
             strategy.backward(loss_fn(model(x), y))
             optimizer.step()
+            if strategy.preempted():               # SIGTERM (or --preemption-signal) on any rank
+                strategy.save_checkpoint("ckpt.pt", {...})
+                strategy.exit_preempted()          # every rank exits with code 75
         strategy.save_checkpoint("ckpt.pt", {"model": model.state_dict(), "epoch": epoch})
     strategy.teardown()
 
@@ -25,13 +28,14 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpkit.agreement import StepAgreement
 from ddpkit.collectives import barrier, broadcast_object, collective_call, sync_ddp_if_available
 from ddpkit.connection import (
     destroy_dist_connection,
@@ -46,6 +50,7 @@ from ddpkit.launching.in_script import LocalRanks, start_local_ranks
 from ddpkit.launching.processes import describe_exit
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.preemption import PREEMPTED_EXIT_CODE, PreemptionNotice, preemption_signals
 
 __all__ = ["DDPStrategy"]
 
@@ -96,6 +101,7 @@ class DDPStrategy:
         self.ddp_kwargs = {"find_unused_parameters": False, **ddp_kwargs}
         self.model: nn.Module | None = None
         self._local_ranks: LocalRanks | None = None  # children started by this process (in-script launching)
+        self._preemption: tuple[PreemptionNotice, StepAgreement] | None = None  # from the first preempted()
 
     # -- where this process is ---------------------------------------------------------------
 
@@ -320,6 +326,33 @@ class DDPStrategy:
         if self._local_ranks is not None:  # this process started the other local ranks: end them
             self._local_ranks.terminate()
 
+    def preempted(self) -> bool:
+        """Whether the job is asked to stop (preemption): True on every rank at the same call.
+
+        Call it once per step on every rank, after ``optimizer.step()``; when it says True, save a
+        checkpoint and call ``exit_preempted()``. The first call starts catching SIGTERM and the
+        signal named by ``DDPKIT_PREEMPTION_SIGNAL`` (``ddpkit run --preemption-signal USR1``
+        sets it; under srun or mpirun set it yourself), so a script that never calls it keeps
+        the default: SIGTERM ends it. Once any rank has received one, every rank returns True at
+        the same call: at the end of the next step, or of the step the signal came in when steps
+        take ``ddpkit.agreement.WAIT_AT_ONCE_SECONDS`` or more. Agreeing costs one all-reduce of
+        two numbers per step, read a step later, so short steps do not wait for it (see
+        ``ddpkit.agreement``). A second signal to a rank acts as if none had been caught.
+        """
+        if self._preemption is None:
+            notice = PreemptionNotice(preemption_signals())
+            notice.install()
+            self._preemption = (notice, StepAgreement())
+        notice, agreement = self._preemption
+        return agreement.decide(notice.received is not None)
+
+    def exit_preempted(self) -> NoReturn:
+        """Leave after a preemption: ``teardown()``, then exit with ``ddpkit.preemption.PREEMPTED_EXIT_CODE``
+        (75, sysexits' "temporary failure"), which ``ddpkit run`` reports as "preempted" and
+        never restarts; run the same command again to resume."""
+        self.teardown()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
     # -- checkpoints and output ------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
@@ -372,7 +405,11 @@ class DDPStrategy:
 
     def teardown(self) -> None:
         """Wait for every process and disconnect (see ``destroy_dist_connection``); when this process
-        started the other local ranks, wait for them to exit too and raise if one failed."""
+        started the other local ranks, wait for them to exit too and raise if one failed. The
+        preemption signals get their handlers from before the first ``preempted()`` back."""
+        if self._preemption is not None:
+            self._preemption[0].uninstall()
+            self._preemption = None
         destroy_dist_connection()
         if self._local_ranks is not None:
             failed = self._local_ranks.join(timeout=_CHILD_EXIT_SECONDS)

@@ -1,11 +1,13 @@
 """``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``).
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
-               [--master-port P] [--backend gloo|nccl] [--max-restarts N] script.py [script args...]
+               [--master-port P] [--backend gloo|nccl] [--max-restarts N] [--preemption-signal SIG]
+               script.py [script args...]
 
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
 environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MASTER_ADDR,
-DDPKIT_MASTER_PORT, DDPKIT_BACKEND, DDPKIT_MAX_RESTARTS. ``auto`` means one process per GPU, or one
+DDPKIT_MASTER_PORT, DDPKIT_BACKEND, DDPKIT_MAX_RESTARTS, DDPKIT_PREEMPTION_SIGNAL (which the
+workers read too: ``ddpkit.preemption``). ``auto`` means one process per GPU, or one
 per CPU core without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
 torchrun, mpirun, jsrun, Kubeflow: see ``detect_environment``), the script runs once in this
 process instead.
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from ddpkit.environments import LocalEnvironment, detect_environment
 from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers
 from ddpkit.logs import get_logger
+from ddpkit.preemption import PREEMPTION_SIGNAL_VARIABLE, parse_signal
 
 __all__ = ["main"]
 
@@ -47,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     _flag(run, "master-port", default=None, help="port on the master node (default: a free one, single node only)")
     _flag(run, "backend", default=None, choices=list(_BACKENDS), help="torch.distributed backend")
     _flag(run, "max-restarts", default="0", help="times to start every worker again after a failure")
+    _flag(run, "preemption-signal", default="TERM",
+          help="signal that asks the workers to save and stop, besides SIGTERM (e.g. USR1 for Slurm's "
+               "--signal=USR1@90; then SIGUSR1 prints no stacks)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -102,9 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # malformed scheduler variables: say so before anything starts
         print(f"ddpkit run: {error}", file=sys.stderr)
         return 2
+    try:
+        preemption_signal = parse_signal(args.preemption_signal, _origin("preemption-signal", launcher_argv))
+    except ValueError as error:
+        print(f"ddpkit run: {error}", file=sys.stderr)
+        return 2
     if scheduler is not None:
         # The scheduler started every process already (srun, torchrun, mpirun, ...): run the
-        # script here, once, instead of starting --nproc-per-node more.
+        # script here, once, instead of starting --nproc-per-node more. It signals the process itself.
+        os.environ[PREEMPTION_SIGNAL_VARIABLE] = preemption_signal.name
         _log.info(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly")
         os.execv(sys.executable, [sys.executable, "-m", "ddpkit.launching.worker", args.script, *args.script_args])
     try:
@@ -117,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                              launcher_argv),
             backend=_backend(args.backend, launcher_argv),
             max_restarts=_integer("max-restarts", args.max_restarts, launcher_argv),
+            preemption_signal=preemption_signal,
         )
         return run_workers(args.script, args.script_args, config)
     except LaunchError as error:

@@ -7,10 +7,16 @@ process groups), kills what is left after ``grace`` seconds, and returns 1 with 
 names the root cause: the earliest recorded exception (workers write them to an error file), else
 the first rank seen to fail. With ``--max-restarts N`` it then starts every worker again, up to N
 times (``DDPKIT_RESTART_COUNT`` and torchrun's ``TORCHELASTIC_RESTART_COUNT`` say which start it
-is), and the exit code and summary are the last failure's. SIGINT and SIGTERM to the launcher end
-every worker the same way and return 130 and 143, without a restart. SIGUSR1 to the launcher
-prints every worker's Python stacks. Workers notice a launcher killed with SIGKILL through
-PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
+is), and the exit code and summary are the last failure's.
+
+SIGINT to the launcher ends every worker the same way and returns 130, without a restart.
+SIGTERM, or the signal chosen with ``--preemption-signal``, is a preemption (``ddpkit.preemption``):
+each worker gets SIGTERM on its own process; a script that calls ``DDPStrategy.preempted()``
+saves and exits with 75 on every rank, and so does the launcher; a worker that SIGTERM ended (a
+script that does not) makes the launcher end the others and return 143 (128 + the signal). A
+second signal ends every worker at once. Neither is restarted. SIGUSR1 to the launcher prints
+every worker's Python stacks, unless it is the preemption signal. Workers notice a launcher
+killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 ``launch(fn)`` runs a function instead of a script, on the same kind of workers (``launching.pool``).
 """
 
@@ -33,6 +39,7 @@ from ddpkit.environments import DDPKIT_LAUNCHED
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import WorkerProcesses
 from ddpkit.logs import get_logger
+from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
 
 __all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "performance_defaults", "rank_variables",
            "run_workers", "validate"]
@@ -55,6 +62,7 @@ class LaunchConfig:
     master_port: int | None = None  # None: a free port (single node only)
     backend: str | None = None
     max_restarts: int = 0  # times the workers are started again after a failure (torchrun's flag)
+    preemption_signal: signal.Signals = signal.SIGTERM  # besides SIGTERM: asks the workers to save and stop
 
     @property
     def world_size(self) -> int:
@@ -145,6 +153,7 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
         "DDPKIT_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        PREEMPTION_SIGNAL_VARIABLE: config.preemption_signal.name,
     }
     if config.backend:
         variables["DDPKIT_BACKEND"] = config.backend
@@ -185,11 +194,11 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     meeting on a new port (unless ``master_port`` is given); a stop signal is never retried.
     """
     validate(config, script)
-    stop_signal: list[int] = []
+    received: list[int] = []  # the stop and preemption signals, in order
     stack_requests: list[float] = []
 
-    def request_stop(signum: int, _frame: FrameType | None) -> None:
-        stop_signal.append(signum)
+    def note_signal(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
 
     def request_stacks(_signum: int, _frame: FrameType | None) -> None:
         stack_requests.append(time.monotonic())
@@ -198,8 +207,11 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     if "OMP_NUM_THREADS" in defaults:
         _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
                   f"{config.nproc_per_node} workers (set it yourself to choose).")
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
+    previous = {sig: signal.signal(sig, note_signal)
+                for sig in {signal.SIGINT, signal.SIGTERM, config.preemption_signal}}
+    if config.preemption_signal != signal.SIGUSR1:
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
+    signals = _Signals(received, stack_requests, config.preemption_signal)
     try:
         restart_count = 0
         while True:
@@ -210,17 +222,18 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                     variables = rank_variables(config, port, local_rank, restart_count)
                     workers.start([sys.executable, "-m", "ddpkit.launching.worker", script, *script_args],
                                   {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
-                code, root_cause = _watch(workers, stop_signal, stack_requests, grace, poll_interval)
+                code, root_cause = _watch(workers, signals, grace, poll_interval)
             finally:
                 workers.close(grace)
-            if root_cause is None:  # success, or stopped by a signal
+            if root_cause is None:  # success, preempted, or stopped by a signal
                 return code
             count = config.nproc_per_node
             print(f"ddpkit run: {root_cause}\nddpkit run: all {count} workers were stopped.", file=sys.stderr,
                   flush=True)
-            if restart_count >= config.max_restarts:
+            if restart_count >= config.max_restarts or received:
                 if config.max_restarts:
-                    _log.error(f"ddpkit run: no restart left (--max-restarts={config.max_restarts}): ending the job.")
+                    _log.error(f"ddpkit run: no restart left (--max-restarts={config.max_restarts}): ending the job."
+                               if not received else "ddpkit run: no restart after a stop signal: ending the job.")
                 return code
             restart_count += 1
             _log.warning(f"ddpkit run: restarting all {count} workers (restart {restart_count} of "
@@ -230,27 +243,66 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             signal.signal(sig, handler)
 
 
-def _watch(workers: WorkerProcesses, stop_signal: list[int], stack_requests: list[float], grace: float,
-           poll_interval: float) -> tuple[int, str | None]:
-    """Poll the workers until all succeed (0), a stop signal comes (128 + its number) or one fails
-    (1, and the description of the root cause, after every worker was stopped)."""
+@dataclass
+class _Signals:
+    """What the launcher's signal handlers noted, for ``_watch``."""
+
+    received: list[int]  # SIGINT, SIGTERM and the preemption signal, in the order they came
+    stack_requests: list[float]  # SIGUSR1 (when it is not the preemption signal)
+    preemption_signal: signal.Signals
+
+    def preemption(self) -> int | None:
+        """The signal that asked for a preemption, when the first one received did."""
+        first = self.received[0] if self.received else None
+        return first if first in (signal.SIGTERM, self.preemption_signal) else None
+
+    def stop(self) -> int | None:
+        """The signal that asks to stop at once: SIGINT, or any signal after a preemption's."""
+        if not self.received:
+            return None
+        if self.preemption() is None:
+            return self.received[0]
+        return self.received[1] if len(self.received) > 1 else None
+
+
+def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_interval: float) -> tuple[int, str | None]:
+    """Poll the workers until all succeed (0), all saved and stopped after a preemption (75), a stop
+    signal comes (128 + its number) or one fails (1, and the description of the root cause,
+    after every worker was stopped)."""
     count = len(workers.workers)
+    preemption: int | None = None
     while True:
-        if stack_requests:
-            stack_requests.clear()
+        if signals.stack_requests:
+            signals.stack_requests.clear()
             _print_stacks(workers)
-        if stop_signal:
-            name = signal.Signals(stop_signal[0]).name
-            _log.warning(f"ddpkit run: received {name}, stopping all {count} workers")
+        stop = signals.stop()
+        if stop is not None:
+            _log.warning(f"ddpkit run: received {signal.Signals(stop).name}, stopping all {count} workers")
             workers.end(grace)
-            return 128 + stop_signal[0], None
-        failed = workers.failed()
+            return 128 + stop, None
+        if preemption is None and (preemption := signals.preemption()) is not None:
+            _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {count} workers to "
+                         "save and stop (preemption); a second signal stops them at once")
+            workers.notify(signal.SIGTERM)
+        # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
+        failed = workers.failed(also_fine=(PREEMPTED_EXIT_CODE, -signal.SIGTERM) if preemption else
+                                (PREEMPTED_EXIT_CODE,))
         if failed:
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
             workers.end(grace)
             return 1, workers.describe_root_cause(failed)
-        if workers.all_succeeded():
-            return 0, None
+        codes = workers.exit_codes()
+        if preemption is not None and -signal.SIGTERM in codes:
+            _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script does not call "
+                         f"DDPStrategy.preempted()); stopping all {count} workers")
+            workers.end(grace)
+            return 128 + preemption, None
+        if None not in codes:
+            if PREEMPTED_EXIT_CODE not in codes:
+                return 0, None
+            _log.warning(f"ddpkit run: preempted: all {count} workers saved and stopped (exit code "
+                         f"{PREEMPTED_EXIT_CODE}); run the same command again to resume")
+            return PREEMPTED_EXIT_CODE, None
         time.sleep(poll_interval)
 
 

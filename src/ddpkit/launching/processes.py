@@ -87,9 +87,21 @@ class WorkerProcesses:
         self.workers.append(worker)
         return worker
 
-    def failed(self) -> list[WorkerProcess]:
-        """The workers that have ended with a non-zero code or a signal."""
-        return [worker for worker in self.workers if worker.process.poll() not in (None, 0)]
+    def failed(self, also_fine: Sequence[int] = ()) -> list[WorkerProcess]:
+        """The workers that have ended with a non-zero code or a signal (other than ``also_fine``)."""
+        return [worker for worker in self.workers if worker.process.poll() not in (None, 0, *also_fine)]
+
+    def exit_codes(self) -> list[int | None]:
+        """Each worker's exit code (minus the signal that ended it), None while it runs."""
+        return [worker.process.poll() for worker in self.workers]
+
+    def notify(self, sig: int) -> None:
+        """Send ``sig`` to each running worker's own process, not its group: its children (DataLoader
+        workers) are the worker's to end."""
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.process.pid, sig)
 
     def all_succeeded(self) -> bool:
         return all(worker.process.poll() == 0 for worker in self.workers)

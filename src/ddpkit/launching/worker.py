@@ -34,6 +34,7 @@ from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
 from ddpkit.launching.processes import SERVE_FUNCTIONS
 from ddpkit.logs import get_logger
+from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
 _log = get_logger("launching")
 
@@ -114,13 +115,13 @@ def _finish(code: int, namespace: dict[str, Any]) -> None:
     """End this process as the interpreter would after the script, minus its finalisation
     (``diagnostics.exits.leave``: a clean script would otherwise abort now and then at exit).
 
-    After the exit handlers, and after a clean end only, a process group the script left alive is
-    torn down in order (every rank passes a barrier first). Then the script's objects are released,
-    which closes and flushes the files they hold.
+    After the exit handlers, and after a clean end or a preemption only, a process group the
+    script left alive is torn down in order (every rank passes a barrier first). Then the
+    script's objects are released, which closes and flushes the files they hold.
     """
 
     def release_the_script() -> None:
-        if code == 0:
+        if code in (0, PREEMPTED_EXIT_CODE):  # a clean end, or one that saved and stopped together
             _tear_down_group()
         namespace.clear()
         _flush_open_files()

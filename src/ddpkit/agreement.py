@@ -1,0 +1,134 @@
+"""``StepAgreement``: the ranks decide together, once per step, whether any of them raised a flag.
+
+A rank that stops alone leaves the others waiting in their next collective (Lightning's SIGTERM
+handling hung that way, #20806), so the ranks must stop at the same step, and agreeing takes an
+all-reduce (of two numbers: the flag and the step time). Waited for at once in every step, it
+adds its latency to every step, and on a GPU reading its result stalls the host until the device
+has caught up (Lightning later made its per-step SIGTERM broadcast optional for that cost,
+#21487). So:
+
+- short steps: a round's all-reduce is started in one call and read in the next round's, by
+  when it has long finished (on a GPU the host reads a copy made on the device's stream behind
+  it, through an event, not a whole-device sync), and steps shorter than
+  ``ROUND_INTERVAL_SECONDS`` share a round. The decision comes a round late: at most about
+  twice the longer of a step and the interval after the flag.
+- long steps (the slowest rank's steps took ``WAIT_AT_ONCE_SECONDS`` or more): each round is
+  waited for in its own call, so the decision comes at the end of the step the flag was raised
+  in, and the wait is small beside the step.
+
+Each choice (skip this call, read late, wait at once) follows from the values of an earlier
+round, which are the same on every rank, and from the count of calls, so every rank makes the
+same one. Every rank must call ``decide`` at the same points of its loop (once per step, say).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.collectives import collective_call, communication_device
+from ddpkit.connection import distributed_available
+from ddpkit.diagnostics.waits import wait_for
+
+__all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "StepAgreement"]
+
+# From this step time on the all-reduce is waited for at once: a decision a step late would
+# cost that much more, while the wait (a round trip, and on a GPU the host waiting for the
+# device) is a small part of the step.
+WAIT_AT_ONCE_SECONDS = 0.1
+# Shorter steps share one round per this many seconds: a round costs about as much as a tiny
+# all-reduce (a fraction of a millisecond on Gloo), which on a 10 ms step is several per cent.
+ROUND_INTERVAL_SECONDS = 0.1
+
+_MICROSECONDS = 1_000_000
+
+
+class _Round:
+    """One all-reduce of [flag, step time in µs] (MAX over the ranks) on its way."""
+
+    def __init__(self, flag: bool, step_seconds: float, device: torch.device) -> None:
+        values = torch.tensor([int(flag), int(step_seconds * _MICROSECONDS)], dtype=torch.int64)
+        self._device_copy: tuple[torch.Tensor, Any] | None = None
+        if device.type == "cuda":
+            # Every copy is asynchronous, from and to pinned memory, and NCCL's wait makes the
+            # current stream wait, not the host; reading waits for the event behind them only.
+            values = values.pin_memory().to(device, non_blocking=True)
+        with collective_call("step agreement", None, values):
+            self._work = dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True)
+        self._values = values
+        if device.type == "cuda":
+            self._work.wait()
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._device_copy = (host, event)
+
+    def result(self) -> tuple[bool, float]:
+        """(some rank raised its flag, the slowest rank's step time in seconds)."""
+        if self._device_copy is not None:
+            host, event = self._device_copy
+            event.synchronize()
+            flag, micros = host.tolist()
+        else:
+            with collective_call("step agreement (wait)", fingerprint=False):
+                wait_for(self._work)
+            flag, micros = self._values.tolist()
+        return flag > 0, micros / _MICROSECONDS
+
+
+class StepAgreement:
+    """``decide(flag)`` is True on every rank at the same call, from the first call at which some
+    rank's flag has been seen, and stays True. Without a process group it is the flag itself.
+
+    Short steps share a round: about one per ``round_interval_seconds`` (a flag raised between
+    rounds is kept for the next); ``wait_at_once_seconds`` is the step time from which each
+    round is waited for in its own call (0: always).
+    """
+
+    def __init__(self, wait_at_once_seconds: float = WAIT_AT_ONCE_SECONDS,
+                 round_interval_seconds: float = ROUND_INTERVAL_SECONDS) -> None:
+        self.wait_at_once_seconds = wait_at_once_seconds
+        self.round_interval_seconds = round_interval_seconds
+        self._pending: _Round | None = None
+        self._wait_at_once = wait_at_once_seconds <= 0
+        self._decided = False
+        self._flag_raised = False
+        self._calls_until_round = 0  # calls that pass without a round (the same count on every rank)
+        self._calls_since_round = 0
+        self._last_round: float | None = None
+
+    def decide(self, flag: bool) -> bool:
+        if self._decided:
+            return True
+        if not distributed_available():
+            self._decided = flag
+            return flag
+        self._flag_raised = self._flag_raised or flag
+        self._calls_since_round += 1
+        if self._calls_until_round > 0:
+            self._calls_until_round -= 1
+            return False
+        now = time.perf_counter()
+        step_seconds = 0.0 if self._last_round is None else (now - self._last_round) / self._calls_since_round
+        self._last_round, self._calls_since_round = now, 0
+        if self._pending is not None:  # the previous round, read a round late
+            self._take(self._pending.result())
+            self._pending = None
+            if self._decided:
+                return True
+        pending = _Round(self._flag_raised, step_seconds, communication_device(None))
+        if self._wait_at_once:
+            self._take(pending.result())
+        else:
+            self._pending = pending
+        return self._decided
+
+    def _take(self, result: tuple[bool, float]) -> None:
+        """Act on a round's reduced values, which every rank sees alike."""
+        self._decided, slowest = result
+        self._wait_at_once = slowest >= self.wait_at_once_seconds
+        self._calls_until_round = max(0, int(self.round_interval_seconds / slowest) - 1) if slowest > 0 else 0
