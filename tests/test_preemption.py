@@ -220,18 +220,34 @@ def test_signals_are_read_by_name_or_number() -> None:
         preemption_signals({"DDPKIT_PREEMPTION_SIGNAL": "nope"})
 
 
-def test_a_notice_notes_the_first_signal_and_lets_the_second_act() -> None:
+def test_a_notice_notes_the_first_signal_ignores_its_echo_and_lets_a_second_act() -> None:
     seen: list[int] = []
     before = signal.signal(signal.SIGUSR2, lambda signum, _frame: seen.append(signum))
     try:
-        notice = PreemptionNotice((signal.SIGUSR2,))
+        notice = PreemptionNotice((signal.SIGUSR2,), same_notice_seconds=0.5)
         notice.install()
         os.kill(os.getpid(), signal.SIGUSR2)
         assert notice.received == signal.SIGUSR2 and not seen
-        os.kill(os.getpid(), signal.SIGUSR2)  # the handler from before gets it
+        os.kill(os.getpid(), signal.SIGUSR2)  # the same notice twice (srun and ddpkit run): nothing changes
+        assert not seen
+        time.sleep(0.6)
+        os.kill(os.getpid(), signal.SIGUSR2)  # asked again: the handler from before gets it
         assert seen == [signal.SIGUSR2]
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+def test_a_signal_to_the_launcher_and_its_workers_at_once_is_one_preemption(tmp_path: Path) -> None:
+    """`srun ddpkit run ...`: Slurm signals every process of the step, and the launcher passes the
+    signal on as well; each worker sees two SIGTERMs, which must not kill it."""
+    launcher = start(tmp_path)
+    wait_for_step(tmp_path, 5)
+    for pid in [launcher.pid] + [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]:
+        os.kill(pid, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == PREEMPTED_EXIT_CODE, err
+    first, second = stopped_at(tmp_path)
+    assert first == second
 
 
 def test_without_a_process_group_the_agreement_is_the_flag() -> None:

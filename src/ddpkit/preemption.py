@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNAL_VARIABLE", "PreemptionNotice", "parse_signal",
-           "preemption_signals"]
+__all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNAL_VARIABLE", "SAME_NOTICE_SECONDS", "PreemptionNotice",
+           "parse_signal", "preemption_signals"]
 
 # sysexits.h's EX_TEMPFAIL, "a temporary failure; the user is invited to retry": the job saved
 # its work and stopped because the machines were taken back, not because anything broke.
@@ -59,18 +60,26 @@ def preemption_signals(environment: Mapping[str, str] = os.environ) -> tuple[sig
     return tuple(signals)
 
 
+# A preemption signal this soon after the first is the same notice delivered twice: under
+# `srun ddpkit run`, Slurm signals every process of the step and the launcher passes it on too.
+SAME_NOTICE_SECONDS = 2.0
+
+
 class PreemptionNotice:
     """Catches the preemption signals in this process and remembers the first one.
 
     The first signal only sets ``received``: the training loop stops at a step the ranks agree on.
-    A second one is not asked twice: the handlers are put back and the signal acts as it would
-    have without them (SIGTERM ends the process), so an impatient scheduler or user still gets
-    what they asked for.
+    Another within ``same_notice_seconds`` is the same notice delivered twice and changes
+    nothing. One after that is a second request: the handlers are put back and the signal acts
+    as it would have without them (SIGTERM ends the process), so an impatient scheduler or user
+    still gets what they asked for.
     """
 
-    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...], same_notice_seconds: float = SAME_NOTICE_SECONDS) -> None:
         self.signals = signals
+        self.same_notice_seconds = same_notice_seconds
         self.received: signal.Signals | None = None
+        self._received_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> None:
@@ -87,7 +96,9 @@ class PreemptionNotice:
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
         if self.received is None:
-            self.received = signal.Signals(signum)
+            self.received, self._received_at = signal.Signals(signum), time.monotonic()
+            return
+        if time.monotonic() - self._received_at < self.same_notice_seconds:
             return
         self.uninstall()
         os.kill(os.getpid(), signum)

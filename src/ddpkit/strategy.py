@@ -334,10 +334,12 @@ class DDPStrategy:
         signal named by ``DDPKIT_PREEMPTION_SIGNAL`` (``ddpkit run --preemption-signal USR1``
         sets it; under srun or mpirun set it yourself), so a script that never calls it keeps
         the default: SIGTERM ends it. Once any rank has received one, every rank returns True at
-        the same call: at the end of the next step, or of the step the signal came in when steps
-        take ``ddpkit.agreement.WAIT_AT_ONCE_SECONDS`` or more. Agreeing costs one all-reduce of
-        two numbers per step, read a step later, so short steps do not wait for it (see
-        ``ddpkit.agreement``). A second signal to a rank acts as if none had been caught.
+        the same call: at the end of the step the signal came in when steps take
+        ``ddpkit.agreement.WAIT_AT_ONCE_SECONDS`` or more, else within about two rounds (a round:
+        ``ddpkit.agreement.ROUND_INTERVAL_SECONDS`` of short steps). Agreeing costs an all-reduce
+        of two numbers per round, which short steps read a round later instead of waiting for it
+        (see ``ddpkit.agreement``). A second signal to a rank acts as if none had been caught, unless
+        it follows the first within ``ddpkit.preemption.SAME_NOTICE_SECONDS`` (the same notice twice).
         """
         if self._preemption is None:
             notice = PreemptionNotice(preemption_signals())

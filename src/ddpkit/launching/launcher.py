@@ -14,7 +14,7 @@ SIGTERM, or the signal chosen with ``--preemption-signal``, is a preemption (``d
 each worker gets SIGTERM on its own process; a script that calls ``DDPStrategy.preempted()``
 saves and exits with 75 on every rank, and so does the launcher; a worker that SIGTERM ended (a
 script that does not) makes the launcher end the others and return 143 (128 + the signal). A
-second signal ends every worker at once. Neither is restarted. SIGUSR1 to the launcher prints
+second signal kills every worker at once. Neither is restarted. SIGUSR1 to the launcher prints
 every worker's Python stacks, unless it is the preemption signal. Workers notice a launcher
 killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 ``launch(fn)`` runs a function instead of a script, on the same kind of workers (``launching.pool``).
@@ -278,7 +278,8 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
         stop = signals.stop()
         if stop is not None:
             _log.warning(f"ddpkit run: received {signal.Signals(stop).name}, stopping all {count} workers")
-            workers.end(grace)
+            # After a preemption the workers had their SIGTERM: asked again, they are killed at once.
+            workers.end(grace if preemption is None else 0.0)
             return 128 + stop, None
         if preemption is None and (preemption := signals.preemption()) is not None:
             _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {count} workers to "
