@@ -114,6 +114,24 @@ def test_a_preempted_run_saves_mid_epoch_and_the_same_command_finishes_it(tmp_pa
     assert losses(out) + losses(again.stdout) == losses(whole.stdout)  # the interrupted epoch's loss too
 
 
+def test_a_preempted_run_without_the_launcher_stops_with_75_and_resumes(tmp_path: Path) -> None:
+    """In-script launching: SIGTERM reaches the script's own process (local rank 0) only; the rank
+    it started agrees, saves and exits 75, which is not a failure of that rank."""
+    command = [sys.executable, str(EXAMPLE), "--processes", "2", "--epochs", "20", "--samples", "2048",
+               "--checkpoint", f"{tmp_path}{os.sep}"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "checkpoint.pt").exists() and time.monotonic() < deadline:  # after epoch 1
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, err
+    assert "preempted: saved epoch" in out and "did not end cleanly" not in err, err
+    again = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and "max |difference| to one process 0.00e+00" in again.stdout, again.stdout
+
+
 def test_one_process_without_the_launcher() -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "1", "--samples", "512"],
                             capture_output=True, text=True, timeout=120)

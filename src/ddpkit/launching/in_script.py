@@ -31,6 +31,7 @@ from ddpkit._network import find_free_port
 from ddpkit.launching.launcher import LaunchConfig, performance_defaults, rank_variables
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.logs import get_logger
+from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
 __all__: list[str] = []
 
@@ -116,7 +117,8 @@ class LocalRanks:
     def join(self, timeout: float) -> list[tuple[int, int]]:
         """Wait for the children to end by themselves; return (local rank, exit code) of those that failed.
 
-        Children still running after ``timeout`` are ended and count as failed.
+        Children still running after ``timeout`` are ended and count as failed; one that exited
+        with ``PREEMPTED_EXIT_CODE`` saved and stopped with this process, and did not fail.
         """
         deadline = time.monotonic() + timeout
         failed = []
@@ -125,7 +127,7 @@ class LocalRanks:
                 code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 code = -signal.SIGTERM
-            if code != 0:
+            if code not in (0, PREEMPTED_EXIT_CODE):
                 failed.append((child.local_rank, code))
         self.finished.set()
         self.children.close(_GRACE_SECONDS)

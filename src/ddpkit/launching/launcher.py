@@ -286,8 +286,7 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
                          "save and stop (preemption); a second signal stops them at once")
             workers.notify(signal.SIGTERM)
         # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
-        failed = workers.failed(also_fine=(PREEMPTED_EXIT_CODE, -signal.SIGTERM) if preemption else
-                                (PREEMPTED_EXIT_CODE,))
+        failed = workers.failed(also_fine=(-signal.SIGTERM,) if preemption else ())
         if failed:
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
             workers.end(grace)

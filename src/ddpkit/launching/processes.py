@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpkit.diagnostics.records import read_error_record
+from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a
 # script. Here rather than in ``launching.worker``, which imports torch: the launcher does not.
@@ -88,8 +89,10 @@ class WorkerProcesses:
         return worker
 
     def failed(self, also_fine: Sequence[int] = ()) -> list[WorkerProcess]:
-        """The workers that have ended with a non-zero code or a signal (other than ``also_fine``)."""
-        return [worker for worker in self.workers if worker.process.poll() not in (None, 0, *also_fine)]
+        """The workers that have ended with a non-zero code or a signal, other than
+        ``PREEMPTED_EXIT_CODE`` (it saved and stopped with the others) and ``also_fine``."""
+        return [worker for worker in self.workers
+                if worker.process.poll() not in (None, 0, PREEMPTED_EXIT_CODE, *also_fine)]
 
     def exit_codes(self) -> list[int | None]:
         """Each worker's exit code (minus the signal that ended it), None while it runs."""
@@ -102,9 +105,6 @@ class WorkerProcesses:
             if worker.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.process.pid, sig)
-
-    def all_succeeded(self) -> bool:
-        return all(worker.process.poll() == 0 for worker in self.workers)
 
     def root_cause(self, failed: Sequence[WorkerProcess]) -> tuple[WorkerProcess, dict[str, object] | None]:
         """The worker whose failure caused the others', and its record.
