@@ -21,8 +21,8 @@ Compared with a single-process loop, the ddpkit lines are the ones marked ``# dd
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -77,6 +77,12 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint (after a restart: always)")
     parser.add_argument("--crash-at-step", type=int, default=None,
                         help="rank 1 fails at this global step of the first start (to try --max-restarts)")
+    parser.add_argument("--kill-at-step", type=int, default=None,
+                        help="rank 1 kills itself (SIGKILL) at this global step, once (to try --recovery in-place)")
+    parser.add_argument("--kill-rank", type=int, default=1, help="the rank --kill-at-step kills")
+    parser.add_argument("--kill-during", default="backward",
+                        choices=["forward", "backward", "optimizer-step", "checkpoint-save"],
+                        help="where in the step --kill-at-step strikes (checkpoint-save: the save after its epoch)")
     parser.add_argument("--no-check-reference", dest="check_reference", action="store_false")
     parser.add_argument("--processes", type=int, default=1,
                         help="run directly (python train.py) on this many processes; not needed under ddpkit run")
@@ -113,38 +119,46 @@ def main() -> None:
         strategy.print(f"resumed from {checkpoint} {where}")
 
     start, seen = time.perf_counter(), 0
-    step = first_epoch * len(loader) + first_batch
-    for epoch in range(first_epoch, args.epochs):
+    # strategy.epochs/batches/step: where a lost rank's replacement (ddpkit run --recovery in-place)
+    # joins, and what is trained again after it joined; in any other mode they are range() and the loader.
+    for epoch in strategy.epochs(args.epochs, start=first_epoch):                # ddpkit
         skip = first_batch if epoch == first_epoch else 0
         if not skip:
             totals = torch.zeros(3)
         # The sampler gives the epoch's order again; the batches trained before the preemption are
         # read and passed over (cheap here; a large dataset would skip indices in its sampler).
-        batches = itertools.islice(loader, skip, None)
-        for batch, (x, y) in enumerate(progress(batches, len(loader) - skip, strategy.is_global_zero,
-                                                f"epoch {epoch + 1}"), start=skip + 1):
-            step += 1
-            if step == args.crash_at_step and strategy.global_rank == 1 and strategy.restart_count == 0:
-                raise RuntimeError(f"--crash-at-step {step}: rank 1 fails on purpose")
-            optimizer.zero_grad()
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
-            strategy.backward(loss)                                             # ddpkit
-            optimizer.step()
-            totals += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y))])
-            seen += len(y)
-            # Every rank learns of a preemption at the same step (without a checkpoint, SIGTERM just ends the job).
-            if checkpoint and strategy.preempted():                             # ddpkit
-                strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                                      "epoch": epoch, "batch": batch, "preempted": True,
-                                                      "totals": strategy.reduce(totals, reduce_op="sum")})
-                strategy.print(f"preempted: saved epoch {epoch + 1} batch {batch} to {checkpoint}; run the same "
-                               "command again to continue", flush=True)
-                strategy.exit_preempted()                                       # ddpkit
+        for x, y in progress(strategy.batches(loader, skip), len(loader) - skip,  # ddpkit
+                             strategy.is_global_zero, f"epoch {epoch + 1}"):
+            with strategy.step():                                               # ddpkit
+                batch = strategy.progress.batch + 1  # batches of this epoch done after this one
+                step = epoch * len(loader) + batch
+                if step == args.crash_at_step and strategy.global_rank == 1 and strategy.restart_count == 0:
+                    raise RuntimeError(f"--crash-at-step {step}: rank 1 fails on purpose")
+                fault = Fault(args, strategy, step)
+                optimizer.zero_grad()
+                fault.at("forward")
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                fault.arm_backward(model)
+                strategy.backward(loss)                                         # ddpkit
+                fault.at("optimizer-step")
+                optimizer.step()
+                totals += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y))])
+                seen += len(y)
+                # Every rank learns of a preemption at the same step (without a checkpoint, SIGTERM just ends the job).
+                if checkpoint and strategy.preempted():                         # ddpkit
+                    strategy.save_checkpoint(checkpoint, {"model": model.state_dict(),
+                                                          "optimizer": optimizer.state_dict(), "epoch": epoch,
+                                                          "batch": batch, "preempted": True,
+                                                          "totals": strategy.reduce(totals, reduce_op="sum")})
+                    strategy.print(f"preempted: saved epoch {epoch + 1} batch {batch} to {checkpoint}; run the same "
+                                   "command again to continue", flush=True)
+                    strategy.exit_preempted()                                   # ddpkit
         totals = strategy.reduce(totals, reduce_op="sum")
         strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
                        f"accuracy {totals[1] / totals[2]:.3f}", flush=True)
         if checkpoint:
+            Fault(args, strategy, (epoch + 1) * len(loader)).at("checkpoint-save", epoch_end=True)
             strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                                   "epoch": epoch + 1, "batch": 0, "totals": totals,
                                                   "preempted": False})
@@ -171,6 +185,27 @@ def main() -> None:
         raise SystemExit(f"the parameters differ from one process trained on the same batches by {difference:.2e}, "
                          f"more than float32 rounding explains after {args.epochs * len(loader)} steps "
                          f"({tolerance:.1e})")
+
+
+class Fault:
+    """``--kill-at-step N --kill-during PHASE [--kill-rank R]``: rank R (1) kills itself (SIGKILL, as
+    the out-of-memory killer would) in that phase of global step N, once per run (not after a
+    restart, nor in its replacement), to try ``ddpkit run --recovery in-place`` or ``--max-restarts``."""
+
+    def __init__(self, args: argparse.Namespace, strategy: ddpkit.DDPStrategy, step: int) -> None:
+        self.armed = (step == args.kill_at_step and strategy.global_rank == args.kill_rank and strategy.restart_count == 0
+                      and not strategy.recovered_in_place)
+        self.phase = args.kill_during
+
+    def at(self, phase: str, epoch_end: bool = False) -> None:
+        if self.armed and phase == self.phase and epoch_end == (phase == "checkpoint-save"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm_backward(self, model: nn.Module) -> None:
+        """During backward: from the first gradient on, when the buckets' all-reduces are under way."""
+        if self.armed and self.phase == "backward":
+            last = list(model.parameters())[0]
+            last.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
 
 
 def reference_parameters(args: argparse.Namespace, world_size: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
     ("logs.py", ("ddpkit.",)),
     ("preemption.py", ("ddpkit.",)),  # the launcher imports it: no torch, nothing that imports it
     ("agreement.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.launching")),
+    ("recovery.py", ("ddpkit.strategy", "ddpkit.launching")),  # the strategy uses it, not the other way
     ("collectives.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.hooks")),
     ("connection.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.collectives")),
     ("parallel/", ("ddpkit.strategy", "ddpkit.launching")),

@@ -23,6 +23,7 @@ _PUBLIC_NAMES = {
     "DistributedDataParallel": "ddpkit.parallel.ddp",
     "LocalEnvironment": "ddpkit.environments",
     "PeerFailedError": "ddpkit.diagnostics.failures",
+    "PeerLostError": "ddpkit.diagnostics.failures",
     "StoreHostGoneError": "ddpkit.diagnostics.failures",
     "SyncBatchNorm": "ddpkit.parallel.batchnorm",
     "all_gather_ddp_if_available": "ddpkit.distributed",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from ddpkit.diagnostics.failures import (
         CollectiveFailedError,
         PeerFailedError,
+        PeerLostError,
         StoreHostGoneError,
         guard,
     )
@@ -90,6 +92,7 @@ __all__ = [
     "DistributedDataParallel",
     "LocalEnvironment",
     "PeerFailedError",
+    "PeerLostError",
     "StoreHostGoneError",
     "SyncBatchNorm",
     "all_gather_ddp_if_available",

@@ -30,7 +30,13 @@ from ddpkit.diagnostics.debug import (
     fingerprint,
     mismatch,
 )
-from ddpkit.diagnostics.failures import PeerFailedError, peer_failure
+from ddpkit.diagnostics.failures import (
+    PeerFailedError,
+    PeerLostError,
+    lost_peers_expected,
+    note_lost_peer,
+    peer_failure,
+)
 from ddpkit.diagnostics.hangs import HangWatch, active_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.waits import run_collective
@@ -74,7 +80,8 @@ class collective_call:
       shape of ``tensor``, call site) and raise ``CollectiveMismatchError`` on every rank when they differ.
     - When the block fails with a ``RuntimeError`` because another rank published its failure
       (``ddpkit.diagnostics.failures``), ``PeerFailedError`` naming that rank and its exception is
-      raised instead of the connection error.
+      raised instead of the connection error. Under in-place recovery, a failure that nobody
+      recorded (a rank was killed) becomes ``PeerLostError``, and the other ranks are told.
 
     Blocks inside a block (a collective that another one makes) are neither watched nor checked
     again. A class, not a generator: the call site is found by walking up the frames, and a
@@ -116,8 +123,10 @@ class collective_call:
         if self._nesting is not None:
             self._nesting.__exit__()
             self._nesting = None
-        if isinstance(error, RuntimeError) and not isinstance(error, PeerFailedError):
+        if isinstance(error, RuntimeError) and not isinstance(error, (PeerFailedError, PeerLostError)):
             failure = peer_failure(probe_first=True)
+            if failure is None and lost_peers_expected():
+                failure = note_lost_peer(error)  # a rank vanished: in-place recovery replaces it
             if failure is not None:
                 raise failure from error
 

@@ -5,6 +5,12 @@ WORLD_SIZE, RANK), picks Gloo's network interface (``ddpkit._network``) and init
 group; ``destroy_dist_connection`` tears it down without the exit-time abort of torch 2.13 +
 Gloo. ``get_rank``/``get_world_size`` answer 0/1 when not distributed, so the same code runs in
 one process and in many.
+
+Under in-place recovery (``ddpkit run --recovery in-place``) the store is not rank 0's: the
+launcher hosts it (``launching/store_host.py``), so it outlives any rank, and each generation of
+the group keeps its keys under a prefix of its own. ``form_generation`` abandons the current
+group (a rank of it vanished) and forms the next one with the same ranks, once all of them,
+the replacement included, have arrived.
 """
 
 from __future__ import annotations
@@ -19,17 +25,27 @@ import torch._dynamo  # noqa: F401  (imported before any process group exists; s
 import torch.distributed as dist
 
 from ddpkit._network import gloo_interface_towards
-from ddpkit.diagnostics.failures import PeerFailedError
+from ddpkit.diagnostics.failures import PeerFailedError, expect_lost_peers
 from ddpkit.diagnostics.hangs import active_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
+from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.diagnostics.waits import run_collective
-from ddpkit.environments import ChoosesBackend, ClusterEnvironment, SLURMEnvironment, check_place
+from ddpkit.environments import (
+    IN_PLACE,
+    ChoosesBackend,
+    ClusterEnvironment,
+    LocalEnvironment,
+    SLURMEnvironment,
+    check_place,
+)
 from ddpkit.logs import get_logger
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "destroy_dist_connection",
     "distributed_available",
+    "current_generation",
+    "form_generation",
     "get_rank",
     "get_world_size",
     "init_dist_connection",
@@ -113,9 +129,88 @@ def init_dist_connection(
         _warn_if_slurm_expected_more()
     if size == 1 and "init_method" not in kwargs and "store" not in kwargs:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
+    if (isinstance(cluster_environment, LocalEnvironment) and cluster_environment.recovery == IN_PLACE
+            and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
+        # The launcher hosts the store (it outlives any rank); each generation has its own keys.
+        _generations.base_store = dist.TCPStore(  # type: ignore[attr-defined]
+            cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
+        _generations.timeout = timeout
+        _generations.attempt = cluster_environment.attempt
+        generation = cluster_environment.generation  # above 0: a replacement, completing that generation
+        if generation > 0:
+            _meet(generation, size)
+        kwargs["store"] = dist.PrefixStore(_prefix(generation), _generations.base_store)  # type: ignore[attr-defined]
+        _generations.current = generation
+        expect_lost_peers()
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     active_watch()  # with hang diagnosis on, every rank can answer for its stack from the start
     watch_peers()
+
+
+class _Generations:
+    """The in-place recovery state of this process's connection."""
+
+    def __init__(self) -> None:
+        self.base_store: Any = None  # the launcher's store, without a generation's prefix; None: not in-place
+        self.current = 0
+        self.attempt = 0  # the launcher's restart count: its store outlives a restart, so keys name it
+        self.timeout = DEFAULT_TIMEOUT
+        # Groups left behind: a collective of theirs may still be pending in a Gloo thread, and
+        # destroying the group object would wait for it (up to its timeout); they live until exit.
+        self.abandoned: list[Any] = []
+
+
+_generations = _Generations()
+
+#: How long the ranks of a new generation wait for each other (the replacement starts the script
+#: from the top) before giving up: ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``.
+RECOVERY_TIMEOUT_SECONDS = 60.0
+
+
+def current_generation() -> int | None:
+    """The generation of the group this process is in under in-place recovery; None otherwise."""
+    return _generations.current if _generations.base_store is not None else None
+
+
+def form_generation(generation: int) -> None:
+    """Leave the current default group (a rank of it vanished) and form the group of ``generation``
+    with the same ranks, once every one of them has arrived (the replacement too).
+
+    The old group is destroyed but kept referenced (see ``_Generations.abandoned``). Raises
+    ``TimeoutError`` when not every rank arrives within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``.
+    """
+    if _generations.base_store is None:
+        raise RuntimeError("form_generation needs in-place recovery (ddpkit run --recovery in-place): this process's "
+                           "store is its group's own and may have died with the lost rank.")
+    backend, rank, size = str(dist.get_backend()), dist.get_rank(), dist.get_world_size()
+    _generations.abandoned.append(dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group()
+    _meet(generation, size)
+    store = dist.PrefixStore(_prefix(generation), _generations.base_store)  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_generations.timeout)
+    _generations.current = generation
+    active_watch()
+    watch_peers()
+
+
+def _prefix(generation: int) -> str:
+    return f"ddpkit/attempt/{_generations.attempt}/generation/{generation}/"
+
+
+def _meet(generation: int, size: int) -> None:
+    """Count this rank in ``generation`` and wait until all ``size`` ranks are counted."""
+    seconds = seconds_setting("DDPKIT_RECOVERY_TIMEOUT_SECONDS", RECOVERY_TIMEOUT_SECONDS, "60")
+    key = f"{_prefix(generation)}arrived"
+    arrived = _generations.base_store.add(key, 1)
+    deadline = time.monotonic() + seconds
+    while arrived < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"in-place recovery: only {arrived} of the {size} ranks arrived for generation {generation} of the "
+                f"group within {seconds:g} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS); the replacement of the lost rank did "
+                "not start, or another rank failed meanwhile. The launcher's output names the failures.")
+        time.sleep(0.005)
+        arrived = _generations.base_store.add(key, 0)
 
 
 def _warn_if_slurm_expected_more() -> None:

@@ -15,6 +15,14 @@
         strategy.save_checkpoint("ckpt.pt", {"model": model.state_dict(), "epoch": epoch})
     strategy.teardown()
 
+With ``ddpkit run --recovery in-place`` a lost rank is replaced while the others go on; the loop
+then uses the strategy's helpers, which need nothing else in any other mode:
+
+    for epoch in strategy.epochs(epochs):
+        for x, y in strategy.batches(loader):
+            with strategy.step():                  # a lost rank: the step is trained again with its replacement
+                ...
+
 The strategy holds a cluster environment, a device and the wrapped model, and delegates the
 work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks; it has no
 class hierarchy of its own. Processes come from a launcher (``ddpkit run``), a scheduler, or the
@@ -27,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -42,15 +50,16 @@ from ddpkit.connection import (
     distributed_available,
     init_dist_connection,
 )
-from ddpkit.diagnostics.failures import guard, record_failure
+from ddpkit.diagnostics.failures import PeerLostError, guard, record_failure
 from ddpkit.diagnostics.records import failure_record
-from ddpkit.environments import ClusterEnvironment, LocalEnvironment, detect_environment
+from ddpkit.environments import IN_PLACE, ClusterEnvironment, LocalEnvironment, detect_environment
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, start_local_ranks
-from ddpkit.launching.processes import describe_exit
+from ddpkit.launching.processes import READY_FILE_VARIABLE, describe_exit
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PreemptionNotice, preemption_signals
+from ddpkit.recovery import InPlaceRecovery, Progress
 
 __all__ = ["DDPStrategy"]
 
@@ -69,6 +78,9 @@ class DDPStrategy:
     wraps with torch's DistributedDataParallel instead of ddpkit's. With
     ``process_group=<group>`` among them the data-parallel group is that group: gradients are
     averaged over it, and ``barrier``, ``broadcast`` and the sampler's shards are its own.
+    ``recovery``: "fail-fast" or "in-place" (``ddpkit.recovery``); by default what the launcher
+    was told (``ddpkit run --recovery``), which in-place recovery needs: it hosts the store and
+    the spare.
 
     Lightning's ``pre_backward(closure_loss)`` is not here: Lightning calls torch DDP's
     ``prepare_for_backward`` there because its training step's output does not pass through
@@ -87,6 +99,7 @@ class DDPStrategy:
         ddp_comm_wrapper: Callable[..., Any] | None = None,
         use_torch_ddp: bool = False,
         process_group_backend: str | None = None,
+        recovery: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         self.cluster_environment = cluster_environment if cluster_environment is not None else detect_environment()
@@ -102,6 +115,13 @@ class DDPStrategy:
         self.model: nn.Module | None = None
         self._local_ranks: LocalRanks | None = None  # children started by this process (in-script launching)
         self._preemption: tuple[PreemptionNotice, StepAgreement] | None = None  # from the first preempted()
+        if recovery not in (None, "fail-fast", IN_PLACE):
+            raise ValueError(f"recovery={recovery!r}: use 'fail-fast' or {IN_PLACE!r} (or leave it out to follow "
+                             "ddpkit run --recovery).")
+        self._recovery_wanted = recovery
+        #: Where the loop is: ``epochs()`` and ``batches()`` keep it.
+        self.progress = Progress()
+        self._recovery: InPlaceRecovery | None = None
 
     # -- where this process is ---------------------------------------------------------------
 
@@ -222,11 +242,57 @@ class DDPStrategy:
 
         Create the optimizer before or after: the wrapped module keeps the same parameters.
         """
+        recovery = self._start_recovery(optimizer)  # refuses a bad combination before connecting
         if not distributed_available():
             self.setup_environment()
+        joined = None
         with guard():  # e.g. a model that does not fit on one rank's device: named on the others
-            wrapped = self.configure_ddp(self.model_to_device(model))
+            module = self.model_to_device(model)
+            if recovery is not None and optimizer is not None and self._is_replacement():
+                joined = recovery.join(module, optimizer)  # the survivors' state, before wrapping
+            wrapped = self.configure_ddp(module)
+        if recovery is not None and optimizer is not None:
+            if not isinstance(wrapped, DistributedDataParallel):
+                raise ValueError("in-place recovery needs ddpkit's DistributedDataParallel: drop use_torch_ddp=True, or "
+                                 "use ddpkit run --recovery fail-fast.")
+            recovery.attach(wrapped, optimizer, joined)
+            if joined is not None:
+                self._tell_launcher_recovered()
         return wrapped if optimizer is None else (wrapped, optimizer)
+
+    def _start_recovery(self, optimizer: torch.optim.Optimizer | None) -> InPlaceRecovery | None:
+        """In-place recovery's state for this process, when the job runs with it (else None)."""
+        launched_in_place = getattr(self.cluster_environment, "recovery", None) == IN_PLACE
+        wanted = self._recovery_wanted or ("in-place" if launched_in_place else "fail-fast")
+        if wanted != IN_PLACE or self.world_size < 2:
+            return None
+        if not launched_in_place:
+            raise ValueError("DDPStrategy(recovery='in-place') needs the launcher's part: start the job with "
+                             "`ddpkit run --recovery in-place --max-restarts N ...` (it hosts the store and a spare process).")
+        if optimizer is None:
+            raise ValueError("in-place recovery needs the optimizer: call setup(model, optimizer), so that its state "
+                             "reaches a replacement and its steps mark what was trained.")
+        if self.ddp_comm_state is not None:
+            raise ValueError("in-place recovery does not carry a comm hook's state (ddp_comm_state, e.g. PowerSGD's "
+                             "error feedback) to a replacement; use a stateless hook or --recovery fail-fast.")
+        if self._recovery is None:
+            self._recovery = InPlaceRecovery(self.progress)
+        return self._recovery
+
+    def _is_replacement(self) -> bool:
+        return int(getattr(self.cluster_environment, "generation", 0)) > 0
+
+    @staticmethod
+    def _tell_launcher_recovered() -> None:
+        path = os.environ.get(READY_FILE_VARIABLE)
+        if path:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write("recovered\n")
+
+    @property
+    def recovered_in_place(self) -> bool:
+        """Whether this process replaced a lost rank, or survived the loss of one (in-place recovery)."""
+        return self._recovery is not None and (self._recovery.joined or self._recovery.recoveries > 0)
 
     def setup_dataloader(self, loader: DataLoader[Any]) -> DataLoader[Any]:
         """The same loader with a DistributedSampler, so that each rank reads its own share.
@@ -287,6 +353,85 @@ class DDPStrategy:
 
             return Join([self.model])
         return contextlib.nullcontext()
+
+    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
+        """``range(start, stop)``, kept in ``progress.epoch``; a replacement (in-place recovery)
+        starts at the survivors' epoch instead."""
+        recovery = self._recovery
+        epoch = recovery.resume[0] if recovery is not None and recovery.joined else start
+        if recovery is not None:
+            recovery.resume = max(recovery.resume, (epoch, 0))
+        while epoch < stop:
+            self.progress.epoch, self.progress.batch = epoch, -1
+            if recovery is not None:
+                recovery.resume = max(recovery.resume, (epoch, 0))
+            yield epoch
+            epoch += 1
+
+    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
+        """The batches of ``loader`` for the epoch in ``progress.epoch`` (its sampler's epoch set),
+        from batch ``skip`` on; ``progress.batch`` is the index of the batch in hand.
+
+        Under in-place recovery, after a lost rank was replaced, the batches since the last
+        optimizer step come again (a replacement starts at the survivors' batch).
+        """
+        epoch = self.progress.epoch
+        _set_epoch(loader, epoch)
+        recovery = self._recovery
+        if recovery is not None:
+            if recovery.joined and recovery.resume[0] == epoch:
+                skip = max(skip, recovery.resume[1])
+            recovery.resume = max(recovery.resume, (epoch, skip))
+        iterator = iter(loader)
+        next_index = 0
+        uncommitted: list[tuple[int, Any]] = []  # batches since the last optimizer step (in-place recovery)
+        again: list[tuple[int, Any]] = []
+        while True:
+            if recovery is not None and recovery.rewind:
+                recovery.rewind = False
+                resume_epoch, resume_batch = recovery.resume
+                if resume_epoch != epoch:
+                    raise RuntimeError(
+                        f"in-place recovery: the ranks continue in epoch {resume_epoch}, but this rank iterates epoch "
+                        f"{epoch}. Keep collectives between epochs outside the steps, or restart from a checkpoint.")
+                again = [(index, batch) for index, batch in uncommitted if index >= resume_batch]
+                uncommitted = list(again)
+                skip = max(skip, resume_batch)
+            if again:
+                index, batch = again.pop(0)
+            else:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                index, next_index = next_index, next_index + 1
+                if index < skip:
+                    continue
+                if recovery is not None:
+                    uncommitted.append((index, batch))
+            self.progress.batch = index
+            yield batch
+            if recovery is not None and uncommitted:
+                done = recovery.resume[1] if recovery.resume[0] == epoch else 0
+                uncommitted = [(i, b) for i, b in uncommitted if i >= done]
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One training step (forward, backward, optimizer step) of a loop over ``batches()``.
+
+        Under in-place recovery, when a rank is lost during the step (``PeerLostError``), this
+        rank forms a new group with the lost rank's replacement and the block ends quietly:
+        ``batches()`` then hands out the batches since the last optimizer step again. Otherwise
+        a plain block.
+        """
+        try:
+            yield
+        except PeerLostError:
+            if self._recovery is None:
+                raise
+            self._recovery.recover()
+            if self._preemption is not None:  # its pending all-reduce belonged to the abandoned group
+                self._preemption = (self._preemption[0], StepAgreement())
 
     def backward(self, loss: Tensor) -> None:
         with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
@@ -390,9 +535,12 @@ class DDPStrategy:
         """The checkpoint at ``path``, or None when there is none.
 
         Global rank 0 decides whether it exists and tells the others, so no rank starts fresh
-        while another resumes (a shared filesystem seen at different moments can disagree).
+        while another resumes (a shared filesystem seen at different moments can disagree). In a
+        process that replaced a lost rank (in-place recovery) it is None: the state came from a survivor.
         """
         path = os.fspath(path)
+        if self._recovery is not None and self._recovery.joined:
+            return None  # a replacement received the survivors' state, newer than any checkpoint; they are training
         exists = self.broadcast(os.path.isfile(path) if self.is_global_zero else None)
         if not exists:
             return None
@@ -419,6 +567,14 @@ class DDPStrategy:
             if failed:
                 raise RuntimeError("local ranks that this process started did not end cleanly: " + ", ".join(
                     f"local rank {local_rank} {describe_exit(code)}" for local_rank, code in failed))
+
+
+def _set_epoch(loader: Iterable[Any], epoch: int) -> None:
+    """Give ``loader``'s sampler the epoch, so that its shuffle is the epoch's on every rank."""
+    if isinstance(loader, _EpochDataLoader):
+        loader.epoch = epoch
+    elif isinstance(getattr(loader, "sampler", None), DistributedSampler):
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
 
 
 def _current_umask() -> int:

@@ -44,11 +44,14 @@ from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
 
-__all__ = ["CollectiveFailedError", "PeerFailedError", "StoreHostGoneError", "guard", "peer_failure",
-           "peer_failure_raised", "publish_failure", "read_failure_record", "record_exception", "record_failure",
-           "store_host_gone"]
+__all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "expect_lost_peers",
+           "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised", "publish_failure",
+           "read_failure_record", "record_exception", "record_failure", "store_host_gone"]
 
 FAILURE_KEY = "ddpkit/failure"
+# Under in-place recovery: a rank of this group vanished (no record: killed); the first rank whose
+# collective failed says so, which frees the ranks still waiting on a live peer for the lost one.
+LOST_KEY = "ddpkit/peer_lost"
 _SEEN_KEY = "ddpkit/failure_seen"
 # How long the rank that hosts the store stays up after publishing its own failure, at most,
 # waiting for every other rank to have read it.
@@ -76,6 +79,12 @@ class PeerFailedError(CollectiveFailedError):
     def from_record(cls, record: dict[str, Any]) -> PeerFailedError:
         """The error that names the failure of a published record (``ddpkit.diagnostics.records`` format)."""
         return cls(int(record["rank"]), str(record["type"]), str(record["message"]), str(record["traceback"]))
+
+
+class PeerLostError(CollectiveFailedError):
+    """Under in-place recovery (``ddpkit run --recovery in-place``): a rank of the group vanished
+    without recording a failure (killed), so the group cannot go on; the launcher is starting its
+    replacement. ``DDPStrategy.step()`` catches it and re-forms the group with the replacement."""
 
 
 class StoreHostGoneError(PeerFailedError):
@@ -155,7 +164,7 @@ def _this_rank() -> int:
     return int(os.environ.get("RANK", "-1"))
 
 
-def peer_failure(probe_first: bool = False) -> PeerFailedError | None:
+def peer_failure(probe_first: bool = False) -> CollectiveFailedError | None:
     """The failure another rank published, as the error to raise (``StoreHostGoneError`` when the
     store's host is gone); None when there is none. Call it between slices of a wait, or with
     ``probe_first`` after a collective failed (a dead host's store is then not asked: torch
@@ -163,7 +172,10 @@ def peer_failure(probe_first: bool = False) -> PeerFailedError | None:
     store = _default_store()
     if store is None:
         return None
-    failure = _state.gone_error(store) or (store_host_gone() if probe_first else None) or _published_failure(store)
+    failure: CollectiveFailedError | None = (
+        _state.gone_error(store) or (store_host_gone() if probe_first else None) or _published_failure(store))
+    if failure is None and _state.expect_lost:
+        failure = _lost_peer(store)
     if failure is not None:
         # The collective ddpkit stops waiting for stays pending in Gloo, and finalising would wait
         # for it: an uncaught exception leaves at once.
@@ -186,6 +198,39 @@ def _published_failure(store: Any) -> PeerFailedError | None:
         with contextlib.suppress(RuntimeError):
             store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
     return PeerFailedError.from_record(record)
+
+
+def expect_lost_peers() -> None:
+    """From now on (in-place recovery), a collective that fails without any record means a rank
+    vanished: ``note_lost_peer`` tells the others, and ``peer_failure`` answers ``PeerLostError``."""
+    _state.expect_lost = True
+
+
+def lost_peers_expected() -> bool:
+    """Whether ``expect_lost_peers`` was called in this process."""
+    return _state.expect_lost
+
+
+def note_lost_peer(error: BaseException) -> PeerLostError:
+    """Tell the group's other ranks (through its store) that a rank vanished, as this rank's
+    collective found out with ``error``; return the error to raise here."""
+    store = _default_store()
+    if store is not None:
+        with contextlib.suppress(RuntimeError):
+            store.compare_set(LOST_KEY, "", f"rank {_this_rank()}: {error}".splitlines()[0])
+    return PeerLostError(f"a rank of the group vanished (its collective failed on rank {_this_rank()}: "
+                         f"{str(error).splitlines()[0] if str(error) else type(error).__name__}); "
+                         "in-place recovery replaces it")
+
+
+def _lost_peer(store: Any) -> PeerLostError | None:
+    try:
+        if not store.check([LOST_KEY]):
+            return None
+        return PeerLostError(f"a rank of the group vanished ({store.get(LOST_KEY).decode(errors='replace')}); "
+                             "in-place recovery replaces it")
+    except RuntimeError:
+        return None
 
 
 def store_host_gone() -> StoreHostGoneError | None:
@@ -252,6 +297,7 @@ class _State:
     def __init__(self) -> None:
         self.seen = False  # this process has counted itself among the readers of the record
         self.raised = threading.Event()
+        self.expect_lost = False  # in-place recovery: a collective failing without a record means a rank vanished
         self.gone: tuple[int, tuple[str, int], str] | None = None  # (id of the store, its address, why) once its host is gone
 
     def gone_error(self, store: Any) -> StoreHostGoneError | None:

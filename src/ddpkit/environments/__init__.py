@@ -29,7 +29,10 @@ from collections.abc import Mapping
 
 from ddpkit._network import find_free_port  # here in 0.1; it binds, so it lives with the sockets
 from ddpkit.environments.base import (
+    DDPKIT_GENERATION,
     DDPKIT_LAUNCHED,
+    DDPKIT_RECOVERY,
+    IN_PLACE,
     ChoosesBackend,
     ClusterEnvironment,
     _ResolvedEnvironment,
@@ -44,7 +47,10 @@ from ddpkit.environments.slurm import SLURMEnvironment, expand_slurm_nodelist
 from ddpkit.environments.torchelastic import TorchElasticEnvironment
 
 __all__ = [
+    "DDPKIT_GENERATION",
     "DDPKIT_LAUNCHED",
+    "DDPKIT_RECOVERY",
+    "IN_PLACE",
     "ChoosesBackend",
     "ClusterEnvironment",
     "KubeflowEnvironment",

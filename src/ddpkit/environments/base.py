@@ -6,10 +6,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-__all__ = ["DDPKIT_LAUNCHED", "ChoosesBackend", "ClusterEnvironment", "check_place", "environment_variables"]
+__all__ = ["DDPKIT_GENERATION", "DDPKIT_LAUNCHED", "DDPKIT_RECOVERY", "IN_PLACE", "ChoosesBackend", "ClusterEnvironment",
+           "check_place", "environment_variables"]
 
 #: Set by ddpkit's launcher in every worker it starts.
 DDPKIT_LAUNCHED = "DDPKIT_LAUNCHED"
+#: ``ddpkit run --recovery``: "fail-fast" (the default) or ``IN_PLACE``, where the launcher hosts the
+#: store and replaces a lost rank, and the ranks meet again in a new generation of the group.
+DDPKIT_RECOVERY = "DDPKIT_RECOVERY"
+IN_PLACE = "in-place"
+#: Under in-place recovery: which generation of the group this process joins (0 at the start; a
+#: replacement is told the generation it completes).
+DDPKIT_GENERATION = "DDPKIT_GENERATION"
 
 # Lightning's defaults, kept so that jobs move between the two without new ports.
 _DEFAULT_PORT = 12910

@@ -6,7 +6,10 @@ import os
 from collections.abc import Mapping
 
 from ddpkit.environments.base import (
+    DDPKIT_GENERATION,
     DDPKIT_LAUNCHED,
+    DDPKIT_RECOVERY,
+    IN_PLACE,
     _first_of,
     _int_var,
     _port_var,
@@ -25,8 +28,9 @@ class LocalEnvironment(_ResolvedEnvironment):
     processes started together get theirs from whoever starts them: ``ddpkit run``, in-script
     launching), ``WORLD_SIZE`` (1), ``RANK`` (``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``),
     ``LOCAL_RANK`` (0), ``LOCAL_WORLD_SIZE``, ``NODE_RANK``/``GROUP_RANK`` (0), and ``backend``
-    from ``DDPKIT_BACKEND`` (set by ``ddpkit run --backend``). Like every environment it only
-    reads: it binds no port.
+    from ``DDPKIT_BACKEND`` (set by ``ddpkit run --backend``), ``recovery`` and ``generation``
+    from ``DDPKIT_RECOVERY`` and ``DDPKIT_GENERATION`` (``ddpkit run --recovery in-place``). Like
+    every environment it only reads: it binds no port.
     """
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
@@ -43,6 +47,13 @@ class LocalEnvironment(_ResolvedEnvironment):
         default_rank = self._node_rank * (local_world or 1) + self._local_rank
         self._global_rank = _int_var(env, "RANK", fix, default=default_rank)
         self._external = "LOCAL_RANK" in env or DDPKIT_LAUNCHED in env
+        self.recovery = env.get(DDPKIT_RECOVERY, "").strip() or "fail-fast"
+        if self.recovery not in ("fail-fast", IN_PLACE):
+            raise ValueError(f"{DDPKIT_RECOVERY}={self.recovery!r}: use 'fail-fast' or {IN_PLACE!r} (ddpkit run "
+                             "--recovery sets it), or unset it.")
+        self.generation = _int_var(env, DDPKIT_GENERATION, fix, default=0)
+        #: Which start of the workers this is (``ddpkit run --max-restarts``): generations count anew in each.
+        self.attempt = _int_var(env, "DDPKIT_RESTART_COUNT", fix, default=0)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}
         if local_world is not None:
             values["local_world"] = local_world

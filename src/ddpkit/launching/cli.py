@@ -2,12 +2,13 @@
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
                [--master-port P] [--backend gloo|nccl] [--max-restarts N] [--preemption-signal SIG]
-               script.py [script args...]
+               [--recovery fail-fast|in-place] script.py [script args...]
 
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
 environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MASTER_ADDR,
 DDPKIT_MASTER_PORT, DDPKIT_BACKEND, DDPKIT_MAX_RESTARTS, DDPKIT_PREEMPTION_SIGNAL (which the
-workers read too: ``ddpkit.preemption``). ``auto`` means one process per GPU, or one
+workers read too: ``ddpkit.preemption``), DDPKIT_RECOVERY (the workers' too:
+``ddpkit.recovery``). ``auto`` means one process per GPU, or one
 per CPU core without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
 torchrun, mpirun, jsrun, Kubeflow: see ``detect_environment``), the script runs once in this
 process instead.
@@ -53,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     _flag(run, "preemption-signal", default="TERM",
           help="signal that asks the workers to save and stop, besides SIGTERM (e.g. USR1 for Slurm's "
                "--signal=USR1@90; then SIGUSR1 prints no stacks)")
+    _flag(run, "recovery", default="fail-fast", choices=["fail-fast", "in-place"],
+          help="what a killed worker costs: fail-fast ends (or, with --max-restarts, restarts) every worker; "
+               "in-place replaces it from a warm spare while the others go on (each counts against --max-restarts)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -130,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend=_backend(args.backend, launcher_argv),
             max_restarts=_integer("max-restarts", args.max_restarts, launcher_argv),
             preemption_signal=preemption_signal,
+            recovery=args.recovery,
         )
         return run_workers(args.script, args.script_args, config)
     except LaunchError as error:

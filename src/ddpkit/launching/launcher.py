@@ -9,6 +9,11 @@ the first rank seen to fail. With ``--max-restarts N`` it then starts every work
 times (``DDPKIT_RESTART_COUNT`` and torchrun's ``TORCHELASTIC_RESTART_COUNT`` say which start it
 is), and the exit code and summary are the last failure's.
 
+With ``--recovery in-place`` (``launching.replacement``) the launcher also runs the store
+(``launching.store_host``) and a warm spare; a worker killed by a signal is replaced by the spare
+while the others keep running (they re-form the group with it: ``ddpkit.recovery``), and each
+replacement counts against ``--max-restarts``; any other failure goes the way above.
+
 SIGINT to the launcher ends every worker the same way and returns 130, without a restart.
 SIGTERM, or the signal chosen with ``--preemption-signal``, is a preemption (``ddpkit.preemption``):
 each worker gets SIGTERM on its own process; a script that calls ``DDPStrategy.preempted()``
@@ -22,10 +27,12 @@ killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,9 +42,10 @@ from types import FrameType
 from typing import Any
 
 from ddpkit._network import find_free_port
-from ddpkit.environments import DDPKIT_LAUNCHED
+from ddpkit.environments import DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
 from ddpkit.launching.pool import RankFailedError, WorkerPool
-from ddpkit.launching.processes import WorkerProcesses
+from ddpkit.launching.processes import SPARE, WorkerProcesses
+from ddpkit.launching.replacement import Replacements
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
 
@@ -63,6 +71,7 @@ class LaunchConfig:
     backend: str | None = None
     max_restarts: int = 0  # times the workers are started again after a failure (torchrun's flag)
     preemption_signal: signal.Signals = signal.SIGTERM  # besides SIGTERM: asks the workers to save and stop
+    recovery: str = "fail-fast"  # or "in-place": a killed worker is replaced while the others go on
 
     @property
     def world_size(self) -> int:
@@ -100,6 +109,16 @@ def validate(config: LaunchConfig, script: str) -> None:
             "launcher to restart together, which ddpkit run cannot do yet. Use --max-restarts on a single node, or "
             "let the scheduler requeue the job (e.g. sbatch --requeue) and resume from a checkpoint."
         )
+    if config.recovery not in ("fail-fast", IN_PLACE):
+        raise LaunchError(f"--recovery={config.recovery!r}: use 'fail-fast' (the default) or {IN_PLACE!r}.")
+    if config.recovery == IN_PLACE:
+        if config.max_restarts < 1:
+            raise LaunchError(f"--recovery in-place with --max-restarts={config.max_restarts}: each replacement of a "
+                              "lost rank counts against --max-restarts; give --max-restarts 1 or more.")
+        if config.backend == "nccl":
+            raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
+                              "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "
+                              "--max-restarts.")
     if not 0 <= config.node_rank < config.nnodes:
         raise LaunchError(
             f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
@@ -154,6 +173,7 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         PREEMPTION_SIGNAL_VARIABLE: config.preemption_signal.name,
+        DDPKIT_RECOVERY: config.recovery,
     }
     if config.backend:
         variables["DDPKIT_BACKEND"] = config.backend
@@ -212,19 +232,33 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     if config.preemption_signal != signal.SIGUSR1:
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
     signals = _Signals(received, stack_requests, config.preemption_signal)
+    store_host = None
     try:
         restart_count = 0
+        # In place, the launcher's store keeps one port for the whole run (generations and restarts have prefixes).
+        port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
+        if config.recovery == IN_PLACE:
+            store_host = _start_store_host(config.master_addr, port, {**defaults, **os.environ})
         while True:
-            port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
+            if config.recovery != IN_PLACE and restart_count and config.master_port is None:
+                port = find_free_port(config.master_addr)
             workers = WorkerProcesses("run")
             try:
+                command = [sys.executable, "-m", "ddpkit.launching.worker", script, *script_args]
                 for local_rank in range(config.nproc_per_node):
                     variables = rank_variables(config, port, local_rank, restart_count)
-                    workers.start([sys.executable, "-m", "ddpkit.launching.worker", script, *script_args],
-                                  {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
-                code, root_cause = _watch(workers, signals, grace, poll_interval)
+                    workers.start(command, {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
+                replacements = None
+                if config.recovery == IN_PLACE:
+                    replacements = Replacements(
+                        workers, [*command[:3], SPARE, *command[3:]], {**defaults, **os.environ},
+                        functools.partial(rank_variables, config, port, restart_count=restart_count),
+                        budget=config.max_restarts - restart_count)
+                code, root_cause = _watch(workers, signals, grace, poll_interval, replacements)
             finally:
                 workers.close(grace)
+            if replacements is not None:
+                restart_count += replacements.used  # replacements spend the same budget
             if root_cause is None:  # success, preempted, or stopped by a signal
                 return code
             count = config.nproc_per_node
@@ -239,8 +273,17 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             _log.warning(f"ddpkit run: restarting all {count} workers (restart {restart_count} of "
                          f"{config.max_restarts}); DDPKIT_RESTART_COUNT={restart_count}")
     finally:
+        if store_host is not None:
+            store_host.kill()
+            store_host.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _start_store_host(address: str, port: int, environment: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """The process that hosts the job's store under in-place recovery (``launching.store_host``)."""
+    return subprocess.Popen([sys.executable, "-m", "ddpkit.launching.store_host", address, str(port)],
+                            env={**environment, "DDPKIT_LAUNCHER_PID": str(os.getpid())}, start_new_session=True)
 
 
 @dataclass
@@ -265,10 +308,12 @@ class _Signals:
         return self.received[1] if len(self.received) > 1 else None
 
 
-def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_interval: float) -> tuple[int, str | None]:
+def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_interval: float,
+           replacements: Replacements | None = None) -> tuple[int, str | None]:
     """Poll the workers until all succeed (0), all saved and stopped after a preemption (75), a stop
     signal comes (128 + its number) or one fails (1, and the description of the root cause,
-    after every worker was stopped)."""
+    after every worker was stopped). With ``replacements`` (in-place recovery), a worker that can
+    be replaced is, and the watch goes on."""
     count = len(workers.workers)
     preemption: int | None = None
     while True:
@@ -287,10 +332,18 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
             workers.notify(signal.SIGTERM)
         # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
         failed = workers.failed(also_fine=(-signal.SIGTERM,) if preemption else ())
+        if failed and preemption is None and replacements is not None and replacements.replace(failed):
+            continue
         if failed:
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
+            recovering = replacements.recovering() if replacements is not None else None
             workers.end(grace)
-            return 1, workers.describe_root_cause(failed)
+            cause = workers.describe_root_cause(failed)
+            return 1, (cause if recovering is None else f"during the in-place recovery of rank {recovering.rank}: {cause}")
+        problem = replacements.check() if replacements is not None else None
+        if problem is not None:
+            workers.end(grace)
+            return 1, problem
         codes = workers.exit_codes()
         if preemption is not None and -signal.SIGTERM in codes:
             _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script does not call "

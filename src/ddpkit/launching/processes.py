@@ -15,6 +15,7 @@ their workers here, so every worker is started, ended and blamed the same way:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,8 +31,14 @@ from ddpkit.preemption import PREEMPTED_EXIT_CODE
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a
 # script. Here rather than in ``launching.worker``, which imports torch: the launcher does not.
 SERVE_FUNCTIONS = "--serve-functions"
+# The argument that makes a worker a warm spare (in-place recovery): it waits for a rank to take over.
+SPARE = "--spare"
 
-__all__ = ["WorkerProcess", "WorkerProcesses", "describe_exit"]
+__all__ = ["READY_FILE_VARIABLE", "WorkerProcess", "WorkerProcesses", "describe_exit"]
+
+#: Where a process that replaced a lost rank (in-place recovery) writes once it holds the
+#: survivors' state and the group is whole again: the launcher's sign that the recovery is over.
+READY_FILE_VARIABLE = "DDPKIT_READY_FILE"
 
 # How long workers get to write their stacks after SIGUSR1.
 _STACK_DUMP_WAIT_SECONDS = 0.5
@@ -68,6 +75,8 @@ class WorkerProcesses:
     def __init__(self, purpose: str) -> None:
         self.folder = tempfile.mkdtemp(prefix=f"ddpkit-{purpose}-")
         self.workers: list[WorkerProcess] = []
+        self.spares: list[WorkerProcess] = []  # warm spares (in-place recovery), rank -1 until they take one
+        self.retired: list[WorkerProcess] = []  # lost workers whose rank a spare took
 
     def __enter__(self) -> WorkerProcesses:
         return self
@@ -87,6 +96,33 @@ class WorkerProcesses:
         worker = WorkerProcess(local_rank, rank, process, error_file, stack_file)
         self.workers.append(worker)
         return worker
+
+    def start_spare(self, command: Sequence[str], environment: Mapping[str, str]) -> WorkerProcess:
+        """Start a warm spare (``python -m ddpkit.launching.worker --spare ...``): a worker without a
+        rank yet, whose standard input is a pipe from here (``replace`` writes its rank there)."""
+        name = f"spare{len(self.spares) + len(self.retired)}"
+        error_file, stack_file = (os.path.join(self.folder, f"{name}.{kind}") for kind in ("json", "stacks"))
+        variables = {"DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file,
+                     "DDPKIT_STACK_FILE": stack_file}
+        process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True,
+                                   stdin=subprocess.PIPE)
+        spare = WorkerProcess(-1, -1, process, error_file, stack_file)
+        self.spares.append(spare)
+        return spare
+
+    def replace(self, lost: WorkerProcess, spare: WorkerProcess, variables: Mapping[str, str]) -> None:
+        """Give ``lost``'s rank to ``spare``, which then runs the script with ``variables`` added to its
+        environment; what is left of ``lost`` (its children) is killed."""
+        assert spare.process.stdin is not None  # start_spare made the pipe
+        spare.process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
+        spare.process.stdin.close()
+        spare.rank, spare.local_rank = lost.rank, lost.local_rank
+        self.spares.remove(spare)
+        self.workers[self.workers.index(lost)] = spare
+        _signal_group(lost.process, signal.SIGKILL)
+        lost.process.wait()
+        lost.reaped = True
+        self.retired.append(lost)
 
     def failed(self, also_fine: Sequence[int] = ()) -> list[WorkerProcess]:
         """The workers that have ended with a non-zero code or a signal, other than
@@ -169,7 +205,11 @@ class WorkerProcesses:
 
         The SIGKILL goes to every group, finished or not: it also reaches grandchildren left behind.
         """
-        pending = [worker for worker in self.workers if not worker.reaped]
+        for spare in self.spares:
+            if spare.process.stdin is not None and not spare.process.stdin.closed:
+                with contextlib.suppress(OSError):
+                    spare.process.stdin.close()  # the spare leaves by itself when its pipe closes
+        pending = [worker for worker in [*self.workers, *self.spares] if not worker.reaped]
         for worker in pending:
             if worker.process.poll() is None:
                 _signal_group(worker.process, signal.SIGTERM)

@@ -1,7 +1,10 @@
 """Bootstrap of every worker that ddpkit starts (``launching.processes``):
 ``python -m ddpkit.launching.worker script.py [args]`` or ``python -m ddpkit.launching.worker -m module [args]``
 for ``ddpkit run`` and in-script launching, ``python -m ddpkit.launching.worker --serve-functions`` for
-the function pool of ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``).
+the function pool of ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``);
+``python -m ddpkit.launching.worker --spare script.py [args]`` for the warm spare of in-place
+recovery, which imports torch and ddpkit's training parts, then waits for the launcher to write
+the variables of the rank it replaces (one JSON line on its standard input) and runs the script.
 
 Before running the script as ``__main__`` (or serving the pool) it (1) asks the kernel to send SIGTERM when the launcher
 dies (Linux ``PR_SET_PDEATHSIG``), and exits at once if the launcher is already gone, so no worker
@@ -19,8 +22,10 @@ import contextlib
 import ctypes
 import faulthandler
 import gc
+import importlib
 import io
 import itertools
+import json
 import os
 import runpy
 import signal
@@ -32,7 +37,7 @@ import torch.distributed as dist
 
 from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
-from ddpkit.launching.processes import SERVE_FUNCTIONS
+from ddpkit.launching.processes import SERVE_FUNCTIONS, SPARE
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
@@ -41,7 +46,8 @@ _log = get_logger("launching")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_launcher() -> None:
+def die_with_launcher() -> None:
+    """Ask the kernel for SIGTERM when the launcher dies; exit at once if it is gone already."""
     launcher = int(os.environ.get("DDPKIT_LAUNCHER_PID", "0"))
     if sys.platform.startswith("linux"):
         try:
@@ -67,7 +73,10 @@ def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit("usage: python -m ddpkit.launching.worker (script.py | -m module) [args...]")
     _dump_stacks_on_request()
-    _die_with_launcher()
+    die_with_launcher()
+    if argv[0] == SPARE:
+        argv = argv[1:]
+        _wait_for_a_rank()
     # What exists now (the bootstrap, and torch, which it imported) lives until the process
     # ends: out of the collector's way, it costs no time in the script's full collections, nor
     # in the look for open files and the collection when the script has ended.
@@ -98,6 +107,24 @@ def main(argv: list[str]) -> None:
         # blocked in a collective that only this exit ends: not waited for.
         leave(1, wait_for_threads=False)
     _finish(0, namespace)
+
+
+# What a spare imports ahead of the script: the strategy brings the DDP module, the collectives and
+# in-place recovery. The launcher's own rule (import no more than it needs) is about the launcher and
+# a worker before its script; a spare's whole point is to have imported them already.
+_WARM_MODULES = ("torch", "ddpkit.strategy")
+
+
+def _wait_for_a_rank() -> None:
+    """The warm spare: import what a training script needs (seconds, done ahead), then wait for the
+    launcher to name the rank this process replaces; leave quietly when the launcher closes the pipe."""
+    for name in _WARM_MODULES:
+        importlib.import_module(name)
+    line = sys.stdin.readline()
+    if not line.strip():
+        os._exit(0)
+    os.environ.update(json.loads(line))
+    sys.stdin = open(os.devnull, encoding="utf-8")  # the pipe was the launcher's, not the script's input
 
 
 def _exit_code(exit_request: SystemExit) -> int:

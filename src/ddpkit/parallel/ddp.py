@@ -702,6 +702,29 @@ class DistributedDataParallel(nn.Module):
         self._pre_sync_hooks[handle.id] = hook
         return handle
 
+    def bucket_order(self) -> tuple[list[str], bool]:
+        """The launch order of the buckets, and whether it may still change after the next
+        synchronised backward (it is rebuilt once, in the order gradients arrived)."""
+        return list(self._launch_order), self._step.observed is not None
+
+    def adopt_bucket_order(self, order: list[str], may_change: bool) -> None:
+        """Take another rank's ``bucket_order()``: a rank that joined a running group (in-place
+        recovery) must build the buckets the others built, without the first backward's rebuild."""
+        self._set_launch_order(order)
+        self._step = _StepState(observed=[] if may_change else None)
+
+    def resynchronise(self, order: list[str], may_change: bool) -> None:
+        """Run the collectives of construction again and build the buckets in ``order`` (see
+        ``adopt_bucket_order``), with fresh buffers: the group is a new generation, where a rank that
+        replaces a lost one constructs its module.
+
+        A collective of the abandoned group may still be pending on the old buffers (its Gloo
+        thread waits for a peer that will not send), so they are not reused.
+        """
+        self._check_same_module_everywhere(self.module)
+        self._broadcast_state()
+        self.adopt_bucket_order(order, may_change)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's state dict: keys have no ``module.`` prefix."""
         return self.module.state_dict(*args, **kwargs)

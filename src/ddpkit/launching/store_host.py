@@ -1,0 +1,36 @@
+"""The store of a job under in-place recovery: ``python -m ddpkit.launching.store_host ADDRESS PORT``.
+
+``ddpkit run --recovery in-place`` starts this process beside the workers so that the store (a
+``torch.distributed.TCPStore``) outlives any one of them: without it, the store lives in rank 0,
+and losing rank 0 would lose the group's only meeting point. The launcher itself stays free of
+torch (see docs/architecture.md), as torchrun's agent is not; this process is its stand-in. It
+dies with the launcher (``PR_SET_PDEATHSIG``) and otherwise sleeps.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from datetime import timedelta
+
+from ddpkit.launching.worker import die_with_launcher
+
+__all__ = ["main"]
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or not argv[1].isdigit():
+        raise SystemExit("usage: python -m ddpkit.launching.store_host ADDRESS PORT")
+    die_with_launcher()
+    import torch.distributed as dist
+
+    # wait_for_workers=False: the workers connect when they are ready; the store just listens.
+    store = dist.TCPStore(argv[0], int(argv[1]), is_master=True, timeout=timedelta(minutes=10),  # type: ignore[attr-defined]
+                          wait_for_workers=False)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while store is not None:
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

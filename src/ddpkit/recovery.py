@@ -1,0 +1,168 @@
+"""In-place recovery: a lost rank replaced while the others keep their processes.
+
+Under ``ddpkit run --recovery in-place`` the launcher hosts the store, keeps a warm spare (a
+process that has imported torch and ddpkit) and, when a worker is killed, hands the spare that
+worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
+
+    for epoch in strategy.epochs(epochs):
+        for x, y in strategy.batches(loader):
+            with strategy.step():
+                ...forward, strategy.backward(loss), optimizer.step()...
+
+- **Survivors.** A collective of the step fails (the killed rank closed its connections; the
+  first rank to see it tells the others through the store: ``PeerLostError``). ``step()`` catches
+  it, abandons the group and forms the next generation with the same ranks
+  (``connection.form_generation``), then ``InPlaceRecovery.recover`` runs the exchange below and
+  ``batches()`` hands out again the batches after the last optimizer step.
+- **The replacement** runs the script from the top. ``DDPStrategy.setup`` connects to the new
+  generation, receives the state (``join``) before wrapping the model, and ``epochs()`` and
+  ``batches()`` start where the survivors continue.
+- **The exchange.** The ranks gather (is a replacement, optimizer steps taken); the survivor with
+  the most steps (the lowest rank among equals) sends its state by broadcast: parameters,
+  buffers as they were after its last optimizer step, optimizer state, the position (epoch,
+  next batch), the step count, its RNG state as of that step, and the bucket order. Every other
+  rank loads it, so a survivor whose last all-reduce failed while another's completed also
+  continues from the later step: no step is lost and none is applied twice. No file is read.
+
+The commit point is the optimizer step (``register_step_post_hook``): the position moves past a
+batch when the optimizer has stepped on it, so with gradient accumulation the whole window is
+trained again. What a lost rank computed for itself only (its RNG stream, per-rank metrics) is
+gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
+``recovered_in_place`` to know it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.collectives import all_gather_object, broadcast_object
+from ddpkit.connection import current_generation, form_generation
+from ddpkit.logs import get_logger
+from ddpkit.parallel.ddp import DistributedDataParallel
+
+__all__ = ["InPlaceRecovery", "Progress"]
+
+_log = get_logger("recovery")
+
+
+@dataclass
+class Progress:
+    """Where the training loop is (``DDPStrategy.epochs`` / ``batches`` keep it)."""
+
+    epoch: int = 0  # the epoch in progress
+    batch: int = -1  # index, within the epoch, of the batch in hand (-1: none yet)
+    steps: int = 0  # optimizer steps taken (in-place recovery counts them; equal on every rank)
+
+
+class InPlaceRecovery:
+    """One rank's side of in-place recovery (see the module docstring)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        #: (epoch, index of the next batch) right after the last optimizer step: where a recovery continues.
+        self.resume = (0, 0)
+        #: Set by ``recover``/``join``: ``batches()`` continues from ``resume`` instead of reading on.
+        self.rewind = False
+        #: This process replaced a lost rank (``join`` ran): ``epochs``/``batches`` start at ``resume``.
+        self.joined = False
+        self.recoveries = 0
+        self._model: DistributedDataParallel | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._rng = torch.get_rng_state()
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def join(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """In a replacement, before its module is wrapped: receive the state of the survivors and
+        load it into ``module`` and ``optimizer``; return it (``attach`` takes the bucket order)."""
+        state = self._exchange(module, optimizer, replacement=True)
+        self.joined = True
+        self.rewind = False  # epochs() and batches() start at resume
+        return state
+
+    def attach(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+               joined_state: dict[str, Any] | None = None) -> None:
+        """Follow ``optimizer``'s steps (each one commits the batch in hand) and keep what a redo
+        needs: the buffers and RNG state as of the last step."""
+        self._model, self._optimizer = model, optimizer
+        self._buffers = [buffer.detach().clone() for buffer in model.module.buffers()]
+        if joined_state is not None:
+            model.adopt_bucket_order(joined_state["bucket_order"], joined_state["bucket_order_may_change"])
+        optimizer.register_step_post_hook(self._commit)
+
+    def _commit(self, *_: Any) -> None:
+        progress = self.progress
+        self.resume = (progress.epoch, progress.batch + 1)
+        progress.steps += 1
+        if self._model is not None:
+            for kept, buffer in zip(self._buffers, self._model.module.buffers()):
+                kept.copy_(buffer)
+        self._rng = torch.get_rng_state()
+
+    # -- after a rank was lost ---------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """In a survivor: form the next generation with the replacement and bring every rank to
+        the latest step any rank completed."""
+        model, optimizer = self._model, self._optimizer
+        if model is None or optimizer is None:
+            raise RuntimeError("in-place recovery: the model and optimizer were never set up (DDPStrategy.setup).")
+        generation = (current_generation() or 0) + 1
+        _log.warning(f"ddpkit: a rank was lost; forming generation {generation} of the group with its replacement")
+        form_generation(generation)
+        state = self._exchange(model.module, optimizer, replacement=False)
+        model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
+        optimizer.zero_grad(set_to_none=True)  # the redo starts a fresh accumulation window
+        self.rewind = True
+        self.recoveries += 1
+        _log.warning(f"ddpkit: recovered in place: generation {generation}, continuing at epoch {self.resume[0]} "
+                     f"batch {self.resume[1]} (optimizer step {self.progress.steps})")
+
+    def _exchange(self, module: nn.Module, optimizer: torch.optim.Optimizer, replacement: bool) -> dict[str, Any]:
+        """Pick the sender (the survivor with the most optimizer steps) and give every rank its state."""
+        ranks = all_gather_object((replacement, self.progress.steps))
+        candidates = [rank for rank, (is_replacement, _) in enumerate(ranks) if not is_replacement]
+        if not candidates:
+            raise RuntimeError("in-place recovery: every rank of the new generation is a replacement; no rank holds "
+                               "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
+        sender = max(candidates, key=lambda rank: (ranks[rank][1], -rank))
+        mine = torch.distributed.get_rank() == sender
+        state: dict[str, Any] = broadcast_object(self._state(module, optimizer) if mine else None, src=sender)
+        if mine:
+            self._restore_snapshot(module)
+        else:
+            self._load(state, module, optimizer)
+        return state
+
+    def _state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_state = module.state_dict()
+        buffer_names = [name for name, _ in module.named_buffers()]
+        for name, kept in zip(buffer_names, self._buffers):
+            if name in model_state:
+                model_state[name] = kept  # as of the last optimizer step: the failed forward may have moved them
+        order, may_change = self._model.bucket_order() if self._model is not None else ([], True)
+        return {"model": model_state, "optimizer": optimizer.state_dict(), "resume": self.resume,
+                "steps": self.progress.steps, "rng": self._rng, "bucket_order": order,
+                "bucket_order_may_change": may_change}
+
+    def _restore_snapshot(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for kept, buffer in zip(self._buffers, module.buffers()):
+                buffer.copy_(kept)
+        torch.set_rng_state(self._rng)
+
+    def _load(self, state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        self.resume = (int(state["resume"][0]), int(state["resume"][1]))
+        self.progress.steps = int(state["steps"])
+        self._rng = state["rng"]
+        torch.set_rng_state(self._rng)
+        if self._buffers:
+            for kept, buffer in zip(self._buffers, module.buffers()):
+                kept.copy_(buffer)

@@ -1,0 +1,203 @@
+"""In-place recovery (issue 14, items 4 and 5): `ddpkit run --recovery in-place` replaces a rank
+killed with SIGKILL from a warm spare while the others keep their processes, and the run ends
+with exactly the parameters of a run without the fault. Real launchers and workers on Gloo; the
+example (`examples/train.py --kill-at-step`) kills a rank the way the out-of-memory killer does."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpkit
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+TRAINING = ("--epochs", "2", "--samples", "1024")  # 8 steps per epoch on 2 ranks
+
+
+def run_example(folder: Path, *args: str, nproc: int = 2, launcher: tuple[str, ...] = ("--recovery", "in-place",
+                "--max-restarts", "1")) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "ddpkit", "run", *launcher, "--nproc-per-node", str(nproc), str(EXAMPLE),
+               *TRAINING, "--checkpoint", str(folder) + os.sep, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240)
+
+
+def final_parameters(folder: Path) -> list[torch.Tensor]:
+    return list(torch.load(folder / "checkpoint.pt", weights_only=False)["model"].values())
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[torch.Tensor]]:
+    """The final parameters of runs without a fault, by number of ranks (computed when first asked)."""
+
+    class Lazy(dict[int, list[torch.Tensor]]):
+        def __missing__(self, nproc: int) -> list[torch.Tensor]:
+            folder = tmp_path_factory.mktemp(f"fault_free{nproc}")
+            result = run_example(folder, nproc=nproc)
+            assert result.returncode == 0, result.stderr[-3000:]
+            self[nproc] = final_parameters(folder)
+            return self[nproc]
+
+    return Lazy()
+
+
+def assert_same(parameters: list[torch.Tensor], expected: list[torch.Tensor], tolerance: float = 0.0) -> None:
+    assert len(parameters) == len(expected)
+    difference = max((a - b).abs().max().item() for a, b in zip(parameters, expected))
+    assert difference <= tolerance, f"max difference to the fault-free run {difference:.3e}"
+
+
+@pytest.mark.parametrize(("phase", "rank"), [("forward", 1), ("backward", 1), ("optimizer-step", 1), ("backward", 0)])
+def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_without_the_fault(
+        tmp_path: Path, fault_free: dict[int, list[torch.Tensor]], phase: str, rank: int) -> None:
+    result = run_example(tmp_path, "--kill-at-step", "5", "--kill-during", phase, "--kill-rank", str(rank))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(rf"rank {rank} \(local rank {rank}, pid \d+\) was killed by signal SIGKILL; the spare", result.stderr)
+    assert "recovered in place" in result.stderr
+    assert "restarting all" not in result.stderr  # no survivor process was started again
+    assert "parameters identical on all ranks: True, max |difference| to one process 0.00e+00" in result.stdout
+    assert_same(final_parameters(tmp_path), fault_free[2])
+
+
+def test_four_ranks_recover_in_place_and_end_as_without_the_fault(
+        tmp_path: Path, fault_free: dict[int, list[torch.Tensor]]) -> None:
+    result = run_example(tmp_path, "--kill-at-step", "3", "--kill-rank", "2", nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "recovered in place" in result.stderr and "restarting all" not in result.stderr
+    assert_same(final_parameters(tmp_path), fault_free[4], tolerance=1e-6)
+
+
+def test_a_rank_lost_during_a_checkpoint_save_falls_back_to_a_restart_that_resumes(
+        tmp_path: Path, fault_free: dict[int, list[torch.Tensor]]) -> None:
+    # Between steps nothing can be trained again: the survivors fail, and the budget left restarts the job.
+    result = run_example(tmp_path, "--kill-at-step", "8", "--kill-during", "checkpoint-save",
+                         launcher=("--recovery", "in-place", "--max-restarts", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "during the in-place recovery of rank 1" in result.stderr
+    assert "restarting all 2 workers (restart 2 of 2)" in result.stderr
+    assert "resumed from" in result.stdout
+    assert_same(final_parameters(tmp_path), fault_free[2])
+
+
+# A small loop with the strategy's helpers; FAULT chooses what goes wrong.
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, time
+    import torch
+    from torch import nn
+    import ddpkit
+    import ddpkit.recovery
+
+    FAULT = os.environ["FAULT"]
+    generation = int(os.environ.get("DDPKIT_GENERATION", "0"))
+    rank = int(os.environ["RANK"])
+    if FAULT == "replacement-dies" and generation > 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if FAULT == "survivor-dies-in-transfer" and rank == 2:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        ddpkit.recovery.InPlaceRecovery._exchange = die
+    torch.manual_seed(0)
+    strategy = ddpkit.DDPStrategy()
+    model, optimizer = strategy.setup(nn.Linear(8, 1), torch.optim.SGD(nn.Linear(8, 1).parameters(), lr=0.1))
+    data = [torch.randn(4, 8) for _ in range(40)]
+    for epoch in strategy.epochs(1):
+        for x in strategy.batches(data):
+            with strategy.step():
+                if rank == 1 and strategy.progress.batch == 5 and (generation == 0 or FAULT == "always"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                optimizer.zero_grad()
+                strategy.backward(model(x).sum())
+                optimizer.step()
+                time.sleep(0.05)
+    strategy.teardown()
+    """
+)
+
+
+def run_script(folder: Path, fault: str, nproc: int = 2, *launcher: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    (folder / "loop.py").write_text(SCRIPT)
+    command = [sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1", *launcher,
+               "--nproc-per-node", str(nproc), "loop.py"]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "FAULT": fault, "DDPKIT_RECOVERY_TIMEOUT_SECONDS": "20"})
+    return result, time.monotonic() - start
+
+
+def test_a_replacement_that_dies_during_the_recovery_ends_the_job_naming_it(tmp_path: Path) -> None:
+    result, seconds = run_script(tmp_path, "replacement-dies")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(r"during the in-place recovery of rank 1: rank 1 \(local rank 1, pid \d+\) was killed by signal "
+                     r"SIGKILL without recording an exception", result.stderr), result.stderr[-3000:]
+    assert "no restart left" in result.stderr
+    assert seconds < 30, f"the job took {seconds:.1f} s to end"
+
+
+def test_a_second_rank_lost_during_the_state_transfer_ends_the_job(tmp_path: Path) -> None:
+    result, seconds = run_script(tmp_path, "survivor-dies-in-transfer", 4)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "during the in-place recovery of rank 1" in result.stderr, result.stderr[-3000:]
+    assert seconds < 40, f"the job took {seconds:.1f} s to end"
+
+
+def test_when_the_budget_is_spent_the_next_loss_ends_the_job(tmp_path: Path) -> None:
+    result, seconds = run_script(tmp_path, "always")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "replacement 1 of 1" in result.stderr
+    assert len(re.findall(r"rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL", result.stderr)) == 2
+    assert seconds < 30, f"the job took {seconds:.1f} s to end"
+
+
+def test_no_process_of_the_job_is_left_behind(tmp_path: Path) -> None:
+    result, _ = run_script(tmp_path, "replacement-dies", 2)
+    assert result.returncode == 1
+    left = subprocess.run(["pgrep", "-f", "ddpkit.launching.(worker|store_host)"], capture_output=True, text=True)
+    ours = [pid for pid in left.stdout.split() if str(tmp_path) in _cwd(pid)]
+    assert not ours, f"left behind: {ours}"
+
+
+def _cwd(pid: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""
+
+
+def test_in_place_recovery_needs_a_budget(tmp_path: Path) -> None:
+    (tmp_path / "loop.py").write_text("print('ran')\n")
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--nproc-per-node", "2",
+                             "loop.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--recovery in-place with --max-restarts=0" in result.stderr and "--max-restarts 1 or more" in result.stderr
+    assert "ran" not in result.stdout
+
+
+def test_the_strategy_refuses_in_place_recovery_without_the_launcher() -> None:
+    with pytest.raises(ValueError, match="recovery='nonsense'"):
+        ddpkit.DDPStrategy(recovery="nonsense")
+    place = ddpkit.LocalEnvironment({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "29999"})
+    strategy = ddpkit.DDPStrategy(recovery="in-place", cluster_environment=place)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"needs the launcher's part: start the job with `ddpkit run --recovery in-place"):
+        strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))  # before connecting: nothing waits
+
+
+def test_without_in_place_recovery_the_loop_helpers_are_range_and_the_loader() -> None:
+    strategy = ddpkit.DDPStrategy()
+    seen = []
+    for epoch in strategy.epochs(3, start=1):
+        for batch in strategy.batches(list(range(5)), skip=2 if epoch == 1 else 0):
+            with strategy.step():
+                seen.append((epoch, strategy.progress.batch, batch))
+    assert seen == [(1, 2, 2), (1, 3, 3), (1, 4, 4)] + [(2, i, i) for i in range(5)]
+    with pytest.raises(ddpkit.PeerLostError):  # nothing to recover with: the error goes on up
+        with strategy.step():
+            raise ddpkit.PeerLostError("a rank vanished")
