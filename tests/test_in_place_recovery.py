@@ -80,8 +80,9 @@ def test_a_rank_lost_during_a_checkpoint_save_falls_back_to_a_restart_that_resum
     result = run_example(tmp_path, "--kill-at-step", "8", "--kill-during", "checkpoint-save",
                          launcher=("--recovery", "in-place", "--max-restarts", "2"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "during the in-place recovery of rank 1" in result.stderr
-    assert "restarting all 2 workers (restart 2 of 2)" in result.stderr
+    # The launcher sees the killed rank alone (it hands the spare its rank, then the survivor fails
+    # during that recovery) or both in one poll (no replacement): either way every worker restarts.
+    assert "restarting all 2 workers" in result.stderr, result.stderr[-3000:]
     assert "resumed from" in result.stdout
     assert_same(final_parameters(tmp_path), fault_free[2])
 
