@@ -158,7 +158,7 @@ def main() -> None:
         strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
                        f"accuracy {totals[1] / totals[2]:.3f}", flush=True)
         if checkpoint:
-            Fault(args, strategy, (epoch + 1) * len(loader)).at("checkpoint-save", epoch_end=True)
+            Fault(args, strategy, (epoch + 1) * len(loader)).at("checkpoint-save")
             strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                                   "epoch": epoch + 1, "batch": 0, "totals": totals,
                                                   "preempted": False})
@@ -197,8 +197,8 @@ class Fault:
                       and not strategy.recovered_in_place)
         self.phase = args.kill_during
 
-    def at(self, phase: str, epoch_end: bool = False) -> None:
-        if self.armed and phase == self.phase and epoch_end == (phase == "checkpoint-save"):
+    def at(self, phase: str) -> None:
+        if self.armed and phase == self.phase:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def arm_backward(self, model: nn.Module) -> None:

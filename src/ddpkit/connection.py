@@ -32,6 +32,8 @@ from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
     IN_PLACE,
+    RECOVERY_TIMEOUT_SECONDS,
+    RECOVERY_TIMEOUT_VARIABLE,
     ChoosesBackend,
     ClusterEnvironment,
     LocalEnvironment,
@@ -162,11 +164,6 @@ class _Generations:
 
 _generations = _Generations()
 
-#: How long the ranks of a new generation wait for each other (the replacement starts the script
-#: from the top) before giving up: ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``.
-RECOVERY_TIMEOUT_SECONDS = 60.0
-
-
 def current_generation() -> int | None:
     """The generation of the group this process is in under in-place recovery; None otherwise."""
     return _generations.current if _generations.base_store is not None else None
@@ -199,7 +196,7 @@ def _prefix(generation: int) -> str:
 
 def _meet(generation: int, size: int) -> None:
     """Count this rank in ``generation`` and wait until all ``size`` ranks are counted."""
-    seconds = seconds_setting("DDPKIT_RECOVERY_TIMEOUT_SECONDS", RECOVERY_TIMEOUT_SECONDS, "60")
+    seconds = seconds_setting(RECOVERY_TIMEOUT_VARIABLE, RECOVERY_TIMEOUT_SECONDS, "60")
     key = f"{_prefix(generation)}arrived"
     arrived = _generations.base_store.add(key, 1)
     deadline = time.monotonic() + seconds

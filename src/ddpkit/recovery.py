@@ -100,9 +100,13 @@ class InPlaceRecovery:
         self.resume = (progress.epoch, progress.batch + 1)
         progress.steps += 1
         if self._model is not None:
-            for kept, buffer in zip(self._buffers, self._model.module.buffers()):
-                kept.copy_(buffer)
+            self._keep_buffers(self._model.module)
         self._rng = torch.get_rng_state()
+
+    def _keep_buffers(self, module: nn.Module) -> None:
+        """Copy ``module``'s buffers as they are now into the snapshot a redo starts from."""
+        for kept, buffer in zip(self._buffers, module.buffers()):
+            kept.copy_(buffer)
 
     # -- after a rank was lost ---------------------------------------------------------------------
 
@@ -163,6 +167,4 @@ class InPlaceRecovery:
         self.progress.steps = int(state["steps"])
         self._rng = state["rng"]
         torch.set_rng_state(self._rng)
-        if self._buffers:
-            for kept, buffer in zip(self._buffers, module.buffers()):
-                kept.copy_(buffer)
+        self._keep_buffers(module)  # nothing yet in a replacement: attach() takes them after this

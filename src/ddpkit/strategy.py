@@ -263,7 +263,7 @@ class DDPStrategy:
     def _start_recovery(self, optimizer: torch.optim.Optimizer | None) -> InPlaceRecovery | None:
         """In-place recovery's state for this process, when the job runs with it (else None)."""
         launched_in_place = getattr(self.cluster_environment, "recovery", None) == IN_PLACE
-        wanted = self._recovery_wanted or ("in-place" if launched_in_place else "fail-fast")
+        wanted = self._recovery_wanted or (IN_PLACE if launched_in_place else "fail-fast")
         if wanted != IN_PLACE or self.world_size < 2:
             return None
         if not launched_in_place:
@@ -359,8 +359,6 @@ class DDPStrategy:
         starts at the survivors' epoch instead."""
         recovery = self._recovery
         epoch = recovery.resume[0] if recovery is not None and recovery.joined else start
-        if recovery is not None:
-            recovery.resume = max(recovery.resume, (epoch, 0))
         while epoch < stop:
             self.progress.epoch, self.progress.batch = epoch, -1
             if recovery is not None:

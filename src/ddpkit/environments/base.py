@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-__all__ = ["DDPKIT_GENERATION", "DDPKIT_LAUNCHED", "DDPKIT_RECOVERY", "IN_PLACE", "ChoosesBackend", "ClusterEnvironment",
-           "check_place", "environment_variables"]
+__all__ = ["DDPKIT_GENERATION", "DDPKIT_LAUNCHED", "DDPKIT_RECOVERY", "IN_PLACE", "RECOVERY_TIMEOUT_SECONDS",
+           "RECOVERY_TIMEOUT_VARIABLE", "ChoosesBackend", "ClusterEnvironment", "check_place", "environment_variables"]
 
 #: Set by ddpkit's launcher in every worker it starts.
 DDPKIT_LAUNCHED = "DDPKIT_LAUNCHED"
@@ -18,6 +18,10 @@ IN_PLACE = "in-place"
 #: Under in-place recovery: which generation of the group this process joins (0 at the start; a
 #: replacement is told the generation it completes).
 DDPKIT_GENERATION = "DDPKIT_GENERATION"
+#: How long the ranks of a new generation wait for each other (a replacement starts its script from
+#: the top) before giving up; the launcher waits a little longer for the recovery to finish.
+RECOVERY_TIMEOUT_VARIABLE = "DDPKIT_RECOVERY_TIMEOUT_SECONDS"
+RECOVERY_TIMEOUT_SECONDS = 60.0
 
 # Lightning's defaults, kept so that jobs move between the two without new ports.
 _DEFAULT_PORT = 12910

@@ -45,7 +45,7 @@ from ddpkit._network import find_free_port
 from ddpkit.environments import DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcesses
-from ddpkit.launching.replacement import Replacements
+from ddpkit.launching.replacement import Replacements, recovery_timeout_seconds
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
 
@@ -115,6 +115,10 @@ def validate(config: LaunchConfig, script: str) -> None:
         if config.max_restarts < 1:
             raise LaunchError(f"--recovery in-place with --max-restarts={config.max_restarts}: each replacement of a "
                               "lost rank counts against --max-restarts; give --max-restarts 1 or more.")
+        try:
+            recovery_timeout_seconds()
+        except ValueError as error:
+            raise LaunchError(str(error)) from None
         if config.backend == "nccl":
             raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
                               "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "

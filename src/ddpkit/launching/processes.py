@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ddpkit.diagnostics.records import read_error_record
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
@@ -87,28 +88,26 @@ class WorkerProcesses:
     def start(self, command: Sequence[str], environment: Mapping[str, str], rank: int, local_rank: int,
               pass_fds: Sequence[int] = ()) -> WorkerProcess:
         """Start ``command`` (a ``ddpkit.launching.worker`` command line) as the worker of ``rank``."""
-        error_file = os.path.join(self.folder, f"rank{rank}.json")
-        stack_file = os.path.join(self.folder, f"rank{rank}.stacks")
-        variables = {"DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file,
-                     "DDPKIT_STACK_FILE": stack_file}
-        process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True,
-                                   pass_fds=tuple(pass_fds))
-        worker = WorkerProcess(local_rank, rank, process, error_file, stack_file)
+        worker = self._launch(command, environment, f"rank{rank}", rank, local_rank, pass_fds=tuple(pass_fds))
         self.workers.append(worker)
         return worker
 
     def start_spare(self, command: Sequence[str], environment: Mapping[str, str]) -> WorkerProcess:
         """Start a warm spare (``python -m ddpkit.launching.worker --spare ...``): a worker without a
         rank yet, whose standard input is a pipe from here (``replace`` writes its rank there)."""
-        name = f"spare{len(self.spares) + len(self.retired)}"
+        spare = self._launch(command, environment, f"spare{len(self.spares) + len(self.retired)}", -1, -1,
+                             stdin=subprocess.PIPE)
+        self.spares.append(spare)
+        return spare
+
+    def _launch(self, command: Sequence[str], environment: Mapping[str, str], name: str, rank: int, local_rank: int,
+                **popen: Any) -> WorkerProcess:
+        """One worker process in a session of its own, told its launcher, error file and stack file."""
         error_file, stack_file = (os.path.join(self.folder, f"{name}.{kind}") for kind in ("json", "stacks"))
         variables = {"DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file,
                      "DDPKIT_STACK_FILE": stack_file}
-        process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True,
-                                   stdin=subprocess.PIPE)
-        spare = WorkerProcess(-1, -1, process, error_file, stack_file)
-        self.spares.append(spare)
-        return spare
+        process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True, **popen)
+        return WorkerProcess(local_rank, rank, process, error_file, stack_file)
 
     def replace(self, lost: WorkerProcess, spare: WorkerProcess, variables: Mapping[str, str]) -> None:
         """Give ``lost``'s rank to ``spare``, which then runs the script with ``variables`` added to its

@@ -25,17 +25,17 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from ddpkit.environments import DDPKIT_GENERATION
+from ddpkit.diagnostics.settings import seconds_setting
+from ddpkit.environments import DDPKIT_GENERATION, RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_VARIABLE
 from ddpkit.launching.processes import READY_FILE_VARIABLE, WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 
-__all__ = ["Replacements"]
+__all__ = ["Replacements", "recovery_timeout_seconds"]
 
 _log = get_logger("launching")
 
-# The ranks give up meeting after DDPKIT_RECOVERY_TIMEOUT_SECONDS (60 by default); the launcher
-# waits a little longer, so that a rank's own message comes first.
-_DEFAULT_TIMEOUT_SECONDS = 60.0
+# The ranks give up meeting after DDPKIT_RECOVERY_TIMEOUT_SECONDS; the launcher waits a little
+# longer, so that a rank's own message comes first.
 _MARGIN_SECONDS = 5.0
 
 
@@ -50,6 +50,7 @@ class Replacements:
         self.used = 0
         self.generation = 0
         self._pending: tuple[WorkerProcess, str, float, float] | None = None  # (replacement, ready file, start, deadline)
+        self._timeout = recovery_timeout_seconds() + _MARGIN_SECONDS
         self._spare = workers.start_spare(self._command, self._environment)
 
     def replace(self, failed: Sequence[WorkerProcess]) -> bool:
@@ -71,7 +72,7 @@ class Replacements:
         _log.warning(f"ddpkit run: {lost} {describe_exit(code)}; the spare (pid {spare.process.pid}) takes over its "
                      f"rank in place (replacement {self.used} of {self.budget}; the other ranks keep running)")
         now = time.monotonic()
-        self._pending = (spare, ready_file, now, now + _timeout_seconds() + _MARGIN_SECONDS)
+        self._pending = (spare, ready_file, now, now + self._timeout)
         self._spare = self._workers.start_spare(self._command, self._environment)  # the next one warms up
         return True
 
@@ -96,9 +97,6 @@ class Replacements:
         return None
 
 
-def _timeout_seconds() -> float:
-    value = os.environ.get("DDPKIT_RECOVERY_TIMEOUT_SECONDS", "").strip()
-    try:
-        return max(0.0, float(value)) if value else _DEFAULT_TIMEOUT_SECONDS
-    except ValueError:
-        return _DEFAULT_TIMEOUT_SECONDS  # the workers raise for a malformed value, naming it
+def recovery_timeout_seconds() -> float:
+    """``DDPKIT_RECOVERY_TIMEOUT_SECONDS`` (``ValueError`` naming it when it is not a number)."""
+    return seconds_setting(RECOVERY_TIMEOUT_VARIABLE, RECOVERY_TIMEOUT_SECONDS, "60")
