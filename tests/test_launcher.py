@@ -181,8 +181,8 @@ def test_workers_exit_when_the_launcher_is_killed(scripts: Path) -> None:
         (["--master-addr", "no-such-host.invalid", "ok.py"], "--master-addr='no-such-host.invalid' does not resolve"),
         (["--nnodes", "2", "ok.py"], "--master-port is required with --nnodes > 1"),
         (["--max-restarts", "-1", "ok.py"], "--max-restarts=-1: give 0 (no restart) or more"),
-        (["--max-restarts", "1", "--nnodes", "2", "--master-port", "29999", "ok.py"],
-         "--max-restarts=1 with --nnodes=2: restarting needs every node's launcher"),
+        (["--recovery", "in-place", "--max-restarts", "1", "--nnodes", "2", "--master-port", "29999", "ok.py"],
+         "--recovery in-place with --nnodes=2: in-place recovery replaces ranks on one node so far"),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(scripts: Path, args: list[str], message: str) -> None:

@@ -6,8 +6,9 @@ group; ``destroy_dist_connection`` tears it down without the exit-time abort of 
 Gloo. ``get_rank``/``get_world_size`` answer 0/1 when not distributed, so the same code runs in
 one process and in many.
 
-Under in-place recovery (``ddpkit run --recovery in-place``) the store is not rank 0's: the
-launcher hosts it (``launching/store_host.py``), so it outlives any rank, and each generation of
+Under in-place recovery (``ddpkit run --recovery in-place``), and when the launchers of several
+nodes restart together, the store is not rank 0's: the launcher hosts it
+(``launching/store_host.py``), so it outlives any rank, and each attempt and each generation of
 the group keeps its keys under a prefix of its own. ``form_generation`` abandons the current
 group (a rank of it vanished) and forms the next one with the same ranks, once all of them,
 the replacement included, have arrived.
@@ -131,29 +132,33 @@ def init_dist_connection(
         _warn_if_slurm_expected_more()
     if size == 1 and "init_method" not in kwargs and "store" not in kwargs:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
-    if (isinstance(cluster_environment, LocalEnvironment) and cluster_environment.recovery == IN_PLACE
+    if (isinstance(cluster_environment, LocalEnvironment) and cluster_environment.hosted_store
             and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
-        # The launcher hosts the store (it outlives any rank); each generation has its own keys.
+        # The launcher hosts the store (it outlives any rank and any attempt); each attempt and
+        # each generation of the group has its own keys.
         _generations.base_store = dist.TCPStore(  # type: ignore[attr-defined]
             cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
         _generations.timeout = timeout
         _generations.attempt = cluster_environment.attempt
-        generation = cluster_environment.generation  # above 0: a replacement, completing that generation
-        if generation > 0:
+        _generations.in_place = cluster_environment.recovery == IN_PLACE
+        generation = cluster_environment.generation if _generations.in_place else 0
+        if generation > 0:  # a replacement, completing that generation
             _meet(generation, size)
         kwargs["store"] = dist.PrefixStore(_prefix(generation), _generations.base_store)  # type: ignore[attr-defined]
         _generations.current = generation
-        expect_lost_peers()
+        if _generations.in_place:
+            expect_lost_peers()
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     active_watch()  # with hang diagnosis on, every rank can answer for its stack from the start
     watch_peers()
 
 
 class _Generations:
-    """The in-place recovery state of this process's connection."""
+    """This process's connection to a store the launcher hosts, and its in-place recovery state."""
 
     def __init__(self) -> None:
-        self.base_store: Any = None  # the launcher's store, without a generation's prefix; None: not in-place
+        self.base_store: Any = None  # the launcher's store, without a prefix; None: rank 0 hosts the store
+        self.in_place = False  # ddpkit run --recovery in-place: the group can be formed again
         self.current = 0
         self.attempt = 0  # the launcher's restart count: its store outlives a restart, so keys name it
         self.timeout = DEFAULT_TIMEOUT
@@ -166,7 +171,7 @@ _generations = _Generations()
 
 def current_generation() -> int | None:
     """The generation of the group this process is in under in-place recovery; None otherwise."""
-    return _generations.current if _generations.base_store is not None else None
+    return _generations.current if _generations.in_place else None
 
 
 def form_generation(generation: int) -> None:
@@ -176,7 +181,7 @@ def form_generation(generation: int) -> None:
     The old group is destroyed but kept referenced (see ``_Generations.abandoned``). Raises
     ``TimeoutError`` when not every rank arrives within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``.
     """
-    if _generations.base_store is None:
+    if not _generations.in_place:
         raise RuntimeError("form_generation needs in-place recovery (ddpkit run --recovery in-place): this process's "
                            "store is its group's own and may have died with the lost rank.")
     backend, rank, size = str(dist.get_backend()), dist.get_rank(), dist.get_world_size()

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from ddpkit._network import find_free_port  # here in 0.1; it binds, so it lives with the sockets
 from ddpkit.environments.base import (
     DDPKIT_GENERATION,
+    DDPKIT_HOSTED_STORE,
     DDPKIT_LAUNCHED,
     DDPKIT_RECOVERY,
     IN_PLACE,
@@ -50,6 +51,7 @@ from ddpkit.environments.torchelastic import TorchElasticEnvironment
 
 __all__ = [
     "DDPKIT_GENERATION",
+    "DDPKIT_HOSTED_STORE",
     "DDPKIT_LAUNCHED",
     "DDPKIT_RECOVERY",
     "IN_PLACE",

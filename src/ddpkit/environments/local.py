@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from ddpkit.environments.base import (
     DDPKIT_GENERATION,
+    DDPKIT_HOSTED_STORE,
     DDPKIT_LAUNCHED,
     DDPKIT_RECOVERY,
     IN_PLACE,
@@ -29,7 +30,9 @@ class LocalEnvironment(_ResolvedEnvironment):
     launching), ``WORLD_SIZE`` (1), ``RANK`` (``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``),
     ``LOCAL_RANK`` (0), ``LOCAL_WORLD_SIZE``, ``NODE_RANK``/``GROUP_RANK`` (0), and ``backend``
     from ``DDPKIT_BACKEND`` (set by ``ddpkit run --backend``), ``recovery`` and ``generation``
-    from ``DDPKIT_RECOVERY`` and ``DDPKIT_GENERATION`` (``ddpkit run --recovery in-place``). Like
+    from ``DDPKIT_RECOVERY`` and ``DDPKIT_GENERATION`` (``ddpkit run --recovery in-place``), and
+    ``hosted_store`` from ``DDPKIT_HOSTED_STORE`` (the launcher keeps the store: in place, or when
+    several nodes restart together). Like
     every environment it only reads: it binds no port.
     """
 
@@ -52,6 +55,8 @@ class LocalEnvironment(_ResolvedEnvironment):
             raise ValueError(f"{DDPKIT_RECOVERY}={self.recovery!r}: use 'fail-fast' or {IN_PLACE!r} (ddpkit run "
                              "--recovery sets it), or unset it.")
         self.generation = _int_var(env, DDPKIT_GENERATION, fix, default=0)
+        #: Whether the launcher hosts the store at MASTER_ADDR:MASTER_PORT (the ranks are its clients).
+        self.hosted_store = env.get(DDPKIT_HOSTED_STORE, "").strip() == "1" or self.recovery == IN_PLACE
         #: Which start of the workers this is (``ddpkit run --max-restarts``): generations count anew in each.
         self.attempt = _int_var(env, "DDPKIT_RESTART_COUNT", fix, default=0)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}

@@ -42,9 +42,10 @@ from types import FrameType
 from typing import Any
 
 from ddpkit._network import find_free_port
-from ddpkit.environments import DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
+from ddpkit.environments import DDPKIT_HOSTED_STORE, DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
+from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.launching.pool import RankFailedError, WorkerPool
-from ddpkit.launching.processes import SPARE, WorkerProcesses
+from ddpkit.launching.processes import SPARE, WorkerProcess, WorkerProcesses
 from ddpkit.launching.replacement import Replacements, recovery_timeout_seconds
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
@@ -103,11 +104,11 @@ def validate(config: LaunchConfig, script: str) -> None:
         raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
     if config.max_restarts < 0:
         raise LaunchError(f"--max-restarts={config.max_restarts}: give 0 (no restart) or more.")
-    if config.max_restarts > 0 and config.nnodes > 1:
+    if config.recovery == IN_PLACE and config.nnodes > 1:
         raise LaunchError(
-            f"--max-restarts={config.max_restarts} with --nnodes={config.nnodes}: restarting needs every node's "
-            "launcher to restart together, which ddpkit run cannot do yet. Use --max-restarts on a single node, or "
-            "let the scheduler requeue the job (e.g. sbatch --requeue) and resume from a checkpoint."
+            f"--recovery in-place with --nnodes={config.nnodes}: in-place recovery replaces ranks on one node so far. "
+            "Across nodes use --recovery fail-fast (the default) with --max-restarts: every node's workers restart "
+            "together and resume from the last checkpoint."
         )
     if config.recovery not in ("fail-fast", IN_PLACE):
         raise LaunchError(f"--recovery={config.recovery!r}: use 'fail-fast' (the default) or {IN_PLACE!r}.")
@@ -179,6 +180,8 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
         PREEMPTION_SIGNAL_VARIABLE: config.preemption_signal.name,
         DDPKIT_RECOVERY: config.recovery,
     }
+    if _hosts_store(config):
+        variables[DDPKIT_HOSTED_STORE] = "1"
     if config.backend:
         variables["DDPKIT_BACKEND"] = config.backend
     return variables
@@ -210,6 +213,16 @@ def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[s
     return defaults
 
 
+def _hosts_store(config: LaunchConfig) -> bool:
+    """Whether the job's store is the launchers' (node 0's) rather than rank 0's: under in-place
+    recovery, and when the launchers of several nodes restart together (``launching.nodes``)."""
+    return config.recovery == IN_PLACE or _restarts_across_nodes(config)
+
+
+def _restarts_across_nodes(config: LaunchConfig) -> bool:
+    return config.nnodes > 1 and config.max_restarts > 0
+
+
 def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, grace: float = 3.0,
                 poll_interval: float = 0.05) -> int:
     """Run ``script`` on this node's workers until all succeed or one fails; return the exit code.
@@ -237,14 +250,15 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
     signals = _Signals(received, stack_requests, config.preemption_signal)
     store_host = None
+    nodes: NodeCoordination | None = None
     try:
         restart_count = 0
-        # In place, the launcher's store keeps one port for the whole run (generations and restarts have prefixes).
+        # A store the launchers host keeps one port for the whole run (attempts and generations have prefixes).
         port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
-        if config.recovery == IN_PLACE:
+        if _hosts_store(config) and config.node_rank == 0:
             store_host = _start_store_host(config.master_addr, port, {**defaults, **os.environ})
         while True:
-            if config.recovery != IN_PLACE and restart_count and config.master_port is None:
+            if not _hosts_store(config) and restart_count and config.master_port is None:
                 port = find_free_port(config.master_addr)
             workers = WorkerProcesses("run")
             try:
@@ -258,25 +272,45 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                         workers, [*command[:3], SPARE, *command[3:]], {**defaults, **os.environ},
                         functools.partial(rank_variables, config, port, restart_count=restart_count),
                         budget=config.max_restarts - restart_count)
-                code, root_cause = _watch(workers, signals, grace, poll_interval, replacements)
+                if _restarts_across_nodes(config) and nodes is None:
+                    # Connected after the workers started: the import of torch's store client overlaps theirs.
+                    nodes = NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes)
+                outcome = _watch(workers, signals, grace, poll_interval, replacements, nodes)
+                if nodes is not None:
+                    outcome = _agree_across_nodes(nodes, outcome, grace)
+            except NodeContactLostError as error:
+                _log.error(f"ddpkit run: {error}\nddpkit run: all {config.nproc_per_node} workers of node "
+                           f"{config.node_rank} were stopped.")
+                return 1
             finally:
                 workers.close(grace)
             if replacements is not None:
                 restart_count += replacements.used  # replacements spend the same budget
-            if root_cause is None:  # success, preempted, or stopped by a signal
-                return code
+            if outcome.cause is None:  # success, preempted, or stopped by a signal
+                return outcome.code
             count = config.nproc_per_node
-            print(f"ddpkit run: {root_cause}\nddpkit run: all {count} workers were stopped.", file=sys.stderr,
-                  flush=True)
+            these = f"all {count} workers" + (f" of node {config.node_rank}" if config.nnodes > 1 else "")
+            print(f"ddpkit run: {outcome.cause}\nddpkit run: {these} were stopped.", file=sys.stderr, flush=True)
+            if outcome.stopped_elsewhere:
+                _log.error("ddpkit run: no restart after a stop signal on another node: ending the job.")
+                return outcome.code
             if restart_count >= config.max_restarts or received:
                 if config.max_restarts:
                     _log.error(f"ddpkit run: no restart left (--max-restarts={config.max_restarts}): ending the job."
                                if not received else "ddpkit run: no restart after a stop signal: ending the job.")
-                return code
+                return outcome.code
             restart_count += 1
-            _log.warning(f"ddpkit run: restarting all {count} workers (restart {restart_count} of "
+            if nodes is not None:
+                try:
+                    nodes.meet(restart_count, recovery_timeout_seconds())
+                except (TimeoutError, NodeContactLostError) as error:
+                    _log.error(f"ddpkit run: {error}")
+                    return outcome.code
+            _log.warning(f"ddpkit run: restarting {these} (restart {restart_count} of "
                          f"{config.max_restarts}); DDPKIT_RESTART_COUNT={restart_count}")
     finally:
+        if nodes is not None:
+            nodes.leave(wait_seconds=grace + 5.0)
         if store_host is not None:
             store_host.kill()
             store_host.wait()
@@ -312,12 +346,25 @@ class _Signals:
         return self.received[1] if len(self.received) > 1 else None
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """How one start of this node's workers ended (``_watch``)."""
+
+    code: int  # the launcher's exit code if nothing is restarted
+    cause: str | None = None  # the root cause of a failure; None: success, preempted, or stopped by a signal
+    recorded_at: float | None = None  # when the root cause's exception was recorded (None: no record)
+    elsewhere: bool = False  # another node's launcher ended this attempt (``launching.nodes``)
+    stopped_elsewhere: bool = False  # ... with a stop signal: nothing is restarted
+
+
 def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_interval: float,
-           replacements: Replacements | None = None) -> tuple[int, str | None]:
+           replacements: Replacements | None = None, nodes: NodeCoordination | None = None) -> _Outcome:
     """Poll the workers until all succeed (0), all saved and stopped after a preemption (75), a stop
     signal comes (128 + its number) or one fails (1, and the description of the root cause,
     after every worker was stopped). With ``replacements`` (in-place recovery), a worker that can
-    be replaced is, and the watch goes on."""
+    be replaced is, and the watch goes on. With ``nodes``, a failure or stop signal here is
+    announced to the other nodes' launchers before the workers are ended, and one announced by
+    them ends this node's workers (1)."""
     count = len(workers.workers)
     preemption: int | None = None
     while True:
@@ -327,9 +374,11 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
         stop = signals.stop()
         if stop is not None:
             _log.warning(f"ddpkit run: received {signal.Signals(stop).name}, stopping all {count} workers")
+            if nodes is not None:
+                nodes.announce_stop(f"received {signal.Signals(stop).name}")
             # After a preemption the workers had their SIGTERM: asked again, they are killed at once.
             workers.end(grace if preemption is None else 0.0)
-            return 128 + stop, None
+            return _Outcome(128 + stop)
         if preemption is None and (preemption := signals.preemption()) is not None:
             _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {count} workers to "
                          "save and stop (preemption); a second signal stops them at once")
@@ -338,29 +387,72 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
         failed = workers.failed(also_fine=(-signal.SIGTERM,) if preemption else ())
         if failed and preemption is None and replacements is not None and replacements.replace(failed):
             continue
+        if not failed and nodes is not None and nodes.ended_elsewhere():
+            # A worker here killed at the same moment may not have been reaped yet when its peers on
+            # other nodes noticed: its own failure, not theirs, is then the root cause.
+            failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval)
+            if not failed:
+                workers.end(grace)
+                return _Outcome(1, "another node's launcher ended the workers", elsewhere=True)
         if failed:
+            if nodes is not None:
+                nodes.announce_failure()  # the other nodes end their workers meanwhile
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
             recovering = replacements.recovering() if replacements is not None else None
             workers.end(grace)
             cause = workers.describe_root_cause(failed)
-            return 1, (cause if recovering is None else f"during the in-place recovery of rank {recovering.rank}: {cause}")
+            record = workers.root_cause(failed)[1]
+            return _Outcome(1, cause if recovering is None else f"during the in-place recovery of rank "
+                            f"{recovering.rank}: {cause}", None if record is None else float(str(record["time"])))
         problem = replacements.check() if replacements is not None else None
         if problem is not None:
             workers.end(grace)
-            return 1, problem
+            return _Outcome(1, problem)
         codes = workers.exit_codes()
         if preemption is not None and -signal.SIGTERM in codes:
             _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script does not call "
                          f"DDPStrategy.preempted()); stopping all {count} workers")
             workers.end(grace)
-            return 128 + preemption, None
+            return _Outcome(128 + preemption)
         if None not in codes:
             if PREEMPTED_EXIT_CODE not in codes:
-                return 0, None
+                return _Outcome(0)
             _log.warning(f"ddpkit run: preempted: all {count} workers saved and stopped (exit code "
                          f"{PREEMPTED_EXIT_CODE}); run the same command again to resume")
-            return PREEMPTED_EXIT_CODE, None
+            return _Outcome(PREEMPTED_EXIT_CODE)
         time.sleep(poll_interval)
+
+
+# How long a launcher told that another node's workers failed still looks for a failure of its own.
+_SETTLE_SECONDS = 0.5
+
+
+def _failures_within(workers: WorkerProcesses, seconds: float, poll_interval: float) -> list[WorkerProcess]:
+    deadline = time.monotonic() + seconds
+    while not (failed := workers.failed()) and time.monotonic() < deadline:
+        time.sleep(poll_interval)
+    return failed
+
+
+def _agree_across_nodes(nodes: NodeCoordination, outcome: _Outcome, grace: float) -> _Outcome:
+    """Turn this node's outcome into the job's (``launching.nodes``): workers that succeeded wait
+    for the other nodes' (whose failure is this attempt's failure too); after a failure every
+    launcher names the same root cause, the likeliest of those the nodes published."""
+    if outcome.code == 0 and outcome.cause is None and nodes.finish():
+        return outcome
+    if outcome.cause is None and outcome.code != 0:
+        return outcome  # preempted, or stopped by a signal here: nothing to agree on
+    if not outcome.elsewhere and outcome.cause is not None:
+        nodes.publish_cause(FailureCause(nodes.node_rank, outcome.cause, outcome.recorded_at))
+    stopped = nodes.stop_reason()
+    # A launcher that announced a failure publishes its cause once its workers have ended (``grace``).
+    cause = nodes.root_cause(wait_seconds=grace + 5.0)
+    if cause is not None:
+        text = cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}"
+    else:
+        text = f"the job was stopped: {stopped}" if stopped else "another node's workers failed (its output says why)"
+    return _Outcome(1, text, elsewhere=cause is None or cause.node != nodes.node_rank,
+                    stopped_elsewhere=stopped is not None)
 
 
 def _print_stacks(workers: WorkerProcesses) -> None:

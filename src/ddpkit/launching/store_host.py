@@ -1,10 +1,12 @@
-"""The store of a job under in-place recovery: ``python -m ddpkit.launching.store_host ADDRESS PORT``.
+"""The store a launcher hosts for its job: ``python -m ddpkit.launching.store_host ADDRESS PORT``.
 
 ``ddpkit run --recovery in-place`` starts this process beside the workers so that the store (a
 ``torch.distributed.TCPStore``) outlives any one of them: without it, the store lives in rank 0,
-and losing rank 0 would lose the group's only meeting point. The launcher itself stays free of
-torch (see docs/architecture.md), as torchrun's agent is not; this process is its stand-in. It
-dies with the launcher (``PR_SET_PDEATHSIG``) and otherwise sleeps.
+and losing rank 0 would lose the group's only meeting point. With ``--nnodes N --max-restarts M``
+node 0's launcher starts it, and the launchers of every node agree on restarts through it
+(``launching.nodes``). It is a process of its own so that the launcher need not import torch
+to host it (see docs/architecture.md; torchrun's agent hosts it itself). It dies with the launcher
+(``PR_SET_PDEATHSIG``) and otherwise sleeps.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""In-place recovery (issue 14, items 4 and 5): `ddpkit run --recovery in-place` replaces a rank
-killed with SIGKILL from a warm spare while the others keep their processes, and the run ends
-with exactly the parameters of a run without the fault. Real launchers and workers on Gloo; the
-example (`examples/train.py --kill-at-step`) kills a rank the way the out-of-memory killer does."""
+"""A rank killed with SIGKILL (issue 14, items 1, 2, 4 and 5), in both modes that survive it:
+`ddpkit run --max-restarts N` starts every worker again and the example resumes from its last
+checkpoint; `ddpkit run --recovery in-place` replaces the rank from a warm spare while the others
+keep their processes. Either way the run ends with the parameters of a run without the fault.
+Real launchers and workers on Gloo; the example (`examples/train.py --kill-at-step`) kills a rank
+the way the out-of-memory killer does."""
 
 from __future__ import annotations
 
@@ -85,6 +87,21 @@ def test_a_rank_lost_during_a_checkpoint_save_falls_back_to_a_restart_that_resum
     assert "restarting all 2 workers" in result.stderr, result.stderr[-3000:]
     assert "resumed from" in result.stdout
     assert_same(final_parameters(tmp_path), fault_free[2])
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer-step", "checkpoint-save"])
+def test_a_killed_rank_restarts_every_worker_which_resume_and_end_as_without_the_fault(
+        tmp_path: Path, fault_free: dict[int, list[torch.Tensor]], phase: str) -> None:
+    # Step 12 is in the second epoch (8 steps each), so the restart resumes from the first epoch's checkpoint;
+    # with checkpoint-save, rank 1 dies in the save after the first epoch (step 8), before rank 0's file is complete.
+    step = "8" if phase == "checkpoint-save" else "12"
+    result = run_example(tmp_path, "--kill-at-step", step, "--kill-during", phase, launcher=("--max-restarts", "1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL", result.stderr), result.stderr[-3000:]
+    assert "restarting all 2 workers (restart 1 of 1)" in result.stderr
+    if phase != "checkpoint-save":
+        assert "resumed from" in result.stdout and "after epoch 1" in result.stdout, result.stdout[-2000:]
+    assert_same(final_parameters(tmp_path), fault_free[2], tolerance=1e-6)
 
 
 # A small loop with the strategy's helpers; FAULT chooses what goes wrong.

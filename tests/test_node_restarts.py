@@ -1,0 +1,167 @@
+"""`ddpkit run --nnodes 2 --max-restarts N` (issue 14, item 1 across nodes): the launchers of every
+node restart together, name the same root cause, and give up together; a stop signal on one
+node stops all; a node 0 that vanishes, or a node that does not come back, ends the others
+within seconds. Two real launchers on loopback (one worker each, Gloo), as two nodes would run."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit._network import find_free_port
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+TRAINING = ("--epochs", "2", "--samples", "1024")  # 8 steps per epoch on 2 ranks
+
+# Rank 1 fails in every start it is told to (FAIL_STARTS); otherwise both ranks train a little.
+FLAKY = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    import ddpkit
+
+    ddpkit.init_dist_connection(ddpkit.detect_environment(), timeout=30)
+    rank, start = int(os.environ["RANK"]), int(os.environ["DDPKIT_RESTART_COUNT"])
+    open(f"started{rank}.{start}", "w").close()
+    if rank == 1 and str(start) in os.environ["FAIL_STARTS"].split(","):
+        raise ValueError(f"broken in start {start}")
+    for _ in range(int(os.environ.get("STEPS", "3"))):
+        total = ddpkit.sync_ddp(torch.ones(1), reduce_op="sum").item()
+        time.sleep(0.1)
+    print(f"rank {rank} start {start} total {total:g}", flush=True)
+    ddpkit.destroy_dist_connection()
+    """
+)
+
+
+def start_nodes(folder: Path, script: list[str], *flags: str, restarts: tuple[str, str] = ("1", "1"),
+                **variables: str) -> list[subprocess.Popen[str]]:
+    """Node 0's and node 1's launchers, each with one worker, meeting on a free loopback port."""
+    port = str(find_free_port("127.0.0.1"))
+    return [subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--nproc-per-node", "1",
+                              "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+                              "--max-restarts", restarts[node], *flags, *script],
+                             cwd=folder, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, **variables}) for node in (0, 1)]
+
+
+def finish(launchers: list[subprocess.Popen[str]], timeout: float = 150) -> list[tuple[int, str, str]]:
+    deadline = time.monotonic() + timeout
+    results = []
+    for launcher in launchers:
+        out, err = launcher.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        results.append((launcher.returncode, out, err))
+    return results
+
+
+def run_example(folder: Path, *args: str) -> list[tuple[int, str, str]]:
+    return finish(start_nodes(folder, [str(EXAMPLE), *TRAINING, "--checkpoint", str(folder) + os.sep, *args]))
+
+
+def wait_until_training(folder: Path) -> None:
+    """Until both ranks of the first start have connected, and a second more (both in their collectives)."""
+    deadline = time.monotonic() + 60
+    while not all((folder / f"started{rank}.0").exists() for rank in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+
+
+def final_parameters(folder: Path) -> list[torch.Tensor]:
+    return list(torch.load(folder / "checkpoint.pt", weights_only=False)["model"].values())
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    folder = tmp_path_factory.mktemp("fault_free")
+    results = run_example(folder)
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    return final_parameters(folder)
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_every_node_restarts_when_a_rank_of_one_node_is_killed_and_the_run_ends_as_without_the_fault(
+        tmp_path: Path, fault_free: list[torch.Tensor], killed: int) -> None:
+    # Rank `killed` runs on node `killed` (one worker per node); step 12 is in the second epoch.
+    results = run_example(tmp_path, "--kill-at-step", "12", "--kill-during", "backward", "--kill-rank", str(killed))
+    for node, (code, _, err) in enumerate(results):
+        assert code == 0, err[-3000:]
+        where = "" if node == killed else f"on node {killed}: "
+        assert re.search(rf"ddpkit run: {where}rank {killed} \(local rank 0, pid \d+\) was killed by signal SIGKILL",
+                         err), err[-3000:]
+        assert f"restarting all 1 workers of node {node} (restart 1 of 1)" in err
+    assert "resumed from" in results[0][1] and "after epoch 1" in results[0][1], results[0][1][-2000:]
+    assert "parameters identical on all ranks: True" in results[0][1]
+    parameters = final_parameters(tmp_path)
+    assert max((a - b).abs().max().item() for a, b in zip(parameters, fault_free)) <= 1e-6
+
+
+def test_with_the_restarts_spent_every_node_ends_with_the_same_root_cause(tmp_path: Path) -> None:
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    start = time.monotonic()
+    results = finish(start_nodes(tmp_path, ["flaky.py"], FAIL_STARTS="0,1"), timeout=90)
+    assert time.monotonic() - start < 60
+    for node, (code, _, err) in enumerate(results):
+        assert code == 1, err[-3000:]
+        where = "on node 1: " if node == 0 else ""
+        assert re.search(rf"ddpkit run: {where}rank 1 \(local rank 0, pid \d+\) failed first with ValueError: broken "
+                         r"in start 1", err), err[-3000:]
+        assert "restart 1 of 1" in err and err.rstrip().endswith("no restart left (--max-restarts=1): ending the job.")
+    assert sorted(path.name for path in tmp_path.glob("started*")) == ["started0.0", "started0.1", "started1.0",
+                                                                      "started1.1"]
+
+
+def test_a_restart_that_succeeds_on_both_nodes_ends_with_success(tmp_path: Path) -> None:
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    results = finish(start_nodes(tmp_path, ["flaky.py"], FAIL_STARTS="0"), timeout=90)
+    for node, (code, out, err) in enumerate(results):
+        assert code == 0, err[-3000:]
+        assert f"rank {node} start 1 total 2" in out
+
+
+def test_a_stop_signal_on_one_node_stops_every_node_without_a_restart(tmp_path: Path) -> None:
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    launchers = start_nodes(tmp_path, ["flaky.py"], restarts=("3", "3"), FAIL_STARTS="", STEPS="600")
+    wait_until_training(tmp_path)
+    launchers[1].send_signal(signal.SIGINT)
+    start = time.monotonic()
+    (code0, _, err0), (code1, _, err1) = finish(launchers, timeout=60)
+    assert time.monotonic() - start < 20
+    assert code1 == 130, err1[-3000:]
+    assert code0 == 1 and "the job was stopped: node 1's launcher received SIGINT" in err0, err0[-3000:]
+    assert "no restart after a stop signal on another node" in err0
+    assert not list(tmp_path.glob("started*.1"))
+
+
+def test_a_lost_node_0_ends_the_other_nodes_within_seconds(tmp_path: Path) -> None:
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    launchers = start_nodes(tmp_path, ["flaky.py"], restarts=("3", "3"), FAIL_STARTS="", STEPS="600")
+    wait_until_training(tmp_path)
+    launchers[0].kill()  # node 0's launcher, and with it the job's store, its worker and the store's host
+    start = time.monotonic()
+    code1, _, err1 = finish(launchers[1:], timeout=60)[0]
+    assert time.monotonic() - start < 15
+    assert code1 == 1 and "lost contact with the job's store" in err1, err1[-3000:]
+    assert "all 1 workers of node 1 were stopped" in err1
+    assert not list(tmp_path.glob("started*.1"))
+    launchers[0].wait()
+
+
+def test_a_node_that_does_not_come_back_for_a_restart_ends_the_others(tmp_path: Path) -> None:
+    # Node 1 was given one restart, node 0 two: after the second failure node 1 gives up, and node 0
+    # must not wait for it.
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    start = time.monotonic()
+    (code0, _, err0), (code1, _, err1) = finish(start_nodes(tmp_path, ["flaky.py"], restarts=("2", "1"),
+                                                             FAIL_STARTS="0,1,2"), timeout=90)
+    assert time.monotonic() - start < 60
+    assert code1 == 1 and "no restart left (--max-restarts=1)" in err1, err1[-3000:]
+    assert code0 == 1 and "restart 2: the launchers of node(s) 1 did not come back (they ended)" in err0, err0[-3000:]
