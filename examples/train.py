@@ -13,7 +13,8 @@ restart resume. With ``--checkpoint``, a preemption (SIGTERM to ``ddpkit run``, 
 command run again continues from that batch. The last line reports throughput, whether every
 rank holds the same parameters, and (``--check-reference``, on by default) the largest
 difference to one process trained on the same global batches from scratch, also after a
-resume. Started with plain ``python``, it runs as a single process.
+resume. ``--plot loss.png`` draws the loss and accuracy per epoch into an image (with
+matplotlib: ``pip install 'ddpkit[plot]'``). Started with plain ``python``, it runs as a single process.
 
 Compared with a single-process loop, the ddpkit lines are the ones marked ``# ddpkit``.
 """
@@ -83,12 +84,20 @@ def main() -> None:
     parser.add_argument("--kill-during", default="backward",
                         choices=["forward", "backward", "optimizer-step", "checkpoint-save"],
                         help="where in the step --kill-at-step strikes (checkpoint-save: the save after its epoch)")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="rank 0 draws the loss and accuracy per epoch into this image (needs matplotlib)")
     parser.add_argument("--no-check-reference", dest="check_reference", action="store_false")
     parser.add_argument("--processes", type=int, default=1,
                         help="run directly (python train.py) on this many processes; not needed under ddpkit run")
     args = parser.parse_args()
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"--plot {args.plot} needs matplotlib, which is not installed: pip install 'ddpkit[plot]' "
+                         "(or pip install matplotlib), or leave --plot out")
 
     torch.set_num_threads(1)
     # Several parallel_devices and no launcher: the script starts its other processes itself.
@@ -105,6 +114,7 @@ def main() -> None:
     if checkpoint and (os.path.isdir(checkpoint) or checkpoint.endswith(os.sep)):
         checkpoint = os.path.join(checkpoint, "checkpoint.pt")
     first_epoch, first_batch, totals = 0, 0, torch.zeros(3)  # totals: loss sum, correct, samples
+    history: list[tuple[int, float, float]] = []  # (epoch, loss, accuracy) of every epoch, for --plot
     # After a restart (ddpkit run --max-restarts, torchrun) or a preemption the job continues by itself.
     resume = args.resume or strategy.restart_count > 0                          # ddpkit
     state = strategy.load_checkpoint(checkpoint) if checkpoint else None        # ddpkit
@@ -112,6 +122,7 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         first_epoch, first_batch = state["epoch"], state["batch"]
+        history = list(state.get("history", []))
         if first_batch and strategy.is_global_zero:  # the epoch's totals so far, summed over the ranks
             totals = state["totals"]
         loader.epoch = first_epoch  # the sampler's shuffle continues where it stopped
@@ -149,19 +160,20 @@ def main() -> None:
                 if checkpoint and strategy.preempted():                         # ddpkit
                     strategy.save_checkpoint(checkpoint, {"model": model.state_dict(),
                                                           "optimizer": optimizer.state_dict(), "epoch": epoch,
-                                                          "batch": batch, "preempted": True,
+                                                          "batch": batch, "preempted": True, "history": history,
                                                           "totals": strategy.reduce(totals, reduce_op="sum")})
                     strategy.print(f"preempted: saved epoch {epoch + 1} batch {batch} to {checkpoint}; run the same "
                                    "command again to continue", flush=True)
                     strategy.exit_preempted()                                   # ddpkit
         totals = strategy.reduce(totals, reduce_op="sum")
-        strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
-                       f"accuracy {totals[1] / totals[2]:.3f}", flush=True)
+        history.append((epoch + 1, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()))
+        strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {history[-1][1]:.4f}  "
+                       f"accuracy {history[-1][2]:.3f}", flush=True)
         if checkpoint:
             Fault(args, strategy, (epoch + 1) * len(loader)).at("checkpoint-save")
             strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                                   "epoch": epoch + 1, "batch": 0, "totals": totals,
-                                                  "preempted": False})
+                                                  "preempted": False, "history": history})
     elapsed = time.perf_counter() - start
     throughput = strategy.reduce(torch.tensor(float(seen)), reduce_op="sum").item() / max(elapsed, 1e-9)
 
@@ -175,6 +187,9 @@ def main() -> None:
         print(f"done: {throughput:.0f} samples/s over {strategy.world_size} processes, "
               f"parameters identical on all ranks: {identical}{note}", flush=True)
     strategy.teardown()                                                         # ddpkit
+    if args.plot and strategy.is_global_zero:
+        plot_history(history, args.plot)
+        print(f"loss and accuracy per epoch drawn in {args.plot}", flush=True)
     if not identical:
         raise SystemExit("the ranks' parameters differ: they should be identical after every step")
     # With two ranks the reference rounds as they do (exactly 0); with more, the all-reduce adds
@@ -206,6 +221,27 @@ class Fault:
         if self.armed and self.phase == "backward":
             last = list(model.parameters())[0]
             last.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def plot_history(history: list[tuple[int, float, float]], path: str) -> None:
+    """The loss (left axis) and accuracy (right axis) of every epoch, as an image (``--plot``).
+    After an in-place recovery of rank 0, the epochs before it are not in its history."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, no window: this also runs on machines without a display
+    import matplotlib.pyplot as plt
+
+    epochs = [epoch for epoch, _, _ in history]
+    figure, loss_axis = plt.subplots(figsize=(6, 4))
+    loss_axis.plot(epochs, [loss for _, loss, _ in history], marker="o", color="tab:blue")
+    loss_axis.set_xlabel("epoch")
+    loss_axis.set_ylabel("training loss", color="tab:blue")
+    accuracy_axis = loss_axis.twinx()
+    accuracy_axis.plot(epochs, [accuracy for _, _, accuracy in history], marker="s", color="tab:orange")
+    accuracy_axis.set_ylabel("training accuracy", color="tab:orange")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def reference_parameters(args: argparse.Namespace, world_size: int) -> torch.Tensor:

@@ -138,6 +138,35 @@ def test_one_process_without_the_launcher() -> None:
     assert result.returncode == 0 and "over 1 processes" in result.stdout, result.stderr
 
 
+def test_the_readme_main_job_prints_no_warning_and_shows_a_progress_bar() -> None:
+    """Issue 15: on a fresh machine torch warned "Failed to initialize NumPy" once per process;
+    numpy is a dependency now, and tqdm (the `examples` extra) draws rank 0's progress bar."""
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", str(EXAMPLE)],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "warn" in line.lower()]
+    assert not warnings, warnings
+    assert re.search(r"epoch 1: +\d+%\|", result.stderr), result.stderr[-2000:]  # tqdm's bar
+
+
+def test_plot_draws_the_loss_and_accuracy_per_epoch(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install -e '.[plot]'; .ci/run installs it)")
+    image = tmp_path / "loss.png"
+    result = run_example("--epochs", "3", "--samples", "512", "--plot", str(image))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"loss and accuracy per epoch drawn in {image}" in result.stdout
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 5000
+
+
+def test_plot_without_matplotlib_is_refused_before_training(tmp_path: Path) -> None:
+    (tmp_path / "matplotlib.py").write_text("raise ImportError('matplotlib is hidden for this test')\n")
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--plot", "loss.png"], capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--plot loss.png needs matplotlib, which is not installed: pip install 'ddpkit[plot]'" in result.stderr
+    assert not (tmp_path / "loss.png").exists()
+
+
 def test_bad_arguments_are_refused() -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), "--resume"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--resume needs --checkpoint PATH" in result.stderr
