@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from ddpkit._network import find_free_port
 
@@ -75,21 +74,9 @@ def wait_until_training(folder: Path) -> None:
     time.sleep(1.0)
 
 
-def final_parameters(folder: Path) -> list[torch.Tensor]:
-    return list(torch.load(folder / "checkpoint.pt", weights_only=False)["model"].values())
-
-
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
-    folder = tmp_path_factory.mktemp("fault_free")
-    results = run_example(folder)
-    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
-    return final_parameters(folder)
-
-
 @pytest.mark.parametrize("killed", [1, 0])
 def test_every_node_restarts_when_a_rank_of_one_node_is_killed_and_the_run_ends_as_without_the_fault(
-        tmp_path: Path, fault_free: list[torch.Tensor], killed: int) -> None:
+        tmp_path: Path, killed: int) -> None:
     # Rank `killed` runs on node `killed` (one worker per node); step 12 is in the second epoch.
     results = run_example(tmp_path, "--kill-at-step", "12", "--kill-during", "backward", "--kill-rank", str(killed))
     for node, (code, _, err) in enumerate(results):
@@ -99,9 +86,9 @@ def test_every_node_restarts_when_a_rank_of_one_node_is_killed_and_the_run_ends_
                          err), err[-3000:]
         assert f"restarting all 1 workers of node {node} (restart 1 of 1)" in err
     assert "resumed from" in results[0][1] and "after epoch 1" in results[0][1], results[0][1][-2000:]
-    assert "parameters identical on all ranks: True" in results[0][1]
-    parameters = final_parameters(tmp_path)
-    assert max((a - b).abs().max().item() for a, b in zip(parameters, fault_free)) <= 1e-6
+    # The example compares the final parameters with one process trained on the same global batches,
+    # over the whole run (what a run without the fault ends with: tests/test_example.py).
+    assert "parameters identical on all ranks: True, max |difference| to one process 0.00e+00" in results[0][1]
 
 
 def test_with_the_restarts_spent_every_node_ends_with_the_same_root_cause(tmp_path: Path) -> None:
@@ -117,14 +104,6 @@ def test_with_the_restarts_spent_every_node_ends_with_the_same_root_cause(tmp_pa
         assert "restart 1 of 1" in err and err.rstrip().endswith("no restart left (--max-restarts=1): ending the job.")
     assert sorted(path.name for path in tmp_path.glob("started*")) == ["started0.0", "started0.1", "started1.0",
                                                                       "started1.1"]
-
-
-def test_a_restart_that_succeeds_on_both_nodes_ends_with_success(tmp_path: Path) -> None:
-    (tmp_path / "flaky.py").write_text(FLAKY)
-    results = finish(start_nodes(tmp_path, ["flaky.py"], FAIL_STARTS="0"), timeout=90)
-    for node, (code, out, err) in enumerate(results):
-        assert code == 0, err[-3000:]
-        assert f"rank {node} start 1 total 2" in out
 
 
 def test_a_stop_signal_on_one_node_stops_every_node_without_a_restart(tmp_path: Path) -> None:

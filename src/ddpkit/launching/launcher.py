@@ -440,12 +440,12 @@ def _agree_across_nodes(nodes: NodeCoordination, outcome: _Outcome, grace: float
     launcher names the same root cause, the likeliest of those the nodes published."""
     if outcome.code == 0 and outcome.cause is None and nodes.finish():
         return outcome
+    own = outcome.cause if not outcome.elsewhere else None  # None: ended because of another node, or a signal
+    nodes.publish_cause(None if own is None else FailureCause(nodes.node_rank, own, outcome.recorded_at))
     if outcome.cause is None and outcome.code != 0:
         return outcome  # preempted, or stopped by a signal here: nothing to agree on
-    if not outcome.elsewhere and outcome.cause is not None:
-        nodes.publish_cause(FailureCause(nodes.node_rank, outcome.cause, outcome.recorded_at))
     stopped = nodes.stop_reason()
-    # A launcher that announced a failure publishes its cause once its workers have ended (``grace``).
+    # Every launcher publishes once its workers have ended (``grace``); one that vanished never does.
     cause = nodes.root_cause(wait_seconds=grace + 5.0)
     if cause is not None:
         text = cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}"

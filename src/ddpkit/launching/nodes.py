@@ -6,10 +6,10 @@ launchers agree through keys under ``ddpkit/launchers/attempt/A/``, A counting t
 the workers as ``DDPKIT_RESTART_COUNT`` does:
 
 - a launcher whose workers failed says so at once (``announce_failure``): the other launchers
-  poll for it beside their workers (``ended_elsewhere``) and end theirs; then each publishes what
-  it saw (``publish_cause``) and every launcher names the same root cause (``root_cause``): a rank
-  that ended without recording an exception comes first (its peers' errors are consequences),
-  else the earliest recorded exception, as on one node;
+  poll for it beside their workers (``ended_elsewhere``) and end theirs; then every launcher
+  publishes what it saw (``publish_cause``) and, once all have, names the same root cause
+  (``root_cause``): a rank that ended without recording an exception comes first (its peers'
+  errors are consequences), else the earliest recorded exception, as on one node;
 - a launcher stopped by a signal says so (``announce_stop``): the others end their workers and
   none restarts;
 - a launcher whose workers all succeeded waits for the other nodes' (``finish``): a failure
@@ -119,28 +119,31 @@ class NodeCoordination:
             return None
         return bytes(self._call("get", self._key("stop", attempt))).decode()
 
-    def publish_cause(self, cause: FailureCause) -> None:
-        """Publish this node's view of the failure, for ``root_cause``."""
-        value = json.dumps({"text": cause.text, "recorded_at": cause.recorded_at})
-        self._call("set", self._key(f"cause/{cause.node}"), value)
+    def publish_cause(self, cause: FailureCause | None) -> None:
+        """Publish this node's view of the attempt's end, for ``root_cause``: the cause of its
+        workers' failure, or None (they were ended because of another node, or by a signal)."""
+        value = json.dumps(None if cause is None else {"text": cause.text, "recorded_at": cause.recorded_at})
+        self._call("set", self._key(f"cause/{self.node_rank}"), value)
 
     def root_cause(self, wait_seconds: float) -> FailureCause | None:
-        """The root cause of the current attempt's failure, from every node that announced one and
-        published its cause within ``wait_seconds``; None when none published."""
+        """The root cause of the current attempt's failure, once every node published its view
+        (``publish_cause``), or from those that did within ``wait_seconds`` (a node whose
+        launcher vanished publishes nothing); None when no node saw a failure of its own.
+
+        Waiting for every node is what makes every launcher name the same cause: a node's
+        workers may fail first while its launcher notices last."""
         deadline = time.monotonic() + wait_seconds
         while True:
-            announced = int(self._call("add", self._key("failed"), 0))
-            causes = [self._cause(node) for node in range(self.nnodes)]
-            published = [cause for cause in causes if cause is not None]
-            if len(published) >= announced or time.monotonic() > deadline:
-                return min(published, key=FailureCause.rank_key) if published else None
+            views = {node: self._view(node) for node in range(self.nnodes)
+                     if self._has(f"cause/{node}")}
+            if len(views) == self.nnodes or time.monotonic() > deadline:
+                causes = [cause for cause in views.values() if cause is not None]
+                return min(causes, key=FailureCause.rank_key) if causes else None
             time.sleep(_POLL_SECONDS)
 
-    def _cause(self, node: int) -> FailureCause | None:
-        if not self._has(f"cause/{node}"):
-            return None
+    def _view(self, node: int) -> FailureCause | None:
         value = json.loads(bytes(self._call("get", self._key(f"cause/{node}"))).decode())
-        return FailureCause(node, str(value["text"]), value["recorded_at"])
+        return None if value is None else FailureCause(node, str(value["text"]), value["recorded_at"])
 
     def finish(self, poll: float = 0.05) -> bool:
         """Count this node's workers as done and wait until every node's are (True), or another
