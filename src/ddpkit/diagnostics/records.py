@@ -11,12 +11,17 @@ import json
 import time
 import traceback
 
-__all__ = ["exception_record", "failure_record", "read_error_record", "write_error_record"]
+__all__ = ["exception_record", "failure_record", "read_error_record", "record_time", "write_error_record"]
 
 
 def failure_record(rank: int, kind: str, message: str, trace: str) -> dict[str, object]:
     """One rank's failure, as the launchers' error files and the store (``ddpkit.diagnostics.failures``) hold it."""
     return {"rank": rank, "time": time.time(), "type": kind, "message": message, "traceback": trace}
+
+
+def record_time(record: dict[str, object]) -> float:
+    """When the failure of ``record`` was recorded (seconds since the epoch, as ``time.time()``)."""
+    return float(str(record["time"]))
 
 
 def exception_record(rank: int, error: BaseException) -> dict[str, object]:

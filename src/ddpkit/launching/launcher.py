@@ -354,7 +354,7 @@ class _Outcome:
     cause: str | None = None  # the root cause of a failure; None: success, preempted, or stopped by a signal
     recorded_at: float | None = None  # when the root cause's exception was recorded (None: no record)
     elsewhere: bool = False  # another node's launcher ended this attempt (``launching.nodes``)
-    stopped_elsewhere: bool = False  # ... with a stop signal: nothing is restarted
+    stopped_elsewhere: bool = False  # another node's launcher was stopped by a signal: nothing is restarted
 
 
 def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_interval: float,
@@ -384,13 +384,14 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
                          "save and stop (preemption); a second signal stops them at once")
             workers.notify(signal.SIGTERM)
         # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
-        failed = workers.failed(also_fine=(-signal.SIGTERM,) if preemption else ())
+        also_fine = (-signal.SIGTERM,) if preemption else ()
+        failed = workers.failed(also_fine)
         if failed and preemption is None and replacements is not None and replacements.replace(failed):
             continue
         if not failed and nodes is not None and nodes.ended_elsewhere():
             # A worker here killed at the same moment may not have been reaped yet when its peers on
             # other nodes noticed: its own failure, not theirs, is then the root cause.
-            failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval)
+            failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval, also_fine)
             if not failed:
                 workers.end(grace)
                 return _Outcome(1, "another node's launcher ended the workers", elsewhere=True)
@@ -400,10 +401,9 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
             recovering = replacements.recovering() if replacements is not None else None
             workers.end(grace)
-            cause = workers.describe_root_cause(failed)
-            record = workers.root_cause(failed)[1]
+            cause, recorded_at = workers.root_cause_summary(failed)
             return _Outcome(1, cause if recovering is None else f"during the in-place recovery of rank "
-                            f"{recovering.rank}: {cause}", None if record is None else float(str(record["time"])))
+                            f"{recovering.rank}: {cause}", recorded_at)
         problem = replacements.check() if replacements is not None else None
         if problem is not None:
             workers.end(grace)
@@ -427,9 +427,10 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
 _SETTLE_SECONDS = 0.5
 
 
-def _failures_within(workers: WorkerProcesses, seconds: float, poll_interval: float) -> list[WorkerProcess]:
+def _failures_within(workers: WorkerProcesses, seconds: float, poll_interval: float,
+                     also_fine: Sequence[int]) -> list[WorkerProcess]:
     deadline = time.monotonic() + seconds
-    while not (failed := workers.failed()) and time.monotonic() < deadline:
+    while not (failed := workers.failed(also_fine)) and time.monotonic() < deadline:
         time.sleep(poll_interval)
     return failed
 
@@ -451,8 +452,7 @@ def _agree_across_nodes(nodes: NodeCoordination, outcome: _Outcome, grace: float
         text = cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}"
     else:
         text = f"the job was stopped: {stopped}" if stopped else "another node's workers failed (its output says why)"
-    return _Outcome(1, text, elsewhere=cause is None or cause.node != nodes.node_rank,
-                    stopped_elsewhere=stopped is not None)
+    return _Outcome(1, text, stopped_elsewhere=stopped is not None)
 
 
 def _print_stacks(workers: WorkerProcesses) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.diagnostics.records import read_error_record
+from ddpkit.diagnostics.records import read_error_record, record_time
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a
@@ -157,7 +157,7 @@ class WorkerProcesses:
         recorded = [(record, worker) for worker in self.workers if (record := records[worker.rank]) is not None]
         if not recorded:
             return failed[0], None
-        record, worker = min(recorded, key=lambda pair: float(str(pair[0]["time"])))
+        record, worker = min(recorded, key=lambda pair: record_time(pair[0]))
         # A record names the rank that failed, which is not always the one that wrote it: a rank
         # stuck in a hang is named by the rank that waited for it (ddpkit.diagnostics.hangs).
         named = [other for other in self.workers if other.rank == int(str(record["rank"]))]
@@ -165,10 +165,16 @@ class WorkerProcesses:
 
     def describe_root_cause(self, failed: Sequence[WorkerProcess]) -> str:
         """One paragraph naming the root cause (``root_cause``): the rank, how it ended, its traceback."""
+        return self.root_cause_summary(failed)[0]
+
+    def root_cause_summary(self, failed: Sequence[WorkerProcess]) -> tuple[str, float | None]:
+        """``describe_root_cause``'s paragraph, and when its exception was recorded (None: the
+        worker ended without recording one), from one reading of the records."""
         worker, record = self.root_cause(failed)
         if record is None:
-            return f"{worker} {describe_exit(worker.process.poll())} without recording an exception."
-        return f"{worker} failed first with {record['type']}: {record['message']}\n{str(record['traceback']).rstrip()}"
+            return f"{worker} {describe_exit(worker.process.poll())} without recording an exception.", None
+        return (f"{worker} failed first with {record['type']}: {record['message']}\n"
+                f"{str(record['traceback']).rstrip()}", record_time(record))
 
     def forget_failures(self) -> None:
         """Remove the failure records, so that the next failure is recorded (workers that live on
