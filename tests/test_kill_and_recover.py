@@ -125,6 +125,7 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     strategy = ddpkit.DDPStrategy()
     model, optimizer = strategy.setup(nn.Linear(8, 1), torch.optim.SGD(nn.Linear(8, 1).parameters(), lr=0.1))
+    print(f"rank {rank} of generation {generation} is set up", flush=True)
     data = [torch.randn(4, 8) for _ in range(40)]
     for epoch in strategy.epochs(1):
         for x in strategy.batches(data):
@@ -148,6 +149,18 @@ def run_script(folder: Path, fault: str, nproc: int = 2, *launcher: str) -> tupl
     result = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "FAULT": fault, "DDPKIT_RECOVERY_TIMEOUT_SECONDS": "20"})
     return result, time.monotonic() - start
+
+
+def test_a_spare_that_takes_a_rank_writes_as_that_rank(tmp_path: Path) -> None:
+    """``--tee``: the spare's console lines carry the rank it took; its files are its own (spare0)."""
+    result, _ = run_script(tmp_path, "once", 2, "--tee", "1", "--log-dir", "logs")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "recovered in place" in result.stderr
+    assert "[rank1]: rank 1 of generation 0 is set up" in result.stdout
+    assert "[rank1]: rank 1 of generation 1 is set up" in result.stdout, result.stdout
+    attempt = tmp_path / "logs" / "node0" / "attempt_0"
+    assert (attempt / "spare0" / "stdout.log").read_text() == "rank 1 of generation 1 is set up\n"
+    assert (attempt / "1" / "stdout.log").read_text() == "rank 1 of generation 0 is set up\n"
 
 
 def test_a_replacement_that_dies_during_the_recovery_ends_the_job_naming_it(tmp_path: Path) -> None:

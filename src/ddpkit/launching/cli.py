@@ -1,14 +1,18 @@
 """``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``).
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
-               [--master-port P] [--backend gloo|nccl] [--max-restarts N] [--preemption-signal SIG]
-               [--recovery fail-fast|in-place] script.py [script args...]
+               [--master-port P] [--standalone] [--backend gloo|nccl] [--max-restarts N]
+               [--preemption-signal SIG] [--recovery fail-fast|in-place]
+               [--log-dir DIR] [-r|--redirects S] [-t|--tee S] [--local-ranks-filter R,..]
+               [-m|--module | --no-python] script.py [script args...]
 
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
 environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MASTER_ADDR,
 DDPKIT_MASTER_PORT, DDPKIT_BACKEND, DDPKIT_MAX_RESTARTS, DDPKIT_PREEMPTION_SIGNAL (which the
 workers read too: ``ddpkit.preemption``), DDPKIT_RECOVERY (the workers' too:
-``ddpkit.recovery``). ``auto`` means one process per GPU, or one
+``ddpkit.recovery``), DDPKIT_LOG_DIR, DDPKIT_REDIRECTS, DDPKIT_TEE, DDPKIT_LOCAL_RANKS_FILTER (where
+the workers' output goes: ``launching.output``); the switches DDPKIT_STANDALONE, DDPKIT_MODULE,
+DDPKIT_NO_PYTHON when 1. ``auto`` means one process per GPU, or one
 per CPU core without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
 torchrun, mpirun, jsrun, Kubeflow: see ``detect_environment``), the script runs once in this
 process instead.
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 
 from ddpkit.environments import LocalEnvironment, detect_environment
 from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers
+from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTION_SIGNAL_VARIABLE, parse_signal
 
@@ -37,7 +42,20 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
     environment = "DDPKIT_" + name.replace("-", "_").upper()
     default = os.environ.get(environment, kwargs.pop("default", None))
     help_text = f"{kwargs.pop('help', '')} (environment: {environment})"
+    short = kwargs.pop("short", None)
+    if short is not None:
+        spellings.insert(0, str(short))
     parser.add_argument(*spellings, dest=name.replace("-", "_"), default=default, help=help_text, **kwargs)  # type: ignore[arg-type]
+
+
+def _switch(parser: argparse.ArgumentParser, name: str, *short: str, help: str) -> None:  # noqa: A002 - argparse's name
+    """An on/off flag, also on when its DDPKIT_ variable is 1, true or yes."""
+    environment = "DDPKIT_" + name.replace("-", "_").upper()
+    dashed, underscored = f"--{name}", f"--{name.replace('-', '_')}"
+    spellings = [*short, dashed] if dashed == underscored else [*short, dashed, underscored]
+    default = os.environ.get(environment, "").strip().lower() in ("1", "true", "yes")
+    parser.add_argument(*spellings, dest=name.replace("-", "_"), action="store_true", default=default,
+                        help=f"{help} (environment: {environment}=1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +75,25 @@ def _parser() -> argparse.ArgumentParser:
     _flag(run, "recovery", default="fail-fast", choices=["fail-fast", "in-place"],
           help="what a killed worker costs: fail-fast ends (or, with --max-restarts, restarts) every worker; "
                "in-place replaces it from a warm spare while the others go on (each counts against --max-restarts)")
-    run.add_argument("script", help="the training script")
+    _flag(run, "rdzv-backend", default="static",
+          help="'static' (the default: --node-rank, --master-addr, --master-port); torchrun's c10d rendezvous is "
+               "not supported yet")
+    _flag(run, "rdzv-endpoint", default="", help="torchrun's rendezvous address; not supported yet")
+    _flag(run, "rdzv-id", default="", help="torchrun's rendezvous id; not supported yet")
+    _switch(run, "standalone", help="one node on this machine: address and port chosen here (torchrun's flag)")
+    _switch(run, "module", "-m", help="run the script as a module, as 'python -m' does")
+    _switch(run, "no-python", help="run the script as a program (not with python); ddpkit's worker bootstrap "
+                                   "(failure records, stack dumps, ending with the launcher) is then not in it")
+    _flag(run, "log-dir", default=None,
+          help="folder of the workers' log files: node<N>/attempt_<A>/<local rank>/{stdout,stderr}.log")
+    _flag(run, "redirects", default="0", short="-r",
+          help="streams written to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank "
+               "(0:3,1:2)")
+    _flag(run, "tee", default="0", short="-t",
+          help="streams written to the log files and to the console, each line prefixed with [rank<N>]: (values "
+               "as --redirects)")
+    _flag(run, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
+    run.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
 
@@ -65,9 +101,12 @@ def _parser() -> argparse.ArgumentParser:
 _BACKENDS = ("gloo", "nccl", "mpi")
 
 
+_SHORT = {"redirects": ("-r",), "tee": ("-t",), "module": ("-m",)}
+
+
 def _origin(flag: str, argv: Sequence[str]) -> str:
     """How the user gave ``flag``: the flag itself, or its DDPKIT_ environment variable."""
-    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}"}
+    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}", *_SHORT.get(flag, ())}
     given = any(arg in spellings or arg.split("=", 1)[0] in spellings for arg in argv)
     variable = "DDPKIT_" + flag.replace("-", "_").upper()
     return variable if not given and variable in os.environ else f"--{flag}"
@@ -86,6 +125,62 @@ def _nproc(value: str, argv: Sequence[str]) -> int:
 
         return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
     return _integer("nproc-per-node", value, argv)
+
+
+def _nnodes(value: str, argv: Sequence[str]) -> int:
+    """``--nnodes N``; torchrun's elastic ``MIN:MAX`` only where both are the same."""
+    if ":" in str(value):
+        low, _, high = str(value).partition(":")
+        if low.strip() == high.strip():
+            return _integer("nnodes", low.strip(), argv)
+        raise LaunchError(
+            f"{_origin('nnodes', argv)}={value!r}: a range of node counts (torchrun's elastic MIN:MAX) is not supported: "
+            "every restart waits for all nodes. Give one number, e.g. --nnodes "
+            f"{high.strip() or low.strip()}, and --max-restarts for failures."
+        )
+    return _integer("nnodes", value, argv)
+
+
+def _standalone(nnodes: int, node_rank: int, master_port: str | None, argv: Sequence[str]) -> tuple[str, None]:
+    """``--standalone``: this machine only, on a free port of 127.0.0.1 (torchrun's meaning)."""
+    if nnodes != 1 or node_rank != 0:
+        raise LaunchError(f"--standalone with {_origin('nnodes', argv)}={nnodes} and {_origin('node-rank', argv)}="
+                          f"{node_rank}: --standalone is one node on this machine. Leave out --standalone to run "
+                          "across nodes, or --nnodes and --node-rank to run here.")
+    if master_port not in (None, ""):
+        _log.warning(f"ddpkit run: --standalone chooses a free port itself; {_origin('master-port', argv)}="
+                     f"{master_port} is not used (as with torchrun).")
+    return "127.0.0.1", None
+
+
+def _static_rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """torchrun's c10d rendezvous (node ranks given out as nodes arrive) is not built yet: refuse it
+    with the static equivalent, rather than starting a job that waits for a node rank nobody gives."""
+    if args.rdzv_backend not in ("", "static") or args.rdzv_endpoint or args.rdzv_id:
+        given = ", ".join(f"{_origin(flag, argv)}={value!r}" for flag, value in
+                          (("rdzv-backend", args.rdzv_backend), ("rdzv-endpoint", args.rdzv_endpoint),
+                           ("rdzv-id", args.rdzv_id)) if value not in ("", "static"))
+        raise LaunchError(f"{given}: ddpkit run does not do torchrun's rendezvous yet. Give every node "
+                          "--nnodes N --node-rank R --master-addr HOST --master-port PORT (HOST:PORT as in "
+                          "--rdzv-endpoint; R from 0 to N-1, 0 on HOST).")
+
+
+def _run_as(module: bool, no_python: bool) -> str:
+    if module and no_python:
+        raise LaunchError("--module and --no-python together: a module runs in python. Give one of them.")
+    return "module" if module else "program" if no_python else "script"
+
+
+def _output_plan(args: argparse.Namespace, nproc_per_node: int, argv: Sequence[str]) -> OutputPlan:
+    try:
+        return OutputPlan(
+            log_dir=args.log_dir or None,
+            redirects=parse_streams(_origin("redirects", argv), args.redirects, nproc_per_node),
+            tee=parse_streams(_origin("tee", argv), args.tee, nproc_per_node),
+            shown=parse_local_ranks(args.local_ranks_filter, nproc_per_node),
+        )
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
 
 
 def _backend(value: str | None, argv: Sequence[str]) -> str | None:
@@ -122,19 +217,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         # script here, once, instead of starting --nproc-per-node more. It signals the process itself.
         os.environ[PREEMPTION_SIGNAL_VARIABLE] = preemption_signal.name
         _log.info(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly")
-        os.execv(sys.executable, [sys.executable, "-m", "ddpkit.launching.worker", args.script, *args.script_args])
+        if args.no_python:
+            os.execvp(args.script, [args.script, *args.script_args])
+        os.execv(sys.executable, [sys.executable, "-m", "ddpkit.launching.worker",
+                                  *(["-m"] if args.module else []), args.script, *args.script_args])
     try:
+        nproc_per_node = _nproc(args.nproc_per_node, launcher_argv)
+        nnodes = _nnodes(args.nnodes, launcher_argv)
+        node_rank = _integer("node-rank", args.node_rank, launcher_argv)
+        master_addr, master_port = args.master_addr, args.master_port
+        if not args.standalone:
+            _static_rendezvous(args, launcher_argv)
+        else:
+            master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
         config = LaunchConfig(
-            nproc_per_node=_nproc(args.nproc_per_node, launcher_argv),
-            nnodes=_integer("nnodes", args.nnodes, launcher_argv),
-            node_rank=_integer("node-rank", args.node_rank, launcher_argv),
-            master_addr=args.master_addr,
-            master_port=None if args.master_port in (None, "") else _integer("master-port", args.master_port,
-                                                                             launcher_argv),
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=None if master_port in (None, "") else _integer("master-port", master_port, launcher_argv),
             backend=_backend(args.backend, launcher_argv),
             max_restarts=_integer("max-restarts", args.max_restarts, launcher_argv),
             preemption_signal=preemption_signal,
             recovery=args.recovery,
+            run_as=_run_as(args.module, args.no_python),
+            output=_output_plan(args, nproc_per_node, launcher_argv),
         )
         return run_workers(args.script, args.script_args, config)
     except LaunchError as error:

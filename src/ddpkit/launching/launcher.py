@@ -28,15 +28,17 @@ killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -44,6 +46,7 @@ from typing import Any
 from ddpkit._network import find_free_port
 from ddpkit.environments import DDPKIT_HOSTED_STORE, DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
 from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
+from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcess, WorkerProcesses
 from ddpkit.launching.replacement import Replacements, recovery_timeout_seconds
@@ -62,7 +65,7 @@ class LaunchError(ValueError):
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Where this node's workers sit in the job."""
+    """Where this node's workers sit in the job, how they run the script and where their output goes."""
 
     nproc_per_node: int
     nnodes: int = 1
@@ -73,6 +76,8 @@ class LaunchConfig:
     max_restarts: int = 0  # times the workers are started again after a failure (torchrun's flag)
     preemption_signal: signal.Signals = signal.SIGTERM  # besides SIGTERM: asks the workers to save and stop
     recovery: str = "fail-fast"  # or "in-place": a killed worker is replaced while the others go on
+    run_as: str = "script"  # "script" (python script.py), "module" (python -m), "program" (no python)
+    output: OutputPlan = field(default_factory=OutputPlan)  # default: the launcher's own streams
 
     @property
     def world_size(self) -> int:
@@ -129,8 +134,10 @@ def validate(config: LaunchConfig, script: str) -> None:
             f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
             f"0..{config.nnodes - 1}."
         )
-    if not Path(script).is_file():
-        raise LaunchError(f"script {script!r} does not exist (looked in {os.getcwd()}). Check the path.")
+    _check_script(config.run_as, script)
+    if config.run_as == "program" and config.recovery == IN_PLACE:
+        raise LaunchError("--recovery in-place with --no-python: a warm spare runs ddpkit's worker bootstrap, in "
+                          "python. Run a python script (or -m module), or use --max-restarts without in-place recovery.")
     try:
         socket.getaddrinfo(config.master_addr, None)
     except socket.gaierror as error:
@@ -149,6 +156,22 @@ def validate(config: LaunchConfig, script: str) -> None:
             f"--master-port={config.master_port} is already in use on {config.master_addr}. Choose another port, "
             "or leave --master-port out on a single node to get a free one."
         )
+
+
+def _check_script(run_as: str, script: str) -> None:
+    """The script, module or program exists (a module's top package is looked up, not imported)."""
+    if run_as == "module":
+        top = script.split(".")[0]
+        if not top or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+            raise LaunchError(f"module {script!r} was not found (looked for {top!r} in {os.getcwd()} and sys.path). "
+                              "Check the name, or run from the folder that holds it.")
+    elif run_as == "program":
+        if shutil.which(script) is None:
+            raise LaunchError(f"program {script!r} was not found or is not executable (looked in {os.getcwd()} and "
+                              "PATH). Check the path and its execute permission, or leave out --no-python for a "
+                              "python script.")
+    elif not Path(script).is_file():
+        raise LaunchError(f"script {script!r} does not exist (looked in {os.getcwd()}). Check the path.")
 
 
 def _port_is_free(address: str, port: int) -> bool:
@@ -257,12 +280,16 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
         port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
         if _hosts_store(config) and config.node_rank == 0:
             store_host = _start_store_host(config.master_addr, port, {**defaults, **os.environ})
+        output = config.output.with_log_dir()
+        command = _worker_command(config.run_as, script, script_args)
         while True:
             if not _hosts_store(config) and restart_count and config.master_port is None:
                 port = find_free_port(config.master_addr)
-            workers = WorkerProcesses("run")
+            log_folder = output.attempt_folder(config.node_rank, restart_count)
+            if log_folder is not None:
+                shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt
+            workers = WorkerProcesses("run", None if output.is_default() else output, log_folder)
             try:
-                command = [sys.executable, "-m", "ddpkit.launching.worker", script, *script_args]
                 for local_rank in range(config.nproc_per_node):
                     variables = rank_variables(config, port, local_rank, restart_count)
                     workers.start(command, {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
@@ -316,6 +343,14 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             store_host.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _worker_command(run_as: str, script: str, script_args: Sequence[str]) -> list[str]:
+    """The command line of each worker: ddpkit's bootstrap running the script (or module), or the program itself."""
+    if run_as == "program":
+        return [script, *script_args]
+    return [sys.executable, "-m", "ddpkit.launching.worker", *(["-m"] if run_as == "module" else []), script,
+            *script_args]
 
 
 def _start_store_host(address: str, port: int, environment: Mapping[str, str]) -> subprocess.Popen[bytes]:

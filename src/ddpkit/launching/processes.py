@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.diagnostics.records import read_error_record, record_time
+from ddpkit.launching.output import OutputPlan, WorkerOutput
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a
@@ -62,6 +63,7 @@ class WorkerProcess:
     error_file: str  # where it records its first failure (DDPKIT_ERROR_FILE)
     stack_file: str  # where it appends its stacks on SIGUSR1 (DDPKIT_STACK_FILE)
     reaped: bool = False  # its process group has been killed and the process waited for
+    output: WorkerOutput | None = None  # where its streams go, unless to the launcher's own
 
     def __str__(self) -> str:
         return f"rank {self.rank} (local rank {self.local_rank}, pid {self.process.pid})"
@@ -73,8 +75,11 @@ class WorkerProcesses:
     ``close`` (or leaving the ``with`` block) ends the workers still running and removes the folder.
     """
 
-    def __init__(self, purpose: str) -> None:
+    def __init__(self, purpose: str, output: OutputPlan | None = None, log_folder: str | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix=f"ddpkit-{purpose}-")
+        # Where the workers' streams go (``launching.output``; None: the launcher's own), and the
+        # folder of this start's log files, one subfolder per local rank (or spare).
+        self._output, self._log_folder = output, log_folder
         self.workers: list[WorkerProcess] = []
         self.spares: list[WorkerProcess] = []  # warm spares (in-place recovery), rank -1 until they take one
         self.retired: list[WorkerProcess] = []  # lost workers whose rank a spare took
@@ -106,8 +111,17 @@ class WorkerProcesses:
         error_file, stack_file = (os.path.join(self.folder, f"{name}.{kind}") for kind in ("json", "stacks"))
         variables = {"DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file,
                      "DDPKIT_STACK_FILE": stack_file}
+        output = None
+        if self._output is not None:
+            spare = rank < 0  # its rank, and so its routing, comes when it takes one
+            folder = None if self._log_folder is None else os.path.join(self._log_folder,
+                                                                        name if spare else str(local_rank))
+            output = WorkerOutput(folder, None if spare else self._output.routing(local_rank), name)
+            popen.update(output.popen_arguments())
         process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True, **popen)
-        return WorkerProcess(local_rank, rank, process, error_file, stack_file)
+        if output is not None:
+            output.started(process)
+        return WorkerProcess(local_rank, rank, process, error_file, stack_file, output=output)
 
     def replace(self, lost: WorkerProcess, spare: WorkerProcess, variables: Mapping[str, str]) -> None:
         """Give ``lost``'s rank to ``spare``, which then runs the script with ``variables`` added to its
@@ -116,6 +130,8 @@ class WorkerProcesses:
         spare.process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
         spare.process.stdin.close()
         spare.rank, spare.local_rank = lost.rank, lost.local_rank
+        if spare.output is not None and self._output is not None:
+            spare.output.assign(self._output.routing(lost.local_rank), f"rank{lost.rank}")
         self.spares.remove(spare)
         self.workers[self.workers.index(lost)] = spare
         _signal_group(lost.process, signal.SIGKILL)
@@ -228,6 +244,9 @@ class WorkerProcesses:
             _signal_group(worker.process, signal.SIGKILL)
             worker.process.wait()
             worker.reaped = True
+        for worker in pending:
+            if worker.output is not None:
+                worker.output.close()  # the last lines it wrote reach the console and its files
 
     def close(self, grace: float) -> None:
         """``end`` the workers and remove their folder."""

@@ -1,0 +1,250 @@
+"""torchrun's launch surface on ``ddpkit run`` (issue 15, item 2): ``-m``, ``--no-python``,
+``--standalone``, ``--nnodes MIN:MAX``, and where the workers' output goes (``--log-dir``,
+``--redirects``, ``--tee`` with ``[rank<N>]:`` prefixes, ``--local-ranks-filter``). Real launchers
+and workers; the scripts import no torch unless they train, to keep the tests short."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddpkit.launching.cli import main
+from ddpkit.launching.output import Streams, parse_local_ranks, parse_streams
+
+# Each worker reports its place on stdout, a line on stderr, and a progress bar redrawn with '\r'.
+REPORT = textwrap.dedent(
+    """
+    import os, sys
+    print(f"out of rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} at {os.environ['MASTER_ADDR']} "
+          f"name {__name__} argv {sys.argv[1:]}", flush=True)
+    print(f"err of rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+    sys.stdout.write("bar 1%\\rbar 50%\\rbar 100%\\n")
+    sys.stdout.flush()
+    if os.environ.get("FAIL_RANK") == os.environ["RANK"] and os.environ["DDPKIT_RESTART_COUNT"] == "0":
+        print(f"last words of rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+        os._exit(3)
+    """
+)
+
+
+@pytest.fixture()
+def folder(tmp_path: Path) -> Path:
+    (tmp_path / "report.py").write_text(REPORT)
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "__init__.py").write_text("")
+    (tmp_path / "jobs" / "report.py").write_text(REPORT)
+    return tmp_path
+
+
+def refused(folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *arguments: str,
+            **variables: str) -> str:
+    """What ``ddpkit run arguments`` prints when it refuses them (exit code 2, nothing started); in
+    this process, since nothing starts."""
+    monkeypatch.chdir(folder)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", *arguments]) == 2
+    return capsys.readouterr().err
+
+
+def ddpkit_run(folder: Path, *arguments: str, **variables: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", *arguments], cwd=folder, capture_output=True,
+                            timeout=60, env={**os.environ, **variables})
+    # Decoded here rather than with text=True, which would turn the progress bar's '\r' into '\n'.
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode())
+
+
+def test_a_module_runs_as_python_m_runs_it(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "-m", "jobs.report", "--lr", "0.1")
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"out of rank {rank} of 2 at 127.0.0.1 name __main__ argv ['--lr', '0.1']" in result.stdout
+
+
+def test_a_module_that_does_not_exist_is_refused_before_anything_starts(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    message = refused(folder, monkeypatch, capsys, "--module", "nothere.report")
+    assert "module 'nothere.report' was not found (looked for 'nothere'" in message
+
+
+def test_no_python_runs_the_program_itself_and_names_the_rank_that_failed(folder: Path) -> None:
+    program = folder / "job.sh"
+    program.write_text('#!/bin/sh\necho "program rank $RANK of $WORLD_SIZE"\n[ "$RANK" = 1 ] && exit 3\nexit 0\n')
+    program.chmod(0o755)
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "--no-python", "./job.sh")
+    assert result.returncode == 1
+    assert "program rank 0 of 2" in result.stdout and "program rank 1 of 2" in result.stdout
+    assert "rank 1 (local rank 1" in result.stderr and "exited with code 3" in result.stderr, result.stderr
+
+
+def test_no_python_with_a_program_that_cannot_run_is_refused(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (folder / "data.txt").write_text("not a program")
+    message = refused(folder, monkeypatch, capsys, "--no-python", "./data.txt")
+    assert "program './data.txt' was not found or is not executable" in message
+
+
+def test_module_and_no_python_together_are_refused(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--module and --no-python together" in refused(folder, monkeypatch, capsys, "-m", "--no-python", "report")
+
+
+def test_standalone_runs_on_this_machine_on_a_port_of_its_own(folder: Path) -> None:
+    result = ddpkit_run(folder, "--standalone", "--nproc-per-node", "2", "--master-addr", "localhost",
+                        "--master-port", "1", "report.py")
+    assert result.returncode == 0, result.stderr
+    assert "out of rank 1 of 2 at 127.0.0.1" in result.stdout
+    assert "--master-port=1 is not used" in result.stderr
+
+
+def test_standalone_across_nodes_is_refused(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    message = refused(folder, monkeypatch, capsys, "--standalone", "--nnodes", "2", "report.py")
+    assert "--standalone is one node on this machine" in message
+
+
+@pytest.mark.parametrize("value", ["1:2", "2:4"])
+def test_a_range_of_node_counts_is_refused_with_the_way_to_go(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    message = refused(folder, monkeypatch, capsys, "--nnodes", value, "report.py")
+    assert f"--nnodes={value!r}: a range of node counts" in message and "--max-restarts" in message
+
+
+def test_a_range_of_one_node_count_is_that_count(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nnodes", "1:1", "--nproc-per-node", "2", "report.py")
+    assert result.returncode == 0 and "out of rank 1 of 2" in result.stdout, result.stderr
+
+
+def test_tee_writes_log_files_and_prefixes_each_console_line_with_the_rank(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "--tee", "3", "--log-dir", "logs", "report.py")
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}]: out of rank {rank} of 2" in result.stdout
+        assert f"[rank{rank}]: err of rank {rank}" in result.stderr
+        # The bar redraws its line: each redraw starts with the prefix again.
+        assert f"[rank{rank}]: bar 1%\r[rank{rank}]: bar 50%\r[rank{rank}]: bar 100%\n" in result.stdout
+        logs = folder / "logs" / "node0" / "attempt_0" / str(rank)
+        assert (logs / "stdout.log").read_text().startswith(f"out of rank {rank} of 2")  # no prefix in the file
+        assert (logs / "stderr.log").read_text() == f"err of rank {rank}\n"
+    assert not re.search(r"^(out|err) of rank", result.stdout + result.stderr, re.MULTILINE)  # every line prefixed
+
+
+def test_redirects_write_the_log_files_only(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "-r", "3", "--log-dir", "logs", "report.py")
+    assert result.returncode == 0, result.stderr
+    assert "of rank" not in result.stdout + result.stderr
+    assert "out of rank 1 of 2" in (folder / "logs" / "node0" / "attempt_0" / "1" / "stdout.log").read_text()
+
+
+def test_settings_per_local_rank(folder: Path) -> None:
+    # stdout of local rank 0 to its file only, stderr of local rank 1 teed; the rest as usual.
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "--redirects", "0:1", "--tee", "1:2", "--log-dir", "logs",
+                        "report.py")
+    assert result.returncode == 0, result.stderr
+    assert "out of rank 0" not in result.stdout and "out of rank 1 of 2" in result.stdout
+    assert "[rank1]: err of rank 1" in result.stderr and "err of rank 0" in result.stderr
+    attempt = folder / "logs" / "node0" / "attempt_0"
+    assert sorted(str(path.relative_to(attempt)) for path in attempt.rglob("*.log")) == ["0/stdout.log",
+                                                                                       "1/stderr.log"]
+
+
+def test_local_ranks_filter_shows_only_those_ranks(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "3", "--local-ranks-filter", "1,2", "report.py")
+    assert result.returncode == 0, result.stderr
+    assert "of rank 0" not in result.stdout + result.stderr
+    assert "out of rank 1 of 3" in result.stdout and "err of rank 2" in result.stderr
+
+
+def test_filtered_ranks_still_write_their_log_files(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "--local-ranks-filter", "0", "--tee", "3", "--log-dir",
+                        "logs", "report.py")
+    assert result.returncode == 0, result.stderr
+    assert "of rank 1" not in result.stdout + result.stderr and "[rank0]: out of rank 0" in result.stdout
+    assert "err of rank 1" in (folder / "logs" / "node0" / "attempt_0" / "1" / "stderr.log").read_text()
+
+
+def test_without_a_log_dir_the_files_go_to_a_folder_the_launcher_names(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "--redirects", "3", "report.py")
+    assert result.returncode == 0, result.stderr
+    named = re.search(r"the workers' log files are in (\S+) \(choose the folder with --log-dir\)", result.stderr)
+    assert named is not None, result.stderr
+    assert "out of rank 0 of 2" in (Path(named[1]) / "node0" / "attempt_0" / "0" / "stdout.log").read_text()
+
+
+def test_each_restart_writes_to_a_folder_of_its_own_and_the_last_words_of_a_failed_rank_arrive(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "--max-restarts", "1", "--tee", "3", "--log-dir", "logs",
+                        "report.py", FAIL_RANK="1")
+    assert result.returncode == 0, result.stderr
+    assert "[rank1]: last words of rank 1" in result.stderr
+    node = folder / "logs" / "node0"
+    assert "last words of rank 1" in (node / "attempt_0" / "1" / "stderr.log").read_text()
+    assert (node / "attempt_1" / "1" / "stderr.log").read_text() == "err of rank 1\n"
+
+
+def test_the_log_folder_of_a_former_run_is_replaced(folder: Path) -> None:
+    stale = folder / "logs" / "node0" / "attempt_0" / "0" / "stdout.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("from yesterday\n")
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "-r", "1", "--log-dir", "logs", "report.py")
+    assert result.returncode == 0, result.stderr
+    assert "from yesterday" not in stale.read_text()
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--tee", "4"], "--tee='4' is not a stream setting"),
+    (["-r", "0:1,5:2"], "local rank 5 does not exist with --nproc-per-node=2: use 0..1"),
+    (["--redirects", "out"], "--redirects='out' is not a stream setting"),
+    (["--local-ranks-filter", "0,x"], "--local-ranks-filter='0,x': give local ranks separated by commas"),
+    (["--local-ranks-filter", "2"], "--local-ranks-filter='2': local rank 2 does not exist"),
+])
+def test_bad_output_settings_are_refused(folder: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str], arguments: list[str], message: str) -> None:
+    assert message in refused(folder, monkeypatch, capsys, "--nproc-per-node", "2", *arguments, "report.py")
+
+
+def test_output_settings_come_from_the_environment_too(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "report.py", DDPKIT_TEE="2", DDPKIT_LOG_DIR="logs",
+                        DDPKIT_LOCAL_RANKS_FILTER="1")
+    assert result.returncode == 0, result.stderr
+    assert "[rank1]: err of rank 1" in result.stderr and "of rank 0" not in result.stderr + result.stdout
+
+
+def test_a_bad_output_setting_from_the_environment_is_named_as_such(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "DDPKIT_TEE='9' is not a stream setting" in refused(folder, monkeypatch, capsys, "report.py",
+                                                                DDPKIT_TEE="9")
+
+
+def test_stream_settings_are_read_as_torchrun_reads_them() -> None:
+    assert parse_streams("--tee", "3", 2) == {0: Streams.BOTH, 1: Streams.BOTH}
+    assert parse_streams("--tee", "0:1,1:2", 3) == {0: Streams.OUT, 1: Streams.ERR, 2: Streams.NONE}
+    assert parse_streams("--tee", "", 1) == {0: Streams.NONE}
+    assert parse_local_ranks("", 4) is None and parse_local_ranks("0,3", 4) == {0, 3}
+
+
+def test_the_help_names_every_torchrun_flag_ddpkit_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--standalone", "-m, --module", "--no-python", "--log-dir", "-r REDIRECTS, --redirects",
+                 "-t TEE, --tee", "--local-ranks-filter"):
+        assert flag in text, flag
+
+
+def test_rendezvous_flags_are_refused_with_the_static_equivalent_until_supported(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    message = refused(folder, monkeypatch, capsys, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                      "node0:29400", "--rdzv-id", "job7", "report.py")
+    assert "--rdzv-backend='c10d', --rdzv-endpoint='node0:29400', --rdzv-id='job7'" in message
+    assert "--nnodes N --node-rank R --master-addr HOST --master-port PORT" in message
+
+
+def test_standalone_sets_the_rendezvous_itself(folder: Path) -> None:
+    result = ddpkit_run(folder, "--standalone", "--rdzv-backend", "c10d", "--rdzv-endpoint", "x:1", "report.py")
+    assert result.returncode == 0 and "out of rank 0 of 1 at 127.0.0.1" in result.stdout, result.stderr
