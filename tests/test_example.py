@@ -40,7 +40,8 @@ def test_training_converges_and_matches_one_process() -> None:
 def test_clean_runs_exit_zero_every_time() -> None:
     # Before ddpkit's teardown released the GIL after destroying the group, about 1 run in 10
     # of a script like this aborted at exit with SIGABRT (Gloo thread freeing tensors during finalisation).
-    for attempt in range(6):
+    # Three runs here; every other test of a 2-rank run checks its exit code 0 as well.
+    for attempt in range(3):
         result = run_example("--epochs", "1", "--samples", "512", "--no-check-reference")
         assert result.returncode == 0, f"attempt {attempt}: exit {result.returncode}\n{result.stderr[-2000:]}"
         assert "terminate called" not in result.stderr

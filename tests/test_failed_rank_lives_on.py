@@ -34,7 +34,7 @@ from ddpkit.testing import WorkerPool
 
 PG_TIMEOUT = 20.0
 BOUND_SECONDS = 1.0
-LIVES_ON_SECONDS = 3.0
+LIVES_ON_SECONDS = 2.0  # twice the bound: the peers are freed while it lives
 
 
 class FailsOnRequest(nn.Module):
@@ -105,7 +105,6 @@ def check(results: list[tuple[str, int | None, float, str]], failing_rank: int) 
 
 @pytest.mark.parametrize(("world_size", "failing_rank", "where", "blocked_in"), [
     (2, 1, "guard", "collective"),
-    (2, 1, "forward", "backward"),
     (2, 0, "guard", "barrier"),
     (2, 0, "forward", "backward"),
     (3, 1, "guard", "backward"),

@@ -161,6 +161,7 @@ def test_a_spare_that_takes_a_rank_writes_as_that_rank(tmp_path: Path) -> None:
     attempt = tmp_path / "logs" / "node0" / "attempt_0"
     assert (attempt / "spare0" / "stdout.log").read_text() == "rank 1 of generation 1 is set up\n"
     assert (attempt / "1" / "stdout.log").read_text() == "rank 1 of generation 0 is set up\n"
+    assert_no_process_is_left_behind(tmp_path)
 
 
 def test_a_replacement_that_dies_during_the_recovery_ends_the_job_naming_it(tmp_path: Path) -> None:
@@ -170,6 +171,7 @@ def test_a_replacement_that_dies_during_the_recovery_ends_the_job_naming_it(tmp_
                      r"SIGKILL without recording an exception", result.stderr), result.stderr[-3000:]
     assert "no restart left" in result.stderr
     assert seconds < 30, f"the job took {seconds:.1f} s to end"
+    assert_no_process_is_left_behind(tmp_path)  # the spares, the store host, the survivors
 
 
 def test_a_second_rank_lost_during_the_state_transfer_ends_the_job(tmp_path: Path) -> None:
@@ -187,11 +189,9 @@ def test_when_the_budget_is_spent_the_next_loss_ends_the_job(tmp_path: Path) -> 
     assert seconds < 30, f"the job took {seconds:.1f} s to end"
 
 
-def test_no_process_of_the_job_is_left_behind(tmp_path: Path) -> None:
-    result, _ = run_script(tmp_path, "replacement-dies", 2)
-    assert result.returncode == 1
+def assert_no_process_is_left_behind(folder: Path) -> None:
     left = subprocess.run(["pgrep", "-f", "ddpkit.launching.(worker|store_host)"], capture_output=True, text=True)
-    ours = [pid for pid in left.stdout.split() if str(tmp_path) in _cwd(pid)]
+    ours = [pid for pid in left.stdout.split() if str(folder) in _cwd(pid)]
     assert not ours, f"left behind: {ours}"
 
 

@@ -96,8 +96,8 @@ def test_module_and_no_python_together_are_refused(
 
 
 def test_standalone_runs_on_this_machine_on_a_port_of_its_own(folder: Path) -> None:
-    result = ddpkit_run(folder, "--standalone", "--nproc-per-node", "2", "--master-addr", "localhost",
-                        "--master-port", "1", "report.py")
+    result = ddpkit_run(folder, "--standalone", "--nproc-per-node", "2", "--nnodes", "1:1", "--master-addr",
+                        "localhost", "--master-port", "1", "report.py")
     assert result.returncode == 0, result.stderr
     assert "out of rank 1 of 2 at 127.0.0.1" in result.stdout
     assert "--master-port=1 is not used" in result.stderr
@@ -116,11 +116,6 @@ def test_a_range_of_node_counts_is_refused_with_the_way_to_go(
     assert f"--nnodes={value!r}: a range of node counts" in message and "--max-restarts" in message
 
 
-def test_a_range_of_one_node_count_is_that_count(folder: Path) -> None:
-    result = ddpkit_run(folder, "--nnodes", "1:1", "--nproc-per-node", "2", "report.py")
-    assert result.returncode == 0 and "out of rank 1 of 2" in result.stdout, result.stderr
-
-
 def test_tee_writes_log_files_and_prefixes_each_console_line_with_the_rank(folder: Path) -> None:
     result = ddpkit_run(folder, "--nproc-per-node", "2", "--tee", "3", "--log-dir", "logs", "report.py")
     assert result.returncode == 0, result.stderr
@@ -135,11 +130,15 @@ def test_tee_writes_log_files_and_prefixes_each_console_line_with_the_rank(folde
     assert not re.search(r"^(out|err) of rank", result.stdout + result.stderr, re.MULTILINE)  # every line prefixed
 
 
-def test_redirects_write_the_log_files_only(folder: Path) -> None:
+def test_redirects_write_the_log_files_only_and_replace_a_former_runs(folder: Path) -> None:
+    stale = folder / "logs" / "node0" / "attempt_0" / "0" / "stale.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("from yesterday\n")
     result = ddpkit_run(folder, "--nproc-per-node", "2", "-r", "3", "--log-dir", "logs", "report.py")
     assert result.returncode == 0, result.stderr
     assert "of rank" not in result.stdout + result.stderr
     assert "out of rank 1 of 2" in (folder / "logs" / "node0" / "attempt_0" / "1" / "stdout.log").read_text()
+    assert not stale.exists()
 
 
 def test_settings_per_local_rank(folder: Path) -> None:
@@ -154,19 +153,13 @@ def test_settings_per_local_rank(folder: Path) -> None:
                                                                                        "1/stderr.log"]
 
 
-def test_local_ranks_filter_shows_only_those_ranks(folder: Path) -> None:
-    result = ddpkit_run(folder, "--nproc-per-node", "3", "--local-ranks-filter", "1,2", "report.py")
+def test_local_ranks_filter_shows_only_those_ranks_and_writes_every_ranks_files(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "3", "--local-ranks-filter", "1,2", "--tee", "0:3,1:1",
+                        "--log-dir", "logs", "report.py")
     assert result.returncode == 0, result.stderr
     assert "of rank 0" not in result.stdout + result.stderr
-    assert "out of rank 1 of 3" in result.stdout and "err of rank 2" in result.stderr
-
-
-def test_filtered_ranks_still_write_their_log_files(folder: Path) -> None:
-    result = ddpkit_run(folder, "--nproc-per-node", "2", "--local-ranks-filter", "0", "--tee", "3", "--log-dir",
-                        "logs", "report.py")
-    assert result.returncode == 0, result.stderr
-    assert "of rank 1" not in result.stdout + result.stderr and "[rank0]: out of rank 0" in result.stdout
-    assert "err of rank 1" in (folder / "logs" / "node0" / "attempt_0" / "1" / "stderr.log").read_text()
+    assert "[rank1]: out of rank 1 of 3" in result.stdout and "err of rank 2" in result.stderr
+    assert "err of rank 0" in (folder / "logs" / "node0" / "attempt_0" / "0" / "stderr.log").read_text()
 
 
 def test_without_a_log_dir_the_files_go_to_a_folder_the_launcher_names(folder: Path) -> None:
@@ -185,15 +178,6 @@ def test_each_restart_writes_to_a_folder_of_its_own_and_the_last_words_of_a_fail
     node = folder / "logs" / "node0"
     assert "last words of rank 1" in (node / "attempt_0" / "1" / "stderr.log").read_text()
     assert (node / "attempt_1" / "1" / "stderr.log").read_text() == "err of rank 1\n"
-
-
-def test_the_log_folder_of_a_former_run_is_replaced(folder: Path) -> None:
-    stale = folder / "logs" / "node0" / "attempt_0" / "0" / "stdout.log"
-    stale.parent.mkdir(parents=True)
-    stale.write_text("from yesterday\n")
-    result = ddpkit_run(folder, "--nproc-per-node", "2", "-r", "1", "--log-dir", "logs", "report.py")
-    assert result.returncode == 0, result.stderr
-    assert "from yesterday" not in stale.read_text()
 
 
 @pytest.mark.parametrize(("arguments", "message"), [

@@ -97,19 +97,24 @@ def final_parameters(folder: Path) -> list[torch.Tensor]:
     return [state[name] for name in sorted(state)]
 
 
-def uninterrupted(folder: Path, steps: int) -> list[torch.Tensor]:
-    folder.mkdir()
-    launcher = start(folder, STEPS=str(steps), STEP_SECONDS="0")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """The final parameters of an uninterrupted run of ``STEPS_IN_ALL`` steps (one run for the module)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    launcher = start(folder, STEPS=str(STEPS_IN_ALL), STEP_SECONDS="0")
     _, err = launcher.communicate(timeout=90)
     assert launcher.returncode == 0, err
     return final_parameters(folder)
 
 
+STEPS_IN_ALL = 60
+
+
 @pytest.mark.parametrize(("option", "sig"), [((), signal.SIGTERM), (("--preemption-signal", "USR1"), signal.SIGUSR1)],
                          ids=["SIGTERM", "SIGUSR1"])
 def test_a_preempted_job_saves_stops_and_resumes_as_if_never_stopped(tmp_path: Path, option: tuple[str, ...],
-                                                                     sig: int) -> None:
-    steps = 60
+                                                                     sig: int, uninterrupted: list[torch.Tensor]) -> None:
+    steps = STEPS_IN_ALL
     preempted = tmp_path / "preempted"
     preempted.mkdir()
     launcher = start(preempted, *option, STEPS=str(steps))
@@ -126,8 +131,7 @@ def test_a_preempted_job_saves_stops_and_resumes_as_if_never_stopped(tmp_path: P
                             "preemptible.py"], cwd=preempted, text=True, capture_output=True, timeout=90,
                            env={**os.environ, "STEPS": str(steps), "STEP_SECONDS": "0"})
     assert again.returncode == 0, again.stderr
-    expected = uninterrupted(tmp_path / "uninterrupted", steps)
-    for resumed, reference in zip(final_parameters(preempted), expected, strict=True):
+    for resumed, reference in zip(final_parameters(preempted), uninterrupted, strict=True):
         assert (resumed - reference).abs().max().item() <= 1e-6
 
 
@@ -143,7 +147,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) 
     assert first == second
 
 
-@pytest.mark.parametrize("step_seconds", [0.03, 0.08, 0.3, 1.2])
+@pytest.mark.parametrize("step_seconds", [0.03, 0.3, 1.2])
 def test_from_the_signal_to_every_process_gone_takes_at_most_a_step_the_save_and_a_second(
         tmp_path: Path, step_seconds: float) -> None:
     """The bound of the issue: signal to every process gone, the checkpoint on disk, within one step +
