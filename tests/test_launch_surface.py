@@ -24,6 +24,8 @@ REPORT = textwrap.dedent(
     print(f"out of rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} at {os.environ['MASTER_ADDR']} "
           f"name {__name__} argv {sys.argv[1:]}", flush=True)
     print(f"err of rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+    from ddpkit.logs import get_logger
+    get_logger("test").warning("a message of ddpkit's")
     sys.stdout.write("bar 1%\\rbar 50%\\rbar 100%\\n")
     sys.stdout.flush()
     if os.environ.get("FAIL_RANK") == os.environ["RANK"] and os.environ["DDPKIT_RESTART_COUNT"] == "0":
@@ -65,6 +67,7 @@ def test_a_module_runs_as_python_m_runs_it(folder: Path) -> None:
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):
         assert f"out of rank {rank} of 2 at 127.0.0.1 name __main__ argv ['--lr', '0.1']" in result.stdout
+        assert f"[rank {rank}] a message of ddpkit's" in result.stderr  # ddpkit's own prefix, without --tee
 
 
 def test_a_module_that_does_not_exist_is_refused_before_anything_starts(
@@ -122,11 +125,12 @@ def test_tee_writes_log_files_and_prefixes_each_console_line_with_the_rank(folde
     for rank in (0, 1):
         assert f"[rank{rank}]: out of rank {rank} of 2" in result.stdout
         assert f"[rank{rank}]: err of rank {rank}" in result.stderr
+        assert f"[rank{rank}]: a message of ddpkit's" in result.stderr  # one prefix, not two
         # The bar redraws its line: each redraw starts with the prefix again.
         assert f"[rank{rank}]: bar 1%\r[rank{rank}]: bar 50%\r[rank{rank}]: bar 100%\n" in result.stdout
         logs = folder / "logs" / "node0" / "attempt_0" / str(rank)
         assert (logs / "stdout.log").read_text().startswith(f"out of rank {rank} of 2")  # no prefix in the file
-        assert (logs / "stderr.log").read_text() == f"err of rank {rank}\n"
+        assert (logs / "stderr.log").read_text() == f"err of rank {rank}\na message of ddpkit's\n"
     assert not re.search(r"^(out|err) of rank", result.stdout + result.stderr, re.MULTILINE)  # every line prefixed
 
 
@@ -177,7 +181,7 @@ def test_each_restart_writes_to_a_folder_of_its_own_and_the_last_words_of_a_fail
     assert "[rank1]: last words of rank 1" in result.stderr
     node = folder / "logs" / "node0"
     assert "last words of rank 1" in (node / "attempt_0" / "1" / "stderr.log").read_text()
-    assert (node / "attempt_1" / "1" / "stderr.log").read_text() == "err of rank 1\n"
+    assert (node / "attempt_1" / "1" / "stderr.log").read_text().startswith("err of rank 1\n")
 
 
 @pytest.mark.parametrize(("arguments", "message"), [

@@ -2,7 +2,8 @@
 
 Every message that is not the direct answer to a command (a notice, a hang report) goes through
 ``logging.getLogger("ddpkit.<part>")``. By default the ``ddpkit`` logger writes them to standard
-error itself, at ``INFO`` and above, with ``[rank N]`` in front once the rank is known, and does
+error itself, at ``INFO`` and above, with ``[rank N]`` in front once the rank is known (unless
+``ddpkit run --tee`` prefixes the worker's lines already), and does
 not pass them to the root logger (so a script's own logging set-up does not print them twice).
 ``DDPKIT_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``, ``CRITICAL``) sets the level.
 To route them yourself: ``logging.getLogger("ddpkit").handlers.clear()`` and
@@ -20,17 +21,20 @@ import logging
 import os
 import sys
 
-__all__ = ["LOG_LEVEL_VARIABLE", "get_logger"]
+__all__ = ["LOG_LEVEL_VARIABLE", "PREFIXED_BY_LAUNCHER_VARIABLE", "get_logger"]
 
 #: The environment variable that sets the level of ddpkit's messages.
 LOG_LEVEL_VARIABLE = "DDPKIT_LOG_LEVEL"
+#: Set to 1 by ``ddpkit run --tee`` for a worker whose stderr lines it prefixes with the rank
+#: itself (``launching.output``): the messages then carry no second prefix.
+PREFIXED_BY_LAUNCHER_VARIABLE = "DDPKIT_STDERR_PREFIXED"
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class _RankPrefix(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        rank = _rank()
+        rank = None if os.environ.get(PREFIXED_BY_LAUNCHER_VARIABLE) == "1" else _rank()
         return text if rank is None else "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
 
 

@@ -116,8 +116,11 @@ class WorkerProcesses:
             spare = rank < 0  # its rank, and so its routing, comes when it takes one
             folder = None if self._log_folder is None else os.path.join(self._log_folder,
                                                                         name if spare else str(local_rank))
-            output = WorkerOutput(folder, None if spare else self._output.routing(local_rank), name)
+            routing = None if spare else self._output.routing(local_rank)
+            output = WorkerOutput(folder, routing, name)
             popen.update(output.popen_arguments())
+            if routing is not None:
+                variables.update(routing.variables())
         process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True, **popen)
         if output is not None:
             output.started(process)
@@ -127,11 +130,14 @@ class WorkerProcesses:
         """Give ``lost``'s rank to ``spare``, which then runs the script with ``variables`` added to its
         environment; what is left of ``lost`` (its children) is killed."""
         assert spare.process.stdin is not None  # start_spare made the pipe
+        routing = None if self._output is None else self._output.routing(lost.local_rank)
+        if routing is not None:
+            variables = {**variables, **routing.variables()}
         spare.process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
         spare.process.stdin.close()
         spare.rank, spare.local_rank = lost.rank, lost.local_rank
-        if spare.output is not None and self._output is not None:
-            spare.output.assign(self._output.routing(lost.local_rank), f"rank{lost.rank}")
+        if spare.output is not None and routing is not None:
+            spare.output.assign(routing, f"rank{lost.rank}")
         self.spares.remove(spare)
         self.workers[self.workers.index(lost)] = spare
         _signal_group(lost.process, signal.SIGKILL)
