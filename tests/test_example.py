@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -171,49 +169,6 @@ def test_plot_without_matplotlib_is_refused_before_training(tmp_path: Path) -> N
 def test_bad_arguments_are_refused() -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), "--resume"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--resume needs --checkpoint PATH" in result.stderr
-
-
-def test_two_nodes_on_loopback_train_like_one_process() -> None:
-    from ddpkit.environments import find_free_port
-
-    port = str(find_free_port())
-    common = [sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--nproc-per-node", "2",
-              "--master-port", port]
-    args = [str(EXAMPLE), "--epochs", "2", "--samples", "1024"]
-    nodes = [subprocess.Popen([*common, "--node-rank", str(rank), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    (out0, err0), (out1, err1) = (node.communicate(timeout=180) for node in nodes)
-    assert [node.returncode for node in nodes] == [0, 0], err0 + err1
-    # Global rank 0 (on node 0) replays all four ranks' batches in one process: equal parameters
-    # mean the two nodes trained exactly as one process, and so as one node of four.
-    assert "over 4 processes, parameters identical on all ranks: True" in out0
-    assert float(out0.split("max |difference| to one process")[1].split()[0]) < 1e-5
-
-
-@pytest.fixture()
-def two_namespaces() -> Iterator[list[tuple[str, str]]]:
-    """Two network namespaces joined by a veth pair: [(namespace, its address)] for nodes 0 and 1."""
-    if not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs Linux, root and iproute2's `ip` to make network namespaces")
-    tag = f"ddpk{os.getpid() % 100000}"
-    nodes = [(f"{tag}n0", "10.231.7.1"), (f"{tag}n1", "10.231.7.2")]
-    links = [f"{tag}a", f"{tag}b"]
-    commands = [["ip", "netns", "add", nodes[0][0]], ["ip", "netns", "add", nodes[1][0]],
-                ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]]]
-    for (namespace, address), link in zip(nodes, links):
-        commands += [["ip", "link", "set", link, "netns", namespace],
-                     ["ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", link],
-                     ["ip", "-n", namespace, "link", "set", link, "up"],
-                     ["ip", "-n", namespace, "link", "set", "lo", "up"]]
-    try:
-        for command in commands:
-            made = subprocess.run(command, capture_output=True, text=True, timeout=30)
-            if made.returncode != 0:
-                pytest.skip(f"cannot make network namespaces here: {' '.join(command)}: {made.stderr.strip()}")
-        yield nodes
-    finally:
-        for namespace, _ in nodes:  # deleting a namespace also deletes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
 
 
 def test_two_nodes_in_separate_network_namespaces_train_like_one_process(two_namespaces: list[tuple[str, str]]) -> None:

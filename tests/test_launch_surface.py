@@ -225,14 +225,6 @@ def test_the_help_names_every_torchrun_flag_ddpkit_takes(capsys: pytest.CaptureF
         assert flag in text, flag
 
 
-def test_rendezvous_flags_are_refused_with_the_static_equivalent_until_supported(
-        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    message = refused(folder, monkeypatch, capsys, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                      "node0:29400", "--rdzv-id", "job7", "report.py")
-    assert "--rdzv-backend='c10d', --rdzv-endpoint='node0:29400', --rdzv-id='job7'" in message
-    assert "--nnodes N --node-rank R --master-addr HOST --master-port PORT" in message
-
-
 def test_standalone_sets_the_rendezvous_itself(folder: Path) -> None:
     result = ddpkit_run(folder, "--standalone", "--rdzv-backend", "c10d", "--rdzv-endpoint", "x:1", "report.py")
     assert result.returncode == 0 and "out of rank 0 of 1 at 127.0.0.1" in result.stdout, result.stderr

@@ -1,7 +1,8 @@
 """``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``).
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
-               [--master-port P] [--standalone] [--backend gloo|nccl] [--max-restarts N]
+               [--master-port P] [--standalone] [--rdzv-backend c10d --rdzv-endpoint HOST[:PORT]
+               --rdzv-id ID [--rdzv-conf join_timeout=S]] [--backend gloo|nccl] [--max-restarts N]
                [--preemption-signal SIG] [--recovery fail-fast|in-place]
                [--log-dir DIR] [-r|--redirects S] [-t|--tee S] [--local-ranks-filter R,..]
                [-m|--module | --no-python] script.py [script args...]
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from ddpkit.environments import LocalEnvironment, detect_environment
 from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers
 from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
+from ddpkit.launching.rendezvous import DEFAULT_PORT, RendezvousSettings, parse_endpoint, parse_join_timeout
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTION_SIGNAL_VARIABLE, parse_signal
 
@@ -76,10 +78,14 @@ def _parser() -> argparse.ArgumentParser:
           help="what a killed worker costs: fail-fast ends (or, with --max-restarts, restarts) every worker; "
                "in-place replaces it from a warm spare while the others go on (each counts against --max-restarts)")
     _flag(run, "rdzv-backend", default="static",
-          help="'static' (the default: --node-rank, --master-addr, --master-port); torchrun's c10d rendezvous is "
-               "not supported yet")
-    _flag(run, "rdzv-endpoint", default="", help="torchrun's rendezvous address; not supported yet")
-    _flag(run, "rdzv-id", default="", help="torchrun's rendezvous id; not supported yet")
+          help="'static' (the default: --node-rank, --master-addr, --master-port) or 'c10d': each node gets its "
+               "node rank as it arrives at --rdzv-endpoint")
+    _flag(run, "rdzv-endpoint", default="",
+          help=f"HOST[:PORT] (default port {DEFAULT_PORT}) of the rendezvous, the same on every node; the launcher on "
+               "HOST hosts it (static: the master address and port)")
+    _flag(run, "rdzv-id", default="none", help="the job's name at the rendezvous, the same on every node")
+    _flag(run, "rdzv-conf", default="", help="torchrun's key=value,... settings; ddpkit reads join_timeout (seconds, "
+                                             "default 600)")
     _switch(run, "standalone", help="one node on this machine: address and port chosen here (torchrun's flag)")
     _switch(run, "module", "-m", help="run the script as a module, as 'python -m' does")
     _switch(run, "no-python", help="run the script as a program (not with python); ddpkit's worker bootstrap "
@@ -104,12 +110,16 @@ _BACKENDS = ("gloo", "nccl", "mpi")
 _SHORT = {"redirects": ("-r",), "tee": ("-t",), "module": ("-m",)}
 
 
+def _given(flag: str, argv: Sequence[str]) -> bool:
+    """Whether ``flag`` is on the command line (any spelling)."""
+    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}", *_SHORT.get(flag, ())}
+    return any(arg in spellings or arg.split("=", 1)[0] in spellings for arg in argv)
+
+
 def _origin(flag: str, argv: Sequence[str]) -> str:
     """How the user gave ``flag``: the flag itself, or its DDPKIT_ environment variable."""
-    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}", *_SHORT.get(flag, ())}
-    given = any(arg in spellings or arg.split("=", 1)[0] in spellings for arg in argv)
     variable = "DDPKIT_" + flag.replace("-", "_").upper()
-    return variable if not given and variable in os.environ else f"--{flag}"
+    return variable if not _given(flag, argv) and variable in os.environ else f"--{flag}"
 
 
 def _integer(flag: str, value: str, argv: Sequence[str]) -> int:
@@ -153,16 +163,35 @@ def _standalone(nnodes: int, node_rank: int, master_port: str | None, argv: Sequ
     return "127.0.0.1", None
 
 
-def _static_rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """torchrun's c10d rendezvous (node ranks given out as nodes arrive) is not built yet: refuse it
-    with the static equivalent, rather than starting a job that waits for a node rank nobody gives."""
-    if args.rdzv_backend not in ("", "static") or args.rdzv_endpoint or args.rdzv_id:
-        given = ", ".join(f"{_origin(flag, argv)}={value!r}" for flag, value in
-                          (("rdzv-backend", args.rdzv_backend), ("rdzv-endpoint", args.rdzv_endpoint),
-                           ("rdzv-id", args.rdzv_id)) if value not in ("", "static"))
-        raise LaunchError(f"{given}: ddpkit run does not do torchrun's rendezvous yet. Give every node "
-                          "--nnodes N --node-rank R --master-addr HOST --master-port PORT (HOST:PORT as in "
-                          "--rdzv-endpoint; R from 0 to N-1, 0 on HOST).")
+def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> RendezvousSettings | None:
+    """The c10d rendezvous asked for (``launching.rendezvous``), or None for a static one, whose
+    --rdzv-endpoint (torchrun's meaning) then stands for --master-addr and --master-port."""
+    backend = (args.rdzv_backend or "static").strip()
+    if backend not in ("static", "c10d"):
+        raise LaunchError(f"{_origin('rdzv-backend', argv)}={backend!r}: ddpkit run's rendezvous is 'static' or "
+                          "'c10d' (torchrun's etcd backends are not supported). Use c10d with --rdzv-endpoint.")
+    endpoint = None
+    if args.rdzv_endpoint:
+        try:
+            endpoint = parse_endpoint(args.rdzv_endpoint)
+        except ValueError as error:
+            raise LaunchError(str(error).replace("--rdzv-endpoint", _origin("rdzv-endpoint", argv))) from None
+    if backend == "static":
+        if endpoint is not None:
+            args.master_addr, args.master_port = endpoint.host, str(endpoint.port)
+        return None
+    if endpoint is None:
+        raise LaunchError(f"{_origin('rdzv-backend', argv)}=c10d needs --rdzv-endpoint HOST[:PORT]: an address of one "
+                          "of the job's nodes, the same on every node (its launcher hosts the rendezvous).")
+    for flag in ("node-rank", "master-addr", "master-port"):
+        if _given(flag, argv):
+            _log.warning(f"ddpkit run: --{flag} is not used with --rdzv-backend c10d: the rendezvous gives the "
+                         "node rank, and the endpoint is the master address and port.")
+    try:
+        join_timeout = parse_join_timeout(args.rdzv_conf or "")
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    return RendezvousSettings(endpoint, str(args.rdzv_id), join_timeout)
 
 
 def _run_as(module: bool, no_python: bool) -> str:
@@ -226,8 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         nnodes = _nnodes(args.nnodes, launcher_argv)
         node_rank = _integer("node-rank", args.node_rank, launcher_argv)
         master_addr, master_port = args.master_addr, args.master_port
+        rendezvous = None
         if not args.standalone:
-            _static_rendezvous(args, launcher_argv)
+            rendezvous = _rendezvous(args, launcher_argv)
+            master_addr, master_port = args.master_addr, args.master_port
         else:
             master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
         config = LaunchConfig(
@@ -242,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             recovery=args.recovery,
             run_as=_run_as(args.module, args.no_python),
             output=_output_plan(args, nproc_per_node, launcher_argv),
+            rendezvous=rendezvous,
         )
         return run_workers(args.script, args.script_args, config)
     except LaunchError as error:

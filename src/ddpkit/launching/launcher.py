@@ -27,6 +27,7 @@ killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.machinery
 import math
@@ -49,6 +50,7 @@ from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoord
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcess, WorkerProcesses
+from ddpkit.launching.rendezvous import RendezvousError, RendezvousSettings, claim_endpoint, join
 from ddpkit.launching.replacement import Replacements, recovery_timeout_seconds
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
@@ -78,6 +80,9 @@ class LaunchConfig:
     recovery: str = "fail-fast"  # or "in-place": a killed worker is replaced while the others go on
     run_as: str = "script"  # "script" (python script.py), "module" (python -m), "program" (no python)
     output: OutputPlan = field(default_factory=OutputPlan)  # default: the launcher's own streams
+    # torchrun's c10d rendezvous (``launching.rendezvous``): the node rank comes from it, and the
+    # master address and port are the endpoint's. None: static (``node_rank``, ``master_*``).
+    rendezvous: RendezvousSettings | None = None
 
     @property
     def world_size(self) -> int:
@@ -129,6 +134,10 @@ def validate(config: LaunchConfig, script: str) -> None:
             raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
                               "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "
                               "--max-restarts.")
+    if config.rendezvous is not None:
+        _check_endpoint(config.rendezvous)
+        _check_script(config.run_as, script)
+        return
     if not 0 <= config.node_rank < config.nnodes:
         raise LaunchError(
             f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
@@ -156,6 +165,17 @@ def validate(config: LaunchConfig, script: str) -> None:
             f"--master-port={config.master_port} is already in use on {config.master_addr}. Choose another port, "
             "or leave --master-port out on a single node to get a free one."
         )
+
+
+def _check_endpoint(rendezvous: RendezvousSettings) -> None:
+    try:
+        socket.getaddrinfo(rendezvous.endpoint.host, None)
+    except socket.gaierror as error:
+        raise LaunchError(f"--rdzv-endpoint={str(rendezvous.endpoint)!r} does not resolve ({error}). Use the host "
+                          "name or IP address of one of the job's nodes, the same on every node.") from None
+    if not rendezvous.run_id:
+        raise LaunchError("--rdzv-backend c10d needs --rdzv-id: a name for the job, the same on every node "
+                          "(e.g. the scheduler's job id).")
 
 
 def _check_script(run_as: str, script: str) -> None:
@@ -237,13 +257,17 @@ def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[s
 
 
 def _hosts_store(config: LaunchConfig) -> bool:
-    """Whether the job's store is the launchers' (node 0's) rather than rank 0's: under in-place
-    recovery, and when the launchers of several nodes restart together (``launching.nodes``)."""
-    return config.recovery == IN_PLACE or _restarts_across_nodes(config)
+    """Whether the job's store is a launcher's rather than rank 0's: under in-place recovery, when
+    the launchers of several nodes restart together (``launching.nodes``), and under a c10d
+    rendezvous (the store at the endpoint)."""
+    return config.recovery == IN_PLACE or config.rendezvous is not None or _coordinates_nodes(config)
 
 
-def _restarts_across_nodes(config: LaunchConfig) -> bool:
-    return config.nnodes > 1 and config.max_restarts > 0
+def _coordinates_nodes(config: LaunchConfig) -> bool:
+    """Whether the launchers of several nodes agree on the job's end (``launching.nodes``): when they
+    restart together, and under a c10d rendezvous, where the launcher that hosts the store must
+    outlive the others."""
+    return config.nnodes > 1 and (config.max_restarts > 0 or config.rendezvous is not None)
 
 
 def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, grace: float = 3.0,
@@ -276,9 +300,15 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     nodes: NodeCoordination | None = None
     try:
         restart_count = 0
+        if config.rendezvous is not None:
+            try:
+                config, store_host, nodes = _join_rendezvous(config, config.rendezvous, {**defaults, **os.environ})
+            except RendezvousError as error:
+                _log.error(f"ddpkit run: {error}")
+                return 1
         # A store the launchers host keeps one port for the whole run (attempts and generations have prefixes).
         port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
-        if _hosts_store(config) and config.node_rank == 0:
+        if _hosts_store(config) and config.node_rank == 0 and config.rendezvous is None:
             store_host = _start_store_host(config.master_addr, port, {**defaults, **os.environ})
         output = config.output.with_log_dir()
         command = _worker_command(config.run_as, script, script_args)
@@ -299,7 +329,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                         workers, [*command[:3], SPARE, *command[3:]], {**defaults, **os.environ},
                         functools.partial(rank_variables, config, port, restart_count=restart_count),
                         budget=config.max_restarts - restart_count)
-                if _restarts_across_nodes(config) and nodes is None:
+                if _coordinates_nodes(config) and nodes is None:
                     # Connected after the workers started: the import of torch's store client overlaps theirs.
                     nodes = NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes)
                 outcome = _watch(workers, signals, grace, poll_interval, replacements, nodes)
@@ -353,10 +383,39 @@ def _worker_command(run_as: str, script: str, script_args: Sequence[str]) -> lis
             *script_args]
 
 
-def _start_store_host(address: str, port: int, environment: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    """The process that hosts the job's store under in-place recovery (``launching.store_host``)."""
-    return subprocess.Popen([sys.executable, "-m", "ddpkit.launching.store_host", address, str(port)],
-                            env={**environment, "DDPKIT_LAUNCHER_PID": str(os.getpid())}, start_new_session=True)
+def _start_store_host(address: str, port: int, environment: Mapping[str, str],
+                      listener: socket.socket | None = None) -> subprocess.Popen[bytes]:
+    """The process that hosts the job's store (``launching.store_host``), on ``listener`` when given."""
+    handed = [] if listener is None else ["--listen-fd", str(listener.fileno())]
+    return subprocess.Popen([sys.executable, "-m", "ddpkit.launching.store_host", address, str(port), *handed],
+                            env={**environment, "DDPKIT_LAUNCHER_PID": str(os.getpid())}, start_new_session=True,
+                            pass_fds=[] if listener is None else [listener.fileno()])
+
+
+def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, environment: Mapping[str, str],
+                     ) -> tuple[LaunchConfig, subprocess.Popen[bytes] | None, NodeCoordination | None]:
+    """Meet the other nodes' launchers at the endpoint (hosting its store when it is this host's):
+    the job as a static one with this node's rank, the store host if this launcher runs it, and
+    the agreement between the launchers (several nodes)."""
+    endpoint = rendezvous.endpoint
+    listener = claim_endpoint(endpoint)
+    store_host = None
+    if listener is not None:
+        store_host = _start_store_host(endpoint.host, endpoint.port, environment, listener)
+        listener.close()  # the store host holds its own copy
+    try:
+        node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, rendezvous.join_timeout)
+    except BaseException:
+        if store_host is not None:
+            store_host.kill()
+            store_host.wait()
+        raise
+    config = dataclasses.replace(config, node_rank=node_rank, master_addr=endpoint.host, master_port=endpoint.port)
+    nodes = None
+    if _coordinates_nodes(config):
+        nodes = NodeCoordination(store, node_rank, config.nnodes, endpoint.host, endpoint.port,
+                                 hosts_store=store_host is not None)
+    return config, store_host, nodes
 
 
 @dataclass

@@ -17,7 +17,11 @@ the workers as ``DDPKIT_RESTART_COUNT`` does:
 - before a restart every launcher waits for the others (``meet``, within
   ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``). Each counts its restarts itself: with the same
   ``--max-restarts`` on every node they agree on when to give up;
-- node 0's launcher keeps the store until every launcher has left (``leave``), or a few seconds.
+- the launcher that hosts the store (node 0's; under a c10d rendezvous the one on the endpoint's
+  host) keeps it until every launcher has left (``leave``), or a few seconds.
+
+Under a c10d rendezvous (``launching.rendezvous``) this agreement is used whenever there are several
+nodes, restarts or not: the store is a launcher's, so the one that hosts it must outlive the others.
 
 This module imports ``torch.distributed`` for the store's client, and only when a launcher
 connects: single-node launching stays free of torch (docs/architecture.md).
@@ -62,11 +66,15 @@ class FailureCause:
 class NodeCoordination:
     """One launcher's side of the agreement between the launchers of a multi-node job."""
 
-    def __init__(self, store: Any, node_rank: int, nnodes: int, address: str, port: int) -> None:
+    def __init__(self, store: Any, node_rank: int, nnodes: int, address: str, port: int,
+                 hosts_store: bool | None = None) -> None:
         self._store = store
         self.node_rank = node_rank
         self.nnodes = nnodes
         self._where = f"{address}:{port}"
+        # Whether this launcher hosts the store (then it leaves last): node 0's, or under a c10d
+        # rendezvous the one on the endpoint's host (``launching.rendezvous``).
+        self.hosts_store = node_rank == 0 if hosts_store is None else hosts_store
         self.attempt = 0
 
     @classmethod
@@ -94,9 +102,9 @@ class NodeCoordination:
             return getattr(self._store, method)(*args)
         except Exception as error:  # the store's client raises several kinds, all meaning the same here
             raise NodeContactLostError(
-                f"node {self.node_rank}'s launcher lost contact with the job's store at {self._where}, which the "
-                f"launcher of node 0 hosts ({type(error).__name__}: {error}): node 0's launcher ended or its host "
-                "is unreachable. Its output says why.") from None
+                f"node {self.node_rank}'s launcher lost contact with the job's store at {self._where} "
+                f"({type(error).__name__}: {error}): the launcher that hosts it (node 0's, or the one on the "
+                "rendezvous endpoint's host) ended or its host is unreachable. Its output says why.") from None
 
     def _has(self, name: str, attempt: int | None = None) -> bool:
         return bool(self._call("check", [self._key(name, attempt)]))
@@ -177,13 +185,13 @@ class NodeCoordination:
             time.sleep(_POLL_SECONDS)
 
     def leave(self, wait_seconds: float) -> None:
-        """Count this launcher out; node 0's (which hosts the store) waits for the others first,
-        up to ``wait_seconds``, so that none loses the store while it still reads it."""
+        """Count this launcher out; the one that hosts the store waits for the others first, up to
+        ``wait_seconds``, so that none loses the store while it still reads it."""
         try:
             self._call("set", f"ddpkit/launchers/left/{self.node_rank}", "1")
             left = int(self._call("add", "ddpkit/launchers/left", 1))
             deadline = time.monotonic() + wait_seconds
-            while self.node_rank == 0 and left < self.nnodes and time.monotonic() < deadline:
+            while self.hosts_store and left < self.nnodes and time.monotonic() < deadline:
                 time.sleep(_POLL_SECONDS)
                 left = int(self._call("add", "ddpkit/launchers/left", 0))
         except NodeContactLostError:

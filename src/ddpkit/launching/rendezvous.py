@@ -1,0 +1,166 @@
+"""torchrun's c10d rendezvous for ``ddpkit run``: nodes receive their node rank as they arrive.
+
+    ddpkit run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+               --rdzv-id job7 train.py          # the same command on every node, no --node-rank
+
+The launcher on HOST (the one whose bind of the endpoint succeeds: ``claim_endpoint``) hosts the
+job's store there (``launching.store_host``, handed the listening socket, so two launchers on
+one host cannot both host it); every launcher, that one included, joins through the store
+(``join``): the n-th to arrive is node n - 1, one endpoint serves one rendezvous id, and nobody
+starts a worker before all ``--nnodes`` launchers arrived (within ``join_timeout``, torchrun's
+``--rdzv-conf`` key, 600 s by default). From then on the job is a static one whose master
+address and port are the endpoint's, and whose store is the launchers' (the workers meet there,
+one key prefix per attempt, as under restarts across nodes: ``launching.nodes``); node ranks stay
+the same across restarts.
+
+``torch.distributed`` (the store's client) is imported only here, and only with ``c10d``.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ddpkit.logs import get_logger
+
+__all__ = ["DEFAULT_PORT", "Endpoint", "RendezvousError", "RendezvousSettings", "claim_endpoint", "join", "parse_endpoint",
+           "parse_join_timeout"]
+
+_log = get_logger("launching")
+
+#: torchrun's port for a c10d endpoint given without one.
+DEFAULT_PORT = 29400
+_POLL_SECONDS = 0.05
+# How long one request to the store may take once the launchers are connected.
+_REQUEST_TIMEOUT = timedelta(seconds=30)
+
+
+class RendezvousError(RuntimeError):
+    """The launchers did not form the job: too many, a different job on the endpoint, or too few in time."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """``--rdzv-endpoint``, ``--rdzv-id`` and ``--rdzv-conf join_timeout`` of a c10d rendezvous."""
+
+    endpoint: Endpoint
+    run_id: str
+    join_timeout: float = 600.0
+
+
+def parse_endpoint(value: str) -> Endpoint:
+    """``HOST``, ``HOST:PORT`` or ``[IPv6]:PORT`` (``ValueError`` saying what is wrong)."""
+    text = value.strip()
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise ValueError(f"--rdzv-endpoint={value!r} names no host: give HOST or HOST:PORT, e.g. node0:{DEFAULT_PORT}.")
+    if not port_text:
+        return Endpoint(host, DEFAULT_PORT)
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"--rdzv-endpoint={value!r}: {port_text!r} is not a TCP port (1..65535).")
+    return Endpoint(host, int(port_text))
+
+
+def parse_join_timeout(conf: str) -> float:
+    """``join_timeout`` from torchrun's ``--rdzv-conf key=value,...`` (600 s when absent); other keys
+    are torchrun's tuning of its own rendezvous and are ignored with a notice."""
+    timeout = RendezvousSettings.join_timeout
+    for pair in filter(None, (part.strip() for part in conf.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--rdzv-conf={conf!r}: {pair!r} is not key=value (e.g. join_timeout=120).")
+        if key.strip() != "join_timeout":
+            _log.info(f"ddpkit run: --rdzv-conf {key.strip()} is not used by ddpkit's rendezvous (only join_timeout).")
+            continue
+        try:
+            timeout = float(value)
+        except ValueError:
+            raise ValueError(f"--rdzv-conf={conf!r}: join_timeout={value!r} is not a number of seconds.") from None
+        if timeout <= 0:
+            raise ValueError(f"--rdzv-conf={conf!r}: join_timeout must be more than 0 seconds.")
+    return timeout
+
+
+def claim_endpoint(endpoint: Endpoint) -> socket.socket | None:
+    """A socket listening on the endpoint when it is an address of this machine and free: then this
+    launcher hosts the store. None when another process holds it (another launcher on this host,
+    say) or the address is another machine's."""
+    try:
+        family = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        return None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((endpoint.host, endpoint.port))
+        listener.listen(512)
+    except OSError:  # EADDRINUSE: held already; EADDRNOTAVAIL: not this machine's address
+        listener.close()
+        return None
+    listener.set_inheritable(True)
+    return listener
+
+
+def _keys(name: str) -> str:
+    return f"ddpkit/rendezvous/{name}"
+
+
+def join(endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float) -> tuple[int, Any]:
+    """Join the rendezvous ``run_id`` at ``endpoint`` and wait for all ``nnodes`` launchers: this
+    node's rank (the order of arrival) and the store's client (kept for ``launching.nodes``)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(endpoint.host, endpoint.port, is_master=False,  # type: ignore[attr-defined]
+                              timeout=timedelta(seconds=join_timeout), wait_for_workers=False)
+    except Exception as error:  # torch raises DistStoreError, RuntimeError or OSError, by cause
+        raise RendezvousError(
+            f"could not reach the rendezvous store at {endpoint} within {join_timeout:g} s ({error}). The launcher "
+            f"on the endpoint's host hosts it: start `ddpkit run` there with the same --rdzv-endpoint, and check that "
+            "this host can reach it.") from None
+    store.set_timeout(_REQUEST_TIMEOUT)
+    # One endpoint, one job: the first launcher names the rendezvous id; any other id is refused.
+    served = bytes(store.compare_set(_keys("id"), "", run_id)).decode()
+    if served != run_id:
+        raise RendezvousError(
+            f"the rendezvous at {endpoint} serves --rdzv-id={served!r}, not {run_id!r}: another job uses this endpoint. "
+            "Give each job its own --rdzv-endpoint port, or the same --rdzv-id to join that job.")
+    arrived = int(store.add(_keys("arrived"), 1))
+    if arrived > nnodes:
+        raise RendezvousError(
+            f"rendezvous {run_id!r} at {endpoint} already has its --nnodes={nnodes} nodes; this launcher arrived as "
+            f"number {arrived}. Start exactly --nnodes launchers (a node that is started again joins a new job: give it "
+            "a new --rdzv-id or endpoint).")
+    node_rank = arrived - 1
+    deadline = time.monotonic() + join_timeout
+    told = False
+    while (count := int(store.add(_keys("arrived"), 0))) < nnodes:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"rendezvous {run_id!r} at {endpoint}: {count} of --nnodes={nnodes} launchers arrived within "
+                f"{join_timeout:g} s (--rdzv-conf join_timeout). Start `ddpkit run` with the same --rdzv-endpoint, "
+                "--rdzv-id and --nnodes on every node.")
+        if not told:
+            _log.info(f"ddpkit run: node {node_rank} of rendezvous {run_id!r} at {endpoint}; waiting for "
+                      f"{nnodes - count} more node(s)")
+            told = True
+        time.sleep(_POLL_SECONDS)
+    _log.info(f"ddpkit run: rendezvous {run_id!r} at {endpoint} complete: this is node {node_rank} of {nnodes}")
+    return node_rank, store

@@ -1,0 +1,176 @@
+"""torchrun's c10d rendezvous on ``ddpkit run`` (issue 15, item 2): the same command on every node,
+no ``--node-rank``; nodes receive their rank at the rendezvous. Real launchers on loopback and
+across network namespaces."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.environments import find_free_port
+from ddpkit.launching.cli import main
+from ddpkit.launching.rendezvous import DEFAULT_PORT, Endpoint, parse_endpoint, parse_join_timeout
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+
+# Each worker reports its place, says it started, and lives a moment (restart tests: one rank
+# fails in the first attempt).
+PLACE = textwrap.dedent(
+    """
+    import os, sys, time
+    rank, attempt = os.environ["RANK"], os.environ["DDPKIT_RESTART_COUNT"]
+    print(f"rank {rank} of {os.environ['WORLD_SIZE']} node {os.environ['NODE_RANK']} attempt {attempt} "
+          f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    open(f"started{rank}", "w").close()
+    if os.environ.get("FAIL_RANK") == rank and attempt == "0":
+        sys.exit(f"rank {rank} fails on purpose")
+    time.sleep(float(os.environ.get("LIVE_SECONDS", "0")))
+    """
+)
+
+
+def launcher(folder: Path, *arguments: str, namespace: str | None = None, **variables: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "ddpkit", "run", *arguments]
+    if namespace is not None:
+        command = ["ip", "netns", "exec", namespace, *command]
+    return subprocess.Popen(command, cwd=folder, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **variables})
+
+
+def ended(launchers: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each launcher; every one is ended, whatever happens."""
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in launchers]
+    finally:
+        for process in launchers:
+            process.kill()
+            process.wait()
+    return [(process.returncode, out, err) for process, (out, err) in zip(launchers, outputs)]
+
+
+def c10d(port: int, run_id: str = "job", nnodes: int = 2) -> list[str]:
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", run_id]
+
+
+@pytest.fixture()
+def folder(tmp_path: Path) -> Path:
+    (tmp_path / "place.py").write_text(PLACE)
+    return tmp_path
+
+
+def test_two_launchers_without_node_ranks_form_one_world_of_four_and_train_like_one_process(tmp_path: Path) -> None:
+    """The acceptance: every node runs the same command; one gets node 0, the other node 1."""
+    port = find_free_port()
+    arguments = [*c10d(port), "--nproc-per-node", "2", str(EXAMPLE), "--epochs", "2", "--samples", "1024"]
+    results = ended([launcher(tmp_path, *arguments), launcher(tmp_path, *arguments)], timeout=180)
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    nodes = sorted(int(re.findall(r"this is node (\d) of 2", err)[0]) for _, _, err in results)
+    assert nodes == [0, 1]
+    out = "".join(out for _, out, _ in results)
+    assert "over 4 processes, parameters identical on all ranks: True" in out, out
+    assert float(out.split("max |difference| to one process")[1].split()[0]) < 1e-5
+
+
+def test_a_launcher_too_many_and_another_job_on_the_endpoint_are_refused(folder: Path) -> None:
+    port = find_free_port()
+    job = [launcher(folder, *c10d(port), "--nproc-per-node", "1", "place.py", LIVE_SECONDS="6") for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while not all((folder / f"started{rank}").exists() for rank in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    extra = launcher(folder, *c10d(port), "--rdzv-conf", "join_timeout=5", "place.py")
+    other = launcher(folder, *c10d(port, run_id="another"), "--rdzv-conf", "join_timeout=5", "place.py")
+    (extra_code, _, extra_err), (other_code, _, other_err) = ended([extra, other], timeout=30)
+    assert extra_code == 1 and "rendezvous 'job' at 127.0.0.1" in extra_err, extra_err
+    assert "already has its --nnodes=2 nodes; this launcher arrived as number 3" in extra_err
+    assert other_code == 1 and "serves --rdzv-id='job', not 'another'" in other_err, other_err
+    assert [code for code, _, _ in ended(job)] == [0, 0]  # the job itself is untouched
+
+
+def test_a_node_that_does_not_come_ends_the_launcher_after_the_join_timeout(folder: Path) -> None:
+    started = time.monotonic()
+    code, _, err = ended([launcher(folder, *c10d(find_free_port()), "--rdzv-conf", "join_timeout=2",
+                                   "place.py")], timeout=30)[0]
+    assert code == 1 and "1 of --nnodes=2 launchers arrived within 2 s (--rdzv-conf join_timeout)" in err, err
+    assert time.monotonic() - started < 15
+    assert not list(folder.glob("started*"))  # no worker started
+
+
+def test_both_nodes_restart_together_and_keep_their_node_ranks(folder: Path) -> None:
+    port = find_free_port()
+    arguments = [*c10d(port), "--nproc-per-node", "1", "--max-restarts", "1", "place.py"]
+    results = ended([launcher(folder, *arguments, FAIL_RANK="1"), launcher(folder, *arguments, FAIL_RANK="1")])
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    for _, out, err in results:
+        node = re.findall(r"this is node (\d) of 2", err)[0]
+        assert f"rank {node} of 2 node {node} attempt 0" in out and f"rank {node} of 2 node {node} attempt 1" in out
+        assert "restart 1 of 1" in err
+        assert f"master 127.0.0.1:{port}" in out  # the workers meet at the endpoint
+    assert any("rank 1 fails on purpose" in err for _, _, err in results)
+
+
+def test_a_static_endpoint_is_the_master_address_and_port(folder: Path) -> None:
+    port = find_free_port()
+    code, out, err = ended([launcher(folder, "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                     "place.py")])[0]
+    assert code == 0, err
+    assert f"rank 1 of 2 node 0 attempt 0 master 127.0.0.1:{port}" in out
+
+
+def test_two_nodes_in_separate_network_namespaces_meet_at_the_rendezvous(
+        two_namespaces: list[tuple[str, str]], tmp_path: Path) -> None:
+    # The endpoint is node 0's address on a real (virtual) interface; the other namespace cannot
+    # bind it, so it joins as a client and gets its node rank from the store.
+    (tmp_path / "sum.py").write_text(textwrap.dedent(
+        """
+        import os, torch, torch.distributed as dist, ddpkit
+        ddpkit.init_dist_connection(ddpkit.detect_environment())
+        total = torch.ones(1) * dist.get_rank()
+        dist.all_reduce(total)
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['NODE_RANK']}: {total.item()}")
+        ddpkit.destroy_dist_connection()
+        """))
+    endpoint = f"{two_namespaces[0][1]}:29533"
+    arguments = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                 "--rdzv-id", "ns", "sum.py"]
+    results = ended([launcher(tmp_path, *arguments, namespace=namespace) for namespace, _ in two_namespaces])
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    out = "".join(out for _, out, _ in results)
+    assert sorted(re.findall(r"rank (\d) of 4 on node (\d): 6.0", out)) == [("0", "0"), ("1", "0"), ("2", "1"),
+                                                                           ("3", "1")], out
+
+
+def refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], folder: Path, *arguments: str) -> str:
+    monkeypatch.chdir(folder)
+    assert main(["run", *arguments]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "--rdzv-backend='etcd': ddpkit run's rendezvous is"),
+    (["--rdzv-backend", "c10d"], "--rdzv-backend=c10d needs --rdzv-endpoint HOST[:PORT]"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:99999"], "--rdzv-endpoint='h:99999': '99999' is not a TCP"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", ":80"], "--rdzv-endpoint=':80' names no host"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1", "--rdzv-conf", "join_timeout=soon"],
+     "join_timeout='soon' is not a number of seconds"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "no-such-host.invalid:5"],
+     "--rdzv-endpoint='no-such-host.invalid:5' does not resolve"),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1", "--rdzv-id", ""], "needs --rdzv-id"),
+])
+def test_bad_rendezvous_settings_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                             folder: Path, arguments: list[str], message: str) -> None:
+    assert message in refused(monkeypatch, capsys, folder, "--nnodes", "2", *arguments, "place.py")
+
+
+def test_endpoints_and_settings_are_read_as_torchrun_reads_them() -> None:
+    assert parse_endpoint("node0") == Endpoint("node0", DEFAULT_PORT) and DEFAULT_PORT == 29400
+    assert parse_endpoint("node0:1234") == Endpoint("node0", 1234)
+    assert parse_endpoint("[::1]:1234") == Endpoint("::1", 1234) and str(Endpoint("::1", 5)) == "[::1]:5"
+    assert parse_join_timeout("") == 600 and parse_join_timeout("read_timeout=60,join_timeout=30") == 30
