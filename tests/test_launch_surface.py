@@ -166,14 +166,6 @@ def test_local_ranks_filter_shows_only_those_ranks_and_writes_every_ranks_files(
     assert "err of rank 0" in (folder / "logs" / "node0" / "attempt_0" / "0" / "stderr.log").read_text()
 
 
-def test_without_a_log_dir_the_files_go_to_a_folder_the_launcher_names(folder: Path) -> None:
-    result = ddpkit_run(folder, "--nproc-per-node", "2", "--redirects", "3", "report.py")
-    assert result.returncode == 0, result.stderr
-    named = re.search(r"the workers' log files are in (\S+) \(choose the folder with --log-dir\)", result.stderr)
-    assert named is not None, result.stderr
-    assert "out of rank 0 of 2" in (Path(named[1]) / "node0" / "attempt_0" / "0" / "stdout.log").read_text()
-
-
 def test_each_restart_writes_to_a_folder_of_its_own_and_the_last_words_of_a_failed_rank_arrive(folder: Path) -> None:
     result = ddpkit_run(folder, "--nproc-per-node", "2", "--max-restarts", "1", "--tee", "3", "--log-dir", "logs",
                         "report.py", FAIL_RANK="1")
@@ -196,11 +188,14 @@ def test_bad_output_settings_are_refused(folder: Path, monkeypatch: pytest.Monke
     assert message in refused(folder, monkeypatch, capsys, "--nproc-per-node", "2", *arguments, "report.py")
 
 
-def test_output_settings_come_from_the_environment_too(folder: Path) -> None:
-    result = ddpkit_run(folder, "--nproc-per-node", "2", "report.py", DDPKIT_TEE="2", DDPKIT_LOG_DIR="logs",
-                        DDPKIT_LOCAL_RANKS_FILTER="1")
+def test_output_settings_come_from_the_environment_too_and_files_go_to_a_named_folder(folder: Path) -> None:
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "report.py", DDPKIT_TEE="2", DDPKIT_LOCAL_RANKS_FILTER="1")
     assert result.returncode == 0, result.stderr
     assert "[rank1]: err of rank 1" in result.stderr and "of rank 0" not in result.stderr + result.stdout
+    # Without --log-dir the files go to a new folder, which the launcher names.
+    named = re.search(r"the workers' log files are in (\S+) \(choose the folder with --log-dir\)", result.stderr)
+    assert named is not None, result.stderr
+    assert (Path(named[1]) / "node0" / "attempt_0" / "0" / "stderr.log").read_text().startswith("err of rank 0")
 
 
 def test_a_bad_output_setting_from_the_environment_is_named_as_such(

@@ -81,7 +81,7 @@ def test_two_launchers_without_node_ranks_form_one_world_of_four_and_train_like_
 
 def test_a_launcher_too_many_and_another_job_on_the_endpoint_are_refused(folder: Path) -> None:
     port = find_free_port()
-    job = [launcher(folder, *c10d(port), "--nproc-per-node", "1", "place.py", LIVE_SECONDS="6") for _ in range(2)]
+    job = [launcher(folder, *c10d(port), "--nproc-per-node", "1", "place.py", LIVE_SECONDS="4") for _ in range(2)]
     deadline = time.monotonic() + 60
     while not all((folder / f"started{rank}").exists() for rank in (0, 1)) and time.monotonic() < deadline:
         time.sleep(0.05)
