@@ -47,12 +47,14 @@ def test_clean_runs_exit_zero_every_time() -> None:
 
 def test_a_checkpoint_resumes_where_the_run_stopped(tmp_path: Path) -> None:
     checkpoint = str(tmp_path / "ckpt.pt")
-    whole = run_example("--epochs", "3", "--samples", "1024", "--no-check-reference")
     first = run_example("--epochs", "2", "--samples", "1024", "--checkpoint", checkpoint, "--no-check-reference")
     resumed = run_example("--epochs", "3", "--samples", "1024", "--checkpoint", checkpoint, "--resume")
-    assert whole.returncode == first.returncode == resumed.returncode == 0, resumed.stderr
+    assert first.returncode == resumed.returncode == 0, resumed.stderr
     assert f"resumed from {checkpoint} after epoch 2" in resumed.stdout
-    assert losses(first.stdout) + losses(resumed.stdout) == losses(whole.stdout)  # the same training
+    assert len(losses(first.stdout)) == 2 and len(losses(resumed.stdout)) == 1  # epoch 3 only, once
+    # The reference is one process trained on all three epochs' global batches: the two runs
+    # together trained exactly as one uninterrupted run would.
+    assert float(resumed.stdout.split("max |difference| to one process")[1].split()[0]) < 1e-6, resumed.stdout
 
 
 def final_parameters(checkpoint: Path) -> list[torch.Tensor]:

@@ -68,12 +68,14 @@ def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_without_the_faul
     assert_same(final_parameters(tmp_path), fault_free[2])
 
 
-def test_four_ranks_recover_in_place_and_end_as_without_the_fault(
-        tmp_path: Path, fault_free: dict[int, list[torch.Tensor]]) -> None:
+def test_four_ranks_recover_in_place_and_end_as_without_the_fault(tmp_path: Path) -> None:
+    # The reference is the example's own: one process trained on every step's global batch (a
+    # fault-free run of four ranks ends the same, as the 2-rank tests show against theirs).
     result = run_example(tmp_path, "--kill-at-step", "3", "--kill-rank", "2", nproc=4)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "recovered in place" in result.stderr and "restarting all" not in result.stderr
-    assert_same(final_parameters(tmp_path), fault_free[4], tolerance=1e-6)
+    assert "over 4 processes, parameters identical on all ranks: True" in result.stdout, result.stdout[-2000:]
+    assert float(result.stdout.split("max |difference| to one process")[1].split()[0]) <= 1e-6
 
 
 def test_a_rank_lost_during_a_checkpoint_save_falls_back_to_a_restart_that_resumes(

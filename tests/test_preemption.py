@@ -284,7 +284,9 @@ def calls_until_stop(flag_rank: int, flag_call: int, step_seconds: list[float], 
 
 @pytest.mark.parametrize(("steps", "wait_at_once", "interval", "most_calls_late"), [
     ([0.005] * 60, 10.0, 0.0, 2),  # a round per call, read at the next
-    ([0.005] * 60, 10.0, 0.05, 12),  # short steps share a round: about 0.05 s / 0.01 s = 5 calls
+    # Short steps share a round: about 0.2 s / 0.01 s = 20 calls; the interval is long beside a
+    # step even when the machine is slow, so that the rounds are still fewer than the calls.
+    ([0.005] * 80, 10.0, 0.2, 45),
     ([0.005] * 10 + [0.2] * 20, 0.3, 0.0, 0),  # steps of 0.2 + 0.4 s: waited for at once, stop in the same call
 ], ids=["every call", "shared rounds", "at once"])
 def test_every_rank_is_told_to_stop_at_the_same_call(pool2: WorkerPool, steps: list[float], wait_at_once: float,
