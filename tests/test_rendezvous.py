@@ -178,3 +178,15 @@ def test_endpoints_and_settings_are_read_as_torchrun_reads_them() -> None:
     assert parse_endpoint("node0:1234") == Endpoint("node0", 1234)
     assert parse_endpoint("[::1]:1234") == Endpoint("::1", 1234) and str(Endpoint("::1", 5)) == "[::1]:5"
     assert parse_join_timeout("") == 600 and parse_join_timeout("read_timeout=60,join_timeout=30") == 30
+
+
+def test_the_checks_of_the_script_hold_under_a_rendezvous_too(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], folder: Path) -> None:
+    program = folder / "job.sh"
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    c10d_here = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1"]
+    assert "script 'missing.py' does not exist" in refused(monkeypatch, capsys, folder, *c10d_here, "missing.py")
+    message = refused(monkeypatch, capsys, folder, *c10d_here, "--recovery", "in-place", "--max-restarts", "1",
+                      "--no-python", "./job.sh")
+    assert "--recovery in-place with --no-python" in message

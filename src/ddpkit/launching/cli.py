@@ -27,9 +27,15 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.environments import LocalEnvironment, detect_environment
-from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers
+from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers, worker_command
 from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
-from ddpkit.launching.rendezvous import DEFAULT_PORT, RendezvousSettings, parse_endpoint, parse_join_timeout
+from ddpkit.launching.rendezvous import (
+    DEFAULT_PORT,
+    Endpoint,
+    RendezvousSettings,
+    parse_endpoint,
+    parse_join_timeout,
+)
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTION_SIGNAL_VARIABLE, parse_signal
 
@@ -38,25 +44,33 @@ __all__ = ["main"]
 _log = get_logger("launching")
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
+# torchrun's one-letter spellings.
+_SHORT = {"redirects": "-r", "tee": "-t", "module": "-m"}
+
+
+def _spellings(name: str) -> list[str]:
+    """Every spelling of flag ``name``: its short one (torchrun's), dashed, underscored."""
     dashed, underscored = f"--{name}", f"--{name.replace('-', '_')}"
-    spellings = [dashed] if dashed == underscored else [dashed, underscored]
-    environment = "DDPKIT_" + name.replace("-", "_").upper()
+    short = [_SHORT[name]] if name in _SHORT else []
+    return [*short, dashed] if dashed == underscored else [*short, dashed, underscored]
+
+
+def _variable(name: str) -> str:
+    return "DDPKIT_" + name.replace("-", "_").upper()
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
+    environment = _variable(name)
     default = os.environ.get(environment, kwargs.pop("default", None))
     help_text = f"{kwargs.pop('help', '')} (environment: {environment})"
-    short = kwargs.pop("short", None)
-    if short is not None:
-        spellings.insert(0, str(short))
-    parser.add_argument(*spellings, dest=name.replace("-", "_"), default=default, help=help_text, **kwargs)  # type: ignore[arg-type]
+    parser.add_argument(*_spellings(name), dest=name.replace("-", "_"), default=default, help=help_text, **kwargs)  # type: ignore[arg-type]
 
 
-def _switch(parser: argparse.ArgumentParser, name: str, *short: str, help: str) -> None:  # noqa: A002 - argparse's name
+def _switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:  # noqa: A002 - argparse's name
     """An on/off flag, also on when its DDPKIT_ variable is 1, true or yes."""
-    environment = "DDPKIT_" + name.replace("-", "_").upper()
-    dashed, underscored = f"--{name}", f"--{name.replace('-', '_')}"
-    spellings = [*short, dashed] if dashed == underscored else [*short, dashed, underscored]
+    environment = _variable(name)
     default = os.environ.get(environment, "").strip().lower() in ("1", "true", "yes")
-    parser.add_argument(*spellings, dest=name.replace("-", "_"), action="store_true", default=default,
+    parser.add_argument(*_spellings(name), dest=name.replace("-", "_"), action="store_true", default=default,
                         help=f"{help} (environment: {environment}=1)")
 
 
@@ -87,15 +101,15 @@ def _parser() -> argparse.ArgumentParser:
     _flag(run, "rdzv-conf", default="", help="torchrun's key=value,... settings; ddpkit reads join_timeout (seconds, "
                                              "default 600)")
     _switch(run, "standalone", help="one node on this machine: address and port chosen here (torchrun's flag)")
-    _switch(run, "module", "-m", help="run the script as a module, as 'python -m' does")
+    _switch(run, "module", help="run the script as a module, as 'python -m' does")
     _switch(run, "no-python", help="run the script as a program (not with python); ddpkit's worker bootstrap "
                                    "(failure records, stack dumps, ending with the launcher) is then not in it")
     _flag(run, "log-dir", default=None,
           help="folder of the workers' log files: node<N>/attempt_<A>/<local rank>/{stdout,stderr}.log")
-    _flag(run, "redirects", default="0", short="-r",
+    _flag(run, "redirects", default="0",
           help="streams written to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank "
                "(0:3,1:2)")
-    _flag(run, "tee", default="0", short="-t",
+    _flag(run, "tee", default="0",
           help="streams written to the log files and to the console, each line prefixed with [rank<N>]: (values "
                "as --redirects)")
     _flag(run, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
@@ -107,18 +121,15 @@ def _parser() -> argparse.ArgumentParser:
 _BACKENDS = ("gloo", "nccl", "mpi")
 
 
-_SHORT = {"redirects": ("-r",), "tee": ("-t",), "module": ("-m",)}
-
-
 def _given(flag: str, argv: Sequence[str]) -> bool:
     """Whether ``flag`` is on the command line (any spelling)."""
-    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}", *_SHORT.get(flag, ())}
+    spellings = set(_spellings(flag))
     return any(arg in spellings or arg.split("=", 1)[0] in spellings for arg in argv)
 
 
 def _origin(flag: str, argv: Sequence[str]) -> str:
     """How the user gave ``flag``: the flag itself, or its DDPKIT_ environment variable."""
-    variable = "DDPKIT_" + flag.replace("-", "_").upper()
+    variable = _variable(flag)
     return variable if not _given(flag, argv) and variable in os.environ else f"--{flag}"
 
 
@@ -163,9 +174,9 @@ def _standalone(nnodes: int, node_rank: int, master_port: str | None, argv: Sequ
     return "127.0.0.1", None
 
 
-def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> RendezvousSettings | None:
-    """The c10d rendezvous asked for (``launching.rendezvous``), or None for a static one, whose
-    --rdzv-endpoint (torchrun's meaning) then stands for --master-addr and --master-port."""
+def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> tuple[RendezvousSettings | None, Endpoint | None]:
+    """The c10d rendezvous asked for (``launching.rendezvous``), or None for a static one; and a
+    static one's --rdzv-endpoint, which (torchrun's meaning) stands for --master-addr and --master-port."""
     backend = (args.rdzv_backend or "static").strip()
     if backend not in ("static", "c10d"):
         raise LaunchError(f"{_origin('rdzv-backend', argv)}={backend!r}: ddpkit run's rendezvous is 'static' or "
@@ -177,9 +188,7 @@ def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> RendezvousSett
         except ValueError as error:
             raise LaunchError(str(error).replace("--rdzv-endpoint", _origin("rdzv-endpoint", argv))) from None
     if backend == "static":
-        if endpoint is not None:
-            args.master_addr, args.master_port = endpoint.host, str(endpoint.port)
-        return None
+        return None, endpoint
     if endpoint is None:
         raise LaunchError(f"{_origin('rdzv-backend', argv)}=c10d needs --rdzv-endpoint HOST[:PORT]: an address of one "
                           "of the job's nodes, the same on every node (its launcher hosts the rendezvous).")
@@ -191,7 +200,7 @@ def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> RendezvousSett
         join_timeout = parse_join_timeout(args.rdzv_conf or "")
     except ValueError as error:
         raise LaunchError(str(error)) from None
-    return RendezvousSettings(endpoint, str(args.rdzv_id), join_timeout)
+    return RendezvousSettings(endpoint, str(args.rdzv_id), join_timeout), None
 
 
 def _run_as(module: bool, no_python: bool) -> str:
@@ -246,21 +255,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         # script here, once, instead of starting --nproc-per-node more. It signals the process itself.
         os.environ[PREEMPTION_SIGNAL_VARIABLE] = preemption_signal.name
         _log.info(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly")
-        if args.no_python:
-            os.execvp(args.script, [args.script, *args.script_args])
-        os.execv(sys.executable, [sys.executable, "-m", "ddpkit.launching.worker",
-                                  *(["-m"] if args.module else []), args.script, *args.script_args])
+        try:
+            command = worker_command(_run_as(args.module, args.no_python), args.script, args.script_args)
+        except LaunchError as error:
+            print(f"ddpkit run: {error}", file=sys.stderr)
+            return 2
+        os.execvp(command[0], command)
     try:
         nproc_per_node = _nproc(args.nproc_per_node, launcher_argv)
         nnodes = _nnodes(args.nnodes, launcher_argv)
         node_rank = _integer("node-rank", args.node_rank, launcher_argv)
         master_addr, master_port = args.master_addr, args.master_port
         rendezvous = None
-        if not args.standalone:
-            rendezvous = _rendezvous(args, launcher_argv)
-            master_addr, master_port = args.master_addr, args.master_port
-        else:
+        if args.standalone:
             master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
+        else:
+            rendezvous, static_endpoint = _rendezvous(args, launcher_argv)
+            if static_endpoint is not None:
+                master_addr, master_port = static_endpoint.host, str(static_endpoint.port)
         config = LaunchConfig(
             nproc_per_node=nproc_per_node,
             nnodes=nnodes,

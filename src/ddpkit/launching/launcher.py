@@ -56,7 +56,7 @@ from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
 
 __all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "performance_defaults", "rank_variables",
-           "run_workers", "validate"]
+           "run_workers", "validate", "worker_command"]
 
 _log = get_logger("launching")
 
@@ -134,19 +134,18 @@ def validate(config: LaunchConfig, script: str) -> None:
             raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
                               "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "
                               "--max-restarts.")
-    if config.rendezvous is not None:
+    _check_script(config.run_as, script)
+    if config.run_as == "program" and config.recovery == IN_PLACE:
+        raise LaunchError("--recovery in-place with --no-python: a warm spare runs ddpkit's worker bootstrap, in "
+                          "python. Run a python script (or -m module), or use --max-restarts without in-place recovery.")
+    if config.rendezvous is not None:  # the node rank, address and port come from the rendezvous
         _check_endpoint(config.rendezvous)
-        _check_script(config.run_as, script)
         return
     if not 0 <= config.node_rank < config.nnodes:
         raise LaunchError(
             f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
             f"0..{config.nnodes - 1}."
         )
-    _check_script(config.run_as, script)
-    if config.run_as == "program" and config.recovery == IN_PLACE:
-        raise LaunchError("--recovery in-place with --no-python: a warm spare runs ddpkit's worker bootstrap, in "
-                          "python. Run a python script (or -m module), or use --max-restarts without in-place recovery.")
     try:
         socket.getaddrinfo(config.master_addr, None)
     except socket.gaierror as error:
@@ -311,7 +310,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
         if _hosts_store(config) and config.node_rank == 0 and config.rendezvous is None:
             store_host = _start_store_host(config.master_addr, port, {**defaults, **os.environ})
         output = config.output.with_log_dir()
-        command = _worker_command(config.run_as, script, script_args)
+        command = worker_command(config.run_as, script, script_args)
         while True:
             if not _hosts_store(config) and restart_count and config.master_port is None:
                 port = find_free_port(config.master_addr)
@@ -375,7 +374,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             signal.signal(sig, handler)
 
 
-def _worker_command(run_as: str, script: str, script_args: Sequence[str]) -> list[str]:
+def worker_command(run_as: str, script: str, script_args: Sequence[str]) -> list[str]:
     """The command line of each worker: ddpkit's bootstrap running the script (or module), or the program itself."""
     if run_as == "program":
         return [script, *script_args]

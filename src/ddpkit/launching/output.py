@@ -183,6 +183,7 @@ class WorkerOutput:
                 arguments[name] = subprocess.PIPE
             elif routing.to_file(stream):
                 arguments[name] = self._open(name)
+                self._files.append(arguments[name])
             elif not routing.to_console(stream):
                 arguments[name] = subprocess.DEVNULL
         return arguments
@@ -191,9 +192,7 @@ class WorkerOutput:
         if self.folder is None:
             raise RuntimeError("OutputPlan.with_log_dir gives a folder to every plan that writes files")
         os.makedirs(self.folder, exist_ok=True)
-        handle = open(os.path.join(self.folder, f"{name}.log"), "ab")
-        self._files.append(handle)
-        return handle
+        return open(os.path.join(self.folder, f"{name}.log"), "ab")
 
     def started(self, process: subprocess.Popen[bytes]) -> None:
         """Start copying the pipes of ``process``; close the files it now holds (it has its own copies)."""

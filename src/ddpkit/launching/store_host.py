@@ -22,13 +22,11 @@ __all__ = ["main"]
 
 
 def main(argv: list[str]) -> None:
-    listen_fd = None
-    if len(argv) == 4 and argv[2] == "--listen-fd" and argv[3].isdigit():
-        listen_fd = int(argv[3])  # the launcher's socket, bound and listening already (``launching.rendezvous``)
-    elif len(argv) != 2:
+    handed = len(argv) == 4 and argv[2] == "--listen-fd" and argv[3].isdigit()
+    if not (len(argv) == 2 or handed) or not argv[1].isdigit():
         raise SystemExit("usage: python -m ddpkit.launching.store_host ADDRESS PORT [--listen-fd FD]")
-    if not argv[1].isdigit():
-        raise SystemExit("usage: python -m ddpkit.launching.store_host ADDRESS PORT [--listen-fd FD]")
+    # With --listen-fd, the launcher's socket, bound and listening already (``launching.rendezvous``).
+    listen_fd = int(argv[3]) if handed else None
     die_with_launcher()
     import torch.distributed as dist
 
