@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -274,6 +278,32 @@ def test_open_mpi_on_one_node_is_node_0_whatever_its_node_rank_variable(size: in
                      "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(size),
                      "OMPI_COMM_WORLD_NODE_RANK": str(rank)}
         assert MPIEnvironment(variables).node_rank() == 0
+
+
+def test_mpich_on_one_node_derives_its_port_from_the_nodes_hydra_proxy(tmp_path: Path) -> None:
+    """Issue 15, case 5: Hydra sets no job id, so the port comes from the pid of the ranks' common
+    ancestor, hydra_pmi_proxy, one per job (tests/schedulers runs two real MPICH jobs at once)."""
+    proxy = tmp_path / "hydra_pmi_proxy"
+    proxy.symlink_to(shutil.which("sh") or "/bin/sh")
+    probe = ("from ddpkit.environments import MPIEnvironment; "
+             "print(MPIEnvironment({'PMI_RANK': '0', 'PMI_SIZE': '2', 'MPI_LOCALRANKID': '0', 'MPI_LOCALNRANKS': '2'})"
+             ".main_port)")
+    ports = []
+    for _ in range(2):  # "; true" keeps the shell from replacing itself with python
+        shown = subprocess.run([str(proxy), "-c", f'{sys.executable} -c "{probe}"; echo $$; true'],
+                               capture_output=True, text=True, timeout=60)
+        port, proxy_pid = shown.stdout.split()
+        assert int(port) == 20000 + zlib.crc32(f"hydra_pmi_proxy {proxy_pid}".encode()) % 10000, shown.stderr
+        ports.append(port)
+    assert ports[0] != ports[1]
+
+
+def test_mpich_across_nodes_needs_master_port() -> None:
+    across = {"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "head"}
+    with pytest.raises(ValueError, match="MASTER_PORT is not set.*-genv MASTER_PORT 29500"):
+        MPIEnvironment(across)
+    assert MPIEnvironment({**across, "MASTER_PORT": "29500"}).main_port == 29500
+    assert MPIEnvironment({**across, "PMI_KVSNAME": "kvs_7"}).main_port == 20000 + zlib.crc32(b"kvs_7") % 10000
 
 
 def test_mpi_bad_values() -> None:

@@ -16,7 +16,9 @@ from ddpkit.environments.base import (
     check_place,
 )
 
-__all__ = ["MPIEnvironment"]
+__all__ = ["MPIEnvironment", "hydra_proxy_pid"]
+
+_HYDRA_PROXY = "hydra_pmi_proxy"
 
 
 # (rank, size, local rank, local size, node rank or None) per MPI implementation. Open MPI's
@@ -38,8 +40,11 @@ class MPIEnvironment(_ResolvedEnvironment):
     No mpi4py is needed: ranks come from the launcher's variables. ``main_address`` is
     ``MASTER_ADDR``, or 127.0.0.1 when every process is on one node (for several nodes, export
     ``MASTER_ADDR`` to all ranks, e.g. ``mpirun -x MASTER_ADDR=$(hostname)``). ``main_port`` is
-    ``MASTER_PORT``, or a port derived from the MPI job id, the same on every rank. Without a
-    node-rank variable the node rank is ``global_rank // local_size`` (block placement).
+    ``MASTER_PORT``, or a port derived from the MPI job id, the same on every rank. MPICH's Hydra
+    sets no job id: on one node the port is derived from the process id of the node's
+    ``hydra_pmi_proxy`` (an ancestor of every rank, distinct per job), so two jobs on one host do
+    not meet at one port; across nodes, where the proxies differ, ``MASTER_PORT`` is required.
+    Without a node-rank variable the node rank is ``global_rank // local_size`` (block placement).
     """
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
@@ -78,7 +83,16 @@ class MPIEnvironment(_ResolvedEnvironment):
                 f"{spread}). Export the host of rank 0 to every rank, e.g. `mpirun -x MASTER_ADDR=$(hostname) ...`."
             )
         self._main_address = address or "127.0.0.1"
-        self._main_port = _port_var(env, "MASTER_PORT", default=self._port_from_job_id(env))
+        job = self._job_identity(env, single_node)
+        if job is None and not env.get("MASTER_PORT", "").strip() and not single_node:
+            raise ValueError(
+                f"MASTER_PORT is not set and this MPI launcher sets no job id ({', '.join(_MPI_JOB_ID_VARS)} are "
+                f"all unset, as under MPICH's Hydra), so the ranks of a job spanning several nodes "
+                f"({size_var}={self._world_size}, {local_size_var}={local_size}) cannot derive one port. "
+                "Export a free port to every rank, e.g. `mpirun -genv MASTER_PORT 29500 ...`."
+            )
+        default_port = _DEFAULT_PORT if job is None else _MPI_PORT_BASE + zlib.crc32(job.encode()) % 10000
+        self._main_port = _port_var(env, "MASTER_PORT", default=default_port)
         self._external = True
 
     @staticmethod
@@ -86,12 +100,32 @@ class MPIEnvironment(_ResolvedEnvironment):
         return next((f for f in _MPI_FLAVOURS if f[0] in env and f[1] in env), None)
 
     @staticmethod
-    def _port_from_job_id(env: Mapping[str, str]) -> int:
+    def _job_identity(env: Mapping[str, str], single_node: bool) -> str | None:
+        """What every rank of this job shares and no other job on the host has, or None."""
         name = _first_of(env, *_MPI_JOB_ID_VARS)
-        if name is None:
-            return _DEFAULT_PORT
-        return _MPI_PORT_BASE + zlib.crc32(env[name].encode()) % 10000
+        if name is not None:
+            return env[name]
+        proxy = hydra_proxy_pid() if single_node and "PMI_RANK" in env else None
+        return None if proxy is None else f"hydra_pmi_proxy {proxy}"
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:
         return cls._flavour(os.environ if env is None else env) is not None
+
+
+def hydra_proxy_pid(pid: int | None = None) -> int | None:
+    """The process id of the nearest ``hydra_pmi_proxy`` among ``pid``'s ancestors (default: this
+    process's), or None when there is none or ``/proc`` cannot be read (not Linux)."""
+    current = os.getpid() if pid is None else pid
+    while current > 1:
+        try:
+            with open(f"/proc/{current}/stat", encoding="utf-8", errors="replace") as stat:
+                text = stat.read()
+        except OSError:
+            return None
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split at the last ")".
+        command = text[text.find("(") + 1 : text.rfind(")")]
+        if command == _HYDRA_PROXY:
+            return current
+        current = int(text[text.rfind(")") + 2 :].split()[1])
+    return None
