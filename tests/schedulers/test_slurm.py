@@ -41,8 +41,11 @@ def trained_as_one_world_of(processes: int, output: str) -> None:
         ["srun", "-n1", "python", "-m", "ddpkit", "run", "--nproc-per-node", "2", *TRAIN[1:]],
         # ddpkit run in every srun task starts nothing of its own: srun's tasks are the ranks.
         ["srun", "-N1", "--ntasks-per-node=2", "python", "-m", "ddpkit", "run", *TRAIN[1:]],
+        # salloc runs its command outside any step, as its shell would: ddpkit run starts its workers.
+        ["salloc", "-N1", "--ntasks-per-node=2", "python", "-m", "ddpkit", "run", "--nproc-per-node", "2", *TRAIN[1:]],
     ],
-    ids=["srun", "srun-bash-c", "salloc-interactive", "srun-ntasks", "srun-one-launcher", "srun-launcher-per-task"],
+    ids=["srun", "srun-bash-c", "salloc-interactive", "srun-ntasks", "srun-one-launcher", "srun-launcher-per-task",
+         "salloc-launcher"],
 )
 def test_srun_tasks_train_as_one_world(slurm: SlurmCluster, command: list[str]) -> None:
     result = slurm.run(command)
