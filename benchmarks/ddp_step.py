@@ -12,7 +12,8 @@ one run with the methods interleaved in a shuffled order each round (noise hits 
 
 - ``one process``: rank 0 alone, no DDP (rank 1 idles);
 - ``both, no sync``: both ranks train their own copy, no communication (what the two ranks'
-  compute costs when they run side by side);
+  compute costs when they run side by side: in each round the slower rank's time, as a step
+  that synchronises waits for the slower rank);
 - ``raw all-reduce``: only an all_reduce of one flat buffer the size of all gradients;
 - ``torch DDP``: torch.nn.parallel.DistributedDataParallel, defaults;
 - ``ppe DDP``: pytorch_pfn_extras.nn.parallel.DistributedDataParallel, when installed;
@@ -75,7 +76,7 @@ def _peer_ddp() -> type | None:
     return PPE
 
 
-def measure(model_name: str, steps: int, device_type: str) -> dict[str, list[float]]:
+def measure(model_name: str, steps: int, device_type: str, variants: bool = False) -> dict[str, list[float]]:
     rank = dist.get_rank()
     on_gpu = device_type == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -118,8 +119,25 @@ def measure(model_name: str, steps: int, device_type: str) -> dict[str, list[flo
     if peer is not None:
         methods["ppe DDP"] = trainer(peer(copy()))
     methods["ddpkit"] = trainer(DistributedDataParallel(copy(), device_ids=device_ids))
+    if variants:
+        methods["ddpkit bucket view"] = trainer(
+            DistributedDataParallel(copy(), device_ids=device_ids, gradient_as_bucket_view=True))
+        methods["ddpkit copies"] = trainer(
+            DistributedDataParallel(copy(), device_ids=device_ids, gradient_as_bucket_view=False))
 
     return interleaved_samples(methods, steps)
+
+
+def limit_line(samples: dict[str, list[float]]) -> str:
+    """Each DDP's step over the limit, round by round: what the two ranks' compute costs side by
+    side plus one all-reduce of every gradient byte, both timed in the same round."""
+    limit = [compute + reduce for compute, reduce in zip(samples["both, no sync"], samples["raw all-reduce"])]
+    ratios = []
+    for name, values in samples.items():
+        if "DDP" in name or name.startswith("ddpkit"):
+            per_round = sorted(value / bound for value, bound in zip(values, limit))
+            ratios.append(f"{name} {statistics.median(per_round):.3f}")
+    return f"limit {statistics.median(limit):7.2f} ms; per-round step/limit: " + ", ".join(ratios)
 
 
 def main() -> None:
@@ -131,6 +149,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: gloo on cpu, nccl on cuda (needs one GPU per rank)")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time ddpkit with gradient_as_bucket_view=True and =False")
     args = parser.parse_args()
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < args.ranks:
@@ -141,7 +161,10 @@ def main() -> None:
     with WorkerPool(args.ranks, timeout=1200, backend=backend) as pool:
         for model_name in args.models:
             steps = args.steps or (40 if model_name == "mlp" and args.device == "cpu" else 600)
-            samples = pool.run(measure, model_name, steps, args.device)[0]
+            every_rank = pool.run(measure, model_name, steps, args.device, args.variants)
+            samples = every_rank[0]
+            # Without sync each rank times only itself; side by side, both are done when the slower is.
+            samples["both, no sync"] = [max(times) for times in zip(*(ranks["both, no sync"] for ranks in every_rank))]
             line = "  ".join(f"{name} {statistics.median(values):7.2f}" for name, values in samples.items())
             ratio = statistics.median(samples["ddpkit"]) / statistics.median(samples["torch DDP"])
             paired, lower, upper = paired_ratio(samples, "ddpkit", "torch DDP")
@@ -150,6 +173,7 @@ def main() -> None:
                 peer = f"  ppe/ddpkit {statistics.median(samples['ppe DDP']) / statistics.median(samples['ddpkit']):.2f}"
             print(f"{model_name:6s} {line}  | ddpkit/torch {ratio:.2f} (per round {paired:.2f}, "
                   f"quartiles {lower:.2f}-{upper:.2f}){peer}", flush=True)
+            print(f"{'':6s} {limit_line(samples)}", flush=True)
 
 
 if __name__ == "__main__":

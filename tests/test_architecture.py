@@ -51,6 +51,7 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
     ("hooks/", ("ddpkit.parallel", "ddpkit.strategy")),
     ("logs.py", ("ddpkit.",)),
     ("preemption.py", ("ddpkit.",)),  # the launcher imports it: no torch, nothing that imports it
+    ("_allocator.py", ("ddpkit.",)),  # the launcher imports it too
     ("agreement.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.launching")),
     ("recovery.py", ("ddpkit.strategy", "ddpkit.launching")),  # the strategy uses it, not the other way
     ("collectives.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.hooks")),

@@ -58,7 +58,7 @@ def assert_close_grads(actual: dict, expected: dict, rtol: float = 1e-6, scale_t
 
 
 def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int,
-                  before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+                  before_step: Callable[[int], None] | None = None, set_to_none: bool = True) -> list[torch.Tensor]:
     """SGD through ``model`` on this rank's shard of each global batch; rank None: the whole batch,
     the single-process reference. Returns ``module``'s parameters."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
@@ -68,7 +68,7 @@ def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | N
         x, y = global_batch(world, step)
         if rank is not None:
             x, y = shard(x, rank), shard(y, rank)
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
     return [p.detach().clone() for p in module.parameters()]
@@ -126,12 +126,29 @@ def train_steps(steps: int, use_torch_ddp: bool) -> list[torch.Tensor]:
     return sgd_on_shards(model, module, world, rank, steps)
 
 
-def test_twenty_sgd_steps_match_single_process(pool: WorkerPool) -> None:
+def train_steps_keeping_grads(steps: int, as_view: bool | None, set_to_none: bool) -> tuple[list[torch.Tensor], bool]:
+    """Parameters after SGD steps, and whether every .grad lies in a bucket (stored once)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = make_mlp()
+    options = {} if as_view is None else {"gradient_as_bucket_view": as_view}
+    model = DistributedDataParallel(module, **options)
+    parameters = sgd_on_shards(model, module, world, rank, steps, set_to_none=set_to_none)
+    buffers = {bucket.buffer.untyped_storage().data_ptr() for bucket in model._buckets}
+    in_buckets = all(p.grad is not None and p.grad.untyped_storage().data_ptr() in buffers for p in module.parameters())
+    return parameters, in_buckets
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad-set_to_none", "zero_grad-zeros"])
+@pytest.mark.parametrize("as_view", [None, False], ids=["default-views", "copies"])
+def test_twenty_sgd_steps_match_single_process(pool: WorkerPool, as_view: bool | None, set_to_none: bool) -> None:
+    """Gradients live in the buckets by default (gradient_as_bucket_view=True) and stay right with
+    either kind of zero_grad; with False each .grad keeps storage of its own."""
     reference = make_mlp()
     train_on_global_batches(reference, pool.world_size, 20)
-    for params in pool.run(train_steps, 20, False, timeout=60):
+    for params, in_buckets in pool.run(train_steps_keeping_grads, 20, as_view, set_to_none, timeout=60):
         for actual, expected in zip(params, reference.parameters()):
             torch.testing.assert_close(actual, expected.detach(), rtol=0, atol=1e-5)
+        assert in_buckets is (as_view is None)
 
 
 def test_bit_identical_to_torch_ddp_on_two_ranks(pool2: WorkerPool) -> None:

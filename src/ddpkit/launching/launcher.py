@@ -44,6 +44,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port
 from ddpkit.environments import DDPKIT_HOSTED_STORE, DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
 from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
@@ -229,29 +230,20 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
     return variables
 
 
-# glibc's malloc hands freed memory of 128 KiB and more back to the kernel and takes it back on the
-# next allocation, zero-filled page by page: training frees and reallocates its gradients and
-# activations every step; these thresholds keep it in the heap (figures: benchmarks/README.md,
-# "Allocator and threads"). Both are set: a trim threshold alone turns glibc's adaptive mmap
-# threshold off and faults more. 32 MiB is the largest mmap threshold glibc accepts on 64-bit systems.
-_MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(256 * 1024 * 1024)}
-_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
-
-
 def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[str, str]:
     """Environment variables that keep one node's workers from slowing each other down, each only
     where ``base`` (the user's environment) has not chosen already:
 
     - ``OMP_NUM_THREADS``: the cores this process may use, shared out among the workers (torchrun
       sets 1): workers that each use every core take turns on them (benchmarks/README.md).
-    - glibc's malloc thresholds (Linux; see ``_MALLOC_DEFAULTS``), unless any malloc setting is given.
+    - glibc's malloc thresholds (Linux; see ``ddpkit._allocator``), unless any malloc setting is given.
     """
     defaults: dict[str, str] = {}
     if "OMP_NUM_THREADS" not in base:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         defaults["OMP_NUM_THREADS"] = str(max(1, cores // nproc_per_node))
-    if sys.platform.startswith("linux") and not any(name in base for name in _MALLOC_SETTINGS):
-        defaults.update(_MALLOC_DEFAULTS)
+    if sys.platform.startswith("linux") and not malloc_chosen(base):
+        defaults.update(MALLOC_DEFAULTS)
     return defaults
 
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from ddpkit._allocator import keep_freed_memory
 from ddpkit.collectives import all_gather_object, broadcast_object, collective_call
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.debug import debug_enabled
@@ -91,8 +92,10 @@ class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper: gradients averaged over ``process_group`` after every backward.
 
     Arguments follow pytorch-pfn-extras; torch DDP's keyword arguments are accepted:
-    ``bucket_cap_mb`` (25), ``gradient_as_bucket_view`` (``.grad`` are views into the bucket
-    buffers: no copy back, less memory), ``find_unused_parameters`` (an alias of
+    ``bucket_cap_mb`` (25), ``gradient_as_bucket_view`` (True by default, unlike torch's False:
+    after backward each ``.grad`` is a view into its bucket's buffer, so gradients are stored once
+    and never copied back; ``zero_grad()`` either way keeps them right. False gives each ``.grad``
+    storage of its own, as torch's default does), ``find_unused_parameters`` (an alias of
     ``negotiate_grads``), ``static_graph`` (a promise that every rank uses every parameter
     in every step: negotiation is skipped), ``device_ids``/``output_device`` (one device per
     process). Others are ignored with one warning naming them.
@@ -127,7 +130,8 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.negotiate_grads = bool(kwargs.get("find_unused_parameters", negotiate_grads))
         self.static_graph = bool(kwargs.get("static_graph", False))
-        self.gradient_as_bucket_view = bool(kwargs.get("gradient_as_bucket_view", False))
+        # True by default: no copy back and one copy of the gradients (benchmarks/ddp_step.py --variants).
+        self.gradient_as_bucket_view = bool(kwargs.get("gradient_as_bucket_view", True))
         #: When False (inside ``no_sync``), backward accumulates gradients locally.
         self.require_backward_grad_sync = True
         self._reduce_function = reduce_function
@@ -146,6 +150,9 @@ class DistributedDataParallel(nn.Module):
         self._allreduce_options.asyncOp = True
         self._source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         self.device = self._check_device(module, kwargs.get("device_ids"))
+        # Gradients and activations freed and reallocated every step stay in the process instead of
+        # being page-faulted in again (ddpkit._allocator); ddpkit run's workers have it already.
+        keep_freed_memory()
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
