@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .clusters import EXAMPLE, MPI, REPOSITORY, job_marker, processes_of_job
+from .clusters import EXAMPLE, MPI, REPOSITORY, chosen_mpi, job_marker, processes_of_job
 from .test_slurm import trained_as_one_world_of
 
 MPI_EXAMPLE = REPOSITORY / "examples" / "mpi" / "train.sh"
@@ -34,6 +34,16 @@ def test_the_mpi_example_trains_as_one_world(mpi: MPI) -> None:
     trained_as_one_world_of(2, result.stdout + result.stderr)
 
 
+def test_a_long_run_passes_the_examples_own_checks(tmp_path: Path) -> None:
+    """Case 8: 300 epochs (9600 steps) under mpirun once ended far from the one-process reference
+    (float32 rounding of a differently split loss; 1.2e-01 with that example here), over a fixed
+    1e-4 limit, and exited 1 saying "the ranks disagree" although they agreed. One MPI is enough:
+    the check is the example's, not the launcher's."""
+    result = chosen_mpi("mpich", tmp_path).run(["-np", "2", "python", str(EXAMPLE), "--epochs", "300"], timeout=180)
+    assert result.returncode == 0, result.stdout[-1000:] + result.stderr[-3000:]
+    trained_as_one_world_of(2, result.stdout + result.stderr)
+
+
 def test_four_ranks_on_one_node_are_all_node_0_and_share_one_port(mpi: MPI, tmp_path: Path) -> None:
     """Case 4: Open MPI's OMPI_COMM_WORLD_NODE_RANK numbers a node's processes, not the nodes."""
     result = mpi.run(["-np", "4", "python", "-c", PLACEMENT, str(tmp_path)], timeout=60)
@@ -43,12 +53,18 @@ def test_four_ranks_on_one_node_are_all_node_0_and_share_one_port(mpi: MPI, tmp_
     assert len({row[5] for row in rows}) == 1, rows
 
 
-def test_two_jobs_at_once_on_one_host_each_train_as_one_world(mpi: MPI) -> None:
+def test_two_jobs_at_once_on_one_host_each_train_as_one_world(mpi: MPI, tmp_path: Path) -> None:
     """Case 5: MPICH sets no job id, so every job once took port 12910: the second job's rank 0
     failed with EADDRINUSE while its rank 1 joined the first job's store and blocked."""
     command = [mpi.mpirun, "-np", "2", "python", str(EXAMPLE), "--epochs", "2", "--samples", "512"]
+    # A temporary folder each: two Open MPI 4 mpiruns started at the same instant race to create
+    # one session folder under /tmp and one of them fails in orte_init (Open MPI's, not ddpkit's).
+    folders = [tmp_path / f"job{index}" for index in range(2)]
+    for folder in folders:
+        folder.mkdir()
     jobs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=mpi.environment, cwd=REPOSITORY, start_new_session=True) for _ in range(2)]
+                             env={**mpi.environment, "TMPDIR": str(folder)}, cwd=REPOSITORY, start_new_session=True)
+            for folder in folders]
     try:
         outputs = [job.communicate(timeout=90)[0] for job in jobs]
     finally:
