@@ -1,6 +1,6 @@
 """Step time of ddpkit's DistributedDataParallel against torch's (and pytorch-pfn-extras').
 
-    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many] [--device cuda] [--ranks N]
+    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many] [--device cuda] [--ranks N] [--variants]
 
 Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool). ``--device cuda``: models and
 batches on the GPU, each step ending with a CUDA synchronise; NCCL with one GPU per rank when
@@ -23,7 +23,11 @@ Models: ``mlp`` 8 x Linear(1024, 1024) (8.4M parameters, batch 64), ``lenet`` (6
 parameters, batch 32), ``many`` 60 x (Linear(64, 64) + Tanh) (120 tensors, batch 64).
 Prints medians (ms), the ratios ddpkit/torch and ppe/ddpkit of the medians, and the median and
 quartiles of ddpkit/torch taken round by round (the two ran moments apart, so a slow spell of
-the machine cancels out; that is the number to quote).
+the machine cancels out; that is the number to quote). A second line gives the limit, ``both, no
+sync`` + ``raw all-reduce`` of the same round (on two shared cores overlap hides nothing, so a
+step cannot beat compute plus one all-reduce of every gradient byte), and each DDP's step over
+it, median of the per-round ratios. ``--variants`` adds ddpkit with ``gradient_as_bucket_view``
+True (its default) and False, to weigh the option.
 
 The measured figures, with the command, are in benchmarks/README.md.
 """
