@@ -13,8 +13,9 @@ buckets, torch's default keeps them in ``.grad`` and again in its buckets). ``dd
 malloc`` is ddpkit with its malloc thresholds off (``MALLOC_TOP_PAD_`` at glibc's own default:
 any malloc setting in the environment turns them off).
 
-Where the memory goes (2026-11-23, 2 cores, 3 rounds): one process 375 MiB, torch DDP 414, ddpkit
-413, ddpkit with glibc's malloc 378, i.e. 36 MiB (1.12x the gradient bytes) below torch DDP. The
+Where the memory goes (2026-11-23, 2 cores, three runs of 3 rounds): one process 375-378 MiB,
+torch DDP 414 in each, ddpkit 413-416, ddpkit with glibc's malloc 377-378, i.e. 36-37 MiB
+(1.12-1.15x the gradient bytes) below torch DDP. The
 gradients are kept once either way; what takes the saving back is the heap: with ddpkit's
 thresholds (ddpkit._allocator) every freed gradient and activation stays in the heap, and its
 high-water mark settles about 37 MiB above glibc's, where each large block is mapped and unmapped
