@@ -98,14 +98,6 @@ def measure(method: str, steps: int, port: int) -> list[int]:
     return peaks
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description="peak resident memory per rank")
     parser.add_argument("--rounds", type=int, default=3)
@@ -115,13 +107,15 @@ def main() -> None:
     if args.worker:
         train(args.worker, args.steps)
         return
+    from ddpkit.environments import find_free_port  # here: the workers' own imports are what is measured
+
     peaks: dict[str, list[float]] = {method: [] for method in METHODS}
     order = list(METHODS)
     shuffler = random.Random(0)
     for _ in range(args.rounds):
         shuffler.shuffle(order)
         for method in order:
-            peaks[method] += [kib / 1024 for kib in measure(method, args.steps, free_port())]
+            peaks[method] += [kib / 1024 for kib in measure(method, args.steps, find_free_port())]
     medians = {method: statistics.median(values) for method, values in peaks.items()}
     print("per-rank peak resident memory (MiB), medians of", args.rounds, "rounds:",
           ", ".join(f"{method} {value:.0f}" for method, value in medians.items()))

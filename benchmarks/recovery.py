@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from ddpkit.environments import find_free_port
+
 SCRIPT = textwrap.dedent(
     """
     import os, sys, time
@@ -87,18 +89,10 @@ SCRIPT = textwrap.dedent(
 def command(mode: str, ranks: int, steps: int) -> list[str]:
     if mode == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--max-restarts", "1",
-                "--master-port", str(_free_port()), "train.py", str(steps)]
+                "--master-port", str(find_free_port()), "train.py", str(steps)]
     recovery = ["--recovery", "in-place"] if mode in ("in-place", "fault-free") else []
     return [sys.executable, "-m", "ddpkit", "run", *recovery, "--max-restarts", "1", "--nproc-per-node", str(ranks),
             "train.py", str(steps)]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def completed(folder: Path, rank: int) -> list[tuple[int, float]]:

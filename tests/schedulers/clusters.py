@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,16 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.environments import find_free_port
+
 REPOSITORY = Path(__file__).resolve().parents[2]
 EXAMPLE = REPOSITORY / "examples" / "train.py"
 INSTALL_HINT = "apt-get install slurm-wlm munge openmpi-bin mpich (.ci/run does so as root)"
 SLURM_COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "salloc", "squeue", "scontrol", "sinfo")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -40,6 +37,16 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return f"({path} was not written)"
+
+
+def trained_as_one_world_of(processes: int, output: str) -> None:
+    """The example's last line: one training over ``processes`` ranks that agree, equal to one process."""
+    found = re.search(r"over (\d+) processes, parameters identical on all ranks: (\w+), "
+                      r"max \|difference\| to one process ([\d.e+-]+)", output)
+    assert found is not None, output[-3000:]
+    assert output.count("samples/s over") == 1, f"more than one training ran:\n{output[-3000:]}"
+    assert (int(found.group(1)), found.group(2)) == (processes, "True"), output[-3000:]
+    assert float(found.group(3)) < 1e-5, output[-3000:]
 
 
 def job_marker() -> dict[str, str]:
@@ -141,8 +148,8 @@ def _slurm_conf(folder: Path, host: str) -> str:
         "AuthType=auth/munge",
         f"AuthInfo=socket={folder / 'munge.socket'}",
         "CredType=cred/munge",
-        f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={find_free_port()}",
+        f"SlurmdPort={find_free_port()}",
         f"StateSaveLocation={folder / 'state'}",
         f"SlurmdSpoolDir={folder / 'spool'}",
         f"SlurmctldPidFile={folder / 'slurmctld.pid'}",

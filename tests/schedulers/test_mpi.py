@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .clusters import EXAMPLE, MPI, REPOSITORY, chosen_mpi, job_marker, processes_of_job
-from .test_slurm import trained_as_one_world_of
+from .clusters import EXAMPLE, MPI, REPOSITORY, chosen_mpi, job_marker, processes_of_job, trained_as_one_world_of
 
 MPI_EXAMPLE = REPOSITORY / "examples" / "mpi" / "train.sh"
 

@@ -10,21 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from .clusters import EXAMPLE, REPOSITORY, SlurmCluster, job_marker, processes_of_job
+from .clusters import EXAMPLE, REPOSITORY, SlurmCluster, job_marker, processes_of_job, trained_as_one_world_of
 
 TRAIN = ["python", str(EXAMPLE), "--epochs", "1", "--samples", "512"]
 SBATCH_EXAMPLE = REPOSITORY / "examples" / "slurm" / "train.sbatch"
 SBATCH_LAUNCHER_EXAMPLE = REPOSITORY / "examples" / "slurm" / "train-launcher.sbatch"
-
-
-def trained_as_one_world_of(processes: int, output: str) -> None:
-    """The example's last line: one training over ``processes`` ranks that agree, equal to one process."""
-    found = re.search(r"over (\d+) processes, parameters identical on all ranks: (\w+), "
-                      r"max \|difference\| to one process ([\d.e+-]+)", output)
-    assert found is not None, output[-3000:]
-    assert output.count("samples/s over") == 1, f"more than one training ran:\n{output[-3000:]}"
-    assert (int(found.group(1)), found.group(2)) == (processes, "True"), output[-3000:]
-    assert float(found.group(3)) < 1e-5, output[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ class MPIEnvironment(_ResolvedEnvironment):
                 f"{spread}). Export the host of rank 0 to every rank, e.g. `mpirun -x MASTER_ADDR=$(hostname) ...`."
             )
         self._main_address = address or "127.0.0.1"
-        job = self._job_identity(env, single_node)
+        job = self._job_identity(env, under_hydra=rank_var == "PMI_RANK" and single_node)
         if job is None and not env.get("MASTER_PORT", "").strip() and not single_node:
             raise ValueError(
                 f"MASTER_PORT is not set and this MPI launcher sets no job id ({', '.join(_MPI_JOB_ID_VARS)} are "
@@ -100,12 +100,14 @@ class MPIEnvironment(_ResolvedEnvironment):
         return next((f for f in _MPI_FLAVOURS if f[0] in env and f[1] in env), None)
 
     @staticmethod
-    def _job_identity(env: Mapping[str, str], single_node: bool) -> str | None:
-        """What every rank of this job shares and no other job on the host has, or None."""
+    def _job_identity(env: Mapping[str, str], under_hydra: bool) -> str | None:
+        """What every rank of this job shares and no other job on the host has, or None.
+        ``under_hydra``: MPICH's (or Intel MPI's) variables, on one node, where the node's
+        ``hydra_pmi_proxy`` is every rank's ancestor."""
         name = _first_of(env, *_MPI_JOB_ID_VARS)
         if name is not None:
             return env[name]
-        proxy = hydra_proxy_pid() if single_node and "PMI_RANK" in env else None
+        proxy = hydra_proxy_pid() if under_hydra else None
         return None if proxy is None else f"hydra_pmi_proxy {proxy}"
 
     @classmethod
