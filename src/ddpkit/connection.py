@@ -39,6 +39,7 @@ from ddpkit.environments import (
     ClusterEnvironment,
     LocalEnvironment,
     SLURMEnvironment,
+    TorchElasticEnvironment,
     check_place,
 )
 from ddpkit.logs import get_logger
@@ -148,6 +149,17 @@ def init_dist_connection(
         _generations.current = generation
         if _generations.in_place:
             expect_lost_peers()
+    elif (isinstance(cluster_environment, TorchElasticEnvironment) and cluster_environment.store_attempt is not None
+          and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
+        # torchrun's static rendezvous creates its store once and hands it to every attempt, and
+        # torch's env:// keeps no keys per attempt: after --max-restarts started the workers again,
+        # a rank could read a peer's address from the attempt before and fail to connect. Each
+        # attempt gets keys of its own (pytorch#135712 is the same flaw with the c10d
+        # rendezvous's shared store).
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
+        kwargs["store"] = dist.PrefixStore(  # type: ignore[attr-defined]
+            f"ddpkit/torchrun/attempt/{cluster_environment.store_attempt}/", store)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     active_watch()  # with hang diagnosis on, every rank can answer for its stack from the start
     watch_peers()

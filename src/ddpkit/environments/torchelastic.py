@@ -26,6 +26,13 @@ class TorchElasticEnvironment(_ResolvedEnvironment):
             values["local_world"] = _int_var(env, "LOCAL_WORLD_SIZE", fix, minimum=1)
         names = {"rank": "RANK", "world": "WORLD_SIZE", "local": "LOCAL_RANK", "local_world": "LOCAL_WORLD_SIZE"}
         check_place(names, values, fix)
+        #: torchrun's restart count when its agent's one store serves every attempt of a one-node
+        #: job (the keys of the attempts before are still in it): init_dist_connection gives each
+        #: attempt keys of its own. None otherwise: across nodes each agent counts its own
+        #: restarts, and the counts can differ.
+        self.store_attempt: int | None = None
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) and env.get("GROUP_WORLD_SIZE", "").strip() == "1":
+            self.store_attempt = _int_var(env, "TORCHELASTIC_RESTART_COUNT", fix, default=0)
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:
