@@ -103,6 +103,17 @@ def test_torchelastic_reads_torchrun_variables() -> None:
     assert summary(TorchElasticEnvironment(TORCHRUN)) == ("node0", 29400, 8, 5, 1, 1, True)
 
 
+def test_torchelastic_names_the_attempt_only_when_one_agent_store_serves_every_attempt_of_one_node() -> None:
+    one_node = {**TORCHRUN, "WORLD_SIZE": "4", "RANK": "1", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert TorchElasticEnvironment(one_node).store_attempt == 2
+    # across nodes each agent counts its own restarts; without the agent's store rank 0 hosts a new one
+    assert TorchElasticEnvironment({**one_node, "GROUP_WORLD_SIZE": "2"}).store_attempt is None
+    assert TorchElasticEnvironment({**one_node, "TORCHELASTIC_USE_AGENT_STORE": "False"}).store_attempt is None
+    with pytest.raises(ValueError, match="TORCHELASTIC_RESTART_COUNT"):
+        TorchElasticEnvironment({**one_node, "TORCHELASTIC_RESTART_COUNT": "two"})
+
+
 def test_torchelastic_bad_values() -> None:
     with pytest.raises(ValueError, match="RANK=8 is not smaller than WORLD_SIZE=8"):
         TorchElasticEnvironment({**TORCHRUN, "RANK": "8"})
