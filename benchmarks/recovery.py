@@ -7,9 +7,8 @@ The 8x1024 MLP of ``ddp_step.py`` (batch 64 per rank, one thread per rank), trai
 temporary folder. Each rank appends (step, wall time) to a file after every step and saves
 nothing else but a checkpoint every 10 steps, rank 0 the final parameters. Per run, one rank
 (chosen at random) is killed with SIGKILL right after a random step between 5 and steps - 10, so
-that the kill lands in the next step; steps followed by a checkpoint save are not drawn (a rank
-lost in the save is lost between steps, which in place does not cover: the survivors fail there
-and, with budget left, every worker restarts and resumes, as ``restart`` below):
+that the kill lands in the next step, or in the checkpoint save after steps 10, 20, ... (between
+steps: in place covers a save too):
 
 - ``in-place``: ``ddpkit run --recovery in-place --max-restarts 1`` (a warm spare takes the rank);
 - ``restart``: ``ddpkit run --max-restarts 1``: every worker starts again and resumes from the checkpoint;
@@ -112,9 +111,8 @@ def run(mode: str, ranks: int, steps: int, kill: bool, seed: int) -> dict[str, A
     folder = Path(tempfile.mkdtemp(prefix=f"ddpkit-recovery-{mode}-"))
     (folder / "train.py").write_text(SCRIPT)
     chooser = random.Random(seed)
-    # Not right before a checkpoint save: the rank would be lost between steps, which in place does
-    # not cover (the survivors fail in the save, and a restart resumes; tests/test_kill_and_recover.py).
-    kill_after = chooser.choice([step for step in range(5, steps - 9) if step % 10 != 0])
+    # After a step that a checkpoint save follows, the kill lands in the save (between steps).
+    kill_after = chooser.randrange(5, steps - 9)
     victim = chooser.randrange(ranks)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     process = subprocess.Popen(command(mode, ranks, steps), cwd=folder, env=env, stdout=subprocess.DEVNULL,

@@ -78,16 +78,19 @@ def test_four_ranks_recover_in_place_and_end_as_without_the_fault(tmp_path: Path
     assert float(result.stdout.split("max |difference| to one process")[1].split()[0]) <= 1e-6
 
 
-def test_a_rank_lost_during_a_checkpoint_save_falls_back_to_a_restart_that_resumes(
-        tmp_path: Path, fault_free: dict[int, list[torch.Tensor]]) -> None:
-    # Between steps nothing can be trained again: the survivors fail, and the budget left restarts the job.
-    result = run_example(tmp_path, "--kill-at-step", "8", "--kill-during", "checkpoint-save",
-                         launcher=("--recovery", "in-place", "--max-restarts", "2"))
+@pytest.mark.parametrize(("step", "rank"), [("8", 1), ("16", 0)])
+def test_a_rank_lost_during_a_checkpoint_save_between_epochs_is_replaced_in_place(
+        tmp_path: Path, fault_free: dict[int, list[torch.Tensor]], step: str, rank: int) -> None:
+    # Killed before its part of the save after epoch 1 (step 8), or rank 0 before it writes the
+    # save after the last epoch (step 16): the survivor, waiting in the save's barrier, forms the
+    # next generation with the replacement, which starts at the next epoch (or at the end); in
+    # the second case the survivor writes the final checkpoint that rank 0 did not.
+    result = run_example(tmp_path, "--kill-at-step", step, "--kill-during", "checkpoint-save", "--kill-rank", str(rank))
     assert result.returncode == 0, result.stderr[-3000:]
-    # The launcher sees the killed rank alone (it hands the spare its rank, then the survivor fails
-    # during that recovery) or both in one poll (no replacement): either way every worker restarts.
-    assert "restarting all 2 workers" in result.stderr, result.stderr[-3000:]
-    assert "resumed from" in result.stdout
+    assert "recovered in place" in result.stderr and "restarting all" not in result.stderr, result.stderr[-3000:]
+    if rank == 0:
+        assert "rank 0 was lost during the save of" in result.stderr
+    assert "parameters identical on all ranks: True, max |difference| to one process 0.00e+00" in result.stdout
     assert_same(final_parameters(tmp_path), fault_free[2])
 
 

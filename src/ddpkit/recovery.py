@@ -14,6 +14,10 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
   it, abandons the group and forms the next generation with the same ranks
   (``connection.form_generation``), then ``InPlaceRecovery.recover`` runs the exchange below and
   ``batches()`` hands out again the batches after the last optimizer step.
+- **Between steps**, a rank lost during ``DDPStrategy.save_checkpoint`` is handled the same
+  way by the survivors waiting in the save (see there); the replacement starts at the next
+  batch, or at the next epoch once the loop has left ``batches()``. Any other collective
+  between steps cannot be redone: the survivors fail.
 - **The replacement** runs the script from the top. ``DDPStrategy.setup`` connects to the new
   generation, receives the state (``join``) before wrapping the model, and ``epochs()`` and
   ``batches()`` start where the survivors continue.
@@ -70,6 +74,8 @@ class InPlaceRecovery:
         #: This process replaced a lost rank (``join`` ran): ``epochs``/``batches`` start at ``resume``.
         self.joined = False
         self.recoveries = 0
+        #: Ranks of the current generation that replaced lost ones (set by each exchange).
+        self.replaced: list[int] = []
         self._model: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._buffers: list[torch.Tensor] = []
@@ -131,6 +137,7 @@ class InPlaceRecovery:
         """Pick the sender (the survivor with the most optimizer steps) and give every rank its state."""
         ranks = all_gather_object((replacement, self.progress.steps))
         candidates = [rank for rank, (is_replacement, _) in enumerate(ranks) if not is_replacement]
+        self.replaced = [rank for rank, (is_replacement, _) in enumerate(ranks) if is_replacement]
         if not candidates:
             raise RuntimeError("in-place recovery: every rank of the new generation is a replacement; no rank holds "
                                "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")

@@ -56,12 +56,15 @@ from ddpkit.environments import IN_PLACE, ClusterEnvironment, LocalEnvironment, 
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, start_local_ranks
 from ddpkit.launching.processes import READY_FILE_VARIABLE, describe_exit
+from ddpkit.logs import get_logger
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PreemptionNotice, preemption_signals
 from ddpkit.recovery import InPlaceRecovery, Progress
 
 __all__ = ["DDPStrategy"]
+
+_log = get_logger("recovery")
 
 # After teardown's barrier the other local ranks only have to disconnect and exit.
 _CHILD_EXIT_SECONDS = 30.0
@@ -122,6 +125,7 @@ class DDPStrategy:
         #: Where the loop is: ``epochs()`` and ``batches()`` keep it.
         self.progress = Progress()
         self._recovery: InPlaceRecovery | None = None
+        self._in_step = False  # inside step(): a lost rank is its to recover from
 
     # -- where this process is ---------------------------------------------------------------
 
@@ -380,6 +384,16 @@ class DDPStrategy:
             if recovery.joined and recovery.resume[0] == epoch:
                 skip = max(skip, recovery.resume[1])
             recovery.resume = max(recovery.resume, (epoch, skip))
+        try:
+            yield from self._batches_of_epoch(loader, epoch, skip, recovery)
+        finally:
+            if recovery is not None:
+                # The loop left the epoch (every batch read, or a break): a rank lost from here
+                # on (a save between epochs) is replaced at the next epoch's first batch.
+                recovery.resume = max(recovery.resume, (epoch + 1, 0))
+
+    def _batches_of_epoch(self, loader: Iterable[Any], epoch: int, skip: int,
+                          recovery: InPlaceRecovery | None) -> Iterator[Any]:
         iterator = iter(loader)
         next_index = 0
         uncommitted: list[tuple[int, Any]] = []  # batches since the last optimizer step (in-place recovery)
@@ -422,14 +436,20 @@ class DDPStrategy:
         ``batches()`` then hands out the batches since the last optimizer step again. Otherwise
         a plain block.
         """
+        self._in_step = True
         try:
             yield
         except PeerLostError:
             if self._recovery is None:
                 raise
-            self._recovery.recover()
-            if self._preemption is not None:  # its pending all-reduce belonged to the abandoned group
-                self._preemption = (self._preemption[0], StepAgreement())
+            self._recover_in_place(self._recovery)
+        finally:
+            self._in_step = False
+
+    def _recover_in_place(self, recovery: InPlaceRecovery) -> None:
+        recovery.recover()
+        if self._preemption is not None:  # its pending all-reduce belonged to the abandoned group
+            self._preemption = (self._preemption[0], StepAgreement())
 
     def backward(self, loss: Tensor) -> None:
         with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
@@ -503,13 +523,27 @@ class DDPStrategy:
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         """Global rank 0 writes ``state`` atomically (temporary file, fsync, rename); all ranks wait.
 
-        A save killed half-way leaves the previous checkpoint in place.
+        A save killed half-way leaves the previous checkpoint in place. Under in-place recovery, a
+        rank lost during a save between steps is replaced like one lost in a step: the survivors
+        form the next generation with its replacement, which starts at the survivors' next batch
+        (the next epoch's first after an epoch's last); when the lost rank was rank 0, the lowest
+        surviving rank writes the file in its place, so the save is not lost. A save inside
+        ``step()`` leaves the loss to ``step()`` (the batch is trained again, the save comes again).
         """
         path = os.fspath(path)
         with guard():  # rank 0 failing to write (disk full, ...) is named on the ranks waiting below
             if self.is_global_zero:
                 self._write_atomically(path, state)
-        self.barrier("save_checkpoint")
+        try:
+            self.barrier("save_checkpoint")
+        except PeerLostError:
+            if self._recovery is None or self._in_step:
+                raise
+            self._recover_in_place(self._recovery)
+            replaced = self._recovery.replaced
+            if 0 in replaced and self.global_rank == min(set(range(self.world_size)) - set(replaced)):
+                _log.warning(f"ddpkit: rank 0 was lost during the save of {path}; rank {self.global_rank} writes it")
+                self._write_atomically(path, state)
 
     @staticmethod
     def _write_atomically(path: str, state: dict[str, Any]) -> None:
