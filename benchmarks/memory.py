@@ -4,39 +4,86 @@
 
 Each measurement is a set of fresh processes (peak RSS, ``VmHWM`` in /proc/self/status, only
 grows, so every method gets processes of its own): ``one process`` trains the 8 x 1024 MLP
-(8.4M parameters, 32 MiB of fp32 gradients, batch 64, SGD) alone; ``torch DDP`` and ``ddpkit``
-train it on 2 Gloo ranks with their defaults, connected by plain ``init_process_group`` (no
-launcher in the figures). Rounds run the methods in a shuffled order. Prints each method's median
-per-rank peak, and ddpkit's saving against torch DDP in units of the gradient bytes: issue 16's
-goal is a saving of at least 0.8 (gradients kept once: ddpkit's ``.grad`` are views into its
-buckets, torch's default keeps them in ``.grad`` and again in its buckets). ``ddpkit, glibc's
-malloc`` is ddpkit with its malloc thresholds off (``MALLOC_TOP_PAD_`` at glibc's own default:
-any malloc setting in the environment turns them off).
+(8.4M parameters, 32 MiB of fp32 gradients, batch 64, SGD) alone; ``torch DDP``, ``torch DDP
+views`` (torch's ``gradient_as_bucket_view=True``, its own gradients-once layout) and ``ddpkit``
+train it on 2 Gloo ranks with their defaults otherwise, connected by plain
+``init_process_group`` (no launcher in the figures). When jemalloc or tcmalloc is installed
+(Debian: ``libjemalloc2``, ``libtcmalloc-minimal4``), the three DDPs are measured again with it
+preloaded (``LD_PRELOAD``, as PyTorch's CPU performance guide suggests). Rounds run the methods
+in a shuffled order. Prints each method's median per-rank peak and, per allocator, ddpkit's
+saving against torch DDP in units of the gradient bytes (issue 16's goal: at least 0.8; ddpkit's
+``.grad`` are views into its buckets, torch's default keeps them in ``.grad`` and again in its
+buckets) and ddpkit's difference to torch's view mode.
 
-Where the memory goes (2026-11-23, 2 cores, three runs of 3 rounds): one process 375-378 MiB,
-torch DDP 414 in each, ddpkit 413-416, ddpkit with glibc's malloc 377-378, i.e. 36-37 MiB
-(1.12-1.15x the gradient bytes) below torch DDP. The
-gradients are kept once either way; what takes the saving back is the heap: with ddpkit's
-thresholds (ddpkit._allocator) every freed gradient and activation stays in the heap, and its
-high-water mark settles about 37 MiB above glibc's, where each large block is mapped and unmapped
-on its own. That is the price of the step time: glibc's defaults cost this step about 9,500 page
-faults (and ~30% of its time, benchmarks/ddp_step.py), the thresholds about 35. ddpkit keeps the
-thresholds; a job short of memory turns them off with any ``MALLOC_*`` setting.
+Measured (2026-11-23, 2 cores, Debian 12's glibc 2.36, three runs of 3 rounds), medians per run:
+
+- glibc's malloc: one process 383-388 MiB, torch DDP 412-415, torch DDP views 399-403, ddpkit
+  413-416: the saving is -0.05, -0.04, 0.05 of the gradient bytes.
+- jemalloc: torch DDP 411, torch DDP views 384-385, ddpkit 385-387: saving 0.75, 0.78, 0.82;
+  ddpkit minus torch's view mode +2.1, +0.9, +1.0 MiB.
+- tcmalloc: torch DDP 412-413, torch DDP views 411-413, ddpkit 390-391: saving 0.66, 0.73, 0.73.
+
+Where the memory goes. Gradients are kept once under every allocator (glibc's bytes in use
+after backward, mallinfo2: ddpkit 175 MiB, torch DDP 207). Under jemalloc ddpkit is where torch's
+own view mode is; both sit ~6 MiB above "torch DDP minus the gradients": backward hands each
+weight a fresh 4 MiB gradient, which a DDP with bucket views copies into its bucket and frees
+(torch's default keeps that tensor as ``.grad``), so one layer's gradient is alive beside the
+buckets and the allocator keeps freed ones for reuse. Under glibc 2.36 the saving is lost to
+holes: torch allocates CPU tensors with ``posix_memalign`` (64-byte alignment), and glibc 2.36
+parks the small remainder that memalign cuts off in its tcache or fastbins, where it never
+merges (glibc bug 30723, fixed upstream in 2023, not measured here), so each freed gradient
+stays a hole of exactly its own size, which the next gradient's memalign (size plus alignment)
+cannot use. The heap grows by about one gradient per layer in the first backward (ddpkit: 140
+MiB in use, 180 MiB of heap) and keeps that size. Measured by hand (mallinfo2 per step, and by
+tracing posix_memalign/free): the same 407-408 MiB with glibc's own adaptive thresholds (no
+mallopt at all), so not ddpkit's malloc thresholds alone; 384 MiB with those thresholds and
+``GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0`` (nothing parked, the holes
+merge). tcache can only be turned off when a process starts and touches every allocation in
+it, so ddpkit leaves it alone. Not explained yet: under glibc, torch's view mode given ddpkit's
+thresholds (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``) peaks at 398-406 MiB against
+ddpkit's 410-419, so ddpkit's own allocation order costs ~10 MiB more holes. A CPU job short of
+memory preloads jemalloc, which keeps ddpkit's step at its limit (step/limit 0.97 in one run of
+ddp_step.py; tcmalloc 1.04). On GPU the caching allocator reuses freed blocks by size, and none
+of this applies.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import os
 import random
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 
 GRADIENT_BYTES = 8 * (1024 * 1024 + 1024) * 4
-METHODS = ("one process", "torch DDP", "ddpkit", "ddpkit, glibc's malloc")
-# glibc's own default top pad: any malloc setting in the environment keeps ddpkit's thresholds off.
-GLIBC_DEFAULTS = {"MALLOC_TOP_PAD_": str(128 * 1024)}
+WORKERS = ("one process", "torch DDP", "torch DDP views", "ddpkit")
+#: Allocators measured when installed: name -> (Debian package, names ctypes.util.find_library takes).
+PRELOADABLE = {"jemalloc": ("libjemalloc2", ("jemalloc",)),
+               "tcmalloc": ("libtcmalloc-minimal4", ("tcmalloc_minimal", "tcmalloc"))}
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str
+    worker: str  # one of WORKERS
+    allocator: str = "glibc"
+    preload: str = ""  # the allocator's library, for LD_PRELOAD
+
+
+def methods() -> list[Method]:
+    """Every worker with glibc's malloc, then the three DDPs under each preloadable allocator found."""
+    chosen = [Method(worker, worker) for worker in WORKERS]
+    for allocator, (package, names) in PRELOADABLE.items():
+        library = next(filter(None, map(ctypes.util.find_library, names)), None)
+        if library is None:
+            print(f"{allocator} not installed: its rows are left out (Debian: apt-get install {package})")
+            continue
+        chosen += [Method(f"{worker}, {allocator}", worker, allocator, library)
+                   for worker in WORKERS[1:]]
+    return chosen
 
 
 def peak_resident_kib() -> int:
@@ -58,8 +105,8 @@ def train(method: str, steps: int) -> None:
     model: nn.Module = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(1024, 1024), nn.ReLU())])
     if method != "one process":
         dist.init_process_group("gloo")
-        if method == "torch DDP":
-            model = nn.parallel.DistributedDataParallel(model)
+        if method.startswith("torch DDP"):
+            model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=method == "torch DDP views")
         else:
             import ddpkit
 
@@ -76,24 +123,22 @@ def train(method: str, steps: int) -> None:
     print(f"peak {peak_resident_kib()}", flush=True)
 
 
-def measure(method: str, steps: int, port: int) -> list[int]:
+def measure(method: Method, steps: int, port: int) -> list[int]:
     """Per-rank peaks (KiB) of one fresh run of ``method``."""
-    ranks = 1 if method == "one process" else 2
+    ranks = 1 if method.worker == "one process" else 2
     workers = []
     for rank in range(ranks):
         environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(ranks), "OMP_NUM_THREADS": "1"}
-        worker = method
-        if method == "ddpkit, glibc's malloc":
-            environment.update(GLIBC_DEFAULTS)
-            worker = "ddpkit"
-        workers.append(subprocess.Popen([sys.executable, __file__, "--worker", worker, "--steps", str(steps)],
+        if method.preload:
+            environment["LD_PRELOAD"] = method.preload
+        workers.append(subprocess.Popen([sys.executable, __file__, "--worker", method.worker, "--steps", str(steps)],
                                         stdout=subprocess.PIPE, text=True, env=environment))
     peaks = []
     for worker in workers:
         output, _ = worker.communicate(timeout=300)
         if worker.returncode != 0:
-            raise SystemExit(f"{method}: a worker exited {worker.returncode}")
+            raise SystemExit(f"{method.label}: a worker exited {worker.returncode}")
         peaks.append(int(output.split("peak")[1]))
     return peaks
 
@@ -102,15 +147,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="peak resident memory per rank")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--worker", choices=METHODS[:3], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         train(args.worker, args.steps)
         return
     from ddpkit.environments import find_free_port  # here: the workers' own imports are what is measured
 
-    peaks: dict[str, list[float]] = {method: [] for method in METHODS}
-    order = list(METHODS)
+    order = methods()
+    peaks: dict[Method, list[float]] = {method: [] for method in order}
     shuffler = random.Random(0)
     for _ in range(args.rounds):
         shuffler.shuffle(order)
@@ -118,12 +163,13 @@ def main() -> None:
             peaks[method] += [kib / 1024 for kib in measure(method, args.steps, find_free_port())]
     medians = {method: statistics.median(values) for method, values in peaks.items()}
     print("per-rank peak resident memory (MiB), medians of", args.rounds, "rounds:",
-          ", ".join(f"{method} {value:.0f}" for method, value in medians.items()))
-    for method in ("ddpkit", "ddpkit, glibc's malloc"):
-        below = medians["torch DDP"] - medians[method]
-        print(f"{method}: below torch DDP by {below:.1f} MiB = {below * 2**20 / GRADIENT_BYTES:.2f}x the gradient "
-              f"bytes ({GRADIENT_BYTES / 2**20:.1f} MiB); the goal is >= 0.80")
-
+          ", ".join(f"{method.label} {value:.0f}" for method, value in medians.items()))
+    for allocator in dict.fromkeys(method.allocator for method in medians):
+        of = {method.worker: value for method, value in medians.items() if method.allocator == allocator}
+        below = of["torch DDP"] - of["ddpkit"]
+        print(f"{allocator}: ddpkit below torch DDP by {below:.1f} MiB = {below * 2**20 / GRADIENT_BYTES:.2f}x the "
+              f"gradient bytes ({GRADIENT_BYTES / 2**20:.1f} MiB; the goal is >= 0.80); ddpkit - torch DDP with "
+              f"gradient_as_bucket_view=True {of['ddpkit'] - of['torch DDP views']:+.1f} MiB")
 
 if __name__ == "__main__":
     main()
