@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpkit.parallel.buckets import Bucket, GradBucket, assign_buckets
+from ddpkit.parallel.buckets import UNBATCHED_BESIDE_BYTES, Bucket, GradBucket, assign_buckets
 
 
 def floats(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -63,3 +63,13 @@ def test_small_parameters_lie_first_and_contiguous_so_one_pass_covers_them() -> 
     bucket.views[2].fill_(-2)
     assert bucket.grads[5:55].tolist() == [-1.0] * 50 and bucket.grads[55:].tolist() == [-2.0] * 40
     assert [v.data_ptr() for v in bucket.batched_views] == [bucket.views[1].data_ptr(), bucket.views[3].data_ptr()]
+
+
+def test_a_bucket_with_a_gradient_of_a_mebibyte_or_more_batches_nothing() -> None:
+    # Small gradients kept until the launch would pin the holes that the large ones leave in the heap.
+    large = torch.nn.Parameter(torch.ones(UNBATCHED_BESIDE_BYTES // 4))
+    small = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    bucket = Bucket.build(0, [small[0], large, small[1]], ["a", "b", "c"], batch_below_numel=10)
+    assert bucket.batched_slots == [] and bucket.batched_region.numel() == 0
+    just_below = torch.nn.Parameter(torch.ones(UNBATCHED_BESIDE_BYTES // 4 - 1))
+    assert Bucket.build(0, [small[0], just_below], ["a", "b"], batch_below_numel=10).batched_slots == [0]
