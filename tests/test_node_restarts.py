@@ -56,9 +56,15 @@ def start_nodes(folder: Path, script: list[str], *flags: str, restarts: tuple[st
 def finish(launchers: list[subprocess.Popen[str]], timeout: float = 150) -> list[tuple[int, str, str]]:
     deadline = time.monotonic() + timeout
     results = []
-    for launcher in launchers:
-        out, err = launcher.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        results.append((launcher.returncode, out, err))
+    try:
+        for launcher in launchers:
+            out, err = launcher.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((launcher.returncode, out, err))
+    finally:
+        for launcher in launchers:  # past the bound: none is left running after the test
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
     return results
 
 

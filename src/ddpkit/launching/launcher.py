@@ -322,7 +322,8 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                         budget=config.max_restarts - restart_count)
                 if _coordinates_nodes(config) and nodes is None:
                     # Connected after the workers started: the import of torch's store client overlaps theirs.
-                    nodes = NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes)
+                    nodes = NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes,
+                                                     functools.partial(_failure_of, workers))
                 outcome = _watch(workers, signals, grace, poll_interval, replacements, nodes)
                 if nodes is not None:
                     outcome = _agree_across_nodes(nodes, outcome, grace)
@@ -510,6 +511,12 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
 
 # How long a launcher told that another node's workers failed still looks for a failure of its own.
 _SETTLE_SECONDS = 0.5
+
+
+def _failure_of(workers: WorkerProcesses) -> str | None:
+    """The root cause of this node's failed workers, or None while none failed."""
+    failed = workers.failed()
+    return workers.describe_root_cause(failed) if failed else None
 
 
 def _failures_within(workers: WorkerProcesses, seconds: float, poll_interval: float,

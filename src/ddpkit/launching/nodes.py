@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,6 +44,9 @@ _REQUEST_TIMEOUT = timedelta(seconds=30)
 # How long a launcher waits for node 0's store to come up at the start: the nodes of a job are
 # rarely started at the same second (torchrun's rendezvous waits 600 s by default too).
 _CONNECT_TIMEOUT = timedelta(minutes=10)
+# While waiting for it, how often the launcher looks up from the store's client to ask whether its
+# own workers are still worth the wait (the client cannot be interrupted).
+_CONNECT_TRY_SECONDS = 2.0
 _POLL_SECONDS = 0.02
 
 
@@ -78,19 +82,34 @@ class NodeCoordination:
         self.attempt = 0
 
     @classmethod
-    def connect(cls, address: str, port: int, node_rank: int, nnodes: int) -> NodeCoordination:
-        """Reach the job's store on node 0 (waiting for it to come up, up to 10 minutes)."""
+    def connect(cls, address: str, port: int, node_rank: int, nnodes: int,
+                workers_failed: Callable[[], str | None] = lambda: None) -> NodeCoordination:
+        """Reach the job's store on node 0, waiting for it to come up (up to 10 minutes) while
+        ``workers_failed`` returns None. The workers start before this: when they fail meanwhile
+        (it describes how), the store is not awaited any longer. Node 0's launcher may have
+        ended after its workers met this node's, and a store that is gone never comes up."""
         import torch.distributed as dist
 
-        try:
-            store = dist.TCPStore(address, port, is_master=False, timeout=_CONNECT_TIMEOUT,  # type: ignore[attr-defined]
-                                  wait_for_workers=False)
-        except Exception as error:  # torch raises DistStoreError, RuntimeError or OSError, by cause
-            raise NodeContactLostError(
-                f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted by the "
-                f"launcher of node 0) within {_CONNECT_TIMEOUT.total_seconds():g} s: {error}. Start `ddpkit run "
-                "--node-rank 0` with the same --master-addr and --master-port, and check that this host can reach "
-                "it.") from None
+        deadline = time.monotonic() + _CONNECT_TIMEOUT.total_seconds()
+        while True:
+            try_seconds = max(0.1, min(_CONNECT_TRY_SECONDS, deadline - time.monotonic()))
+            try:
+                store = dist.TCPStore(address, port, is_master=False,  # type: ignore[attr-defined]
+                                      timeout=timedelta(seconds=try_seconds), wait_for_workers=False)
+                break
+            except Exception as error:  # torch raises DistStoreError, RuntimeError or OSError, by cause
+                failure = workers_failed()
+                if failure is not None:
+                    raise NodeContactLostError(
+                        f"node {node_rank}'s launcher lost contact with the job's store at {address}:{port} before "
+                        f"it could join it ({error}), and meanwhile {failure}: the launcher that hosts the store "
+                        "(node 0's) ended or its host is unreachable. Its output says why.") from None
+                if time.monotonic() >= deadline:
+                    raise NodeContactLostError(
+                        f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted "
+                        f"by the launcher of node 0) within {_CONNECT_TIMEOUT.total_seconds():g} s: {error}. Start "
+                        "`ddpkit run --node-rank 0` with the same --master-addr and --master-port, and check that "
+                        "this host can reach it.") from None
         store.set_timeout(_REQUEST_TIMEOUT)
         return cls(store, node_rank, nnodes, address, port)
 
