@@ -80,7 +80,8 @@ def main() -> None:
                         help="rank 1 fails at this global step of the first start (to try --max-restarts)")
     parser.add_argument("--kill-at-step", type=int, default=None,
                         help="rank 1 kills itself (SIGKILL) at this global step, once (to try --recovery in-place)")
-    parser.add_argument("--kill-rank", type=int, default=1, help="the rank --kill-at-step kills")
+    parser.add_argument("--kill-rank", type=lambda text: {int(rank) for rank in text.split(",")}, default={1},
+                        help="the rank --kill-at-step kills, or several (1,2): killed together")
     parser.add_argument("--kill-during", default="backward",
                         choices=["forward", "backward", "optimizer-step", "checkpoint-save"],
                         help="where in the step --kill-at-step strikes (checkpoint-save: the save after its epoch)")
@@ -203,12 +204,12 @@ def main() -> None:
 
 
 class Fault:
-    """``--kill-at-step N --kill-during PHASE [--kill-rank R]``: rank R (1) kills itself (SIGKILL, as
+    """``--kill-at-step N --kill-during PHASE [--kill-rank R[,R...]]``: rank R (1) kills itself (SIGKILL, as
     the out-of-memory killer would) in that phase of global step N, once per run (not after a
     restart, nor in its replacement), to try ``ddpkit run --recovery in-place`` or ``--max-restarts``."""
 
     def __init__(self, args: argparse.Namespace, strategy: ddpkit.DDPStrategy, step: int) -> None:
-        self.armed = (step == args.kill_at_step and strategy.global_rank == args.kill_rank and strategy.restart_count == 0
+        self.armed = (step == args.kill_at_step and strategy.global_rank in args.kill_rank and strategy.restart_count == 0
                       and not strategy.recovered_in_place)
         self.phase = args.kill_during
 

@@ -78,6 +78,18 @@ def test_four_ranks_recover_in_place_and_end_as_without_the_fault(tmp_path: Path
     assert float(result.stdout.split("max |difference| to one process")[1].split()[0]) <= 1e-6
 
 
+def test_ranks_killed_together_are_replaced_together_in_place(tmp_path: Path) -> None:
+    # Two of three ranks die in the same backward (a node's processes, the out-of-memory killer):
+    # the warm spare takes one, a new process the other, and rank 0 hands both the state.
+    result = run_example(tmp_path, "--kill-at-step", "3", "--kill-rank", "1,2", nproc=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("takes over its rank in place (recovery 1 of 1") == 2, result.stderr[-3000:]
+    assert "the replacements of rank 1, 2 hold the survivors' state" in result.stderr
+    assert "restarting all" not in result.stderr
+    assert "over 3 processes, parameters identical on all ranks: True" in result.stdout, result.stdout[-2000:]
+    assert float(result.stdout.split("max |difference| to one process")[1].split()[0]) <= 1e-6
+
+
 @pytest.mark.parametrize(("step", "rank"), [("8", 1), ("16", 0)])
 def test_a_rank_lost_during_a_checkpoint_save_between_epochs_is_replaced_in_place(
         tmp_path: Path, fault_free: dict[int, list[torch.Tensor]], step: str, rank: int) -> None:
@@ -189,7 +201,7 @@ def test_a_second_rank_lost_during_the_state_transfer_ends_the_job(tmp_path: Pat
 def test_when_the_budget_is_spent_the_next_loss_ends_the_job(tmp_path: Path) -> None:
     result, seconds = run_script(tmp_path, "always")
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "replacement 1 of 1" in result.stderr
+    assert "recovery 1 of 1" in result.stderr
     assert len(re.findall(r"rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL", result.stderr)) == 2
     assert seconds < 30, f"the job took {seconds:.1f} s to end"
 

@@ -472,8 +472,13 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
         # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
         also_fine = (-signal.SIGTERM,) if preemption else ()
         failed = workers.failed(also_fine)
-        if failed and preemption is None and replacements is not None and replacements.replace(failed):
-            continue
+        if failed and preemption is None and replacements is not None:
+            # Ranks killed together (a node's processes, the out-of-memory killer) are reaped a
+            # moment apart: replaced together, or a later one would fail the recovery under way.
+            time.sleep(_LOSSES_SETTLE_SECONDS)
+            failed = workers.failed(also_fine)
+            if replacements.replace(failed):
+                continue
         if not failed and nodes is not None and nodes.ended_elsewhere():
             # A worker here killed at the same moment may not have been reaped yet when its peers on
             # other nodes noticed: its own failure, not theirs, is then the root cause.
@@ -485,11 +490,11 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
             if nodes is not None:
                 nodes.announce_failure()  # the other nodes end their workers meanwhile
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
-            recovering = replacements.recovering() if replacements is not None else None
+            recovering = ", ".join(str(worker.rank) for worker in replacements.recovering()) if replacements else ""
             workers.end(grace)
             cause, recorded_at = workers.root_cause_summary(failed)
-            return _Outcome(1, cause if recovering is None else f"during the in-place recovery of rank "
-                            f"{recovering.rank}: {cause}", recorded_at)
+            return _Outcome(1, f"during the in-place recovery of rank {recovering}: {cause}" if recovering else cause,
+                            recorded_at)
         problem = replacements.check() if replacements is not None else None
         if problem is not None:
             workers.end(grace)
@@ -511,6 +516,8 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
 
 # How long a launcher told that another node's workers failed still looks for a failure of its own.
 _SETTLE_SECONDS = 0.5
+# How long after a worker is lost the launcher looks for others lost with it (in-place recovery).
+_LOSSES_SETTLE_SECONDS = 0.1
 
 
 def _failure_of(workers: WorkerProcesses) -> str | None:

@@ -4,17 +4,20 @@ For one start of the workers, ``Replacements`` keeps a warm spare (``launching.w
 torch and ddpkit imported, waiting for a rank) and decides, when workers fail, whether the spare
 can take over:
 
-- exactly one worker ended, killed by a signal (SIGKILL, the out-of-memory killer, a crash),
-  without recording an exception: its peers can go on once it is replaced. A worker whose
-  script raised would most likely raise again: that failure goes the usual way (the job ends,
-  or restarts with ``--max-restarts``);
+- the workers that ended (one, or several at once: a node's local ranks killed together) were
+  killed by a signal (SIGKILL, the out-of-memory killer, a crash) without recording an
+  exception, and at least one worker lives to hand on the state: their peers can go on once
+  they are replaced. A worker whose script raised would most likely raise again: that failure
+  goes the usual way (the job ends, or restarts with ``--max-restarts``);
 - no recovery is under way (a failure during one ends the job: its state transfer cannot be
   trusted), the budget (``--max-restarts``, shared with full restarts) is not spent, and the
   spare is alive.
 
 The spare gets the lost worker's variables plus the group's next generation
 (``DDPKIT_GENERATION``) and a file to write once it holds the survivors' state
-(``DDPKIT_READY_FILE``); a new spare starts warming up at once. A recovery that does not finish
+(``DDPKIT_READY_FILE``); when several workers were lost, the others' replacements start cold
+(they import torch first), and all join the same generation. One recovery spends one of the
+budget, however many ranks it replaces. A new spare starts warming up at once. A recovery that does not finish
 within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS`` (plus a margin) fails the job. torch-free, as the
 launcher is.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.environments import DDPKIT_GENERATION, RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_VARIABLE
@@ -49,52 +53,69 @@ class Replacements:
         self.budget = budget
         self.used = 0
         self.generation = 0
-        self._pending: tuple[WorkerProcess, str, float, float] | None = None  # (replacement, ready file, start, deadline)
+        self._pending: _Recovery | None = None
         self._timeout = recovery_timeout_seconds() + _MARGIN_SECONDS
         self._spare = workers.start_spare(self._command, self._environment)
 
     def replace(self, failed: Sequence[WorkerProcess]) -> bool:
-        """Hand the rank of the one lost worker in ``failed`` to the spare, if it can be (see the
+        """Hand the ranks of the lost workers in ``failed`` to replacements, if they can be (see the
         module docstring); False leaves the failure to the caller."""
-        if self._pending is not None or len(failed) != 1 or self.used >= self.budget:
+        if self._pending is not None or not failed or self.used >= self.budget:
             return False
-        lost = failed[0]
-        code = lost.process.poll()
-        if code is None or code >= 0 or os.path.exists(lost.error_file) or self._spare.process.poll() is not None:
+        if len(failed) >= len(self._workers.workers) or self._spare.process.poll() is not None:
+            return False  # no survivor would hold the state, or the warm spare is gone
+        codes = [lost.process.poll() for lost in failed]
+        if any(code is None or code >= 0 for code in codes) or any(os.path.exists(lost.error_file) for lost in failed):
             return False
         self.used += 1
         self.generation += 1
-        ready_file = os.path.join(self._workers.folder, f"ready{self.generation}")
-        variables = {**self._rank_variables(lost.local_rank), DDPKIT_GENERATION: str(self.generation),
-                     READY_FILE_VARIABLE: ready_file}
-        spare = self._spare
-        self._workers.replace(lost, spare, variables)
-        _log.warning(f"ddpkit run: {lost} {describe_exit(code)}; the spare (pid {spare.process.pid}) takes over its "
-                     f"rank in place (replacement {self.used} of {self.budget}; the other ranks keep running)")
+        started: list[tuple[WorkerProcess, str]] = []
+        for number, lost in enumerate(failed):
+            spare = self._spare if number == 0 else self._workers.start_spare(self._command, self._environment)
+            ready_file = os.path.join(self._workers.folder, f"ready{self.generation}.{lost.rank}")
+            variables = {**self._rank_variables(lost.local_rank), DDPKIT_GENERATION: str(self.generation),
+                         READY_FILE_VARIABLE: ready_file}
+            self._workers.replace(lost, spare, variables)
+            how = "the spare" if number == 0 else "a new process (not warm: it imports torch first)"
+            _log.warning(f"ddpkit run: {lost} {describe_exit(codes[number])}; {how} (pid {spare.process.pid}) takes "
+                         f"over its rank in place (recovery {self.used} of {self.budget}; the other ranks keep running)")
+            started.append((spare, ready_file))
         now = time.monotonic()
-        self._pending = (spare, ready_file, now, now + self._timeout)
+        self._pending = _Recovery(started, now, now + self._timeout)
         self._spare = self._workers.start_spare(self._command, self._environment)  # the next one warms up
         return True
 
-    def recovering(self) -> WorkerProcess | None:
-        """The replacement whose recovery is under way, if any."""
-        return self._pending[0] if self._pending is not None else None
+    def recovering(self) -> list[WorkerProcess]:
+        """The replacements whose recovery is under way (none: empty)."""
+        return [replacement for replacement, _ in self._pending.replacements] if self._pending is not None else []
 
     def check(self) -> str | None:
         """Follow the recovery under way: None while it goes on or when it is over; a description of
         the failure when it did not finish in time."""
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return None
-        replacement, ready_file, started, deadline = self._pending
-        if os.path.exists(ready_file):
-            _log.warning(f"ddpkit run: {replacement} holds the survivors' state: recovered in place "
-                         f"{time.monotonic() - started:.2f} s after the loss")
+        if all(os.path.exists(ready_file) for _, ready_file in pending.replacements):
+            ranks = ", ".join(str(replacement.rank) for replacement, _ in pending.replacements)
+            _log.warning(f"ddpkit run: the replacement{'s' if len(pending.replacements) > 1 else ''} of rank "
+                         f"{ranks} hold{'' if len(pending.replacements) > 1 else 's'} the survivors' state: recovered "
+                         f"in place {time.monotonic() - pending.started:.2f} s after the loss")
             self._pending = None
             return None
-        if time.monotonic() > deadline:
-            return (f"the in-place recovery of rank {replacement.rank} did not finish within "
-                    f"{deadline - started:.0f} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS): the ranks did not meet again.")
+        if time.monotonic() > pending.deadline:
+            ranks = ", ".join(str(replacement.rank) for replacement, _ in pending.replacements)
+            return (f"the in-place recovery of rank {ranks} did not finish within {pending.deadline - pending.started:.0f} s "
+                    "(DDPKIT_RECOVERY_TIMEOUT_SECONDS): the ranks did not meet again.")
         return None
+
+
+@dataclass
+class _Recovery:
+    """A recovery under way: each replacement with the file it writes once it holds the state."""
+
+    replacements: list[tuple[WorkerProcess, str]]
+    started: float
+    deadline: float
 
 
 def recovery_timeout_seconds() -> float:
