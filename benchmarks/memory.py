@@ -17,11 +17,15 @@ buckets) and ddpkit's difference to torch's view mode.
 
 Measured (2026-11-23, 2 cores, Debian 12's glibc 2.36, three runs of 3 rounds), medians per run:
 
-- glibc's malloc: one process 383-388 MiB, torch DDP 412-415, torch DDP views 399-403, ddpkit
-  413-416: the saving is -0.05, -0.04, 0.05 of the gradient bytes.
-- jemalloc: torch DDP 411, torch DDP views 384-385, ddpkit 385-387: saving 0.75, 0.78, 0.82;
-  ddpkit minus torch's view mode +2.1, +0.9, +1.0 MiB.
-- tcmalloc: torch DDP 412-413, torch DDP views 411-413, ddpkit 390-391: saving 0.66, 0.73, 0.73.
+- glibc's malloc: one process 376-380 MiB, torch DDP 412-417, torch DDP views 401-409, ddpkit
+  406 in each: the saving is 0.32, 0.28, 0.20 of the gradient bytes; ddpkit minus torch's view
+  mode +3.2, +5.5, -3.6 MiB.
+- jemalloc: torch DDP 411, torch DDP views 384-386, ddpkit 385-387: saving 0.75, 0.80, 0.81;
+  ddpkit minus torch's view mode +0.3, +1.1, +1.2 MiB.
+- tcmalloc: torch DDP 414-415, torch DDP views 412-413, ddpkit 391-392: saving 0.69, 0.82, 0.72.
+
+Before small gradients stopped waiting for their bucket's launch beside large ones (see
+``ddpkit.parallel.buckets``), ddpkit peaked at 413-416 MiB under glibc (saving -0.05 to 0.05).
 
 Where the memory goes. Gradients are kept once under every allocator (glibc's bytes in use
 after backward, mallinfo2: ddpkit 175 MiB, torch DDP 207). Under jemalloc ddpkit is where torch's
@@ -34,15 +38,16 @@ parks the small remainder that memalign cuts off in its tcache or fastbins, wher
 merges (glibc bug 30723, fixed upstream in 2023, not measured here), so each freed gradient
 stays a hole of exactly its own size, which the next gradient's memalign (size plus alignment)
 cannot use. The heap grows by about one gradient per layer in the first backward (ddpkit: 140
-MiB in use, 180 MiB of heap) and keeps that size. Measured by hand (mallinfo2 per step, and by
-tracing posix_memalign/free): the same 407-408 MiB with glibc's own adaptive thresholds (no
-mallopt at all), so not ddpkit's malloc thresholds alone; 384 MiB with those thresholds and
-``GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0`` (nothing parked, the holes
-merge). tcache can only be turned off when a process starts and touches every allocation in
-it, so ddpkit leaves it alone. Not explained yet: under glibc, torch's view mode given ddpkit's
-thresholds (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``) peaks at 398-406 MiB against
-ddpkit's 410-419, so ddpkit's own allocation order costs ~10 MiB more holes. A CPU job short of
-memory preloads jemalloc, which keeps ddpkit's step at its limit (step/limit 0.97 in one run of
+MiB in use, 180 MiB of heap) and keeps that size. Measured by hand before the change below
+(mallinfo2 per step, and by tracing posix_memalign/free): the same 407-408 MiB with glibc's own
+adaptive thresholds (no mallopt at all), so not ddpkit's malloc thresholds alone; 384 MiB with
+those thresholds and ``GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0``
+(nothing parked, the holes merge). tcache can only be turned off when a process starts and
+touches every allocation in it, so ddpkit leaves it alone. The small gradients (biases) that
+ddpkit kept until their bucket's launch, to copy them in one call, pinned such holes between
+the large ones: ~10 MiB (twelve per-rank peaks each, medians 413 and 403.5 MiB); a bucket with a
+gradient of a MiB or more now copies every gradient in its hook. A CPU job short of memory
+preloads jemalloc, which keeps ddpkit's step at its limit (step/limit 0.97 in one run of
 ddp_step.py; tcmalloc 1.04). On GPU the caching allocator reuses freed blocks by size, and none
 of this applies.
 """
