@@ -249,3 +249,40 @@ def test_without_in_place_recovery_the_loop_helpers_are_range_and_the_loader() -
     with pytest.raises(ddpkit.PeerLostError):  # nothing to recover with: the error goes on up
         with strategy.step():
             raise ddpkit.PeerLostError("a rank vanished")
+
+
+def test_the_state_transfer_sends_tensors_as_bytes_and_rebuilds_the_state_exactly() -> None:
+    # What a survivor sends a replacement: a model's state_dict (an OrderedDict carrying _metadata),
+    # an optimizer's state, the RNG state; tensors of several dtypes, odd sizes, one not contiguous.
+    from ddpkit.recovery import _pack, _packed_size, _put_tensors_back, _set_tensors_apart, _unpack
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+             "odd": [torch.arange(3, dtype=torch.uint8), torch.ones(2, 3, dtype=torch.float64).t(), torch.tensor(True)],
+             "resume": (1, 7)}
+    tensors: list[torch.Tensor] = []
+    skeleton = _set_tensors_apart(state, tensors)
+    layout = [(t.shape, t.dtype) for t in tensors]
+    flat = _pack(tensors)
+    assert flat.dtype == torch.uint8 and flat.numel() == _packed_size(layout)
+    assert len(skeleton) < 4096  # the data travels in the flat buffer, not in the pickle
+    received = _put_tensors_back(skeleton, _unpack(flat.clone(), layout))
+
+    assert received["resume"] == (1, 7)
+    assert received["model"]._metadata == state["model"]._metadata  # load_state_dict reads its versions
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    fresh.load_state_dict(received["model"])
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    again = torch.optim.Adam(fresh.parameters())
+    again.load_state_dict(received["optimizer"])
+    for index, slot in optimizer.state_dict()["state"].items():
+        for key, value in slot.items():
+            assert torch.equal(again.state_dict()["state"][index][key], value), (index, key)
+    assert torch.equal(received["rng"], state["rng"])
+    for sent, got in zip(state["odd"], received["odd"]):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    assert received["odd"][0].data_ptr() != flat.data_ptr()  # tensors of their own, not views of the buffer

@@ -37,14 +37,18 @@ gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
 
 from __future__ import annotations
 
+import io
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from ddpkit.collectives import all_gather_object, broadcast_object
 from ddpkit.connection import current_generation, form_generation
+from ddpkit.diagnostics.waits import run_collective
 from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
 
@@ -143,7 +147,7 @@ class InPlaceRecovery:
                                "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
         sender = max(candidates, key=lambda rank: (ranks[rank][1], -rank))
         mine = torch.distributed.get_rank() == sender
-        state: dict[str, Any] = broadcast_object(self._state(module, optimizer) if mine else None, src=sender)
+        state: dict[str, Any] = _broadcast_with_tensors_apart(self._state(module, optimizer) if mine else None, sender)
         if mine:
             self._restore_snapshot(module)
         else:
@@ -175,3 +179,80 @@ class InPlaceRecovery:
         self._rng = state["rng"]
         torch.set_rng_state(self._rng)
         self._keep_buffers(module)  # nothing yet in a replacement: attach() takes them after this
+
+
+# -- the state transfer --------------------------------------------------------------------------
+
+# Every tensor starts at a multiple of this many bytes in the flat buffer, so that a slice of it
+# can be viewed as the tensor's dtype again.
+_ALIGNMENT = 16
+
+
+def _broadcast_with_tensors_apart(obj: Any, src: int) -> Any:
+    """``broadcast_object`` for an object of large tensors (a model's and an optimizer's state):
+    the rest is pickled and sent as usual, the tensors travel as the bytes of one flat buffer,
+    so neither side pickles or unpickles their data (a large part of a recovery's time otherwise).
+    The receivers get CPU tensors of their own; ``src`` (a global rank) gets ``obj`` back."""
+    mine = dist.get_rank() == src
+    tensors: list[Tensor] = []
+    outline = broadcast_object((_set_tensors_apart(obj, tensors), [(t.shape, t.dtype) for t in tensors])
+                               if mine else None, src=src)
+    skeleton, layout = outline
+    flat = _pack(tensors) if mine else torch.empty(_packed_size(layout), dtype=torch.uint8)
+    run_collective(dist.broadcast, flat, src=src)
+    return obj if mine else _put_tensors_back(skeleton, _unpack(flat, layout))
+
+
+def _set_tensors_apart(obj: Any, tensors: list[Tensor]) -> bytes:
+    """``obj`` pickled with each tensor replaced by its index in ``tensors`` (appended there)."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def persistent_id(value: Any) -> int | None:
+        if isinstance(value, Tensor):
+            tensors.append(value.detach())
+            return len(tensors) - 1
+        return None
+
+    pickler.persistent_id = persistent_id  # type: ignore[method-assign]
+    pickler.dump(obj)
+    return buffer.getvalue()
+
+
+def _put_tensors_back(skeleton: bytes, tensors: list[Tensor]) -> Any:
+    """The object ``set_tensors_apart`` pickled, with ``tensors`` in their places."""
+    unpickler = pickle.Unpickler(io.BytesIO(skeleton))
+    unpickler.persistent_load = lambda index: tensors[index]  # type: ignore[method-assign]
+    return unpickler.load()
+
+
+def _span(shape: torch.Size, dtype: torch.dtype) -> int:
+    size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    return -(-size // _ALIGNMENT) * _ALIGNMENT
+
+
+def _packed_size(layout: list[tuple[torch.Size, torch.dtype]]) -> int:
+    return sum(_span(shape, dtype) for shape, dtype in layout)
+
+
+def _pack(tensors: list[Tensor]) -> Tensor:
+    """The bytes of ``tensors``, one after the other (each at an aligned offset), on the CPU."""
+    flat = torch.empty(_packed_size([(t.shape, t.dtype) for t in tensors]), dtype=torch.uint8)
+    offset = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if size:
+            flat[offset : offset + size].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+        offset += _span(tensor.shape, tensor.dtype)
+    return flat
+
+
+def _unpack(flat: Tensor, layout: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
+    """The tensors ``pack`` laid out in ``flat``, each a tensor of its own (not a view of ``flat``)."""
+    tensors = []
+    offset = 0
+    for shape, dtype in layout:
+        size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        tensors.append(flat[offset : offset + size].view(dtype).reshape(shape).clone())
+        offset += _span(shape, dtype)
+    return tensors
