@@ -528,7 +528,8 @@ class DDPStrategy:
         form the next generation with its replacement, which starts at the survivors' next batch
         (the next epoch's first after an epoch's last); when the lost rank was rank 0, the lowest
         surviving rank writes the file in its place, so the save is not lost. A save inside
-        ``step()`` leaves the loss to ``step()`` (the batch is trained again, the save comes again).
+        ``step()`` leaves the loss to ``step()``, which recovers the same way but ends the block
+        there: that save is not redone.
         """
         path = os.fspath(path)
         with guard():  # rank 0 failing to write (disk full, ...) is named on the ranks waiting below
