@@ -220,15 +220,19 @@ def _set_tensors_apart(obj: Any, tensors: list[Tensor]) -> bytes:
 
 
 def _put_tensors_back(skeleton: bytes, tensors: list[Tensor]) -> Any:
-    """The object ``set_tensors_apart`` pickled, with ``tensors`` in their places."""
+    """The object ``_set_tensors_apart`` pickled, with ``tensors`` in their places."""
     unpickler = pickle.Unpickler(io.BytesIO(skeleton))
     unpickler.persistent_load = lambda index: tensors[index]  # type: ignore[method-assign]
     return unpickler.load()
 
 
+def _bytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * dtype.itemsize
+
+
 def _span(shape: torch.Size, dtype: torch.dtype) -> int:
-    size = shape.numel() * torch.empty((), dtype=dtype).element_size()
-    return -(-size // _ALIGNMENT) * _ALIGNMENT
+    """The bytes a tensor takes in the flat buffer: its own, up to the next aligned offset."""
+    return -(-_bytes(shape, dtype) // _ALIGNMENT) * _ALIGNMENT
 
 
 def _packed_size(layout: list[tuple[torch.Size, torch.dtype]]) -> int:
@@ -240,7 +244,7 @@ def _pack(tensors: list[Tensor]) -> Tensor:
     flat = torch.empty(_packed_size([(t.shape, t.dtype) for t in tensors]), dtype=torch.uint8)
     offset = 0
     for tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
+        size = _bytes(tensor.shape, tensor.dtype)
         if size:
             flat[offset : offset + size].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
         offset += _span(tensor.shape, tensor.dtype)
@@ -248,11 +252,10 @@ def _pack(tensors: list[Tensor]) -> Tensor:
 
 
 def _unpack(flat: Tensor, layout: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
-    """The tensors ``pack`` laid out in ``flat``, each a tensor of its own (not a view of ``flat``)."""
+    """The tensors ``_pack`` laid out in ``flat``, each a tensor of its own (not a view of ``flat``)."""
     tensors = []
     offset = 0
     for shape, dtype in layout:
-        size = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        tensors.append(flat[offset : offset + size].view(dtype).reshape(shape).clone())
+        tensors.append(flat[offset : offset + _bytes(shape, dtype)].view(dtype).reshape(shape).clone())
         offset += _span(shape, dtype)
     return tensors

@@ -490,7 +490,7 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
             if nodes is not None:
                 nodes.announce_failure()  # the other nodes end their workers meanwhile
             # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
-            recovering = ", ".join(str(worker.rank) for worker in replacements.recovering()) if replacements else ""
+            recovering = replacements.recovering() if replacements is not None else ""
             workers.end(grace)
             cause, recorded_at = workers.root_cause_summary(failed)
             return _Outcome(1, f"during the in-place recovery of rank {recovering}: {cause}" if recovering else cause,

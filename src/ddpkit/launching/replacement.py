@@ -17,8 +17,8 @@ The spare gets the lost worker's variables plus the group's next generation
 (``DDPKIT_GENERATION``) and a file to write once it holds the survivors' state
 (``DDPKIT_READY_FILE``); when several workers were lost, the others' replacements start cold
 (they import torch first), and all join the same generation. One recovery spends one of the
-budget, however many ranks it replaces. A new spare starts warming up at once. A recovery that does not finish
-within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS`` (plus a margin) fails the job. torch-free, as the
+budget, however many ranks it replaces. A new spare starts warming up at once. A recovery that
+does not finish within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS`` (plus a margin) fails the job. torch-free, as the
 launcher is.
 """
 
@@ -85,9 +85,9 @@ class Replacements:
         self._spare = self._workers.start_spare(self._command, self._environment)  # the next one warms up
         return True
 
-    def recovering(self) -> list[WorkerProcess]:
-        """The replacements whose recovery is under way (none: empty)."""
-        return [replacement for replacement, _ in self._pending.replacements] if self._pending is not None else []
+    def recovering(self) -> str:
+        """The ranks whose in-place recovery is under way ("1, 2"; empty when none is)."""
+        return self._pending.ranks() if self._pending is not None else ""
 
     def check(self) -> str | None:
         """Follow the recovery under way: None while it goes on or when it is over; a description of
@@ -96,16 +96,16 @@ class Replacements:
         if pending is None:
             return None
         if all(os.path.exists(ready_file) for _, ready_file in pending.replacements):
-            ranks = ", ".join(str(replacement.rank) for replacement, _ in pending.replacements)
-            _log.warning(f"ddpkit run: the replacement{'s' if len(pending.replacements) > 1 else ''} of rank "
-                         f"{ranks} hold{'' if len(pending.replacements) > 1 else 's'} the survivors' state: recovered "
-                         f"in place {time.monotonic() - pending.started:.2f} s after the loss")
+            several = len(pending.replacements) > 1
+            _log.warning(f"ddpkit run: the replacement{'s' if several else ''} of rank {pending.ranks()} "
+                         f"hold{'' if several else 's'} the survivors' state: recovered in place "
+                         f"{time.monotonic() - pending.started:.2f} s after the loss")
             self._pending = None
             return None
         if time.monotonic() > pending.deadline:
-            ranks = ", ".join(str(replacement.rank) for replacement, _ in pending.replacements)
-            return (f"the in-place recovery of rank {ranks} did not finish within {pending.deadline - pending.started:.0f} s "
-                    "(DDPKIT_RECOVERY_TIMEOUT_SECONDS): the ranks did not meet again.")
+            return (f"the in-place recovery of rank {pending.ranks()} did not finish within "
+                    f"{pending.deadline - pending.started:.0f} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS): the ranks did not "
+                    "meet again.")
         return None
 
 
@@ -116,6 +116,9 @@ class _Recovery:
     replacements: list[tuple[WorkerProcess, str]]
     started: float
     deadline: float
+
+    def ranks(self) -> str:
+        return ", ".join(str(replacement.rank) for replacement, _ in self.replacements)
 
 
 def recovery_timeout_seconds() -> float:
