@@ -40,21 +40,26 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def train_with_strategy(use_torch_ddp: bool) -> list[torch.Tensor]:
+def train_with_strategy(use_torch_ddp: bool, plugin_hooks: bool = False) -> list[torch.Tensor]:
     s = strategy(use_torch_ddp=use_torch_ddp)
     net = s.setup(model())
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     loader = s.setup_dataloader(DataLoader(dataset(), batch_size=BATCH, shuffle=False))
     for x, y in loader:
         optimizer.zero_grad()
-        s.backward(nn.functional.mse_loss(net(x), y))
+        loss = nn.functional.mse_loss(net(x), y)
+        if plugin_hooks:  # what Lightning-plugin code calls around the backward (issue 30, item 3)
+            s.pre_backward(loss)
+        s.backward(loss)
         optimizer.step()
     assert s.get_model_from_plugin(net) is net.module
     return [p.detach().clone() for p in s.get_model_from_plugin(net).parameters()]
 
 
+@pytest.mark.parametrize("plugin_hooks", [False, True], ids=["", "pre_backward"])
 @pytest.mark.parametrize("use_torch_ddp", [False, True], ids=["ddpkit-ddp", "torch-ddp"])
-def test_training_through_the_strategy_equals_one_process(pool2: WorkerPool, use_torch_ddp: bool) -> None:
+def test_training_through_the_strategy_equals_one_process(pool2: WorkerPool, use_torch_ddp: bool,
+                                                         plugin_hooks: bool) -> None:
     # DistributedSampler without shuffle gives rank r the samples r, r+2, ...; step k's global
     # batch is both ranks' k-th batches together.
     data, reference = dataset(), model()
@@ -66,7 +71,7 @@ def test_training_through_the_strategy_equals_one_process(pool2: WorkerPool, use
         optimizer.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         optimizer.step()
-    for params in pool2.run(train_with_strategy, use_torch_ddp, timeout=60):
+    for params in pool2.run(train_with_strategy, use_torch_ddp, plugin_hooks, timeout=60):
         for actual, expected in zip(params, reference.parameters()):
             torch.testing.assert_close(actual, expected.detach(), rtol=1e-5, atol=1e-6)
 

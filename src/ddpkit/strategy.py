@@ -85,10 +85,8 @@ class DDPStrategy:
     was told (``ddpkit run --recovery``), which in-place recovery needs: it hosts the store and
     the spare.
 
-    Lightning's ``pre_backward(closure_loss)`` is not here: Lightning calls torch DDP's
-    ``prepare_for_backward`` there because its training step's output does not pass through
-    DDP's forward; here the model is called directly, and both DDP modules prepare their
-    backward in their own forward.
+    Lightning's plugin hooks are here for plugin code that calls them (``pre_backward``,
+    ``pre_dispatch``, ``post_dispatch``, ``reconciliate_processes``).
     """
 
     def __init__(
@@ -454,6 +452,18 @@ class DDPStrategy:
     def backward(self, loss: Tensor) -> None:
         with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
             loss.backward()
+
+    def pre_backward(self, closure_loss: Tensor, *lightning_arguments: Any) -> None:
+        """Lightning's hook before ``backward(closure_loss)``; nothing to do here, so plugin code
+        that calls it ports unchanged.
+
+        Lightning's ``DDPPlugin`` called torch DDP's ``prepare_for_backward`` there, and only in
+        manual optimization, where the loss does not come out of DDP's forward. Here the model
+        is called directly: torch's DDP (``use_torch_ddp=True``) prepares its backward in its own
+        forward, and ddpkit's when the backward's first gradient arrives, so there is nothing left
+        to prepare. Lightning 1.3's further arguments (``should_accumulate``, ``optimizer``,
+        ``opt_idx``) are accepted and unused.
+        """
 
     def on_before_forward(self, model: nn.Module, *args: Any) -> tuple[Any, ...]:
         """Move the batch to this process's device."""
