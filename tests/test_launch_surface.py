@@ -145,6 +145,20 @@ def test_redirects_write_the_log_files_only_and_replace_a_former_runs(folder: Pa
     assert not stale.exists()
 
 
+def test_log_dir_alone_writes_nothing_and_keeps_a_former_runs_files(folder: Path) -> None:
+    """As torchrun: --log-dir names where --redirects/--tee files go; alone, the output stays on the console."""
+    kept = folder / "logs" / "node0" / "attempt_0" / "0" / "stdout.log"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("from yesterday\n")
+    result = ddpkit_run(folder, "--nproc-per-node", "2", "--log-dir", "logs", "report.py")
+    assert result.returncode == 0, result.stderr
+    assert "out of rank 1 of 2" in result.stdout
+    assert sorted(path.name for path in (folder / "logs").rglob("*") if path.is_file()) == ["stdout.log"]
+    assert kept.read_text() == "from yesterday\n"
+    result = ddpkit_run(folder, "--nproc-per-node", "1", "--log-dir", "fresh", "report.py")
+    assert result.returncode == 0 and not (folder / "fresh").exists()
+
+
 def test_settings_per_local_rank(folder: Path) -> None:
     # stdout of local rank 0 to its file only, stderr of local rank 1 teed; the rest as usual.
     result = ddpkit_run(folder, "--nproc-per-node", "2", "--redirects", "0:1", "--tee", "1:2", "--log-dir", "logs",

@@ -258,8 +258,7 @@ class DDPStrategy:
                 raise ValueError("in-place recovery needs ddpkit's DistributedDataParallel: drop use_torch_ddp=True, or "
                                  "use ddpkit run --recovery fail-fast.")
             recovery.attach(wrapped, optimizer, joined)
-            if joined is not None:
-                self._tell_launcher_recovered()
+            self._tell_launcher_ready()  # a replacement: it holds the survivors' state; else it can recover
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def _start_recovery(self, optimizer: torch.optim.Optimizer | None) -> InPlaceRecovery | None:
@@ -285,7 +284,8 @@ class DDPStrategy:
         return int(getattr(self.cluster_environment, "generation", 0)) > 0
 
     @staticmethod
-    def _tell_launcher_recovered() -> None:
+    def _tell_launcher_ready() -> None:
+        """The launcher replaces a lost rank in place only once every other rank said this."""
         path = os.environ.get(READY_FILE_VARIABLE)
         if path:
             with open(path, "w", encoding="utf-8") as handle:

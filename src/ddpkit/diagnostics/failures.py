@@ -88,13 +88,14 @@ class PeerLostError(CollectiveFailedError):
 
 
 class StoreHostGoneError(PeerFailedError):
-    """The process that hosts the process group's store (global rank 0, or torchrun's agent when
-    it keeps the store) is gone without a word: killed, or its machine went down. ``rank`` is 0,
-    or -1 for torchrun's agent."""
+    """The process that hosts the process group's store (global rank 0, or the launcher's when it
+    keeps the store: torchrun's agent, ``ddpkit run``'s store host) is gone without a word: killed,
+    or its machine went down. ``rank`` is 0, or -1 for a launcher's."""
 
     def __init__(self, address: tuple[str, int], reason: str) -> None:
         by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        host = "torchrun's agent" if by_agent else "rank 0"
+        launcher = "ddpkit run's store host" if os.environ.get("DDPKIT_LAUNCHED") else "torchrun's agent"
+        host = launcher if by_agent else "rank 0"
         self.rank, self.kind, self.trace, self.address = (-1 if by_agent else 0), "StoreHostGone", "", address
         self.message = (f"{host}, the host of the process group's store at {address[0]}:{address[1]}, is gone: the "
                         f"store does not accept connections any more ({reason}). It ended without a chance to say why "

@@ -27,6 +27,7 @@ killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.machinery
@@ -35,7 +36,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,14 +45,16 @@ from types import FrameType
 from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
-from ddpkit._network import find_free_port
+from ddpkit._network import find_free_port, gloo_interface_towards
 from ddpkit.environments import DDPKIT_HOSTED_STORE, DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
 from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.pool import RankFailedError, WorkerPool
-from ddpkit.launching.processes import SPARE, WorkerProcess, WorkerProcesses
+from ddpkit.launching.processes import READY_FILE_VARIABLE, SPARE, WorkerProcess, WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousError, RendezvousSettings, claim_endpoint, join
-from ddpkit.launching.replacement import Replacements, recovery_timeout_seconds
+from ddpkit.launching.replacement import Replacements, ready_file, recovery_timeout_seconds
+from ddpkit.launching.store_client import GaveUpWaiting, GiveUp
+from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
 
@@ -206,20 +208,33 @@ def _port_is_free(address: str, port: int) -> bool:
 
 def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_count: int = 0) -> dict[str, str]:
     """What a worker of this node needs to find its place in the job: torch.distributed's
-    variables, ddpkit's marker, the backend, and which start of the workers this is (0 the first;
-    torchrun's names too, for scripts written for it)."""
+    variables, ddpkit's marker, the backend, and which start of the workers this is (0 the first).
+
+    torchrun's per-worker variables come too, with torchrun's meanings, so that scripts and
+    frameworks written for it (Lightning's ``TorchElasticEnvironment``, ``GROUP_RANK`` readers) find
+    theirs. ``TORCHELASTIC_USE_AGENT_STORE`` is ``True`` where the launchers host the store
+    (``_hosts_store``): torch's ``env://`` then connects to it as a client instead of making
+    rank 0 serve one on the same port."""
+    rank = str(config.node_rank * config.nproc_per_node + local_rank)
     variables = {
         "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(config.world_size),
-        "RANK": str(config.node_rank * config.nproc_per_node + local_rank),
+        "RANK": rank,
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
         "NODE_RANK": str(config.node_rank),
+        "GROUP_RANK": str(config.node_rank),
+        "GROUP_WORLD_SIZE": str(config.nnodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": rank,
+        "ROLE_WORLD_SIZE": str(config.world_size),
         DDPKIT_LAUNCHED: "1",
         "DDPKIT_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_RUN_ID": config.rendezvous.run_id if config.rendezvous is not None else "none",
+        "TORCHELASTIC_USE_AGENT_STORE": str(_hosts_store(config)),
         PREEMPTION_SIGNAL_VARIABLE: config.preemption_signal.name,
         DDPKIT_RECOVERY: config.recovery,
     }
@@ -247,6 +262,17 @@ def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[s
     return defaults
 
 
+def _gloo_interface(config: LaunchConfig, port: int, base: Mapping[str, str]) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` for the workers of a multi-node job, unless ``base`` (the user's
+    environment) has it: the interface that routes to the master address (``ddpkit._network``
+    says why Gloo's own choice fails across nodes). ddpkit's connection chooses the same; this is
+    for scripts that connect with torch.distributed directly."""
+    if config.nnodes < 2 or "GLOO_SOCKET_IFNAME" in base:
+        return {}
+    interface = gloo_interface_towards(config.master_addr, port)
+    return {} if interface is None else {"GLOO_SOCKET_IFNAME": interface}
+
+
 def _hosts_store(config: LaunchConfig) -> bool:
     """Whether the job's store is a launcher's rather than rank 0's: under in-place recovery, when
     the launchers of several nodes restart together (``launching.nodes``), and under a c10d
@@ -266,7 +292,9 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     """Run ``script`` on this node's workers until all succeed or one fails; return the exit code.
 
     After a failure the workers are started again, up to ``config.max_restarts`` times, each time
-    meeting on a new port (unless ``master_port`` is given); a stop signal is never retried.
+    meeting on a new port (unless ``master_port`` is given, or the launchers host the store, whose
+    workers' keys are cleared instead); a stop signal is never retried, and ends every wait on the
+    store (rendezvous, restart) within seconds.
     """
     validate(config, script)
     received: list[int] = []  # the stop and preemption signals, in order
@@ -287,32 +315,43 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     if config.preemption_signal != signal.SIGUSR1:
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
     signals = _Signals(received, stack_requests, config.preemption_signal)
-    store_host = None
+    store_host: StoreHost | None = None
     nodes: NodeCoordination | None = None
+
+    def stop_waiting() -> str | None:
+        """Why a wait on the job's store ends early: a signal to the launcher, or its store host's end."""
+        if received:
+            return f"received {signal.Signals(received[0]).name}"
+        return store_host.failure() if store_host is not None else None
+
     try:
         restart_count = 0
         if config.rendezvous is not None:
             try:
-                config, store_host, nodes = _join_rendezvous(config, config.rendezvous, {**defaults, **os.environ})
+                config, store_host, nodes = _join_rendezvous(config, config.rendezvous, {**defaults, **os.environ},
+                                                             stop_waiting)
             except RendezvousError as error:
                 _log.error(f"ddpkit run: {error}")
                 return 1
         # A store the launchers host keeps one port for the whole run (attempts and generations have prefixes).
         port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
+        defaults.update(_gloo_interface(config, port, os.environ))
         if _hosts_store(config) and config.node_rank == 0 and config.rendezvous is None:
-            store_host = _start_store_host(config.master_addr, port, {**defaults, **os.environ})
+            store_host = StoreHost(config.master_addr, port, {**defaults, **os.environ})
         output = config.output.with_log_dir()
         command = worker_command(config.run_as, script, script_args)
         while True:
             if not _hosts_store(config) and restart_count and config.master_port is None:
                 port = find_free_port(config.master_addr)
-            log_folder = output.attempt_folder(config.node_rank, restart_count)
+            log_folder = output.attempt_folder(config.node_rank, restart_count) if output.writes_files() else None
             if log_folder is not None:
-                shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt
+                shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt, replaced
             workers = WorkerProcesses("run", None if output.is_default() else output, log_folder)
             try:
                 for local_rank in range(config.nproc_per_node):
                     variables = rank_variables(config, port, local_rank, restart_count)
+                    if config.recovery == IN_PLACE:
+                        variables[READY_FILE_VARIABLE] = ready_file(workers.folder, 0, int(variables["RANK"]))
                     workers.start(command, {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
                 replacements = None
                 if config.recovery == IN_PLACE:
@@ -321,16 +360,16 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                         functools.partial(rank_variables, config, port, restart_count=restart_count),
                         budget=config.max_restarts - restart_count)
                 if _coordinates_nodes(config) and nodes is None:
-                    # Connected after the workers started: the import of torch's store client overlaps theirs.
-                    nodes = NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes,
-                                                     functools.partial(_failure_of, workers))
-                outcome = _watch(workers, signals, grace, poll_interval, replacements, nodes)
+                    nodes = _connect_nodes(config, port, workers, stop_waiting)
+                outcome = _watch(workers, signals, grace, poll_interval, replacements, nodes, store_host)
                 if nodes is not None:
                     outcome = _agree_across_nodes(nodes, outcome, grace)
             except NodeContactLostError as error:
                 _log.error(f"ddpkit run: {error}\nddpkit run: all {config.nproc_per_node} workers of node "
                            f"{config.node_rank} were stopped.")
                 return 1
+            except GaveUpWaiting as stopped:  # waiting for the other nodes' workers to finish too
+                return _gave_up(stopped, received, "the other nodes were not waited for", nodes)
             finally:
                 workers.close(grace)
             if replacements is not None:
@@ -343,28 +382,77 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             if outcome.stopped_elsewhere:
                 _log.error("ddpkit run: no restart after a stop signal on another node: ending the job.")
                 return outcome.code
-            if restart_count >= config.max_restarts or received:
+            store_gone = store_host is not None and store_host.failure() is not None
+            if restart_count >= config.max_restarts or received or store_gone:
                 if config.max_restarts:
-                    _log.error(f"ddpkit run: no restart left (--max-restarts={config.max_restarts}): ending the job."
-                               if not received else "ddpkit run: no restart after a stop signal: ending the job.")
+                    why = ("after a stop signal" if received else "without the job's store" if store_gone else
+                           f"left (--max-restarts={config.max_restarts})")
+                    _log.error(f"ddpkit run: no restart {why}: ending the job.")
                 return outcome.code
             restart_count += 1
-            if nodes is not None:
-                try:
-                    nodes.meet(restart_count, recovery_timeout_seconds())
-                except (TimeoutError, NodeContactLostError) as error:
-                    _log.error(f"ddpkit run: {error}")
-                    return outcome.code
+            try:
+                _open_next_attempt(nodes, store_host, restart_count)
+            except GaveUpWaiting as stopped:
+                return _gave_up(stopped, received, "no restart", nodes)
+            except (TimeoutError, NodeContactLostError, StoreHostError) as error:
+                _log.error(f"ddpkit run: {error}")
+                return outcome.code
             _log.warning(f"ddpkit run: restarting {these} (restart {restart_count} of "
                          f"{config.max_restarts}); DDPKIT_RESTART_COUNT={restart_count}")
+    except GaveUpWaiting as stopped:  # in the rendezvous: no worker started yet
+        return _gave_up(stopped, received, "no worker was started")
     finally:
         if nodes is not None:
-            nodes.leave(wait_seconds=grace + 5.0)
+            # After a stop signal here the others only need a moment to read it (announced at once).
+            nodes.leave(wait_seconds=_LEAVE_AFTER_SIGNAL_SECONDS if received else grace + 5.0)
         if store_host is not None:
-            store_host.kill()
-            store_host.wait()
+            store_host.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _gave_up(stopped: GaveUpWaiting, received: Sequence[int], consequence: str,
+             nodes: NodeCoordination | None = None) -> int:
+    """The exit code after a wait on the job's store was given up, said on stderr (and, after a
+    signal, to the other nodes' launchers: none restarts): 128 + the signal that asked the
+    launcher to stop, else 1 (the store host ended)."""
+    if received:
+        _log.warning(f"ddpkit run: {stopped.reason} while waiting on the job's store: stopping ({consequence}).")
+        if nodes is not None:
+            with contextlib.suppress(NodeContactLostError):
+                nodes.announce_stop(stopped.reason)
+        return 128 + received[0]
+    _log.error(f"ddpkit run: {stopped.reason}\nddpkit run: {consequence}.")
+    return 1
+
+
+def _open_next_attempt(nodes: NodeCoordination | None, store_host: StoreHost | None, attempt: int) -> None:
+    """Before the workers start again: every node's launcher meets the others (``launching.nodes``),
+    and the store the launchers host forgets the workers' keys of the attempts before."""
+    if nodes is not None:
+        nodes.meet(attempt, recovery_timeout_seconds(),
+                   open_attempt=None if store_host is None else store_host.clear_worker_keys)
+    elif store_host is not None:
+        store_host.clear_worker_keys()
+
+
+def _connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
+                   stop_waiting: GiveUp) -> NodeCoordination | None:
+    """This launcher's part in the agreement between the nodes (``launching.nodes``), connected
+    after its workers started, so that the import of torch's store client overlaps theirs.
+
+    None when it stopped waiting for the store because a signal came (``_watch`` passes it on to
+    the workers) or every worker here ended meanwhile (their end is this node's outcome); a
+    failure of a worker meanwhile is ``NodeContactLostError``."""
+    try:
+        return NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes,
+                                        functools.partial(_failure_of, workers),
+                                        lambda: None not in workers.exit_codes(), stop_waiting)
+    except GaveUpWaiting as stopped:
+        _log.warning(f"ddpkit run: node {config.node_rank}'s launcher stopped waiting for the job's store at "
+                     f"{config.master_addr}:{port} ({stopped.reason}); the other nodes' launchers are not told how "
+                     "this node's workers end.")
+        return None
 
 
 def worker_command(run_as: str, script: str, script_args: Sequence[str]) -> list[str]:
@@ -375,38 +463,34 @@ def worker_command(run_as: str, script: str, script_args: Sequence[str]) -> list
             *script_args]
 
 
-def _start_store_host(address: str, port: int, environment: Mapping[str, str],
-                      listener: socket.socket | None = None) -> subprocess.Popen[bytes]:
-    """The process that hosts the job's store (``launching.store_host``), on ``listener`` when given."""
-    handed = [] if listener is None else ["--listen-fd", str(listener.fileno())]
-    return subprocess.Popen([sys.executable, "-m", "ddpkit.launching.store_host", address, str(port), *handed],
-                            env={**environment, "DDPKIT_LAUNCHER_PID": str(os.getpid())}, start_new_session=True,
-                            pass_fds=[] if listener is None else [listener.fileno()])
-
-
 def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, environment: Mapping[str, str],
-                     ) -> tuple[LaunchConfig, subprocess.Popen[bytes] | None, NodeCoordination | None]:
+                     stop_waiting: GiveUp) -> tuple[LaunchConfig, StoreHost | None, NodeCoordination | None]:
     """Meet the other nodes' launchers at the endpoint (hosting its store when it is this host's):
     the job as a static one with this node's rank, the store host if this launcher runs it, and
-    the agreement between the launchers (several nodes)."""
+    the agreement between the launchers (several nodes). ``stop_waiting`` (and the store host's
+    end) end the wait with ``GaveUpWaiting``."""
     endpoint = rendezvous.endpoint
     listener = claim_endpoint(endpoint)
     store_host = None
     if listener is not None:
-        store_host = _start_store_host(endpoint.host, endpoint.port, environment, listener)
+        store_host = StoreHost(endpoint.host, endpoint.port, environment, listener.fileno())
         listener.close()  # the store host holds its own copy
+
+    def stop_or_store_host_gone() -> str | None:
+        return stop_waiting() or (store_host.failure() if store_host is not None else None)
+
     try:
-        node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, rendezvous.join_timeout)
+        node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, rendezvous.join_timeout,
+                                stop_or_store_host_gone)
     except BaseException:
         if store_host is not None:
-            store_host.kill()
-            store_host.wait()
+            store_host.stop()
         raise
     config = dataclasses.replace(config, node_rank=node_rank, master_addr=endpoint.host, master_port=endpoint.port)
     nodes = None
     if _coordinates_nodes(config):
         nodes = NodeCoordination(store, node_rank, config.nnodes, endpoint.host, endpoint.port,
-                                 hosts_store=store_host is not None)
+                                 hosts_store=store_host is not None, give_up=stop_or_store_host_gone)
     return config, store_host, nodes
 
 
@@ -444,13 +528,14 @@ class _Outcome:
 
 
 def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_interval: float,
-           replacements: Replacements | None = None, nodes: NodeCoordination | None = None) -> _Outcome:
+           replacements: Replacements | None = None, nodes: NodeCoordination | None = None,
+           store_host: StoreHost | None = None) -> _Outcome:
     """Poll the workers until all succeed (0), all saved and stopped after a preemption (75), a stop
     signal comes (128 + its number) or one fails (1, and the description of the root cause,
     after every worker was stopped). With ``replacements`` (in-place recovery), a worker that can
     be replaced is, and the watch goes on. With ``nodes``, a failure or stop signal here is
     announced to the other nodes' launchers before the workers are ended, and one announced by
-    them ends this node's workers (1)."""
+    them ends this node's workers (1). A ``store_host`` that ends fails the job at once (1)."""
     count = len(workers.workers)
     preemption: int | None = None
     while True:
@@ -496,6 +581,8 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
             return _Outcome(1, f"during the in-place recovery of rank {recovering}: {cause}" if recovering else cause,
                             recorded_at)
         problem = replacements.check() if replacements is not None else None
+        if problem is None and store_host is not None:
+            problem = store_host.failure()
         if problem is not None:
             workers.end(grace)
             return _Outcome(1, problem)
@@ -514,6 +601,8 @@ def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_inter
         time.sleep(poll_interval)
 
 
+# How long the launcher that hosts the store keeps it for the others after it was told to stop.
+_LEAVE_AFTER_SIGNAL_SECONDS = 2.0
 # How long a launcher told that another node's workers failed still looks for a failure of its own.
 _SETTLE_SECONDS = 0.5
 # How long after a worker is lost the launcher looks for others lost with it (in-place recovery).
@@ -538,8 +627,14 @@ def _agree_across_nodes(nodes: NodeCoordination, outcome: _Outcome, grace: float
     """Turn this node's outcome into the job's (``launching.nodes``): workers that succeeded wait
     for the other nodes' (whose failure is this attempt's failure too); after a failure every
     launcher names the same root cause, the likeliest of those the nodes published."""
-    if outcome.code == 0 and outcome.cause is None and nodes.finish():
-        return outcome
+    if outcome.code == 0 and outcome.cause is None:
+        try:
+            if nodes.finish():
+                return outcome
+        except NodeContactLostError as error:  # workers that all finished are a finished job
+            _log.warning(f"ddpkit run: every worker of node {nodes.node_rank} finished; whether the other nodes' did "
+                         f"too cannot be known: {error}")
+            return outcome
     own = outcome.cause if not outcome.elsewhere else None  # None: ended because of another node, or a signal
     nodes.publish_cause(None if own is None else FailureCause(nodes.node_rank, own, outcome.recorded_at))
     if outcome.cause is None and outcome.code != 0:

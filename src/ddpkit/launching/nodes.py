@@ -15,16 +15,20 @@ the workers as ``DDPKIT_RESTART_COUNT`` does:
 - a launcher whose workers all succeeded waits for the other nodes' (``finish``): a failure
   elsewhere is this attempt's failure too;
 - before a restart every launcher waits for the others (``meet``, within
-  ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``). Each counts its restarts itself: with the same
-  ``--max-restarts`` on every node they agree on when to give up;
+  ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``); the one that hosts the store then clears the workers' keys
+  of the attempts so far (``StoreHost.clear_worker_keys``), and no node starts the next attempt
+  before it has. Each counts its restarts itself: with the same ``--max-restarts`` on every node they agree on
+  when to give up;
 - the launcher that hosts the store (node 0's; under a c10d rendezvous the one on the endpoint's
   host) keeps it until every launcher has left (``leave``), or a few seconds.
 
 Under a c10d rendezvous (``launching.rendezvous``) this agreement is used whenever there are several
 nodes, restarts or not: the store is a launcher's, so the one that hosts it must outlive the others.
 
-This module imports ``torch.distributed`` for the store's client, and only when a launcher
-connects: single-node launching stays free of torch (docs/architecture.md).
+This module imports ``torch.distributed`` for the store's client (``launching.store_client``), and
+only when a launcher connects: single-node launching stays free of torch (docs/architecture.md).
+Every wait here also ends, with ``GaveUpWaiting``, when the launcher's ``give_up`` gives a reason
+(a stop signal, the store host gone).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
+
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination"]
 
 # How long a launcher waits for node 0's store to answer one request once connected: a node 0
@@ -44,9 +50,6 @@ _REQUEST_TIMEOUT = timedelta(seconds=30)
 # How long a launcher waits for node 0's store to come up at the start: the nodes of a job are
 # rarely started at the same second (torchrun's rendezvous waits 600 s by default too).
 _CONNECT_TIMEOUT = timedelta(minutes=10)
-# While waiting for it, how often the launcher looks up from the store's client to ask whether its
-# own workers are still worth the wait (the client cannot be interrupted).
-_CONNECT_TRY_SECONDS = 2.0
 _POLL_SECONDS = 0.02
 
 
@@ -71,8 +74,9 @@ class NodeCoordination:
     """One launcher's side of the agreement between the launchers of a multi-node job."""
 
     def __init__(self, store: Any, node_rank: int, nnodes: int, address: str, port: int,
-                 hosts_store: bool | None = None) -> None:
+                 hosts_store: bool | None = None, give_up: GiveUp = never_give_up) -> None:
         self._store = store
+        self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.node_rank = node_rank
         self.nnodes = nnodes
         self._where = f"{address}:{port}"
@@ -83,35 +87,41 @@ class NodeCoordination:
 
     @classmethod
     def connect(cls, address: str, port: int, node_rank: int, nnodes: int,
-                workers_failed: Callable[[], str | None] = lambda: None) -> NodeCoordination:
-        """Reach the job's store on node 0, waiting for it to come up (up to 10 minutes) while
-        ``workers_failed`` returns None. The workers start before this: when they fail meanwhile
-        (it describes how), the store is not awaited any longer. Node 0's launcher may have
-        ended after its workers met this node's, and a store that is gone never comes up."""
-        import torch.distributed as dist
+                workers_failed: Callable[[], str | None] = never_give_up,
+                workers_ended: Callable[[], bool] = lambda: False,
+                give_up: GiveUp = never_give_up) -> NodeCoordination:
+        """Reach the job's store on node 0, waiting for it to come up (up to 10 minutes). The
+        workers start before this: when they fail meanwhile (``workers_failed`` describes how)
+        the store is not awaited any longer (``NodeContactLostError``): node 0's launcher may
+        have ended after its workers met this node's, and a store that is gone never comes up.
+        When they all ended without a failure (``workers_ended``), or ``give_up`` gives a reason
+        (a stop signal), the wait ends with ``GaveUpWaiting``; ``give_up`` is also what
+        ``finish`` and ``meet`` ask while they wait."""
+        failure: list[str] = []
 
-        deadline = time.monotonic() + _CONNECT_TIMEOUT.total_seconds()
-        while True:
-            try_seconds = max(0.1, min(_CONNECT_TRY_SECONDS, deadline - time.monotonic()))
-            try:
-                store = dist.TCPStore(address, port, is_master=False,  # type: ignore[attr-defined]
-                                      timeout=timedelta(seconds=try_seconds), wait_for_workers=False)
-                break
-            except Exception as error:  # torch raises DistStoreError, RuntimeError or OSError, by cause
-                failure = workers_failed()
-                if failure is not None:
-                    raise NodeContactLostError(
-                        f"node {node_rank}'s launcher lost contact with the job's store at {address}:{port} before "
-                        f"it could join it ({error}), and meanwhile {failure}: the launcher that hosts the store "
-                        "(node 0's) ended or its host is unreachable. Its output says why.") from None
-                if time.monotonic() >= deadline:
-                    raise NodeContactLostError(
-                        f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted "
-                        f"by the launcher of node 0) within {_CONNECT_TIMEOUT.total_seconds():g} s: {error}. Start "
-                        "`ddpkit run --node-rank 0` with the same --master-addr and --master-port, and check that "
-                        "this host can reach it.") from None
+        def stop_waiting() -> str | None:
+            if (failed := workers_failed()) is not None:
+                failure.append(failed)
+                return failed
+            return "every worker of this node ended" if workers_ended() else give_up()
+
+        try:
+            store = connect(address, port, _CONNECT_TIMEOUT.total_seconds(), stop_waiting)
+        except GaveUpWaiting:
+            if not failure:
+                raise
+            raise NodeContactLostError(
+                f"node {node_rank}'s launcher could not reach the job's store at {address}:{port}, and meanwhile "
+                f"{failure[0]}: the launcher that hosts the store (node 0's) ended or its host is unreachable. Its "
+                "output says why.") from None
+        except StoreUnreachableError as error:
+            raise NodeContactLostError(
+                f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted by the "
+                f"launcher of node 0) within {_CONNECT_TIMEOUT.total_seconds():g} s: {error}. Start "
+                "`ddpkit run --node-rank 0` with the same --master-addr and --master-port, and check that this host "
+                "can reach it.") from None
         store.set_timeout(_REQUEST_TIMEOUT)
-        return cls(store, node_rank, nnodes, address, port)
+        return cls(store, node_rank, nnodes, address, port, give_up=give_up)
 
     def _key(self, name: str, attempt: int | None = None) -> str:
         return f"ddpkit/launchers/attempt/{self.attempt if attempt is None else attempt}/{name}"
@@ -137,8 +147,9 @@ class NodeCoordination:
         self._call("set", self._key("stop"), f"node {self.node_rank}'s launcher {reason}")
 
     def ended_elsewhere(self) -> bool:
-        """Whether another node's launcher announced a failure or a stop in the current attempt."""
-        return self._has("failed") or self._has("stop")
+        """Whether another node's launcher announced a failure or a stop in the current attempt, or
+        left the job (it ended without a word: its workers are gone, and this node's would wait)."""
+        return self._has("failed") or self._has("stop") or int(self._call("add", "ddpkit/launchers/left", 0)) > 0
 
     def stop_reason(self, attempt: int | None = None) -> str | None:
         """Why another launcher stopped the job (no restart), when one did."""
@@ -176,22 +187,27 @@ class NodeCoordination:
         """Count this node's workers as done and wait until every node's are (True), or another
         launcher announces a failure or a stop in this attempt (False)."""
         self._call("add", self._key("succeeded"), 1)
-        while int(self._call("add", self._key("succeeded"), 0)) < self.nnodes:
-            if self.ended_elsewhere():
+        while (succeeded := int(self._call("add", self._key("succeeded"), 0))) < self.nnodes:
+            # A node that finished too may leave between the two reads: its success counts first.
+            if self.ended_elsewhere() and int(self._call("add", self._key("succeeded"), 0)) == succeeded:
                 return False
+            self._check_give_up()
             time.sleep(poll)
         return True
 
-    def meet(self, attempt: int, timeout_seconds: float) -> None:
+    def meet(self, attempt: int, timeout_seconds: float, open_attempt: Callable[[], object] | None = None) -> None:
         """Wait until every node's launcher is ready to start ``attempt`` (a restart), then make it
-        the current one. Raises ``TimeoutError`` naming the nodes that did not come."""
+        the current one. Raises ``TimeoutError`` naming the nodes that did not come.
+
+        The launcher that hosts the store then runs ``open_attempt`` (it clears the workers' keys
+        of the attempts before: a plain torch script's ``env://`` connection keeps no keys per
+        attempt) and says the attempt is open; the others wait for that before they start workers."""
         self._call("set", self._key(f"arrived/{self.node_rank}", attempt), "1")
         deadline = time.monotonic() + timeout_seconds
         while True:
             missing = [node for node in range(self.nnodes) if not self._has(f"arrived/{node}", attempt)]
             if not missing:
-                self.attempt = attempt
-                return
+                break
             stopped = self.stop_reason(attempt - 1)
             ended = [node for node in missing if self._call("check", [f"ddpkit/launchers/left/{node}"])]
             if stopped is not None or ended or time.monotonic() > deadline:
@@ -201,7 +217,23 @@ class NodeCoordination:
                     f"restart {attempt}: the launchers of node(s) {', '.join(map(str, missing))} did not come back "
                     f"{why}; every node's `ddpkit run` needs the same --nnodes and --max-restarts, and their output "
                     "says why they ended.")
+            self._check_give_up()
             time.sleep(_POLL_SECONDS)
+        if self.hosts_store:
+            if open_attempt is not None:
+                open_attempt()
+            self._call("set", self._key("open", attempt), "1")
+        while not self._has("open", attempt):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"restart {attempt}: the launcher that hosts the job's store did not open it within "
+                                   f"{timeout_seconds:g} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS); its output says why.")
+            self._check_give_up()
+            time.sleep(_POLL_SECONDS)
+        self.attempt = attempt
+
+    def _check_give_up(self) -> None:
+        if (reason := self._give_up()) is not None:
+            raise GaveUpWaiting(reason)
 
     def leave(self, wait_seconds: float) -> None:
         """Count this launcher out; the one that hosts the store waits for the others first, up to

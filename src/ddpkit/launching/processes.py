@@ -38,8 +38,9 @@ SPARE = "--spare"
 
 __all__ = ["READY_FILE_VARIABLE", "WorkerProcess", "WorkerProcesses", "describe_exit"]
 
-#: Where a process that replaced a lost rank (in-place recovery) writes once it holds the
-#: survivors' state and the group is whole again: the launcher's sign that the recovery is over.
+#: Where a worker under in-place recovery writes once ``DDPStrategy.setup`` attached it to the
+#: recovery: the launcher's sign that the rank can take part in one and, from a process that
+#: replaced a lost rank, that it holds the survivors' state (the recovery is over).
 READY_FILE_VARIABLE = "DDPKIT_READY_FILE"
 
 # How long workers get to write their stacks after SIGUSR1.

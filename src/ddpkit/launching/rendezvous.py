@@ -13,7 +13,8 @@ address and port are the endpoint's, and whose store is the launchers' (the work
 one key prefix per attempt, as under restarts across nodes: ``launching.nodes``); node ranks stay
 the same across restarts.
 
-``torch.distributed`` (the store's client) is imported only here, and only with ``c10d``.
+``torch.distributed`` (the store's client, ``launching.store_client``) is imported only here, and
+only with ``c10d``. A stop signal or the store host's end ends the waits within seconds (``give_up``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
 from ddpkit.logs import get_logger
 
 __all__ = ["DEFAULT_PORT", "Endpoint", "RendezvousError", "RendezvousSettings", "claim_endpoint", "join", "parse_endpoint",
@@ -122,15 +124,14 @@ def _keys(name: str) -> str:
     return f"ddpkit/rendezvous/{name}"
 
 
-def join(endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float) -> tuple[int, Any]:
+def join(endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float,
+         give_up: GiveUp = never_give_up) -> tuple[int, Any]:
     """Join the rendezvous ``run_id`` at ``endpoint`` and wait for all ``nnodes`` launchers: this
-    node's rank (the order of arrival) and the store's client (kept for ``launching.nodes``)."""
-    import torch.distributed as dist
-
+    node's rank (the order of arrival) and the store's client (kept for ``launching.nodes``).
+    ``give_up`` ends the wait with ``GaveUpWaiting`` (a stop signal, the store host gone)."""
     try:
-        store = dist.TCPStore(endpoint.host, endpoint.port, is_master=False,  # type: ignore[attr-defined]
-                              timeout=timedelta(seconds=join_timeout), wait_for_workers=False)
-    except Exception as error:  # torch raises DistStoreError, RuntimeError or OSError, by cause
+        store = connect(endpoint.host, endpoint.port, join_timeout, give_up)
+    except StoreUnreachableError as error:
         raise RendezvousError(
             f"could not reach the rendezvous store at {endpoint} within {join_timeout:g} s ({error}). The launcher "
             f"on the endpoint's host hosts it: start `ddpkit run` there with the same --rdzv-endpoint, and check that "
@@ -152,6 +153,8 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float) -> t
     deadline = time.monotonic() + join_timeout
     told = False
     while (count := int(store.add(_keys("arrived"), 0))) < nnodes:
+        if (reason := give_up()) is not None:
+            raise GaveUpWaiting(reason)
         if time.monotonic() > deadline:
             raise RendezvousError(
                 f"rendezvous {run_id!r} at {endpoint}: {count} of --nnodes={nnodes} launchers arrived within "

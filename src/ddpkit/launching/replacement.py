@@ -9,6 +9,10 @@ can take over:
   exception, and at least one worker lives to hand on the state: their peers can go on once
   they are replaced. A worker whose script raised would most likely raise again: that failure
   goes the usual way (the job ends, or restarts with ``--max-restarts``);
+- every surviving worker has said that it can take part in a recovery: its ``DDPStrategy``
+  set up with in-place recovery and wrote its ready file (``ready_file``). A script that trains
+  without it (a plain torch script, say) cannot re-form its group with a replacement: its loss is
+  a failure like any other, and the launcher says so;
 - no recovery is under way (a failure during one ends the job: its state transfer cannot be
   trusted), the budget (``--max-restarts``, shared with full restarts) is not spent, and the
   spare is alive.
@@ -34,7 +38,7 @@ from ddpkit.environments import DDPKIT_GENERATION, RECOVERY_TIMEOUT_SECONDS, REC
 from ddpkit.launching.processes import READY_FILE_VARIABLE, WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 
-__all__ = ["Replacements", "recovery_timeout_seconds"]
+__all__ = ["Replacements", "ready_file", "recovery_timeout_seconds"]
 
 _log = get_logger("launching")
 
@@ -43,8 +47,16 @@ _log = get_logger("launching")
 _MARGIN_SECONDS = 5.0
 
 
+def ready_file(folder: str, generation: int, rank: int) -> str:
+    """The file the worker of ``rank`` in ``generation`` writes once it can take part in a recovery
+    (``READY_FILE_VARIABLE``): generation 0's workers at the end of ``DDPStrategy.setup``, a
+    replacement once it holds the survivors' state."""
+    return os.path.join(folder, f"ready{generation}.{rank}")
+
+
 class Replacements:
-    """Warm spares and in-place replacements for one start of a node's workers."""
+    """Warm spares and in-place replacements for one start of a node's workers (each started with
+    its ``ready_file`` of generation 0)."""
 
     def __init__(self, workers: WorkerProcesses, command: Sequence[str], environment: Mapping[str, str],
                  rank_variables: Callable[..., dict[str, str]], budget: int) -> None:
@@ -55,6 +67,8 @@ class Replacements:
         self.generation = 0
         self._pending: _Recovery | None = None
         self._timeout = recovery_timeout_seconds() + _MARGIN_SECONDS
+        # The ready file of the worker that holds each rank now (a replacement's is of its generation).
+        self._ready_files = {worker.rank: ready_file(workers.folder, 0, worker.rank) for worker in workers.workers}
         self._spare = workers.start_spare(self._command, self._environment)
 
     def replace(self, failed: Sequence[WorkerProcess]) -> bool:
@@ -67,19 +81,30 @@ class Replacements:
         codes = [lost.process.poll() for lost in failed]
         if any(code is None or code >= 0 for code in codes) or any(os.path.exists(lost.error_file) for lost in failed):
             return False
+        unready = [worker for worker in self._workers.workers
+                   if worker not in failed and not os.path.exists(self._ready_files[worker.rank])]
+        if unready:
+            _log.warning(
+                f"ddpkit run: {', '.join(map(str, failed))} {describe_exit(codes[0])} and cannot be replaced in place: "
+                f"{', '.join(f'rank {worker.rank}' for worker in unready)} did not set up in-place recovery. A script "
+                "recovers in place when it trains with DDPStrategy: setup(model, optimizer) under `ddpkit run --recovery "
+                "in-place`, and each step inside `with strategy.step():` (examples/train.py); a plain torch.distributed "
+                "script does not. The loss ends every worker instead (restarted while --max-restarts allows).")
+            return False
         self.used += 1
         self.generation += 1
         started: list[tuple[WorkerProcess, str]] = []
         for number, lost in enumerate(failed):
             spare = self._spare if number == 0 else self._workers.start_spare(self._command, self._environment)
-            ready_file = os.path.join(self._workers.folder, f"ready{self.generation}.{lost.rank}")
+            ready = ready_file(self._workers.folder, self.generation, lost.rank)
+            self._ready_files[lost.rank] = ready
             variables = {**self._rank_variables(lost.local_rank), DDPKIT_GENERATION: str(self.generation),
-                         READY_FILE_VARIABLE: ready_file}
+                         READY_FILE_VARIABLE: ready}
             self._workers.replace(lost, spare, variables)
             how = "the spare" if number == 0 else "a new process (not warm: it imports torch first)"
             _log.warning(f"ddpkit run: {lost} {describe_exit(codes[number])}; {how} (pid {spare.process.pid}) takes "
                          f"over its rank in place (recovery {self.used} of {self.budget}; the other ranks keep running)")
-            started.append((spare, ready_file))
+            started.append((spare, ready))
         now = time.monotonic()
         self._pending = _Recovery(started, now, now + self._timeout)
         self._spare = self._workers.start_spare(self._command, self._environment)  # the next one warms up
@@ -95,7 +120,7 @@ class Replacements:
         pending = self._pending
         if pending is None:
             return None
-        if all(os.path.exists(ready_file) for _, ready_file in pending.replacements):
+        if all(os.path.exists(path) for _, path in pending.replacements):
             several = len(pending.replacements) > 1
             _log.warning(f"ddpkit run: the replacement{'s' if several else ''} of rank {pending.ranks()} "
                          f"hold{'' if several else 's'} the survivors' state: recovered in place "

@@ -1,4 +1,5 @@
-"""The store a launcher hosts for its job: ``python -m ddpkit.launching.store_host ADDRESS PORT``.
+"""The store a launcher hosts for its job: the process (``python -m ddpkit.launching.store_host
+ADDRESS PORT``) and the launcher's handle on it (``StoreHost``).
 
 ``ddpkit run --recovery in-place`` starts this process beside the workers so that the store (a
 ``torch.distributed.TCPStore``) outlives any one of them: without it, the store lives in rank 0,
@@ -6,19 +7,140 @@ and losing rank 0 would lose the group's only meeting point. With ``--nnodes N -
 node 0's launcher starts it, and the launchers of every node agree on restarts through it
 (``launching.nodes``). It is a process of its own so that the launcher need not import torch
 to host it (see docs/architecture.md; torchrun's agent hosts it itself). Under torchrun's c10d
-rendezvous the launcher on the endpoint's host hands it the socket it bound (``--listen-fd``). It
-dies with the launcher (``PR_SET_PDEATHSIG``) and otherwise sleeps.
+rendezvous the launcher on the endpoint's host hands it the socket it bound (``--listen-fd``).
+
+The workers are its clients: ddpkit's connection keeps its keys under a prefix per attempt, and a
+plain torch script's ``env://`` does too once told so (``TORCHELASTIC_USE_AGENT_STORE=True``, as
+torchrun's agent tells it) but keeps no keys per attempt. So before the workers start again the
+launcher has the host delete every key but the launchers' own (``StoreHost.clear_worker_keys``):
+a restarted rank never reads a peer's address from the attempt before.
+
+The process reads one command per line on its standard input (``clear``: answered on its
+standard output with ``cleared N``) and ends when that pipe closes, on SIGTERM, or with the
+launcher (``PR_SET_PDEATHSIG``). Its standard error goes to a file, whose last line names the
+cause when it ends early (``StoreHost.failure``: a port taken, say).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import signal
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import IO, Any
 
-from ddpkit.launching.worker import die_with_launcher
+from ddpkit.launching.processes import describe_exit
 
-__all__ = ["main"]
+__all__ = ["LAUNCHER_KEY_PREFIXES", "StoreHost", "StoreHostError", "main"]
+
+#: Keys that belong to the launchers (``launching.nodes``, ``launching.rendezvous``) and outlive attempts.
+LAUNCHER_KEY_PREFIXES = ("ddpkit/launchers/", "ddpkit/rendezvous/")
+
+_CLEAR = "clear"
+# How long the launcher waits for the host to clear the keys; a host that takes longer is stuck.
+_CLEAR_TIMEOUT_SECONDS = 30.0
+
+
+class StoreHostError(RuntimeError):
+    """The store host ended, or did not answer the launcher."""
+
+
+class StoreHost:
+    """The launcher's handle on the process that keeps the job's store at ``address:port``."""
+
+    def __init__(self, address: str, port: int, environment: Mapping[str, str], listen_fd: int | None = None) -> None:
+        """Start the process (on the listening socket ``listen_fd`` when given, which it inherits)."""
+        self.where = f"{address}:{port}"
+        self._errors = tempfile.NamedTemporaryFile(prefix="ddpkit-store-host-", suffix=".log", delete=False)
+        handed = [] if listen_fd is None else ["--listen-fd", str(listen_fd)]
+        quiet = {} if "TORCH_CPP_LOG_LEVEL" in environment else {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "ddpkit.launching.store_host", address, str(port), *handed],
+            env={**environment, **quiet, "DDPKIT_LAUNCHER_PID": str(os.getpid())}, start_new_session=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors,
+            pass_fds=[] if listen_fd is None else [listen_fd])
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def failure(self) -> str | None:
+        """None while the process runs; once it ended, what ended it, for the job's summary."""
+        code = self._process.poll()
+        if code is None:
+            return None
+        last = _last_line(self._errors.name)
+        return (f"the job's store host (pid {self._process.pid}, {self.where}) {describe_exit(code)}"
+                + (f": {last}" if last else "") + ". Every worker reaches its peers through it, so the job ends.")
+
+    def clear_worker_keys(self) -> int:
+        """Delete every key but the launchers' (``LAUNCHER_KEY_PREFIXES``) before the workers start
+        again; the number deleted. Raises ``StoreHostError`` when the host ended or does not answer."""
+        stdin, stdout = self._process.stdin, self._process.stdout
+        if stdin is None or stdout is None:  # made by __init__: a pipe each
+            raise StoreHostError("the store host has no command pipe")
+        try:
+            stdin.write(f"{_CLEAR}\n".encode())
+            stdin.flush()
+            answer = _read_line(stdout, _CLEAR_TIMEOUT_SECONDS)
+        except OSError:
+            answer = ""
+        if not answer.startswith("cleared "):
+            raise StoreHostError(self.failure() or f"the job's store host (pid {self._process.pid}, {self.where}) did "
+                                 f"not clear the workers' keys within {_CLEAR_TIMEOUT_SECONDS:g} s.")
+        return int(answer.split()[1])
+
+    def stop(self) -> None:
+        """End the process (it keeps nothing worth a graceful end) and forget its error file."""
+        with contextlib.suppress(ProcessLookupError):
+            self._process.kill()
+        self._process.wait()
+        for pipe in (self._process.stdin, self._process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        self._errors.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._errors.name)
+
+
+def _read_line(stream: IO[bytes], timeout: float) -> str:
+    """One line from ``stream`` within ``timeout`` seconds ("" when none came)."""
+    deadline = time.monotonic() + timeout
+    line = b""
+    while not line.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([stream], [], [], remaining)[0]:
+            return ""
+        chunk = os.read(stream.fileno(), 1)
+        if not chunk:
+            return ""
+        line += chunk
+    return line.decode().strip()
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = [line.strip() for line in handle if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def clear_worker_keys(store: Any) -> int:
+    """Delete every key of ``store`` but the launchers'; the number deleted."""
+    deleted = 0
+    for key in store.list_keys():
+        if not key.startswith(LAUNCHER_KEY_PREFIXES) and store.delete_key(key):
+            deleted += 1
+    return deleted
 
 
 def main(argv: list[str]) -> None:
@@ -27,6 +149,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m ddpkit.launching.store_host ADDRESS PORT [--listen-fd FD]")
     # With --listen-fd, the launcher's socket, bound and listening already (``launching.rendezvous``).
     listen_fd = int(argv[3]) if handed else None
+    from ddpkit.launching.worker import die_with_launcher  # imports torch: only in this process, not the launcher
+
     die_with_launcher()
     import torch.distributed as dist
 
@@ -34,8 +158,9 @@ def main(argv: list[str]) -> None:
     store = dist.TCPStore(argv[0], int(argv[1]), is_master=True, timeout=timedelta(minutes=10),  # type: ignore[attr-defined]
                           wait_for_workers=False, master_listen_fd=listen_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while store is not None:
-        signal.pause()
+    for line in sys.stdin:  # the launcher's commands; the pipe closes when the launcher ends
+        if line.strip() == _CLEAR:
+            print(f"cleared {clear_worker_keys(store)}", flush=True)
 
 
 if __name__ == "__main__":
