@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from job_processes import job_marker, processes_of_job
 
 from ddpkit.environments import find_free_port
 
@@ -59,10 +60,6 @@ IN_PLACE = textwrap.dedent(
 )
 
 
-def marker() -> dict[str, str]:
-    return {"DDPKIT_TEST_JOB_MARKER": f"stuck-{time.monotonic_ns()}"}
-
-
 def launch(folder: Path, *arguments: str, log: str = "launcher", **variables: str) -> subprocess.Popen[bytes]:
     """``ddpkit run arguments`` with its output in ``folder/<log>.out`` and ``.err``."""
     with open(folder / f"{log}.out", "wb") as out, open(folder / f"{log}.err", "wb") as err:
@@ -91,28 +88,6 @@ def stopped_within(launcher: subprocess.Popen[bytes], sig: int, seconds: float) 
     return code
 
 
-def left_behind(job: dict[str, str], wait_seconds: float = 5.0) -> list[int]:
-    """Processes of the job (its marker in their environment) still alive after up to ``wait_seconds``."""
-    (name, value), = job.items()
-    needle = f"{name}={value}".encode()
-    deadline = time.monotonic() + wait_seconds
-    while True:
-        alive = []
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as environ:
-                    found = needle in environ.read()
-                with open(f"/proc/{entry}/stat") as stat:
-                    running = stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
-            except OSError:
-                continue
-            if found and running:
-                alive.append(int(entry))
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
 def store_host_pid(job: dict[str, str]) -> int:
     (name, value), = job.items()
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -135,19 +110,19 @@ def folder(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_ends_a_launcher_waiting_at_the_rendezvous(folder: Path, sig: int, code: int) -> None:
     """The other node never comes; the launcher (which hosts the endpoint) ends at once."""
-    job = marker()
+    job = job_marker("stuck")
     launcher = launch(folder, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                       f"127.0.0.1:{find_free_port()}", "--rdzv-id", "alone", "waits.py", **job)
     wait_until(lambda: b"waiting for 1 more node" in (folder / "launcher.err").read_bytes(), 30, "at the rendezvous")
     assert stopped_within(launcher, sig, 5.0) == code
     err = (folder / "launcher.err").read_text()
     assert f"received {signal.Signals(sig).name} while waiting on the job's store" in err, err
-    assert left_behind(job) == []
+    assert processes_of_job(job, wait_seconds=5.0) == []
 
 
 def test_a_signal_ends_a_launcher_connecting_to_node_0s_store_and_torchs_retries_stay_quiet(folder: Path) -> None:
     """Node 1 started alone, with restarts: its workers run while it waits for node 0's store."""
-    job = marker()
+    job = job_marker("stuck")
     launcher = launch(folder, "--nnodes", "2", "--node-rank", "1", "--master-port", str(find_free_port()),
                       "--max-restarts", "1", "waits.py", **job)
     wait_until(lambda: (folder / "started1.0").exists(), 30, "node 1's worker started")
@@ -157,24 +132,24 @@ def test_a_signal_ends_a_launcher_connecting_to_node_0s_store_and_torchs_retries
     assert "stopped waiting for the job's store" in err and "received SIGINT" in err, err
     for trace in ("frame #", "TCPStore.cpp", "socket.cpp", "Exception raised from"):
         assert trace not in err, err
-    assert left_behind(job) == []
+    assert processes_of_job(job, wait_seconds=5.0) == []
 
 
 def test_workers_that_all_finished_are_a_finished_job_without_node_0s_store(folder: Path) -> None:
-    job = marker()
+    job = job_marker("stuck")
     launcher = launch(folder, "--nnodes", "2", "--node-rank", "1", "--master-port", str(find_free_port()),
                       "--max-restarts", "1", "waits.py", STOP_AFTER="0", **job)
     start = time.monotonic()
     code = launcher.wait(timeout=60)
     assert code == 0 and time.monotonic() - start < 20, (folder / "launcher.err").read_text()
     assert "every worker of this node ended" in (folder / "launcher.err").read_text()
-    assert left_behind(job) == []
+    assert processes_of_job(job, wait_seconds=5.0) == []
 
 
 def test_a_signal_ends_a_launcher_waiting_for_another_node_to_restart(folder: Path) -> None:
     """Node 1's launcher is frozen (SIGSTOP); node 0's worker fails and its launcher waits for
     node 1 to meet for the restart."""
-    job = marker()
+    job = job_marker("stuck")
     port = str(find_free_port())
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--max-restarts", "1"]
     node0 = launch(folder, *common, "--node-rank", "0", "waits.py", log="node0", FAIL_RANK="0",
@@ -191,22 +166,22 @@ def test_a_signal_ends_a_launcher_waiting_for_another_node_to_restart(folder: Pa
         node1.kill()
         node1.wait()
     assert not (folder / "started0.1").exists()
-    assert left_behind(job) == []
+    assert processes_of_job(job, wait_seconds=5.0) == []
 
 
 def test_a_signal_ends_a_launcher_while_a_rank_is_being_replaced_in_place(folder: Path) -> None:
-    job = marker()
+    job = job_marker("stuck")
     launcher = launch(folder, "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "1", "in_place.py",
                       SLOW_REPLACEMENT="60", **job)
     wait_until(lambda: (folder / "replacement").exists(), 60, "the replacement runs the script")
     assert stopped_within(launcher, signal.SIGTERM, 8.0) in (143, 75)
-    assert left_behind(job) == []
+    assert processes_of_job(job, wait_seconds=5.0) == []
 
 
 def test_a_store_host_that_cannot_start_ends_the_job_at_once_naming_it(folder: Path) -> None:
     """Another process listens on the port at another loopback address: the launcher's check of
     127.0.0.1 passes, the store host's bind on every interface does not."""
-    job = marker()
+    job = job_marker("stuck")
     with socket.socket() as taken:
         taken.bind(("127.0.0.2", 0))
         taken.listen()
@@ -219,11 +194,11 @@ def test_a_store_host_that_cannot_start_ends_the_job_at_once_naming_it(folder: P
     assert code == 1 and time.monotonic() - start < 20, err
     assert "the job's store host" in err and "EADDRINUSE" in err, err
     assert "no restart without the job's store" in err, err
-    assert left_behind(job) == []
+    assert processes_of_job(job, wait_seconds=5.0) == []
 
 
 def test_a_store_host_that_dies_ends_the_job_at_once_naming_it(folder: Path) -> None:
-    job = marker()
+    job = job_marker("stuck")
     launcher = launch(folder, "--nproc-per-node", "2", "--recovery", "in-place", "--max-restarts", "1", "waits.py",
                       **job)
     wait_until(lambda: (folder / "started0.0").exists() and (folder / "started1.0").exists(), 30, "workers started")
@@ -233,4 +208,4 @@ def test_a_store_host_that_dies_ends_the_job_at_once_naming_it(folder: Path) -> 
     err = (folder / "launcher.err").read_text()
     assert code == 1 and time.monotonic() - start < 10, err
     assert "the job's store host" in err and "was killed by signal SIGKILL" in err, err
-    assert left_behind(job) == []
+    assert processes_of_job(job, wait_seconds=5.0) == []

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from job_processes import job_marker, processes_of_job
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 KINDS = {"plain": "plain", "ddpkit": "with_ddpkit", "lightning": "with_lightning", "accelerate": "with_accelerate"}
@@ -80,8 +81,8 @@ def run_cell(launcher: str, mode: Mode, kind: str, folder: Path, port: int, npro
     cell = folder / launcher.replace(" ", "-")
     shutil.copytree(JOBS, cell / "jobs", ignore=shutil.ignore_patterns("__pycache__"))
     address = namespaces[0][1] if namespaces else "127.0.0.1"
-    marker = f"cell-{time.monotonic_ns()}"
-    environment = {**os.environ, "DDPKIT_TEST_JOB_MARKER": marker, "PYTHONUNBUFFERED": "1"}
+    marker = job_marker("cell")
+    environment = {**os.environ, **marker, "PYTHONUNBUFFERED": "1"}
     if mode.kill_rank is not None:
         environment["KILL_RANK"] = str(mode.kill_rank)
     script = {"script": [f"jobs/{KINDS[kind]}.py"], "module": ["-m", f"jobs.{KINDS[kind]}"],
@@ -105,25 +106,7 @@ def run_cell(launcher: str, mode: Mode, kind: str, folder: Path, port: int, npro
             process.wait()
     final = torch.load(cell / "final.pt") if (cell / "final.pt").exists() else None
     return Run([process.returncode for process in launchers], "".join(out for out, _ in outputs),
-               "".join(err for _, err in outputs), final, _processes_marked(marker, wait_seconds=5.0))
-
-
-def _processes_marked(marker: str, wait_seconds: float) -> list[int]:
-    """Processes still alive (after up to ``wait_seconds``) whose environment carries ``marker``."""
-    needle = f"DDPKIT_TEST_JOB_MARKER={marker}".encode()
-    deadline = time.monotonic() + wait_seconds
-    while True:
-        left = []
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as environ:
-                    if needle in environ.read():
-                        left.append(int(entry))
-            except OSError:
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+               "".join(err for _, err in outputs), final, processes_of_job(marker, wait_seconds=5.0))
 
 
 def largest_difference(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:

@@ -49,28 +49,6 @@ def trained_as_one_world_of(processes: int, output: str) -> None:
     assert float(found.group(3)) < 1e-5, output[-3000:]
 
 
-def job_marker() -> dict[str, str]:
-    """A variable to put in one job's environment, to find its processes afterwards."""
-    return {"DDPKIT_TEST_JOB_MARKER": str(time.monotonic_ns())}
-
-
-def processes_of_job(marker: dict[str, str]) -> list[int]:
-    """Processes still alive whose environment carries ``marker`` (set for one job only)."""
-    (name, value), = marker.items()
-    needle = f"{name}={value}".encode()
-    left = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as environ:
-                if needle in environ.read():
-                    left.append(int(entry))
-        except OSError:
-            continue
-    return left
-
-
 @dataclass
 class BatchJob:
     job_id: str

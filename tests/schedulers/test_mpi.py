@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from job_processes import job_marker, processes_of_job
 
-from .clusters import EXAMPLE, MPI, REPOSITORY, chosen_mpi, job_marker, processes_of_job, trained_as_one_world_of
+from .clusters import EXAMPLE, MPI, REPOSITORY, chosen_mpi, trained_as_one_world_of
 
 MPI_EXAMPLE = REPOSITORY / "examples" / "mpi" / "train.sh"
 

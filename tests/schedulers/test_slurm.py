@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
+from job_processes import job_marker, processes_of_job
 
-from .clusters import EXAMPLE, REPOSITORY, SlurmCluster, job_marker, processes_of_job, trained_as_one_world_of
+from .clusters import EXAMPLE, REPOSITORY, SlurmCluster, trained_as_one_world_of
 
 TRAIN = ["python", str(EXAMPLE), "--epochs", "1", "--samples", "512"]
 SBATCH_EXAMPLE = REPOSITORY / "examples" / "slurm" / "train.sbatch"
