@@ -85,13 +85,16 @@ class StoreHost:
         stdin, stdout = self._process.stdin, self._process.stdout
         if stdin is None or stdout is None:  # made by __init__: a pipe each
             raise StoreHostError("the store host has no command pipe")
+        deadline = time.monotonic() + _CLEAR_TIMEOUT_SECONDS
+        answer: str | None = ""
         try:
             stdin.write(f"{_CLEAR}\n".encode())
             stdin.flush()
-            answer = _read_line(stdout, _CLEAR_TIMEOUT_SECONDS)
+            while answer is not None and not answer.startswith("cleared "):  # other lines (torch's) are passed over
+                answer = _read_line(stdout, deadline - time.monotonic())
         except OSError:
-            answer = ""
-        if not answer.startswith("cleared "):
+            answer = None
+        if answer is None:
             raise StoreHostError(self.failure() or f"the job's store host (pid {self._process.pid}, {self.where}) did "
                                  f"not clear the workers' keys within {_CLEAR_TIMEOUT_SECONDS:g} s.")
         return int(answer.split()[1])
@@ -110,19 +113,19 @@ class StoreHost:
             os.remove(self._errors.name)
 
 
-def _read_line(stream: IO[bytes], timeout: float) -> str:
-    """One line from ``stream`` within ``timeout`` seconds ("" when none came)."""
+def _read_line(stream: IO[bytes], timeout: float) -> str | None:
+    """One line from ``stream`` within ``timeout`` seconds (None when none came, or the pipe closed)."""
     deadline = time.monotonic() + timeout
     line = b""
     while not line.endswith(b"\n"):
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not select.select([stream], [], [], remaining)[0]:
-            return ""
+            return None
         chunk = os.read(stream.fileno(), 1)
         if not chunk:
-            return ""
+            return None
         line += chunk
-    return line.decode().strip()
+    return line.decode(errors="replace").strip()
 
 
 def _last_line(path: str) -> str:
