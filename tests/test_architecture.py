@@ -45,7 +45,8 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
 
 
 @pytest.mark.parametrize(("part", "forbidden"), [
-    ("diagnostics/", ("ddpkit.",)),  # imports nothing else of ddpkit but the loggers
+    ("diagnostics/", ("ddpkit.",)),  # imports nothing else of ddpkit but the loggers and the variables
+    ("variables.py", ("ddpkit.",)),  # names only: every part may import it
     ("environments/", ("ddpkit.connection", "ddpkit.collectives", "ddpkit.parallel", "ddpkit.strategy",
                        "ddpkit.launching", "ddpkit.diagnostics")),
     ("hooks/", ("ddpkit.parallel", "ddpkit.strategy")),
@@ -65,9 +66,23 @@ def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) ->
             continue
         own_part = "ddpkit." + part.rstrip("/").removesuffix(".py").replace("/", ".")
         for imported in imported_ddpkit_modules(module):
-            if imported.startswith(own_part) or imported == "ddpkit.logs":  # every part may log
+            if imported.startswith(own_part) or imported in ("ddpkit.logs", "ddpkit.variables"):  # every part may
                 continue
             assert not imported.startswith(forbidden), f"{module} imports {imported}"
+
+
+def test_every_ddpkit_variable_is_spelled_in_one_module() -> None:
+    """``DDPKIT_*`` names as string literals (messages too; docstrings aside) only in variables.py."""
+    spelled = []
+    for module in modules():
+        tree = ast.parse((PACKAGE / module).read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        spelled += [f"{module}:{node.lineno}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str) and "DDPKIT_" in node.value
+                    and id(node) not in docstrings and module != "variables.py"]
+    assert spelled == [], "spell them through ddpkit.variables"
 
 
 def test_collectives_and_connection_know_no_module() -> None:

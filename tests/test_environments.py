@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from ddpkit.environments import (
-    DDPKIT_LAUNCHED,
     ClusterEnvironment,
     KubeflowEnvironment,
     LocalEnvironment,
@@ -24,6 +23,7 @@ from ddpkit.environments import (
     environment_variables,
     expand_slurm_nodelist,
 )
+from ddpkit.variables import DDPKIT_LAUNCHED
 
 
 def summary(env: ClusterEnvironment) -> tuple:

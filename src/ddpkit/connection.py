@@ -34,7 +34,6 @@ from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
     IN_PLACE,
     RECOVERY_TIMEOUT_SECONDS,
-    RECOVERY_TIMEOUT_VARIABLE,
     ChoosesBackend,
     ClusterEnvironment,
     LocalEnvironment,
@@ -43,6 +42,7 @@ from ddpkit.environments import (
     check_place,
 )
 from ddpkit.logs import get_logger
+from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -102,7 +102,7 @@ def init_dist_connection(
     backend = torch_distributed_backend or chosen or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         source = ("torch_distributed_backend='nccl'" if torch_distributed_backend else
-                  "Backend 'nccl' (DDPKIT_BACKEND, from `ddpkit run --backend`)")
+                  f"Backend 'nccl' ({DDPKIT_BACKEND}, from `ddpkit run --backend`)")
         raise ValueError(f"{source} needs CUDA GPUs, and none is available to this process. Use 'gloo' on CPU.")
 
     if dist.is_initialized():
@@ -213,7 +213,7 @@ def _prefix(generation: int) -> str:
 
 def _meet(generation: int, size: int) -> None:
     """Count this rank in ``generation`` and wait until all ``size`` ranks are counted."""
-    seconds = seconds_setting(RECOVERY_TIMEOUT_VARIABLE, RECOVERY_TIMEOUT_SECONDS, "60")
+    seconds = seconds_setting(DDPKIT_RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_SECONDS, "60")
     key = f"{_prefix(generation)}arrived"
     arrived = _generations.base_store.add(key, 1)
     deadline = time.monotonic() + seconds
@@ -221,7 +221,7 @@ def _meet(generation: int, size: int) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"in-place recovery: only {arrived} of the {size} ranks arrived for generation {generation} of the "
-                f"group within {seconds:g} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS); the replacement of the lost rank did "
+                f"group within {seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}); the replacement of the lost rank did "
                 "not start, or another rank failed meanwhile. The launcher's output names the failures.")
         time.sleep(0.005)
         arrived = _generations.base_store.add(key, 0)

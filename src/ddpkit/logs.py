@@ -21,20 +21,18 @@ import logging
 import os
 import sys
 
-__all__ = ["LOG_LEVEL_VARIABLE", "PREFIXED_BY_LAUNCHER_VARIABLE", "get_logger"]
+from ddpkit.variables import DDPKIT_LOG_LEVEL, DDPKIT_STDERR_PREFIXED
 
-#: The environment variable that sets the level of ddpkit's messages.
-LOG_LEVEL_VARIABLE = "DDPKIT_LOG_LEVEL"
-#: Set to 1 by ``ddpkit run --tee`` for a worker whose stderr lines it prefixes with the rank
-#: itself (``launching.output``): the messages then carry no second prefix.
-PREFIXED_BY_LAUNCHER_VARIABLE = "DDPKIT_STDERR_PREFIXED"
+__all__ = ["get_logger"]
+
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class _RankPrefix(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        rank = None if os.environ.get(PREFIXED_BY_LAUNCHER_VARIABLE) == "1" else _rank()
+        # ``ddpkit run --tee`` prefixes this worker's stderr lines with the rank itself (``launching.output``).
+        rank = None if os.environ.get(DDPKIT_STDERR_PREFIXED) == "1" else _rank()
         return text if rank is None else "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
 
 
@@ -56,10 +54,10 @@ class _StandardErrorHandler(logging.Handler):
 
 
 def _level_from_environment() -> int:
-    value = os.environ.get(LOG_LEVEL_VARIABLE, "INFO").strip().upper()
+    value = os.environ.get(DDPKIT_LOG_LEVEL, "INFO").strip().upper()
     if value not in _LEVELS:
         raise ValueError(
-            f"{LOG_LEVEL_VARIABLE}={os.environ[LOG_LEVEL_VARIABLE]!r} is not a logging level. "
+            f"{DDPKIT_LOG_LEVEL}={os.environ[DDPKIT_LOG_LEVEL]!r} is not a logging level. "
             f"Use one of {', '.join(_LEVELS)}, or unset it for INFO."
         )
     return int(getattr(logging, value))

@@ -8,6 +8,9 @@ SIGTERM; srun, mpirun or Kubernetes send it to every process themselves. In each
 one decision taken at the same step everywhere (``ddpkit.agreement``), so that every rank saves
 and exits with ``PREEMPTED_EXIT_CODE``; run again, the script resumes from that checkpoint.
 
+The signal besides SIGTERM comes from DDPKIT_PREEMPTION_SIGNAL: ``ddpkit run --preemption-signal``
+sets it for the launcher and its workers alike, and a script started by srun or mpirun reads it too.
+
 This module imports no torch: the launcher uses it too.
 """
 
@@ -20,23 +23,20 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION_SIGNAL_VARIABLE", "SAME_NOTICE_SECONDS", "PreemptionNotice",
-           "parse_signal", "preemption_signals"]
+from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL
+
+__all__ = ["PREEMPTED_EXIT_CODE", "SAME_NOTICE_SECONDS", "PreemptionNotice", "parse_signal", "preemption_signals"]
 
 # sysexits.h's EX_TEMPFAIL, "a temporary failure; the user is invited to retry": the job saved
 # its work and stopped because the machines were taken back, not because anything broke.
 PREEMPTED_EXIT_CODE = 75
-
-# The signal that means "save and stop" besides SIGTERM; ``ddpkit run --preemption-signal`` sets it
-# for the launcher and its workers alike, and a script started by srun or mpirun reads it too.
-PREEMPTION_SIGNAL_VARIABLE = "DDPKIT_PREEMPTION_SIGNAL"
 
 # Signals a notice must leave alone: SIGINT stays Ctrl-C (KeyboardInterrupt), SIGKILL and SIGSTOP
 # cannot be caught, SIGCHLD and SIGCONT come with every child and every resume.
 _NOT_FOR_PREEMPTION = frozenset({signal.SIGINT, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT})
 
 
-def parse_signal(value: str, origin: str = PREEMPTION_SIGNAL_VARIABLE) -> signal.Signals:
+def parse_signal(value: str, origin: str = DDPKIT_PREEMPTION_SIGNAL) -> signal.Signals:
     """``"USR1"``, ``"SIGUSR1"`` or ``"10"`` as a signal; ``origin`` names the setting in the error."""
     text = value.strip().upper()
     try:
@@ -54,7 +54,7 @@ def parse_signal(value: str, origin: str = PREEMPTION_SIGNAL_VARIABLE) -> signal
 def preemption_signals(environment: Mapping[str, str] = os.environ) -> tuple[signal.Signals, ...]:
     """SIGTERM, and the signal named by ``DDPKIT_PREEMPTION_SIGNAL`` when it names another."""
     signals = [signal.SIGTERM]
-    chosen = environment.get(PREEMPTION_SIGNAL_VARIABLE, "").strip()
+    chosen = environment.get(DDPKIT_PREEMPTION_SIGNAL, "").strip()
     if chosen and (parsed := parse_signal(chosen)) not in signals:
         signals.append(parsed)
     return tuple(signals)

@@ -55,12 +55,13 @@ from ddpkit.diagnostics.records import failure_record
 from ddpkit.environments import IN_PLACE, ClusterEnvironment, LocalEnvironment, detect_environment
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, start_local_ranks
-from ddpkit.launching.processes import READY_FILE_VARIABLE, describe_exit
+from ddpkit.launching.processes import describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.preemption import PREEMPTED_EXIT_CODE, PreemptionNotice, preemption_signals
 from ddpkit.recovery import InPlaceRecovery, Progress
+from ddpkit.variables import DDPKIT_READY_FILE, DDPKIT_RESTART_COUNT
 
 __all__ = ["DDPStrategy"]
 
@@ -148,7 +149,7 @@ class DDPStrategy:
         """How often the workers were started again before this start (0: the first start), from
         ``ddpkit run --max-restarts`` (``DDPKIT_RESTART_COUNT``) or torchrun
         (``TORCHELASTIC_RESTART_COUNT``). A script resumes from its checkpoint when it is above 0."""
-        for variable in ("DDPKIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        for variable in (DDPKIT_RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT"):
             value = os.environ.get(variable, "").strip()
             if not value:
                 continue
@@ -286,7 +287,7 @@ class DDPStrategy:
     @staticmethod
     def _tell_launcher_ready() -> None:
         """The launcher replaces a lost rank in place only once every other rank said this."""
-        path = os.environ.get(READY_FILE_VARIABLE)
+        path = os.environ.get(DDPKIT_READY_FILE)
         if path:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write("recovered\n")

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ddpkit.variables import DDPKIT_DEBUG
+
 __all__ = ["CollectiveMismatchError", "Fingerprint", "call_site", "debug_enabled", "set_debug"]
 
 #: Integers per fingerprint in the all-gather that compares them.
@@ -84,7 +86,7 @@ def set_debug(enabled: bool | None) -> None:
 def debug_enabled() -> bool:
     if _settings.forced is not None:
         return _settings.forced
-    return os.environ.get("DDPKIT_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(DDPKIT_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def fingerprint(operation: str, group: Any, tensor: Any = None, compare_shape: bool = True) -> Fingerprint:

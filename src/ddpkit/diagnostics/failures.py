@@ -43,6 +43,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
+from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "expect_lost_peers",
            "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised", "publish_failure",
@@ -94,7 +95,7 @@ class StoreHostGoneError(PeerFailedError):
 
     def __init__(self, address: tuple[str, int], reason: str) -> None:
         by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        launcher = "ddpkit run's store host" if os.environ.get("DDPKIT_LAUNCHED") else "torchrun's agent"
+        launcher = "ddpkit run's store host" if os.environ.get(DDPKIT_LAUNCHED) else "torchrun's agent"
         host = launcher if by_agent else "rank 0"
         self.rank, self.kind, self.trace, self.address = (-1 if by_agent else 0), "StoreHostGone", "", address
         self.message = (f"{host}, the host of the process group's store at {address[0]}:{address[1]}, is gone: the "
@@ -141,7 +142,7 @@ def record_failure(record: dict[str, object], publish: bool = True, tear_down: b
     not depend on it). A record may name another rank than this one: a rank that is stuck,
     published by the rank that waited for it (``ddpkit.diagnostics.hangs``).
     """
-    error_file = os.environ.get("DDPKIT_ERROR_FILE")
+    error_file = os.environ.get(DDPKIT_ERROR_FILE)
     if error_file:
         write_error_record(error_file, record)
     if not publish or not (dist.is_available() and dist.is_initialized()):

@@ -56,6 +56,7 @@ from ddpkit.diagnostics.failures import record_failure
 from ddpkit.diagnostics.records import failure_record
 from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.logs import get_logger
+from ddpkit.variables import DDPKIT_HANG_ABORT_SECONDS, DDPKIT_HANG_SECONDS, DDPKIT_STACK_FILE
 
 __all__ = ["DEFAULT_HANG_SECONDS", "last_report", "watch_for_hangs"]
 
@@ -93,7 +94,7 @@ class HangWatch:
         self.report = ""
         # Where this process is, for a reporting rank on the same machine when this one cannot answer.
         self.store.set(f"ddpkit/hang/process/{self.rank}", json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "stack_file": os.environ.get("DDPKIT_STACK_FILE")}))
+            {"host": socket.gethostname(), "pid": os.getpid(), "stack_file": os.environ.get(DDPKIT_STACK_FILE)}))
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watch", daemon=True)
         self._thread.start()
 
@@ -158,7 +159,7 @@ class HangWatch:
         raises, as every other rank's does.
         """
         sequence, operation, call_site, started = current
-        setting = f"DDPKIT_HANG_ABORT_SECONDS={self.abort_seconds:g}"
+        setting = f"{DDPKIT_HANG_ABORT_SECONDS}={self.abort_seconds:g}"
         if not self.missing:
             _log.warning(f"ddpkit: {setting}: not ending the job: every rank is inside collective #{sequence} "
                          f"{operation} (a slow peer or network); the process-group timeout still bounds it.")
@@ -279,7 +280,7 @@ def last_report() -> str:
 def _configured_seconds() -> float:
     if _settings.seconds is not None:
         return _settings.seconds
-    return seconds_setting("DDPKIT_HANG_SECONDS", DEFAULT_HANG_SECONDS, "60")
+    return seconds_setting(DDPKIT_HANG_SECONDS, DEFAULT_HANG_SECONDS, "60")
 
 
 def active_watch() -> HangWatch | None:
@@ -292,5 +293,5 @@ def active_watch() -> HangWatch | None:
     if watch is None or watch.group() is not group or not watch.running():  # first use, a new group, or turned back on
         watch = _settings.watch = HangWatch(seconds, group, dist.distributed_c10d._get_default_store())
     watch.seconds = seconds
-    watch.abort_seconds = seconds_setting("DDPKIT_HANG_ABORT_SECONDS", 0.0, "30")
+    watch.abort_seconds = seconds_setting(DDPKIT_HANG_ABORT_SECONDS, 0.0, "30")
     return watch

@@ -43,6 +43,7 @@ from ddpkit.diagnostics.failures import (
 )
 from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.logs import get_logger
+from ddpkit.variables import DDPKIT_PEER_FAILURE_EXIT_SECONDS
 
 __all__ = ["PEER_FAILED_EXIT_CODE", "watch_peers"]
 
@@ -108,7 +109,7 @@ class _PeerWatch:
         _log.error(f"{failure}\nddpkit: ending rank {self.rank} (exit code {PEER_FAILED_EXIT_CODE}): it did not "
                    f"get to a ddpkit call that raises this within {seconds:g} s of the failure (it is blocked in a "
                    "call ddpkit cannot interrupt, e.g. torch.distributed's own, or still computing). Set "
-                   "DDPKIT_PEER_FAILURE_EXIT_SECONDS=0 to keep it running instead.")
+                   f"{DDPKIT_PEER_FAILURE_EXIT_SECONDS}=0 to keep it running instead.")
         # For the launcher; the failed rank's own record is earlier, and stays the root cause.
         record_exception(failure, publish=False)
         sys.stdout.flush()
@@ -134,7 +135,7 @@ def _abort_nccl_communicators() -> None:
 def _exit_seconds() -> float:
     """``DDPKIT_PEER_FAILURE_EXIT_SECONDS``: how long a rank whose peer failed may go on without
     ddpkit raising ``PeerFailedError`` in it before the watch ends it (0: never)."""
-    return seconds_setting("DDPKIT_PEER_FAILURE_EXIT_SECONDS", _DEFAULT_EXIT_SECONDS,
+    return seconds_setting(DDPKIT_PEER_FAILURE_EXIT_SECONDS, _DEFAULT_EXIT_SECONDS,
                            "1, 0 to never end a rank whose peer failed")
 
 

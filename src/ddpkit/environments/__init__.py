@@ -29,13 +29,8 @@ from collections.abc import Mapping
 
 from ddpkit._network import find_free_port  # here in 0.1; it binds, so it lives with the sockets
 from ddpkit.environments.base import (
-    DDPKIT_GENERATION,
-    DDPKIT_HOSTED_STORE,
-    DDPKIT_LAUNCHED,
-    DDPKIT_RECOVERY,
     IN_PLACE,
     RECOVERY_TIMEOUT_SECONDS,
-    RECOVERY_TIMEOUT_VARIABLE,
     ChoosesBackend,
     ClusterEnvironment,
     _ResolvedEnvironment,
@@ -48,15 +43,11 @@ from ddpkit.environments.lsf import LSFEnvironment
 from ddpkit.environments.mpi import MPIEnvironment
 from ddpkit.environments.slurm import SLURMEnvironment, expand_slurm_nodelist
 from ddpkit.environments.torchelastic import TorchElasticEnvironment
+from ddpkit.variables import DDPKIT_LAUNCHED
 
 __all__ = [
-    "DDPKIT_GENERATION",
-    "DDPKIT_HOSTED_STORE",
-    "DDPKIT_LAUNCHED",
-    "DDPKIT_RECOVERY",
     "IN_PLACE",
     "RECOVERY_TIMEOUT_SECONDS",
-    "RECOVERY_TIMEOUT_VARIABLE",
     "ChoosesBackend",
     "ClusterEnvironment",
     "KubeflowEnvironment",

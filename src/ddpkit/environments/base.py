@@ -6,26 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-__all__ = ["DDPKIT_GENERATION", "DDPKIT_HOSTED_STORE", "DDPKIT_LAUNCHED", "DDPKIT_RECOVERY", "IN_PLACE",
-           "RECOVERY_TIMEOUT_SECONDS", "RECOVERY_TIMEOUT_VARIABLE", "ChoosesBackend", "ClusterEnvironment", "check_place",
+__all__ = ["IN_PLACE", "RECOVERY_TIMEOUT_SECONDS", "ChoosesBackend", "ClusterEnvironment", "check_place",
            "environment_variables"]
 
-#: Set by ddpkit's launcher in every worker it starts.
-DDPKIT_LAUNCHED = "DDPKIT_LAUNCHED"
-#: ``ddpkit run --recovery``: "fail-fast" (the default) or ``IN_PLACE``, where the launcher hosts the
-#: store and replaces a lost rank, and the ranks meet again in a new generation of the group.
-DDPKIT_RECOVERY = "DDPKIT_RECOVERY"
+#: The value of DDPKIT_RECOVERY (``ddpkit run --recovery in-place``) that replaces a lost rank in place.
 IN_PLACE = "in-place"
-#: "1" when the launcher hosts the job's store (``launching.store_host``): under in-place recovery,
-#: and when the launchers of several nodes restart together. The ranks reach it as clients, under a
-#: key prefix per attempt (``DDPKIT_RESTART_COUNT``), instead of rank 0 hosting one.
-DDPKIT_HOSTED_STORE = "DDPKIT_HOSTED_STORE"
-#: Under in-place recovery: which generation of the group this process joins (0 at the start; a
-#: replacement is told the generation it completes).
-DDPKIT_GENERATION = "DDPKIT_GENERATION"
-#: How long the ranks of a new generation wait for each other (a replacement starts its script from
-#: the top) before giving up; the launcher waits a little longer for the recovery to finish.
-RECOVERY_TIMEOUT_VARIABLE = "DDPKIT_RECOVERY_TIMEOUT_SECONDS"
+#: DDPKIT_RECOVERY_TIMEOUT_SECONDS when not set.
 RECOVERY_TIMEOUT_SECONDS = 60.0
 
 # Lightning's defaults, kept so that jobs move between the two without new ports.

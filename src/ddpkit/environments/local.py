@@ -6,16 +6,20 @@ import os
 from collections.abc import Mapping
 
 from ddpkit.environments.base import (
-    DDPKIT_GENERATION,
-    DDPKIT_HOSTED_STORE,
-    DDPKIT_LAUNCHED,
-    DDPKIT_RECOVERY,
     IN_PLACE,
     _first_of,
     _int_var,
     _port_var,
     _ResolvedEnvironment,
     check_place,
+)
+from ddpkit.variables import (
+    DDPKIT_BACKEND,
+    DDPKIT_GENERATION,
+    DDPKIT_HOSTED_STORE,
+    DDPKIT_LAUNCHED,
+    DDPKIT_RECOVERY,
+    DDPKIT_RESTART_COUNT,
 )
 
 __all__ = ["LocalEnvironment"]
@@ -41,7 +45,7 @@ class LocalEnvironment(_ResolvedEnvironment):
         fix = "Set the variable correctly, or unset it to use the single-process default."
         self._main_address = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
         self._main_port = _port_var(env, "MASTER_PORT", default=0)  # 0 when unset: not chosen
-        self._backend = env.get("DDPKIT_BACKEND", "").strip() or None
+        self._backend = env.get(DDPKIT_BACKEND, "").strip() or None
         self._world_size = _int_var(env, "WORLD_SIZE", fix, default=1, minimum=1)
         self._local_rank = _int_var(env, "LOCAL_RANK", fix, default=0)
         node_var = _first_of(env, "NODE_RANK", "GROUP_RANK") or "NODE_RANK"
@@ -58,7 +62,7 @@ class LocalEnvironment(_ResolvedEnvironment):
         #: Whether the launcher hosts the store at MASTER_ADDR:MASTER_PORT (the ranks are its clients).
         self.hosted_store = env.get(DDPKIT_HOSTED_STORE, "").strip() == "1" or self.recovery == IN_PLACE
         #: Which start of the workers this is (``ddpkit run --max-restarts``): generations count anew in each.
-        self.attempt = _int_var(env, "DDPKIT_RESTART_COUNT", fix, default=0)
+        self.attempt = _int_var(env, DDPKIT_RESTART_COUNT, fix, default=0)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}
         if local_world is not None:
             values["local_world"] = local_world

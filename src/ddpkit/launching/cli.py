@@ -37,7 +37,8 @@ from ddpkit.launching.rendezvous import (
     parse_join_timeout,
 )
 from ddpkit.logs import get_logger
-from ddpkit.preemption import PREEMPTION_SIGNAL_VARIABLE, parse_signal
+from ddpkit.preemption import parse_signal
+from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
 
 __all__ = ["main"]
 
@@ -56,7 +57,7 @@ def _spellings(name: str) -> list[str]:
 
 
 def _variable(name: str) -> str:
-    return "DDPKIT_" + name.replace("-", "_").upper()
+    return launcher_flag_variable(name)
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
@@ -253,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if scheduler is not None:
         # The scheduler started every process already (srun, torchrun, mpirun, ...): run the
         # script here, once, instead of starting --nproc-per-node more. It signals the process itself.
-        os.environ[PREEMPTION_SIGNAL_VARIABLE] = preemption_signal.name
+        os.environ[DDPKIT_PREEMPTION_SIGNAL] = preemption_signal.name
         _log.info(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly")
         try:
             command = worker_command(_run_as(args.module, args.no_python), args.script, args.script_args)

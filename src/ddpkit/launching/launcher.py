@@ -46,17 +46,26 @@ from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port, gloo_interface_towards
-from ddpkit.environments import DDPKIT_HOSTED_STORE, DDPKIT_LAUNCHED, DDPKIT_RECOVERY, IN_PLACE
+from ddpkit.environments import IN_PLACE
 from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.pool import RankFailedError, WorkerPool
-from ddpkit.launching.processes import READY_FILE_VARIABLE, SPARE, WorkerProcess, WorkerProcesses
+from ddpkit.launching.processes import SPARE, WorkerProcess, WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousError, RendezvousSettings, claim_endpoint, join
 from ddpkit.launching.replacement import Replacements, ready_file, recovery_timeout_seconds
 from ddpkit.launching.store_client import GaveUpWaiting, GiveUp
 from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.logs import get_logger
-from ddpkit.preemption import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNAL_VARIABLE
+from ddpkit.preemption import PREEMPTED_EXIT_CODE
+from ddpkit.variables import (
+    DDPKIT_BACKEND,
+    DDPKIT_HOSTED_STORE,
+    DDPKIT_LAUNCHED,
+    DDPKIT_PREEMPTION_SIGNAL,
+    DDPKIT_READY_FILE,
+    DDPKIT_RECOVERY,
+    DDPKIT_RESTART_COUNT,
+)
 
 __all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "performance_defaults", "rank_variables",
            "run_workers", "validate", "worker_command"]
@@ -230,18 +239,18 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
         "ROLE_RANK": rank,
         "ROLE_WORLD_SIZE": str(config.world_size),
         DDPKIT_LAUNCHED: "1",
-        "DDPKIT_RESTART_COUNT": str(restart_count),
+        DDPKIT_RESTART_COUNT: str(restart_count),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": config.rendezvous.run_id if config.rendezvous is not None else "none",
         "TORCHELASTIC_USE_AGENT_STORE": str(_hosts_store(config)),
-        PREEMPTION_SIGNAL_VARIABLE: config.preemption_signal.name,
+        DDPKIT_PREEMPTION_SIGNAL: config.preemption_signal.name,
         DDPKIT_RECOVERY: config.recovery,
     }
     if _hosts_store(config):
         variables[DDPKIT_HOSTED_STORE] = "1"
     if config.backend:
-        variables["DDPKIT_BACKEND"] = config.backend
+        variables[DDPKIT_BACKEND] = config.backend
     return variables
 
 
@@ -351,7 +360,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 for local_rank in range(config.nproc_per_node):
                     variables = rank_variables(config, port, local_rank, restart_count)
                     if config.recovery == IN_PLACE:
-                        variables[READY_FILE_VARIABLE] = ready_file(workers.folder, 0, int(variables["RANK"]))
+                        variables[DDPKIT_READY_FILE] = ready_file(workers.folder, 0, int(variables["RANK"]))
                     workers.start(command, {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
                 replacements = None
                 if config.recovery == IN_PLACE:
@@ -398,7 +407,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 _log.error(f"ddpkit run: {error}")
                 return outcome.code
             _log.warning(f"ddpkit run: restarting {these} (restart {restart_count} of "
-                         f"{config.max_restarts}); DDPKIT_RESTART_COUNT={restart_count}")
+                         f"{config.max_restarts}); {DDPKIT_RESTART_COUNT}={restart_count}")
     except GaveUpWaiting as stopped:  # in the rendezvous: no worker started yet
         return _gave_up(stopped, received, "no worker was started")
     finally:

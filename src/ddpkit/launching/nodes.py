@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
+from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination"]
 
@@ -212,7 +213,7 @@ class NodeCoordination:
             ended = [node for node in missing if self._call("check", [f"ddpkit/launchers/left/{node}"])]
             if stopped is not None or ended or time.monotonic() > deadline:
                 why = (f"({stopped})" if stopped else "(they ended)" if ended else
-                       f"within {timeout_seconds:g} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS)")
+                       f"within {timeout_seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS})")
                 raise TimeoutError(
                     f"restart {attempt}: the launchers of node(s) {', '.join(map(str, missing))} did not come back "
                     f"{why}; every node's `ddpkit run` needs the same --nnodes and --max-restarts, and their output "
@@ -226,7 +227,7 @@ class NodeCoordination:
         while not self._has("open", attempt):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"restart {attempt}: the launcher that hosts the job's store did not open it within "
-                                   f"{timeout_seconds:g} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS); its output says why.")
+                                   f"{timeout_seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}); its output says why.")
             self._check_give_up()
             time.sleep(_POLL_SECONDS)
         self.attempt = attempt

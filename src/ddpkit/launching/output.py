@@ -33,7 +33,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ddpkit.logs import PREFIXED_BY_LAUNCHER_VARIABLE, get_logger
+from ddpkit.logs import get_logger
+from ddpkit.variables import DDPKIT_STDERR_PREFIXED
 
 __all__ = ["OutputPlan", "Routing", "Streams", "WorkerOutput", "parse_local_ranks", "parse_streams"]
 
@@ -146,7 +147,7 @@ class Routing:
         """What the worker is told: whether its stderr lines get the rank prefix here (then ddpkit's
         messages in it leave theirs out, ``ddpkit.logs``)."""
         prefixed = self.shown and bool(Streams.ERR & self.tee)
-        return {PREFIXED_BY_LAUNCHER_VARIABLE: "1" if prefixed else "0"}
+        return {DDPKIT_STDERR_PREFIXED: "1" if prefixed else "0"}
 
 
 # A console line starts after a newline, and after a carriage return: a progress bar redraws its

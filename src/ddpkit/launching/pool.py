@@ -28,13 +28,12 @@ from typing import Any
 
 from ddpkit.launching.processes import SERVE_FUNCTIONS, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
+from ddpkit.variables import DDPKIT_POOL_CONNECTION  # the worker's end of its pipe, a file descriptor it inherits
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool", "serve"]
 
 _log = get_logger("launching")
 
-# The worker's end of its pipe, a file descriptor it inherits.
-_CONNECTION_VARIABLE = "DDPKIT_POOL_CONNECTION"
 _STOP = b"stop"
 # After a rank fails, how long the others get to answer or die before the root cause is named.
 # A loaded 2-core machine can start the dying rank's work a few hundred milliseconds after the
@@ -84,7 +83,7 @@ class _Setup:
 
 def serve() -> None:
     """Body of one pool worker: join the process group, then run what the parent sends until told to stop."""
-    connection = multiprocessing.connection.Connection(int(os.environ.pop(_CONNECTION_VARIABLE)))
+    connection = multiprocessing.connection.Connection(int(os.environ.pop(DDPKIT_POOL_CONNECTION)))
     setup: _Setup = pickle.loads(connection.recv_bytes())
     multiprocessing.spawn.prepare(setup.preparation)
 
@@ -159,7 +158,7 @@ class WorkerPool:
         preparation["authkey"] = bytes(preparation["authkey"])  # multiprocessing pickles it only while it spawns
         for rank in range(self.world_size):
             parent_end, worker_end = multiprocessing.Pipe()
-            environment = {**os.environ, _CONNECTION_VARIABLE: str(worker_end.fileno())}
+            environment = {**os.environ, DDPKIT_POOL_CONNECTION: str(worker_end.fileno())}
             workers.start([sys.executable, "-m", "ddpkit.launching.worker", SERVE_FUNCTIONS], environment,
                           rank=rank, local_rank=rank, pass_fds=[worker_end.fileno()])
             worker_end.close()

@@ -29,6 +29,7 @@ from typing import Any
 from ddpkit.diagnostics.records import read_error_record, record_time
 from ddpkit.launching.output import OutputPlan, WorkerOutput
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
+from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE
 
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a
 # script. Here rather than in ``launching.worker``, which imports torch: the launcher does not.
@@ -36,12 +37,7 @@ SERVE_FUNCTIONS = "--serve-functions"
 # The argument that makes a worker a warm spare (in-place recovery): it waits for a rank to take over.
 SPARE = "--spare"
 
-__all__ = ["READY_FILE_VARIABLE", "WorkerProcess", "WorkerProcesses", "describe_exit"]
-
-#: Where a worker under in-place recovery writes once ``DDPStrategy.setup`` attached it to the
-#: recovery: the launcher's sign that the rank can take part in one and, from a process that
-#: replaced a lost rank, that it holds the survivors' state (the recovery is over).
-READY_FILE_VARIABLE = "DDPKIT_READY_FILE"
+__all__ = ["WorkerProcess", "WorkerProcesses", "describe_exit"]
 
 # How long workers get to write their stacks after SIGUSR1.
 _STACK_DUMP_WAIT_SECONDS = 0.5
@@ -110,8 +106,8 @@ class WorkerProcesses:
                 **popen: Any) -> WorkerProcess:
         """One worker process in a session of its own, told its launcher, error file and stack file."""
         error_file, stack_file = (os.path.join(self.folder, f"{name}.{kind}") for kind in ("json", "stacks"))
-        variables = {"DDPKIT_LAUNCHER_PID": str(os.getpid()), "DDPKIT_ERROR_FILE": error_file,
-                     "DDPKIT_STACK_FILE": stack_file}
+        variables = {DDPKIT_LAUNCHER_PID: str(os.getpid()), DDPKIT_ERROR_FILE: error_file,
+                     DDPKIT_STACK_FILE: stack_file}
         output = None
         if self._output is not None:
             spare = rank < 0  # its rank, and so its routing, comes when it takes one

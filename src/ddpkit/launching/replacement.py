@@ -34,9 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpkit.diagnostics.settings import seconds_setting
-from ddpkit.environments import DDPKIT_GENERATION, RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_VARIABLE
-from ddpkit.launching.processes import READY_FILE_VARIABLE, WorkerProcess, WorkerProcesses, describe_exit
+from ddpkit.environments import RECOVERY_TIMEOUT_SECONDS
+from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
+from ddpkit.variables import DDPKIT_GENERATION, DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["Replacements", "ready_file", "recovery_timeout_seconds"]
 
@@ -49,7 +50,7 @@ _MARGIN_SECONDS = 5.0
 
 def ready_file(folder: str, generation: int, rank: int) -> str:
     """The file the worker of ``rank`` in ``generation`` writes once it can take part in a recovery
-    (``READY_FILE_VARIABLE``): generation 0's workers at the end of ``DDPStrategy.setup``, a
+    (``DDPKIT_READY_FILE``): generation 0's workers at the end of ``DDPStrategy.setup``, a
     replacement once it holds the survivors' state."""
     return os.path.join(folder, f"ready{generation}.{rank}")
 
@@ -99,7 +100,7 @@ class Replacements:
             ready = ready_file(self._workers.folder, self.generation, lost.rank)
             self._ready_files[lost.rank] = ready
             variables = {**self._rank_variables(lost.local_rank), DDPKIT_GENERATION: str(self.generation),
-                         READY_FILE_VARIABLE: ready}
+                         DDPKIT_READY_FILE: ready}
             self._workers.replace(lost, spare, variables)
             how = "the spare" if number == 0 else "a new process (not warm: it imports torch first)"
             _log.warning(f"ddpkit run: {lost} {describe_exit(codes[number])}; {how} (pid {spare.process.pid}) takes "
@@ -129,7 +130,7 @@ class Replacements:
             return None
         if time.monotonic() > pending.deadline:
             return (f"the in-place recovery of rank {pending.ranks()} did not finish within "
-                    f"{pending.deadline - pending.started:.0f} s (DDPKIT_RECOVERY_TIMEOUT_SECONDS): the ranks did not "
+                    f"{pending.deadline - pending.started:.0f} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): the ranks did not "
                     "meet again.")
         return None
 
@@ -148,4 +149,4 @@ class _Recovery:
 
 def recovery_timeout_seconds() -> float:
     """``DDPKIT_RECOVERY_TIMEOUT_SECONDS`` (``ValueError`` naming it when it is not a number)."""
-    return seconds_setting(RECOVERY_TIMEOUT_VARIABLE, RECOVERY_TIMEOUT_SECONDS, "60")
+    return seconds_setting(DDPKIT_RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_SECONDS, "60")

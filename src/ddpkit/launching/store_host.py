@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import IO, Any
 
 from ddpkit.launching.processes import describe_exit
+from ddpkit.variables import DDPKIT_LAUNCHER_PID
 
 __all__ = ["LAUNCHER_KEY_PREFIXES", "StoreHost", "StoreHostError", "main"]
 
@@ -62,7 +63,7 @@ class StoreHost:
         quiet = {} if "TORCH_CPP_LOG_LEVEL" in environment else {"TORCH_CPP_LOG_LEVEL": "ERROR"}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "ddpkit.launching.store_host", address, str(port), *handed],
-            env={**environment, **quiet, "DDPKIT_LAUNCHER_PID": str(os.getpid())}, start_new_session=True,
+            env={**environment, **quiet, DDPKIT_LAUNCHER_PID: str(os.getpid())}, start_new_session=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors,
             pass_fds=[] if listen_fd is None else [listen_fd])
 

@@ -40,6 +40,7 @@ from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
 from ddpkit.launching.processes import SERVE_FUNCTIONS, SPARE
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
+from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE
 
 _log = get_logger("launching")
 
@@ -48,7 +49,7 @@ _PR_SET_PDEATHSIG = 1
 
 def die_with_launcher() -> None:
     """Ask the kernel for SIGTERM when the launcher dies; exit at once if it is gone already."""
-    launcher = int(os.environ.get("DDPKIT_LAUNCHER_PID", "0"))
+    launcher = int(os.environ.get(DDPKIT_LAUNCHER_PID, "0"))
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -64,7 +65,7 @@ def _dump_stacks_on_request() -> None:
     faulthandler writes from the signal handler itself, in C, so this works while the main
     thread is blocked in a collective. It keeps a reference to the file, which stays open.
     """
-    path = os.environ.get("DDPKIT_STACK_FILE")
+    path = os.environ.get(DDPKIT_STACK_FILE)
     if path:
         faulthandler.register(signal.SIGUSR1, file=open(path, "a", encoding="utf-8"), all_threads=True)
 
