@@ -1,10 +1,9 @@
 """The layout rules of docs/architecture.md, checked on the source: the document names every
-module and only existing ones, imports go the documented way, and the 0.1 paths still work."""
+module and only existing ones, imports go the documented way, names are spelled once."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import subprocess
 import sys
@@ -98,15 +97,6 @@ def test_the_launcher_imports_neither_the_ddp_module_nor_the_strategy() -> None:
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize(("old", "new"), [
-    ("ddpkit.ddp", "ddpkit.parallel.ddp"), ("ddpkit.hangs", "ddpkit.diagnostics.hangs"),
-    ("ddpkit.debug", "ddpkit.diagnostics.debug"), ("ddpkit.failures", "ddpkit.diagnostics.failures"),
-    ("ddpkit.launcher", "ddpkit.launching.launcher"), ("ddpkit.buckets", "ddpkit.parallel.buckets"),
-])
-def test_the_module_paths_of_0_1_still_import_the_same_modules(old: str, new: str) -> None:
-    assert importlib.import_module(old) is importlib.import_module(new)
-
-
 def test_public_names_resolve_and_launch_is_the_function() -> None:
     import ddpkit
 
@@ -117,13 +107,13 @@ def test_public_names_resolve_and_launch_is_the_function() -> None:
         ddpkit.nothing_here  # noqa: B018
 
 
-def test_parts_are_attributes_of_the_package_after_a_plain_import() -> None:
-    """0.1 imported every part with ``import ddpkit``; code that then reads ``ddpkit.distributed.sync_ddp``
-    must still work now that the parts are imported when first used."""
-    code = ("import ddpkit; "
-            "print(ddpkit.distributed.sync_ddp.__name__, ddpkit.environments.SLURMEnvironment.__name__, "
-            "ddpkit.testing.WorkerPool.__name__, ddpkit.hooks.fp16_compress_hook.__name__, "
-            "ddpkit.failures.guard.__name__, ddpkit.ddp.DistributedDataParallel.__name__)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert result.stdout.split() == ["sync_ddp", "SLURMEnvironment", "WorkerPool", "fp16_compress_hook", "guard",
-                                     "DistributedDataParallel"]
+def test_the_public_names_are_one_list_the_type_checkers_see_too() -> None:
+    """``__all__`` comes from ``_PUBLIC``; the imports for type checkers re-export the same names."""
+    import ddpkit
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    reexported = {(statement.module, alias.asname) for statement in checked.body if isinstance(statement, ast.ImportFrom)
+                  for alias in statement.names if alias.asname == alias.name}
+    assert reexported == {(module, name) for module, names in ddpkit._PUBLIC.items() for name in names}
+    assert ddpkit.__all__ == sorted(name for _, name in reexported)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ddpkit
+import ddpkit.distributed
 from ddpkit.diagnostics.debug import CollectiveMismatchError, set_debug
 from ddpkit.testing import WorkerPool
 

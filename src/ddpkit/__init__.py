@@ -11,130 +11,68 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ddpkit import _moved
-
-# Public names are imported when first used, so that `ddpkit run` and a worker's bootstrap do not
-# import the DDP module, the strategy or torch.distributed's collectives before the script runs.
-_PUBLIC_NAMES = {
-    "AllGatherGrad": "ddpkit.distributed",
-    "ClusterEnvironment": "ddpkit.environments",
-    "CollectiveFailedError": "ddpkit.diagnostics.failures",
-    "DDPStrategy": "ddpkit.strategy",
-    "DistributedDataParallel": "ddpkit.parallel.ddp",
-    "LocalEnvironment": "ddpkit.environments",
-    "PeerFailedError": "ddpkit.diagnostics.failures",
-    "PeerLostError": "ddpkit.diagnostics.failures",
-    "StoreHostGoneError": "ddpkit.diagnostics.failures",
-    "SyncBatchNorm": "ddpkit.parallel.batchnorm",
-    "all_gather_ddp_if_available": "ddpkit.distributed",
-    "all_gather_object": "ddpkit.distributed",
-    "barrier": "ddpkit.distributed",
-    "broadcast": "ddpkit.distributed",
-    "broadcast_object": "ddpkit.distributed",
-    "destroy_dist_connection": "ddpkit.distributed",
-    "detect_environment": "ddpkit.environments",
-    "even_batches": "ddpkit.data",
-    "gather_all_tensors": "ddpkit.distributed",
-    "get_rank": "ddpkit.distributed",
-    "get_world_size": "ddpkit.distributed",
-    "guard": "ddpkit.diagnostics.failures",
-    "init_dist_connection": "ddpkit.distributed",
-    "launch": "ddpkit.launching.launcher",
-    "register_ddp_comm_hook": "ddpkit.distributed",
-    "sync_ddp": "ddpkit.distributed",
-    "sync_ddp_if_available": "ddpkit.distributed",
+# The public names, by the module that holds them: imported when first used, so that `ddpkit run`
+# and a worker's bootstrap do not import the DDP module, the strategy or torch.distributed's
+# collectives before the script runs. ``__all__`` is derived from it; the imports for type
+# checkers below re-export the same names (tests/test_architecture.py checks that they agree).
+_PUBLIC = {
+    "ddpkit.data": ("even_batches",),
+    "ddpkit.diagnostics.failures": ("CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError",
+                                    "guard"),
+    "ddpkit.distributed": ("AllGatherGrad", "all_gather_ddp_if_available", "all_gather_object", "barrier", "broadcast",
+                           "broadcast_object", "destroy_dist_connection", "gather_all_tensors", "get_rank",
+                           "get_world_size", "init_dist_connection", "register_ddp_comm_hook", "sync_ddp",
+                           "sync_ddp_if_available"),
+    "ddpkit.environments": ("ClusterEnvironment", "LocalEnvironment", "detect_environment"),
+    "ddpkit.launching.launcher": ("launch",),
+    "ddpkit.parallel.batchnorm": ("SyncBatchNorm",),
+    "ddpkit.parallel.ddp": ("DistributedDataParallel",),
+    "ddpkit.strategy": ("DDPStrategy",),
 }
-
-_moved.install()
-
-if TYPE_CHECKING:
-    from ddpkit.data import even_batches
-    from ddpkit.diagnostics.failures import (
-        CollectiveFailedError,
-        PeerFailedError,
-        PeerLostError,
-        StoreHostGoneError,
-        guard,
-    )
-    from ddpkit.distributed import (
-        AllGatherGrad,
-        all_gather_ddp_if_available,
-        all_gather_object,
-        barrier,
-        broadcast,
-        broadcast_object,
-        destroy_dist_connection,
-        gather_all_tensors,
-        get_rank,
-        get_world_size,
-        init_dist_connection,
-        register_ddp_comm_hook,
-        sync_ddp,
-        sync_ddp_if_available,
-    )
-    from ddpkit.environments import (
-        ClusterEnvironment,
-        LocalEnvironment,
-        detect_environment,
-    )
-    from ddpkit.launching.launcher import launch
-    from ddpkit.parallel.batchnorm import SyncBatchNorm
-    from ddpkit.parallel.ddp import DistributedDataParallel
-    from ddpkit.strategy import DDPStrategy
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
 
 __version__ = "0.1.0"
+__all__ = sorted(_MODULE_OF)  # derived from _PUBLIC
 
-__all__ = [
-    "AllGatherGrad",
-    "ClusterEnvironment",
-    "CollectiveFailedError",
-    "DDPStrategy",
-    "DistributedDataParallel",
-    "LocalEnvironment",
-    "PeerFailedError",
-    "PeerLostError",
-    "StoreHostGoneError",
-    "SyncBatchNorm",
-    "all_gather_ddp_if_available",
-    "all_gather_object",
-    "barrier",
-    "broadcast",
-    "broadcast_object",
-    "destroy_dist_connection",
-    "detect_environment",
-    "even_batches",
-    "gather_all_tensors",
-    "get_rank",
-    "get_world_size",
-    "guard",
-    "init_dist_connection",
-    "launch",
-    "register_ddp_comm_hook",
-    "sync_ddp",
-    "sync_ddp_if_available",
-]
+if TYPE_CHECKING:
+    from ddpkit.data import even_batches as even_batches
+    from ddpkit.diagnostics.failures import CollectiveFailedError as CollectiveFailedError
+    from ddpkit.diagnostics.failures import PeerFailedError as PeerFailedError
+    from ddpkit.diagnostics.failures import PeerLostError as PeerLostError
+    from ddpkit.diagnostics.failures import StoreHostGoneError as StoreHostGoneError
+    from ddpkit.diagnostics.failures import guard as guard
+    from ddpkit.distributed import AllGatherGrad as AllGatherGrad
+    from ddpkit.distributed import all_gather_ddp_if_available as all_gather_ddp_if_available
+    from ddpkit.distributed import all_gather_object as all_gather_object
+    from ddpkit.distributed import barrier as barrier
+    from ddpkit.distributed import broadcast as broadcast
+    from ddpkit.distributed import broadcast_object as broadcast_object
+    from ddpkit.distributed import destroy_dist_connection as destroy_dist_connection
+    from ddpkit.distributed import gather_all_tensors as gather_all_tensors
+    from ddpkit.distributed import get_rank as get_rank
+    from ddpkit.distributed import get_world_size as get_world_size
+    from ddpkit.distributed import init_dist_connection as init_dist_connection
+    from ddpkit.distributed import register_ddp_comm_hook as register_ddp_comm_hook
+    from ddpkit.distributed import sync_ddp as sync_ddp
+    from ddpkit.distributed import sync_ddp_if_available as sync_ddp_if_available
+    from ddpkit.environments import ClusterEnvironment as ClusterEnvironment
+    from ddpkit.environments import LocalEnvironment as LocalEnvironment
+    from ddpkit.environments import detect_environment as detect_environment
+    from ddpkit.launching.launcher import launch as launch
+    from ddpkit.parallel.batchnorm import SyncBatchNorm as SyncBatchNorm
+    from ddpkit.parallel.ddp import DistributedDataParallel as DistributedDataParallel
+    from ddpkit.strategy import DDPStrategy as DDPStrategy
 
 
 def __getattr__(name: str) -> Any:
     import importlib
 
-    module_name = _PUBLIC_NAMES.get(name)
+    module_name = _MODULE_OF.get(name)
     if module_name is None:
-        return _submodule(importlib, name)
+        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value  # found directly next time
     return value
-
-
-def _submodule(importlib: Any, name: str) -> Any:
-    """``ddpkit.<part>`` after a plain ``import ddpkit`` (0.1 imported every part with the package)."""
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f"ddpkit.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"ddpkit.{name}":
-                raise  # the part exists but needs something missing: say that, not "no attribute"
-    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
