@@ -3,6 +3,8 @@ exception (ddpkit.diagnostics.failures), with a process-group timeout of 5 s and
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -176,6 +178,32 @@ def test_looking_for_a_peer_failure_does_not_change_the_store(pool2: WorkerPool)
     for kind, before, after in pool2.run(a_local_runtime_error_leaves_the_store_as_it_was, timeout=30):
         assert kind == "RuntimeError"  # the original error, since no rank published a failure
         assert after == before
+
+
+QUERY_HAS_NO_EFFECTS = """
+import json, sys
+import torch.distributed as dist
+from ddpkit.diagnostics import failures
+from ddpkit.diagnostics.records import failure_record
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+store = dist.distributed_c10d._get_default_store()
+store.set(failures.FAILURE_KEY, json.dumps(failure_record(1, "ValueError", "broken", "a trace")))
+hook = sys.excepthook
+found = [failures.peer_failure() for _ in range(3)]
+print("query", [type(f).__name__ for f in found], sys.excepthook is hook, failures.peer_failure_raised(),
+      store.check([failures._SEEN_KEY]))
+failures.raising(found[0])
+print("raising", sys.excepthook is hook, failures.peer_failure_raised(), int(store.add(failures._SEEN_KEY, 0)))
+"""
+
+
+def test_looking_for_a_peer_failure_is_a_query_and_raising_it_is_said_once() -> None:
+    """``peer_failure`` changes nothing (no exit hook, no acknowledgement); ``raising`` does both."""
+    result = subprocess.run([sys.executable, "-c", QUERY_HAS_NO_EFFECTS], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "query ['PeerFailedError', 'PeerFailedError', 'PeerFailedError'] True False False" in result.stdout
+    assert "raising False True 1" in result.stdout
 
 
 def save_where_rank_zero_cannot_write(folder: str) -> tuple[str, str, int | None, float]:

@@ -36,6 +36,7 @@ from ddpkit.diagnostics.failures import (
     lost_peers_expected,
     note_lost_peer,
     peer_failure,
+    raising,
 )
 from ddpkit.diagnostics.hangs import HangWatch, active_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
@@ -128,7 +129,7 @@ class collective_call:
             if failure is None and lost_peers_expected():
                 failure = note_lost_peer(error)  # a rank vanished: in-place recovery replaces it
             if failure is not None:
-                raise failure from error
+                raise raising(failure) from error
 
 
 def _collective(tensor_argument: str | None = None,

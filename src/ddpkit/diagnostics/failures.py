@@ -46,7 +46,7 @@ from ddpkit.diagnostics.records import exception_record, write_error_record
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "expect_lost_peers",
-           "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised", "publish_failure",
+           "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised", "raising",
            "read_failure_record", "record_exception", "record_failure", "store_host_gone"]
 
 FAILURE_KEY = "ddpkit/failure"
@@ -91,13 +91,10 @@ class PeerLostError(CollectiveFailedError):
 class StoreHostGoneError(PeerFailedError):
     """The process that hosts the process group's store (global rank 0, or the launcher's when it
     keeps the store: torchrun's agent, ``ddpkit run``'s store host) is gone without a word: killed,
-    or its machine went down. ``rank`` is 0, or -1 for a launcher's."""
+    or its machine went down. ``rank`` is 0, or -1 for a launcher's (``host`` names it)."""
 
-    def __init__(self, address: tuple[str, int], reason: str) -> None:
-        by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        launcher = "ddpkit run's store host" if os.environ.get(DDPKIT_LAUNCHED) else "torchrun's agent"
-        host = launcher if by_agent else "rank 0"
-        self.rank, self.kind, self.trace, self.address = (-1 if by_agent else 0), "StoreHostGone", "", address
+    def __init__(self, address: tuple[str, int], reason: str, host: str = "rank 0") -> None:
+        self.rank, self.kind, self.trace, self.address = (0 if host == "rank 0" else -1), "StoreHostGone", "", address
         self.message = (f"{host}, the host of the process group's store at {address[0]}:{address[1]}, is gone: the "
                         f"store does not accept connections any more ({reason}). It ended without a chance to say why "
                         f"(killed, e.g. by SIGKILL or the out-of-memory killer, or its machine went down): its own "
@@ -118,13 +115,8 @@ def guard() -> Iterator[None]:
     except (CollectiveFailedError, CollectiveMismatchError):
         raise  # a consequence of another rank's failure (published there), or raised on every rank alike
     except BaseException as error:
-        publish_failure(error)
+        record_exception(error)
         raise
-
-
-def publish_failure(error: BaseException) -> None:
-    """``record_exception`` of ``error``, published to the other ranks."""
-    record_exception(error)
 
 
 def record_exception(error: BaseException, publish: bool = True) -> None:
@@ -170,7 +162,8 @@ def peer_failure(probe_first: bool = False) -> CollectiveFailedError | None:
     """The failure another rank published, as the error to raise (``StoreHostGoneError`` when the
     store's host is gone); None when there is none. Call it between slices of a wait, or with
     ``probe_first`` after a collective failed (a dead host's store is then not asked: torch
-    prints a long warning for each failed store request)."""
+    prints a long warning for each failed store request). A query: raise what it returns
+    through ``raising``."""
     store = _default_store()
     if store is None:
         return None
@@ -178,11 +171,26 @@ def peer_failure(probe_first: bool = False) -> CollectiveFailedError | None:
         _state.gone_error(store) or (store_host_gone() if probe_first else None) or _published_failure(store))
     if failure is None and _state.expect_lost:
         failure = _lost_peer(store)
-    if failure is not None:
-        # The collective ddpkit stops waiting for stays pending in Gloo, and finalising would wait
-        # for it: an uncaught exception leaves at once.
-        leave_on_uncaught_exception()
-        _state.raised.set()
+    return failure
+
+
+def raising(failure: CollectiveFailedError) -> CollectiveFailedError:
+    """Say that ddpkit raises ``failure`` (from ``peer_failure``) in this process now, and return
+    it (``raise raising(failure) from error``):
+
+    - the collective ddpkit stops waiting for stays pending in Gloo, and finalising would wait for
+      it: an uncaught exception leaves the process at once (``exits.leave_on_uncaught_exception``);
+    - the peer watch learns that the main thread has it (``peer_failure_raised``);
+    - the failed rank, which may host the store, counts this rank among those that read its record.
+    """
+    leave_on_uncaught_exception()
+    _state.raised.set()
+    if type(failure) is PeerFailedError and not _state.seen:
+        _state.seen = True
+        store = _default_store()
+        if store is not None:
+            with contextlib.suppress(RuntimeError):
+                store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
     return failure
 
 
@@ -195,10 +203,6 @@ def _published_failure(store: Any) -> PeerFailedError | None:
         return store_host_gone()
     if record is None or (dist.is_initialized() and record["rank"] == dist.get_rank()):
         return None  # none, or our own failure: the original exception is already on its way
-    if not _state.seen:
-        _state.seen = True
-        with contextlib.suppress(RuntimeError):
-            store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
     return PeerFailedError.from_record(record)
 
 
@@ -237,7 +241,8 @@ def _lost_peer(store: Any) -> PeerLostError | None:
 
 def store_host_gone() -> StoreHostGoneError | None:
     """``StoreHostGoneError`` when the default group's store (a TCP store) no longer accepts
-    connections, else None. Found by connecting to it, which its server ignores; remembered."""
+    connections, else None. Found by connecting to it, which its server ignores; remembered (with
+    who hosted it: rank 0, or the launcher that tells its workers ``TORCHELASTIC_USE_AGENT_STORE``)."""
     store = _default_store()
     address = _tcp_address(store)
     if address is None:
@@ -249,11 +254,16 @@ def store_host_gone() -> StoreHostGoneError | None:
         socket.create_connection(address, timeout=_PROBE_SECONDS).close()
         return None
     except OSError as error:
-        _state.gone = (id(store), address, error.strerror or type(error).__name__)
-    # Found by the peer watch too: then the main thread's own call fails with torch's error, and
-    # that exception, uncaught, should not wait for the interpreter's finalisation either.
-    leave_on_uncaught_exception()
+        _state.gone = (id(store), address, error.strerror or type(error).__name__, _store_host_name())
     return _state.gone_error(store)
+
+
+def _store_host_name() -> str:
+    """Who hosts the default group's store: rank 0, or the launcher (torchrun's agent, or ddpkit
+    run's store host) when it told the workers to use its store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return "rank 0"
+    return "ddpkit run's store host" if os.environ.get(DDPKIT_LAUNCHED) else "torchrun's agent"
 
 
 def _tcp_address(store: Any) -> tuple[str, int] | None:
@@ -300,14 +310,15 @@ class _State:
         self.seen = False  # this process has counted itself among the readers of the record
         self.raised = threading.Event()
         self.expect_lost = False  # in-place recovery: a collective failing without a record means a rank vanished
-        self.gone: tuple[int, tuple[str, int], str] | None = None  # (id of the store, its address, why) once its host is gone
+        # (id of the store, its address, why, who hosted it) once its host is gone
+        self.gone: tuple[int, tuple[str, int], str, str] | None = None
 
     def gone_error(self, store: Any) -> StoreHostGoneError | None:
         """A new ``StoreHostGoneError`` when ``store``'s host was found gone (a new error each time:
         one raised twice would carry both tracebacks)."""
         if self.gone is None or self.gone[0] != id(store):
             return None
-        return StoreHostGoneError(self.gone[1], self.gone[2])
+        return StoreHostGoneError(*self.gone[1:])
 
 
 _state = _State()

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.failures import (
     PeerFailedError,
     peer_failure_raised,
@@ -93,7 +94,9 @@ class _PeerWatch:
         """Rank 0 (the store's host) is gone: ddpkit's waits raise ``StoreHostGoneError`` from now
         on (``failures.store_host_gone`` remembers it). The process is not ended: a rank 0 that
         finished its script and exited looks the same from here, and a call of the user's own
-        fails by itself, since rank 0's connections are closed."""
+        fails by itself, since rank 0's connections are closed; that exception, uncaught, must not
+        wait for the interpreter's finalisation (``exits``)."""
+        leave_on_uncaught_exception()
         if self.backend == "nccl":
             _abort_nccl_communicators()
 

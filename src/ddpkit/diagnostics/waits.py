@@ -10,7 +10,7 @@ raises ``PeerFailedError`` naming the failed rank. A Gloo work waited on with a 
 
 On NCCL a wait with a timeout is not a slice (a timed-out NCCL work is treated as failed and
 its communicator aborted), and waiting does not block the CPU anyway: NCCL works are waited on
-plainly, and the peer watch (``failures.watch_peers``) aborts the communicators when a peer
+plainly, and the peer watch (``peer_watch.watch_peers``) aborts the communicators when a peer
 fails, which makes their pending kernels end with an error.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.failures import StoreHostGoneError, peer_failure
+from ddpkit.diagnostics.failures import StoreHostGoneError, peer_failure, raising
 
 __all__ = ["SLICE", "run_collective", "wait_for"]
 
@@ -71,7 +71,7 @@ def _raise_peer_failure(group: Any) -> None:
         return
     if isinstance(failure, StoreHostGoneError) and failure.rank == 0 and not _includes_rank_zero(group):
         return  # rank 0 may have finished and left; this group's collective does not need it
-    raise failure
+    raise raising(failure)
 
 
 def _includes_rank_zero(group: Any) -> bool:
