@@ -11,8 +11,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ddpkit.environments import find_free_port
-from ddpkit.launching.launcher import LaunchConfig, rank_variables
+from ddpkit.environments import Recovery, find_free_port
+from ddpkit.launching.config import LaunchConfig
+from ddpkit.launching.launcher import rank_variables
 from ddpkit.launching.rendezvous import Endpoint, RendezvousSettings
 from ddpkit.launching.store_host import StoreHost
 
@@ -26,7 +27,7 @@ TORCHRUN_VARIABLES = {"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RAN
     (LaunchConfig(nproc_per_node=2), "False"),  # rank 0 serves the store, as without a launcher
     (LaunchConfig(nproc_per_node=2, nnodes=2, node_rank=1, master_port=29500), "False"),
     (LaunchConfig(nproc_per_node=2, nnodes=2, node_rank=1, master_port=29500, max_restarts=1), "True"),
-    (LaunchConfig(nproc_per_node=2, recovery="in-place", max_restarts=1), "True"),
+    (LaunchConfig(nproc_per_node=2, recovery=Recovery.IN_PLACE, max_restarts=1), "True"),
     (LaunchConfig(nproc_per_node=2, nnodes=2, rendezvous=RendezvousSettings(Endpoint("127.0.0.1", 29400), "job7")),
      "True"),
 ], ids=["one-node", "static-nodes", "static-nodes-restarts", "in-place", "c10d"])

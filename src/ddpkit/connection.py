@@ -32,11 +32,11 @@ from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.settings import seconds_setting
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
-    IN_PLACE,
     RECOVERY_TIMEOUT_SECONDS,
     ChoosesBackend,
     ClusterEnvironment,
     LocalEnvironment,
+    Recovery,
     SLURMEnvironment,
     TorchElasticEnvironment,
     check_place,
@@ -141,7 +141,7 @@ def init_dist_connection(
             cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
         _generations.timeout = timeout
         _generations.attempt = cluster_environment.attempt
-        _generations.in_place = cluster_environment.recovery == IN_PLACE
+        _generations.in_place = cluster_environment.recovery is Recovery.IN_PLACE
         generation = cluster_environment.generation if _generations.in_place else 0
         if generation > 0:  # a replacement, completing that generation
             _meet(generation, size)

@@ -52,7 +52,7 @@ from ddpkit.connection import (
 )
 from ddpkit.diagnostics.failures import PeerLostError, guard, record_failure
 from ddpkit.diagnostics.records import failure_record
-from ddpkit.environments import IN_PLACE, ClusterEnvironment, LocalEnvironment, detect_environment
+from ddpkit.environments import ClusterEnvironment, LocalEnvironment, Recovery, detect_environment
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, start_local_ranks
 from ddpkit.launching.processes import describe_exit
@@ -101,7 +101,7 @@ class DDPStrategy:
         ddp_comm_wrapper: Callable[..., Any] | None = None,
         use_torch_ddp: bool = False,
         process_group_backend: str | None = None,
-        recovery: str | None = None,
+        recovery: str | Recovery | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         self.cluster_environment = cluster_environment if cluster_environment is not None else detect_environment()
@@ -117,10 +117,8 @@ class DDPStrategy:
         self.model: nn.Module | None = None
         self._local_ranks: LocalRanks | None = None  # children started by this process (in-script launching)
         self._preemption: tuple[PreemptionNotice, StepAgreement] | None = None  # from the first preempted()
-        if recovery not in (None, "fail-fast", IN_PLACE):
-            raise ValueError(f"recovery={recovery!r}: use 'fail-fast' or {IN_PLACE!r} (or leave it out to follow "
-                             "ddpkit run --recovery).")
-        self._recovery_wanted = recovery
+        self._recovery_wanted = None if recovery is None else Recovery.parse(
+            recovery, "recovery", "or leave it out to follow ddpkit run --recovery")
         #: Where the loop is: ``epochs()`` and ``batches()`` keep it.
         self.progress = Progress()
         self._recovery: InPlaceRecovery | None = None
@@ -264,9 +262,9 @@ class DDPStrategy:
 
     def _start_recovery(self, optimizer: torch.optim.Optimizer | None) -> InPlaceRecovery | None:
         """In-place recovery's state for this process, when the job runs with it (else None)."""
-        launched_in_place = getattr(self.cluster_environment, "recovery", None) == IN_PLACE
-        wanted = self._recovery_wanted or (IN_PLACE if launched_in_place else "fail-fast")
-        if wanted != IN_PLACE or self.world_size < 2:
+        launched_in_place = getattr(self.cluster_environment, "recovery", None) is Recovery.IN_PLACE
+        wanted = self._recovery_wanted or (Recovery.IN_PLACE if launched_in_place else Recovery.FAIL_FAST)
+        if wanted is not Recovery.IN_PLACE or self.world_size < 2:
             return None
         if not launched_in_place:
             raise ValueError("DDPStrategy(recovery='in-place') needs the launcher's part: start the job with "

@@ -29,10 +29,10 @@ from collections.abc import Mapping
 
 from ddpkit._network import find_free_port  # here in 0.1; it binds, so it lives with the sockets
 from ddpkit.environments.base import (
-    IN_PLACE,
     RECOVERY_TIMEOUT_SECONDS,
     ChoosesBackend,
     ClusterEnvironment,
+    Recovery,
     _ResolvedEnvironment,
     check_place,
     environment_variables,
@@ -46,13 +46,13 @@ from ddpkit.environments.torchelastic import TorchElasticEnvironment
 from ddpkit.variables import DDPKIT_LAUNCHED
 
 __all__ = [
-    "IN_PLACE",
     "RECOVERY_TIMEOUT_SECONDS",
     "ChoosesBackend",
     "ClusterEnvironment",
     "KubeflowEnvironment",
     "LSFEnvironment",
     "LocalEnvironment",
+    "Recovery",
     "MPIEnvironment",
     "SLURMEnvironment",
     "TorchElasticEnvironment",

@@ -3,14 +3,33 @@ consistency check of a process's place (``check_place``)."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-__all__ = ["IN_PLACE", "RECOVERY_TIMEOUT_SECONDS", "ChoosesBackend", "ClusterEnvironment", "check_place",
+__all__ = ["RECOVERY_TIMEOUT_SECONDS", "ChoosesBackend", "ClusterEnvironment", "Recovery", "check_place",
            "environment_variables"]
 
-#: The value of DDPKIT_RECOVERY (``ddpkit run --recovery in-place``) that replaces a lost rank in place.
-IN_PLACE = "in-place"
+
+class Recovery(enum.Enum):
+    """What a lost or failed worker costs: ``ddpkit run --recovery`` (DDPKIT_RECOVERY in the workers,
+    its value), ``DDPStrategy(recovery=...)``."""
+
+    #: The job ends, naming the root cause; with ``--max-restarts`` every worker starts again.
+    FAIL_FAST = "fail-fast"
+    #: A worker killed by a signal is replaced by a spare while the others go on (``ddpkit.recovery``).
+    IN_PLACE = "in-place"
+
+    @classmethod
+    def parse(cls, value: str | Recovery, origin: str, fix: str) -> Recovery:
+        """``value`` as a ``Recovery``; ``ValueError`` naming ``origin``, the value and ``fix`` otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = " or ".join(repr(choice.value) for choice in cls)
+            raise ValueError(f"{origin}={value!r}: use {choices} ({fix}).") from None
+
+
 #: DDPKIT_RECOVERY_TIMEOUT_SECONDS when not set.
 RECOVERY_TIMEOUT_SECONDS = 60.0
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 
 from ddpkit.environments.base import (
-    IN_PLACE,
+    Recovery,
     _first_of,
     _int_var,
     _port_var,
@@ -54,13 +54,11 @@ class LocalEnvironment(_ResolvedEnvironment):
         default_rank = self._node_rank * (local_world or 1) + self._local_rank
         self._global_rank = _int_var(env, "RANK", fix, default=default_rank)
         self._external = "LOCAL_RANK" in env or DDPKIT_LAUNCHED in env
-        self.recovery = env.get(DDPKIT_RECOVERY, "").strip() or "fail-fast"
-        if self.recovery not in ("fail-fast", IN_PLACE):
-            raise ValueError(f"{DDPKIT_RECOVERY}={self.recovery!r}: use 'fail-fast' or {IN_PLACE!r} (ddpkit run "
-                             "--recovery sets it), or unset it.")
+        self.recovery = Recovery.parse(env.get(DDPKIT_RECOVERY, "").strip() or Recovery.FAIL_FAST, DDPKIT_RECOVERY,
+                                       "ddpkit run --recovery sets it; or unset it")
         self.generation = _int_var(env, DDPKIT_GENERATION, fix, default=0)
         #: Whether the launcher hosts the store at MASTER_ADDR:MASTER_PORT (the ranks are its clients).
-        self.hosted_store = env.get(DDPKIT_HOSTED_STORE, "").strip() == "1" or self.recovery == IN_PLACE
+        self.hosted_store = env.get(DDPKIT_HOSTED_STORE, "").strip() == "1" or self.recovery is Recovery.IN_PLACE
         #: Which start of the workers this is (``ddpkit run --max-restarts``): generations count anew in each.
         self.attempt = _int_var(env, DDPKIT_RESTART_COUNT, fix, default=0)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}

@@ -26,8 +26,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ddpkit.environments import LocalEnvironment, detect_environment
-from ddpkit.launching.launcher import LaunchConfig, LaunchError, run_workers, worker_command
+from ddpkit.environments import LocalEnvironment, Recovery, detect_environment
+from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs
+from ddpkit.launching.launcher import run_workers, worker_command
 from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
 from ddpkit.launching.rendezvous import (
     DEFAULT_PORT,
@@ -204,10 +205,18 @@ def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> tuple[Rendezvo
     return RendezvousSettings(endpoint, str(args.rdzv_id), join_timeout), None
 
 
-def _run_as(module: bool, no_python: bool) -> str:
+def _run_as(module: bool, no_python: bool) -> RunAs:
     if module and no_python:
         raise LaunchError("--module and --no-python together: a module runs in python. Give one of them.")
-    return "module" if module else "program" if no_python else "script"
+    return RunAs.MODULE if module else RunAs.PROGRAM if no_python else RunAs.SCRIPT
+
+
+def _recovery(value: str, argv: Sequence[str]) -> Recovery:
+    """argparse checks the choices given on the command line, not a DDPKIT_RECOVERY default."""
+    try:
+        return Recovery.parse(value, _origin("recovery", argv), "the default is fail-fast")
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
 
 
 def _output_plan(args: argparse.Namespace, nproc_per_node: int, argv: Sequence[str]) -> OutputPlan:
@@ -283,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend=_backend(args.backend, launcher_argv),
             max_restarts=_integer("max-restarts", args.max_restarts, launcher_argv),
             preemption_signal=preemption_signal,
-            recovery=args.recovery,
+            recovery=_recovery(args.recovery, launcher_argv),
             run_as=_run_as(args.module, args.no_python),
             output=_output_plan(args, nproc_per_node, launcher_argv),
             rendezvous=rendezvous,

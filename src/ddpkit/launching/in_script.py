@@ -28,7 +28,8 @@ from types import TracebackType
 import torch
 
 from ddpkit._network import find_free_port
-from ddpkit.launching.launcher import LaunchConfig, performance_defaults, rank_variables, worker_command
+from ddpkit.launching.config import LaunchConfig, RunAs
+from ddpkit.launching.launcher import performance_defaults, rank_variables, worker_command
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
@@ -50,7 +51,7 @@ def command_of_this_script(argv: list[str] | None = None) -> list[str]:
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name and spec.name != "__main__":  # started as `python -m package.module`
         module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
-        return worker_command("module", module, argv[1:])
+        return worker_command(RunAs.MODULE, module, argv[1:])
     script = argv[0] if argv else ""
     if not script or script == "-c" or not os.path.isfile(script):
         raise RuntimeError(
@@ -59,7 +60,7 @@ def command_of_this_script(argv: list[str] | None = None) -> list[str]:
             "Put the training code in a file and run that, start it with `ddpkit run`, or run a function on "
             "several processes with ddpkit.launch(fn, nprocs=N)."
         )
-    return worker_command("script", os.path.abspath(script), argv[1:])
+    return worker_command(RunAs.SCRIPT, os.path.abspath(script), argv[1:])
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The workers are started, ended and blamed by ``launching.processes``: each runs
 ``python -m ddpkit.launching.worker script.py args`` in a session of its own. The launcher polls
-them; at the first failure (non-zero exit or a signal) it asks the others to stop (SIGTERM to their
+them (``launching.watch``); at the first failure (non-zero exit or a signal) it asks the others to stop (SIGTERM to their
 process groups), kills what is left after ``grace`` seconds, and returns 1 with a summary that
 names the root cause: the earliest recorded exception (workers write them to an error file), else
 the first rank seen to fail. With ``--max-restarts N`` it then starts every worker again, up to N
@@ -30,33 +30,35 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.machinery
 import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port, gloo_interface_towards
-from ddpkit.environments import IN_PLACE
-from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
-from ddpkit.launching.output import OutputPlan
+from ddpkit.environments import Recovery
+from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
+from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.launching.pool import RankFailedError, WorkerPool
-from ddpkit.launching.processes import SPARE, WorkerProcess, WorkerProcesses
+from ddpkit.launching.processes import SPARE, WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousError, RendezvousSettings, claim_endpoint, join
-from ddpkit.launching.replacement import Replacements, ready_file, recovery_timeout_seconds
+from ddpkit.launching.replacement import (
+    NO_REPLACEMENTS,
+    NoReplacements,
+    Replacements,
+    ready_file,
+    recovery_timeout_seconds,
+)
 from ddpkit.launching.store_client import GaveUpWaiting, GiveUp
 from ddpkit.launching.store_host import StoreHost, StoreHostError
+from ddpkit.launching.watch import Signals, agree_across_nodes, failure_of, watch
 from ddpkit.logs import get_logger
-from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.variables import (
     DDPKIT_BACKEND,
     DDPKIT_HOSTED_STORE,
@@ -67,38 +69,9 @@ from ddpkit.variables import (
     DDPKIT_RESTART_COUNT,
 )
 
-__all__ = ["LaunchConfig", "LaunchError", "RankFailedError", "launch", "performance_defaults", "rank_variables",
-           "run_workers", "validate", "worker_command"]
+__all__ = ["RankFailedError", "launch", "performance_defaults", "rank_variables", "run_workers", "worker_command"]
 
 _log = get_logger("launching")
-
-
-class LaunchError(ValueError):
-    """Bad launch arguments, found before anything started."""
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Where this node's workers sit in the job, how they run the script and where their output goes."""
-
-    nproc_per_node: int
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (single node only)
-    backend: str | None = None
-    max_restarts: int = 0  # times the workers are started again after a failure (torchrun's flag)
-    preemption_signal: signal.Signals = signal.SIGTERM  # besides SIGTERM: asks the workers to save and stop
-    recovery: str = "fail-fast"  # or "in-place": a killed worker is replaced while the others go on
-    run_as: str = "script"  # "script" (python script.py), "module" (python -m), "program" (no python)
-    output: OutputPlan = field(default_factory=OutputPlan)  # default: the launcher's own streams
-    # torchrun's c10d rendezvous (``launching.rendezvous``): the node rank comes from it, and the
-    # master address and port are the endpoint's. None: static (``node_rank``, ``master_*``).
-    rendezvous: RendezvousSettings | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
 
 
 def launch(function: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), backend: str = "gloo",
@@ -116,103 +89,6 @@ def launch(function: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), 
         raise LaunchError(f"nprocs={nprocs}: need at least 1 process.")
     with WorkerPool(nprocs, timeout=timeout, pg_timeout=600, threads=threads, backend=backend) as pool:
         return pool.run(function, *args)
-
-
-def validate(config: LaunchConfig, script: str) -> None:
-    """Refuse bad input before any process starts, naming the flag, its value and the fix."""
-    if config.nproc_per_node < 1:
-        raise LaunchError(f"--nproc-per-node={config.nproc_per_node}: need at least 1 process per node.")
-    if config.nnodes < 1:
-        raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
-    if config.max_restarts < 0:
-        raise LaunchError(f"--max-restarts={config.max_restarts}: give 0 (no restart) or more.")
-    if config.recovery == IN_PLACE and config.nnodes > 1:
-        raise LaunchError(
-            f"--recovery in-place with --nnodes={config.nnodes}: in-place recovery replaces ranks on one node so far. "
-            "Across nodes use --recovery fail-fast (the default) with --max-restarts: every node's workers restart "
-            "together and resume from the last checkpoint."
-        )
-    if config.recovery not in ("fail-fast", IN_PLACE):
-        raise LaunchError(f"--recovery={config.recovery!r}: use 'fail-fast' (the default) or {IN_PLACE!r}.")
-    if config.recovery == IN_PLACE:
-        if config.max_restarts < 1:
-            raise LaunchError(f"--recovery in-place with --max-restarts={config.max_restarts}: each replacement of a "
-                              "lost rank counts against --max-restarts; give --max-restarts 1 or more.")
-        try:
-            recovery_timeout_seconds()
-        except ValueError as error:
-            raise LaunchError(str(error)) from None
-        if config.backend == "nccl":
-            raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
-                              "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "
-                              "--max-restarts.")
-    _check_script(config.run_as, script)
-    if config.run_as == "program" and config.recovery == IN_PLACE:
-        raise LaunchError("--recovery in-place with --no-python: a warm spare runs ddpkit's worker bootstrap, in "
-                          "python. Run a python script (or -m module), or use --max-restarts without in-place recovery.")
-    if config.rendezvous is not None:  # the node rank, address and port come from the rendezvous
-        _check_endpoint(config.rendezvous)
-        return
-    if not 0 <= config.node_rank < config.nnodes:
-        raise LaunchError(
-            f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
-            f"0..{config.nnodes - 1}."
-        )
-    try:
-        socket.getaddrinfo(config.master_addr, None)
-    except socket.gaierror as error:
-        raise LaunchError(
-            f"--master-addr={config.master_addr!r} does not resolve ({error}). Use the host name or IP address "
-            "of the node with --node-rank=0."
-        ) from None
-    if config.master_port is None:
-        if config.nnodes > 1:
-            raise LaunchError("--master-port is required with --nnodes > 1: every node must use the same port.")
-        return
-    if not 1 <= config.master_port <= 65535:
-        raise LaunchError(f"--master-port={config.master_port} is not a TCP port (1..65535).")
-    if config.node_rank == 0 and not _port_is_free(config.master_addr, config.master_port):
-        raise LaunchError(
-            f"--master-port={config.master_port} is already in use on {config.master_addr}. Choose another port, "
-            "or leave --master-port out on a single node to get a free one."
-        )
-
-
-def _check_endpoint(rendezvous: RendezvousSettings) -> None:
-    try:
-        socket.getaddrinfo(rendezvous.endpoint.host, None)
-    except socket.gaierror as error:
-        raise LaunchError(f"--rdzv-endpoint={str(rendezvous.endpoint)!r} does not resolve ({error}). Use the host "
-                          "name or IP address of one of the job's nodes, the same on every node.") from None
-    if not rendezvous.run_id:
-        raise LaunchError("--rdzv-backend c10d needs --rdzv-id: a name for the job, the same on every node "
-                          "(e.g. the scheduler's job id).")
-
-
-def _check_script(run_as: str, script: str) -> None:
-    """The script, module or program exists (a module's top package is looked up, not imported)."""
-    if run_as == "module":
-        top = script.split(".")[0]
-        if not top or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
-            raise LaunchError(f"module {script!r} was not found (looked for {top!r} in {os.getcwd()} and sys.path). "
-                              "Check the name, or run from the folder that holds it.")
-    elif run_as == "program":
-        if shutil.which(script) is None:
-            raise LaunchError(f"program {script!r} was not found or is not executable (looked in {os.getcwd()} and "
-                              "PATH). Check the path and its execute permission, or leave out --no-python for a "
-                              "python script.")
-    elif not Path(script).is_file():
-        raise LaunchError(f"script {script!r} does not exist (looked in {os.getcwd()}). Check the path.")
-
-
-def _port_is_free(address: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((address, port))
-        except OSError:
-            return False
-    return True
 
 
 def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_count: int = 0) -> dict[str, str]:
@@ -243,11 +119,11 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": config.rendezvous.run_id if config.rendezvous is not None else "none",
-        "TORCHELASTIC_USE_AGENT_STORE": str(_hosts_store(config)),
+        "TORCHELASTIC_USE_AGENT_STORE": str(config.hosts_store),
         DDPKIT_PREEMPTION_SIGNAL: config.preemption_signal.name,
-        DDPKIT_RECOVERY: config.recovery,
+        DDPKIT_RECOVERY: config.recovery.value,
     }
-    if _hosts_store(config):
+    if config.hosts_store:
         variables[DDPKIT_HOSTED_STORE] = "1"
     if config.backend:
         variables[DDPKIT_BACKEND] = config.backend
@@ -282,20 +158,6 @@ def _gloo_interface(config: LaunchConfig, port: int, base: Mapping[str, str]) ->
     return {} if interface is None else {"GLOO_SOCKET_IFNAME": interface}
 
 
-def _hosts_store(config: LaunchConfig) -> bool:
-    """Whether the job's store is a launcher's rather than rank 0's: under in-place recovery, when
-    the launchers of several nodes restart together (``launching.nodes``), and under a c10d
-    rendezvous (the store at the endpoint)."""
-    return config.recovery == IN_PLACE or config.rendezvous is not None or _coordinates_nodes(config)
-
-
-def _coordinates_nodes(config: LaunchConfig) -> bool:
-    """Whether the launchers of several nodes agree on the job's end (``launching.nodes``): when they
-    restart together, and under a c10d rendezvous, where the launcher that hosts the store must
-    outlive the others."""
-    return config.nnodes > 1 and (config.max_restarts > 0 or config.rendezvous is not None)
-
-
 def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, grace: float = 3.0,
                 poll_interval: float = 0.05) -> int:
     """Run ``script`` on this node's workers until all succeed or one fails; return the exit code.
@@ -323,7 +185,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 for sig in {signal.SIGINT, signal.SIGTERM, config.preemption_signal}}
     if config.preemption_signal != signal.SIGUSR1:
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
-    signals = _Signals(received, stack_requests, config.preemption_signal)
+    signals = Signals(received, stack_requests, config.preemption_signal)
     store_host: StoreHost | None = None
     nodes: NodeCoordination | None = None
 
@@ -345,12 +207,12 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
         # A store the launchers host keeps one port for the whole run (attempts and generations have prefixes).
         port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
         defaults.update(_gloo_interface(config, port, os.environ))
-        if _hosts_store(config) and config.node_rank == 0 and config.rendezvous is None:
+        if config.hosts_store and config.node_rank == 0 and config.rendezvous is None:
             store_host = StoreHost(config.master_addr, port, {**defaults, **os.environ})
         output = config.output.with_log_dir()
         command = worker_command(config.run_as, script, script_args)
         while True:
-            if not _hosts_store(config) and restart_count and config.master_port is None:
+            if not config.hosts_store and restart_count and config.master_port is None:
                 port = find_free_port(config.master_addr)
             log_folder = output.attempt_folder(config.node_rank, restart_count) if output.writes_files() else None
             if log_folder is not None:
@@ -359,20 +221,20 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             try:
                 for local_rank in range(config.nproc_per_node):
                     variables = rank_variables(config, port, local_rank, restart_count)
-                    if config.recovery == IN_PLACE:
+                    if config.recovery is Recovery.IN_PLACE:
                         variables[DDPKIT_READY_FILE] = ready_file(workers.folder, 0, int(variables["RANK"]))
                     workers.start(command, {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
-                replacements = None
-                if config.recovery == IN_PLACE:
+                replacements: Replacements | NoReplacements = NO_REPLACEMENTS
+                if config.recovery is Recovery.IN_PLACE:
                     replacements = Replacements(
                         workers, [*command[:3], SPARE, *command[3:]], {**defaults, **os.environ},
                         functools.partial(rank_variables, config, port, restart_count=restart_count),
                         budget=config.max_restarts - restart_count)
-                if _coordinates_nodes(config) and nodes is None:
+                if config.coordinates_nodes and nodes is None:
                     nodes = _connect_nodes(config, port, workers, stop_waiting)
-                outcome = _watch(workers, signals, grace, poll_interval, replacements, nodes, store_host)
+                outcome = watch(workers, signals, grace, poll_interval, replacements, nodes, store_host)
                 if nodes is not None:
-                    outcome = _agree_across_nodes(nodes, outcome, grace)
+                    outcome = agree_across_nodes(nodes, outcome, grace)
             except NodeContactLostError as error:
                 _log.error(f"ddpkit run: {error}\nddpkit run: all {config.nproc_per_node} workers of node "
                            f"{config.node_rank} were stopped.")
@@ -381,8 +243,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 return _gave_up(stopped, received, "the other nodes were not waited for", nodes)
             finally:
                 workers.close(grace)
-            if replacements is not None:
-                restart_count += replacements.used  # replacements spend the same budget
+            restart_count += replacements.used  # replacements spend the same budget
             if outcome.cause is None:  # success, preempted, or stopped by a signal
                 return outcome.code
             count = config.nproc_per_node
@@ -450,12 +311,12 @@ def _connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
     """This launcher's part in the agreement between the nodes (``launching.nodes``), connected
     after its workers started, so that the import of torch's store client overlaps theirs.
 
-    None when it stopped waiting for the store because a signal came (``_watch`` passes it on to
+    None when it stopped waiting for the store because a signal came (``watch`` passes it on to
     the workers) or every worker here ended meanwhile (their end is this node's outcome); a
     failure of a worker meanwhile is ``NodeContactLostError``."""
     try:
         return NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes,
-                                        functools.partial(_failure_of, workers),
+                                        functools.partial(failure_of, workers),
                                         lambda: None not in workers.exit_codes(), stop_waiting)
     except GaveUpWaiting as stopped:
         _log.warning(f"ddpkit run: node {config.node_rank}'s launcher stopped waiting for the job's store at "
@@ -464,11 +325,11 @@ def _connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
         return None
 
 
-def worker_command(run_as: str, script: str, script_args: Sequence[str]) -> list[str]:
+def worker_command(run_as: RunAs, script: str, script_args: Sequence[str]) -> list[str]:
     """The command line of each worker: ddpkit's bootstrap running the script (or module), or the program itself."""
-    if run_as == "program":
+    if run_as is RunAs.PROGRAM:
         return [script, *script_args]
-    return [sys.executable, "-m", "ddpkit.launching.worker", *(["-m"] if run_as == "module" else []), script,
+    return [sys.executable, "-m", "ddpkit.launching.worker", *(["-m"] if run_as is RunAs.MODULE else []), script,
             *script_args]
 
 
@@ -497,171 +358,11 @@ def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, envir
         raise
     config = dataclasses.replace(config, node_rank=node_rank, master_addr=endpoint.host, master_port=endpoint.port)
     nodes = None
-    if _coordinates_nodes(config):
+    if config.coordinates_nodes:
         nodes = NodeCoordination(store, node_rank, config.nnodes, endpoint.host, endpoint.port,
                                  hosts_store=store_host is not None, give_up=stop_or_store_host_gone)
     return config, store_host, nodes
 
 
-@dataclass
-class _Signals:
-    """What the launcher's signal handlers noted, for ``_watch``."""
-
-    received: list[int]  # SIGINT, SIGTERM and the preemption signal, in the order they came
-    stack_requests: list[float]  # SIGUSR1 (when it is not the preemption signal)
-    preemption_signal: signal.Signals
-
-    def preemption(self) -> int | None:
-        """The signal that asked for a preemption, when the first one received did."""
-        first = self.received[0] if self.received else None
-        return first if first in (signal.SIGTERM, self.preemption_signal) else None
-
-    def stop(self) -> int | None:
-        """The signal that asks to stop at once: SIGINT, or any signal after a preemption's."""
-        if not self.received:
-            return None
-        if self.preemption() is None:
-            return self.received[0]
-        return self.received[1] if len(self.received) > 1 else None
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """How one start of this node's workers ended (``_watch``)."""
-
-    code: int  # the launcher's exit code if nothing is restarted
-    cause: str | None = None  # the root cause of a failure; None: success, preempted, or stopped by a signal
-    recorded_at: float | None = None  # when the root cause's exception was recorded (None: no record)
-    elsewhere: bool = False  # another node's launcher ended this attempt (``launching.nodes``)
-    stopped_elsewhere: bool = False  # another node's launcher was stopped by a signal: nothing is restarted
-
-
-def _watch(workers: WorkerProcesses, signals: _Signals, grace: float, poll_interval: float,
-           replacements: Replacements | None = None, nodes: NodeCoordination | None = None,
-           store_host: StoreHost | None = None) -> _Outcome:
-    """Poll the workers until all succeed (0), all saved and stopped after a preemption (75), a stop
-    signal comes (128 + its number) or one fails (1, and the description of the root cause,
-    after every worker was stopped). With ``replacements`` (in-place recovery), a worker that can
-    be replaced is, and the watch goes on. With ``nodes``, a failure or stop signal here is
-    announced to the other nodes' launchers before the workers are ended, and one announced by
-    them ends this node's workers (1). A ``store_host`` that ends fails the job at once (1)."""
-    count = len(workers.workers)
-    preemption: int | None = None
-    while True:
-        if signals.stack_requests:
-            signals.stack_requests.clear()
-            _print_stacks(workers)
-        stop = signals.stop()
-        if stop is not None:
-            _log.warning(f"ddpkit run: received {signal.Signals(stop).name}, stopping all {count} workers")
-            if nodes is not None:
-                nodes.announce_stop(f"received {signal.Signals(stop).name}")
-            # After a preemption the workers had their SIGTERM: asked again, they are killed at once.
-            workers.end(grace if preemption is None else 0.0)
-            return _Outcome(128 + stop)
-        if preemption is None and (preemption := signals.preemption()) is not None:
-            _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {count} workers to "
-                         "save and stop (preemption); a second signal stops them at once")
-            workers.notify(signal.SIGTERM)
-        # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
-        also_fine = (-signal.SIGTERM,) if preemption else ()
-        failed = workers.failed(also_fine)
-        if failed and preemption is None and replacements is not None:
-            # Ranks killed together (a node's processes, the out-of-memory killer) are reaped a
-            # moment apart: replaced together, or a later one would fail the recovery under way.
-            time.sleep(_LOSSES_SETTLE_SECONDS)
-            failed = workers.failed(also_fine)
-            if replacements.replace(failed):
-                continue
-        if not failed and nodes is not None and nodes.ended_elsewhere():
-            # A worker here killed at the same moment may not have been reaped yet when its peers on
-            # other nodes noticed: its own failure, not theirs, is then the root cause.
-            failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval, also_fine)
-            if not failed:
-                workers.end(grace)
-                return _Outcome(1, "another node's launcher ended the workers", elsewhere=True)
-        if failed:
-            if nodes is not None:
-                nodes.announce_failure()  # the other nodes end their workers meanwhile
-            # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
-            recovering = replacements.recovering() if replacements is not None else ""
-            workers.end(grace)
-            cause, recorded_at = workers.root_cause_summary(failed)
-            return _Outcome(1, f"during the in-place recovery of rank {recovering}: {cause}" if recovering else cause,
-                            recorded_at)
-        problem = replacements.check() if replacements is not None else None
-        if problem is None and store_host is not None:
-            problem = store_host.failure()
-        if problem is not None:
-            workers.end(grace)
-            return _Outcome(1, problem)
-        codes = workers.exit_codes()
-        if preemption is not None and -signal.SIGTERM in codes:
-            _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script does not call "
-                         f"DDPStrategy.preempted()); stopping all {count} workers")
-            workers.end(grace)
-            return _Outcome(128 + preemption)
-        if None not in codes:
-            if PREEMPTED_EXIT_CODE not in codes:
-                return _Outcome(0)
-            _log.warning(f"ddpkit run: preempted: all {count} workers saved and stopped (exit code "
-                         f"{PREEMPTED_EXIT_CODE}); run the same command again to resume")
-            return _Outcome(PREEMPTED_EXIT_CODE)
-        time.sleep(poll_interval)
-
-
 # How long the launcher that hosts the store keeps it for the others after it was told to stop.
 _LEAVE_AFTER_SIGNAL_SECONDS = 2.0
-# How long a launcher told that another node's workers failed still looks for a failure of its own.
-_SETTLE_SECONDS = 0.5
-# How long after a worker is lost the launcher looks for others lost with it (in-place recovery).
-_LOSSES_SETTLE_SECONDS = 0.1
-
-
-def _failure_of(workers: WorkerProcesses) -> str | None:
-    """The root cause of this node's failed workers, or None while none failed."""
-    failed = workers.failed()
-    return workers.describe_root_cause(failed) if failed else None
-
-
-def _failures_within(workers: WorkerProcesses, seconds: float, poll_interval: float,
-                     also_fine: Sequence[int]) -> list[WorkerProcess]:
-    deadline = time.monotonic() + seconds
-    while not (failed := workers.failed(also_fine)) and time.monotonic() < deadline:
-        time.sleep(poll_interval)
-    return failed
-
-
-def _agree_across_nodes(nodes: NodeCoordination, outcome: _Outcome, grace: float) -> _Outcome:
-    """Turn this node's outcome into the job's (``launching.nodes``): workers that succeeded wait
-    for the other nodes' (whose failure is this attempt's failure too); after a failure every
-    launcher names the same root cause, the likeliest of those the nodes published."""
-    if outcome.code == 0 and outcome.cause is None:
-        try:
-            if nodes.finish():
-                return outcome
-        except NodeContactLostError as error:  # workers that all finished are a finished job
-            _log.warning(f"ddpkit run: every worker of node {nodes.node_rank} finished; whether the other nodes' did "
-                         f"too cannot be known: {error}")
-            return outcome
-    own = outcome.cause if not outcome.elsewhere else None  # None: ended because of another node, or a signal
-    nodes.publish_cause(None if own is None else FailureCause(nodes.node_rank, own, outcome.recorded_at))
-    if outcome.cause is None and outcome.code != 0:
-        return outcome  # preempted, or stopped by a signal here: nothing to agree on
-    stopped = nodes.stop_reason()
-    # Every launcher publishes once its workers have ended (``grace``); one that vanished never does.
-    cause = nodes.root_cause(wait_seconds=grace + 5.0)
-    if cause is not None:
-        text = cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}"
-    else:
-        text = f"the job was stopped: {stopped}" if stopped else "another node's workers failed (its output says why)"
-    return _Outcome(1, text, stopped_elsewhere=stopped is not None)
-
-
-def _print_stacks(workers: WorkerProcesses) -> None:
-    """Print every running worker's Python stacks, rank by rank (SIGUSR1 to the launcher)."""
-    stacks = workers.stacks()
-    print(f"ddpkit run: Python stacks of {len(stacks)} running workers (SIGUSR1)", file=sys.stderr)
-    for worker, written in stacks:
-        print(f"=== {worker} ===\n{written}", file=sys.stderr)
-    sys.stderr.flush()

@@ -39,7 +39,7 @@ from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_GENERATION, DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["Replacements", "ready_file", "recovery_timeout_seconds"]
+__all__ = ["NO_REPLACEMENTS", "NoReplacements", "Replacements", "ready_file", "recovery_timeout_seconds"]
 
 _log = get_logger("launching")
 
@@ -55,9 +55,31 @@ def ready_file(folder: str, generation: int, rank: int) -> str:
     return os.path.join(folder, f"ready{generation}.{rank}")
 
 
+class NoReplacements:
+    """Fail fast (``--recovery fail-fast``, the default): no worker is replaced in place; a failure
+    ends every worker, and ``--max-restarts`` may start them all again."""
+
+    in_place = False
+    used = 0
+
+    def replace(self, failed: Sequence[WorkerProcess]) -> bool:
+        return False
+
+    def recovering(self) -> str:
+        return ""
+
+    def check(self) -> str | None:
+        return None
+
+
+NO_REPLACEMENTS = NoReplacements()
+
+
 class Replacements:
     """Warm spares and in-place replacements for one start of a node's workers (each started with
     its ``ready_file`` of generation 0)."""
+
+    in_place = True
 
     def __init__(self, workers: WorkerProcesses, command: Sequence[str], environment: Mapping[str, str],
                  rank_variables: Callable[..., dict[str, str]], budget: int) -> None:

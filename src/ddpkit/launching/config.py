@@ -1,0 +1,169 @@
+"""What ``ddpkit run`` was asked to do on this node (``LaunchConfig``), and the checks that refuse
+bad input before any process starts (``validate``), naming the flag, its value and the fix.
+
+torch-free, as the launcher is.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.machinery
+import os
+import shutil
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddpkit.environments import Recovery
+from ddpkit.launching.output import OutputPlan
+from ddpkit.launching.rendezvous import RendezvousSettings
+from ddpkit.launching.replacement import recovery_timeout_seconds
+
+__all__ = ["LaunchConfig", "LaunchError", "RunAs", "validate"]
+
+
+class RunAs(enum.Enum):
+    """How each worker runs the script (torchrun's ``-m`` and ``--no-python``)."""
+
+    SCRIPT = "script"  # python script.py, through ddpkit's worker bootstrap
+    MODULE = "module"  # python -m module, through the bootstrap
+    PROGRAM = "program"  # the program itself, without python (so without the bootstrap)
+
+
+class LaunchError(ValueError):
+    """Bad launch arguments, found before anything started."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Where this node's workers sit in the job, how they run the script and where their output goes."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
+    backend: str | None = None
+    max_restarts: int = 0  # times the workers are started again after a failure (torchrun's flag)
+    preemption_signal: signal.Signals = signal.SIGTERM  # besides SIGTERM: asks the workers to save and stop
+    recovery: Recovery = Recovery.FAIL_FAST  # IN_PLACE: a killed worker is replaced while the others go on
+    run_as: RunAs = field(default_factory=lambda: RunAs.SCRIPT)
+    output: OutputPlan = field(default_factory=OutputPlan)  # default: the launcher's own streams
+    # torchrun's c10d rendezvous (``launching.rendezvous``): the node rank comes from it, and the
+    # master address and port are the endpoint's. None: static (``node_rank``, ``master_*``).
+    rendezvous: RendezvousSettings | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether the job's store is a launcher's rather than rank 0's: under in-place recovery,
+        when the launchers of several nodes restart together (``launching.nodes``), and under a
+        c10d rendezvous (the store at the endpoint)."""
+        return self.recovery is Recovery.IN_PLACE or self.rendezvous is not None or self.coordinates_nodes
+
+    @property
+    def coordinates_nodes(self) -> bool:
+        """Whether the launchers of several nodes agree on the job's end (``launching.nodes``): when
+        they restart together, and under a c10d rendezvous, where the launcher that hosts the
+        store must outlive the others."""
+        return self.nnodes > 1 and (self.max_restarts > 0 or self.rendezvous is not None)
+
+
+def validate(config: LaunchConfig, script: str) -> None:
+    """Refuse bad input before any process starts, naming the flag, its value and the fix."""
+    if config.nproc_per_node < 1:
+        raise LaunchError(f"--nproc-per-node={config.nproc_per_node}: need at least 1 process per node.")
+    if config.nnodes < 1:
+        raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
+    if config.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={config.max_restarts}: give 0 (no restart) or more.")
+    if config.recovery is Recovery.IN_PLACE and config.nnodes > 1:
+        raise LaunchError(
+            f"--recovery in-place with --nnodes={config.nnodes}: in-place recovery replaces ranks on one node so far. "
+            "Across nodes use --recovery fail-fast (the default) with --max-restarts: every node's workers restart "
+            "together and resume from the last checkpoint."
+        )
+    if config.recovery is Recovery.IN_PLACE:
+        if config.max_restarts < 1:
+            raise LaunchError(f"--recovery in-place with --max-restarts={config.max_restarts}: each replacement of a "
+                              "lost rank counts against --max-restarts; give --max-restarts 1 or more.")
+        try:
+            recovery_timeout_seconds()
+        except ValueError as error:
+            raise LaunchError(str(error)) from None
+        if config.backend == "nccl":
+            raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
+                              "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "
+                              "--max-restarts.")
+    _check_script(config.run_as, script)
+    if config.run_as is RunAs.PROGRAM and config.recovery is Recovery.IN_PLACE:
+        raise LaunchError("--recovery in-place with --no-python: a warm spare runs ddpkit's worker bootstrap, in "
+                          "python. Run a python script (or -m module), or use --max-restarts without in-place recovery.")
+    if config.rendezvous is not None:  # the node rank, address and port come from the rendezvous
+        _check_endpoint(config.rendezvous)
+        return
+    if not 0 <= config.node_rank < config.nnodes:
+        raise LaunchError(
+            f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
+            f"0..{config.nnodes - 1}."
+        )
+    try:
+        socket.getaddrinfo(config.master_addr, None)
+    except socket.gaierror as error:
+        raise LaunchError(
+            f"--master-addr={config.master_addr!r} does not resolve ({error}). Use the host name or IP address "
+            "of the node with --node-rank=0."
+        ) from None
+    if config.master_port is None:
+        if config.nnodes > 1:
+            raise LaunchError("--master-port is required with --nnodes > 1: every node must use the same port.")
+        return
+    if not 1 <= config.master_port <= 65535:
+        raise LaunchError(f"--master-port={config.master_port} is not a TCP port (1..65535).")
+    if config.node_rank == 0 and not _port_is_free(config.master_addr, config.master_port):
+        raise LaunchError(
+            f"--master-port={config.master_port} is already in use on {config.master_addr}. Choose another port, "
+            "or leave --master-port out on a single node to get a free one."
+        )
+
+
+def _check_endpoint(rendezvous: RendezvousSettings) -> None:
+    try:
+        socket.getaddrinfo(rendezvous.endpoint.host, None)
+    except socket.gaierror as error:
+        raise LaunchError(f"--rdzv-endpoint={str(rendezvous.endpoint)!r} does not resolve ({error}). Use the host "
+                          "name or IP address of one of the job's nodes, the same on every node.") from None
+    if not rendezvous.run_id:
+        raise LaunchError("--rdzv-backend c10d needs --rdzv-id: a name for the job, the same on every node "
+                          "(e.g. the scheduler's job id).")
+
+
+def _check_script(run_as: RunAs, script: str) -> None:
+    """The script, module or program exists (a module's top package is looked up, not imported)."""
+    if run_as is RunAs.MODULE:
+        top = script.split(".")[0]
+        if not top or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+            raise LaunchError(f"module {script!r} was not found (looked for {top!r} in {os.getcwd()} and sys.path). "
+                              "Check the name, or run from the folder that holds it.")
+    elif run_as is RunAs.PROGRAM:
+        if shutil.which(script) is None:
+            raise LaunchError(f"program {script!r} was not found or is not executable (looked in {os.getcwd()} and "
+                              "PATH). Check the path and its execute permission, or leave out --no-python for a "
+                              "python script.")
+    elif not Path(script).is_file():
+        raise LaunchError(f"script {script!r} does not exist (looked in {os.getcwd()}). Check the path.")
+
+
+def _port_is_free(address: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError:
+            return False
+    return True
