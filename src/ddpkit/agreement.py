@@ -32,8 +32,9 @@ import torch.distributed as dist
 from ddpkit.collectives import collective_call, communication_device
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.waits import wait_for
+from ddpkit.preemption import PreemptionNotice, preemption_signals
 
-__all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "StepAgreement"]
+__all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "PreemptionAgreement", "StepAgreement"]
 
 # From this step time on the all-reduce is waited for at once: a decision a step late would
 # cost that much more, while the wait (a round trip, and on a GPU the host waiting for the
@@ -132,3 +133,25 @@ class StepAgreement:
         self._decided, slowest = result
         self._wait_at_once = slowest >= self.wait_at_once_seconds
         self._calls_until_round = max(0, int(self.round_interval_seconds / slowest) - 1) if slowest > 0 else 0
+
+
+class PreemptionAgreement:
+    """``DDPStrategy.preempted()``'s parts: this process's preemption notice (SIGTERM and
+    DDPKIT_PREEMPTION_SIGNAL caught from the first call on) and the ranks' agreement on it."""
+
+    def __init__(self) -> None:
+        self._notice = PreemptionNotice(preemption_signals())
+        self._notice.install()
+        self._agreement = StepAgreement()
+
+    def decide(self) -> bool:
+        """True on every rank at the same call once any rank received a preemption signal."""
+        return self._agreement.decide(self._notice.received is not None)
+
+    def restart(self) -> None:
+        """Agree afresh: the pending all-reduce belonged to a group abandoned by an in-place recovery."""
+        self._agreement = StepAgreement()
+
+    def close(self) -> None:
+        """Give the signals their handlers from before back."""
+        self._notice.uninstall()

@@ -1,4 +1,5 @@
-"""``even_batches``: every rank stops at the shortest rank's number of batches.
+"""Data for several ranks: ``shard`` (a loader's DistributedSampler, its epoch set at each pass)
+and ``even_batches`` (every rank stops at the shortest rank's number of batches).
 
 The simple answer to uneven inputs (the other is ``DistributedDataParallel.join``): ranks whose
 data differ in length, e.g. shards of unequal size read by an ``IterableDataset``, would
@@ -14,11 +15,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 from ddpkit.collectives import communication_device, sync_ddp
 from ddpkit.connection import distributed_available
 
-__all__ = ["even_batches"]
+__all__ = ["EpochDataLoader", "even_batches", "shard"]
 
 T = TypeVar("T")
 ProcessGroup = Any
@@ -45,3 +47,34 @@ def even_batches(batches: Iterable[T], group: ProcessGroup = None) -> Iterator[T
         if int(everyone.item()) == 0:
             return
         yield batch  # type: ignore[misc]
+
+
+def shard(loader: DataLoader[Any], num_replicas: int, rank: int) -> DataLoader[Any]:
+    """``loader`` with a ``DistributedSampler`` (shuffled unless it read its data in order), so that
+    each rank reads its own share; each pass over it shuffles for the next epoch
+    (``EpochDataLoader``). A loader with a DistributedSampler already is returned as it is."""
+    if isinstance(loader.sampler, DistributedSampler):
+        return loader
+    shuffle = not isinstance(loader.sampler, SequentialSampler)
+    sampler: DistributedSampler[Any] = DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank,
+                                                          shuffle=shuffle)
+    return EpochDataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+                           num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                           pin_memory=loader.pin_memory, drop_last=loader.drop_last)
+
+
+class EpochDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader whose DistributedSampler gets ``set_epoch`` at each new iteration.
+
+    ``epoch`` is the epoch the next iteration shuffles for; set it when resuming a run.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+
+    def __iter__(self) -> Any:
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return super().__iter__()

@@ -37,22 +37,30 @@ gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import pickle
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
 
 from ddpkit.collectives import all_gather_object, broadcast_object
 from ddpkit.connection import current_generation, form_generation
+from ddpkit.data import EpochDataLoader
+from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.diagnostics.waits import run_collective
+from ddpkit.environments import ClusterEnvironment, Recovery
 from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.variables import DDPKIT_READY_FILE
 
-__all__ = ["InPlaceRecovery", "Progress"]
+__all__ = ["InPlaceRecovery", "Progress", "ResumableLoop", "set_epoch"]
 
 _log = get_logger("recovery")
 
@@ -67,23 +75,73 @@ class Progress:
 
 
 class InPlaceRecovery:
-    """One rank's side of in-place recovery (see the module docstring)."""
+    """One rank's side of in-place recovery (see the module docstring). The loop (``ResumableLoop``)
+    asks it where to start and tells it where training has got to; the resume point and the
+    pending replay are its own."""
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
-        #: (epoch, index of the next batch) right after the last optimizer step: where a recovery continues.
-        self.resume = (0, 0)
-        #: Set by ``recover``/``join``: ``batches()`` continues from ``resume`` instead of reading on.
-        self.rewind = False
-        #: This process replaced a lost rank (``join`` ran): ``epochs``/``batches`` start at ``resume``.
-        self.joined = False
-        self.recoveries = 0
-        #: Ranks of the current generation that replaced lost ones (set by each exchange).
-        self.replaced: list[int] = []
+        # (epoch, index of the next batch) right after the last optimizer step: where a recovery continues.
+        self._resume = (0, 0)
+        # Set by ``recover``: the loop hands out the batches from ``_resume`` again instead of reading on.
+        self._rewind = False
+        self._joined = False
+        self._recoveries = 0
+        self._replaced: list[int] = []
         self._model: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._buffers: list[torch.Tensor] = []
         self._rng = torch.get_rng_state()
+
+    @property
+    def joined(self) -> bool:
+        """Whether this process replaced a lost rank (``join`` ran): the loop starts at the survivors' place."""
+        return self._joined
+
+    @property
+    def recovered(self) -> bool:
+        """Whether this process replaced a lost rank or survived the loss of one."""
+        return self._joined or self._recoveries > 0
+
+    @property
+    def replaced(self) -> list[int]:
+        """The ranks of the current generation that replaced lost ones (set by each exchange)."""
+        return list(self._replaced)
+
+    # -- where the loop is (``ResumableLoop``) --------------------------------------------------------
+
+    def first_epoch(self, start: int) -> int:
+        """The epoch the loop starts at: the survivors' in a replacement, else ``start``."""
+        return self._resume[0] if self._joined else start
+
+    def first_batch(self, epoch: int, skip: int) -> int:
+        """The batch ``epoch``'s loop starts at: the survivors' in a replacement's first epoch."""
+        if self._joined and self._resume[0] == epoch:
+            skip = max(skip, self._resume[1])
+        self.reached(epoch, skip)
+        return skip
+
+    def reached(self, epoch: int, batch: int) -> None:
+        """The loop is at ``batch`` of ``epoch`` (or past the epoch: the next one's batch 0) with
+        nothing trained since the last optimizer step: a rank lost from here on is replaced there."""
+        self._resume = max(self._resume, (epoch, batch))
+
+    def replay_from(self, epoch: int) -> int | None:
+        """After a recovery: the batch of ``epoch`` to hand out again from (once); None otherwise.
+        ``RuntimeError`` when the ranks continue in another epoch (a collective between epochs)."""
+        if not self._rewind:
+            return None
+        self._rewind = False
+        resume_epoch, resume_batch = self._resume
+        if resume_epoch != epoch:
+            raise RuntimeError(
+                f"in-place recovery: the ranks continue in epoch {resume_epoch}, but this rank iterates epoch "
+                f"{epoch}. Keep collectives between epochs outside the steps, or restart from a checkpoint.")
+        return resume_batch
+
+    def committed(self, epoch: int) -> int:
+        """How many of ``epoch``'s batches an optimizer step has committed (0 in a later epoch's terms)."""
+        return self._resume[1] if self._resume[0] == epoch else 0
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -91,23 +149,32 @@ class InPlaceRecovery:
         """In a replacement, before its module is wrapped: receive the state of the survivors and
         load it into ``module`` and ``optimizer``; return it (``attach`` takes the bucket order)."""
         state = self._exchange(module, optimizer, replacement=True)
-        self.joined = True
-        self.rewind = False  # epochs() and batches() start at resume
+        self._joined = True
+        self._rewind = False  # the loop starts at the resume point (first_epoch, first_batch)
         return state
 
-    def attach(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                joined_state: dict[str, Any] | None = None) -> None:
         """Follow ``optimizer``'s steps (each one commits the batch in hand) and keep what a redo
-        needs: the buffers and RNG state as of the last step."""
+        needs: the buffers and RNG state as of the last step. Then tell the launcher, through the
+        ready file, that this rank can take part in a recovery (a replacement: that it holds the
+        survivors' state); it replaces a lost rank in place only once every other rank has."""
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError("in-place recovery needs ddpkit's DistributedDataParallel: drop use_torch_ddp=True, or "
+                             "use ddpkit run --recovery fail-fast.")
         self._model, self._optimizer = model, optimizer
         self._buffers = [buffer.detach().clone() for buffer in model.module.buffers()]
         if joined_state is not None:
             model.adopt_bucket_order(joined_state["bucket_order"], joined_state["bucket_order_may_change"])
         optimizer.register_step_post_hook(self._commit)
+        ready_file = os.environ.get(DDPKIT_READY_FILE)
+        if ready_file:
+            with open(ready_file, "w", encoding="utf-8") as handle:
+                handle.write("ready\n")
 
     def _commit(self, *_: Any) -> None:
         progress = self.progress
-        self.resume = (progress.epoch, progress.batch + 1)
+        self._resume = (progress.epoch, progress.batch + 1)
         progress.steps += 1
         if self._model is not None:
             self._keep_buffers(self._model.module)
@@ -132,16 +199,16 @@ class InPlaceRecovery:
         state = self._exchange(model.module, optimizer, replacement=False)
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
         optimizer.zero_grad(set_to_none=True)  # the redo starts a fresh accumulation window
-        self.rewind = True
-        self.recoveries += 1
-        _log.warning(f"ddpkit: recovered in place: generation {generation}, continuing at epoch {self.resume[0]} "
-                     f"batch {self.resume[1]} (optimizer step {self.progress.steps})")
+        self._rewind = True
+        self._recoveries += 1
+        _log.warning(f"ddpkit: recovered in place: generation {generation}, continuing at epoch {self._resume[0]} "
+                     f"batch {self._resume[1]} (optimizer step {self.progress.steps})")
 
     def _exchange(self, module: nn.Module, optimizer: torch.optim.Optimizer, replacement: bool) -> dict[str, Any]:
         """Pick the sender (the survivor with the most optimizer steps) and give every rank its state."""
         ranks = all_gather_object((replacement, self.progress.steps))
         candidates = [rank for rank, (is_replacement, _) in enumerate(ranks) if not is_replacement]
-        self.replaced = [rank for rank, (is_replacement, _) in enumerate(ranks) if is_replacement]
+        self._replaced = [rank for rank, (is_replacement, _) in enumerate(ranks) if is_replacement]
         if not candidates:
             raise RuntimeError("in-place recovery: every rank of the new generation is a replacement; no rank holds "
                                "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
@@ -161,7 +228,7 @@ class InPlaceRecovery:
             if name in model_state:
                 model_state[name] = kept  # as of the last optimizer step: the failed forward may have moved them
         order, may_change = self._model.bucket_order() if self._model is not None else ([], True)
-        return {"model": model_state, "optimizer": optimizer.state_dict(), "resume": self.resume,
+        return {"model": model_state, "optimizer": optimizer.state_dict(), "resume": self._resume,
                 "steps": self.progress.steps, "rng": self._rng, "bucket_order": order,
                 "bucket_order_may_change": may_change}
 
@@ -174,11 +241,133 @@ class InPlaceRecovery:
     def _load(self, state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        self.resume = (int(state["resume"][0]), int(state["resume"][1]))
+        self._resume = (int(state["resume"][0]), int(state["resume"][1]))
         self.progress.steps = int(state["steps"])
         self._rng = state["rng"]
         torch.set_rng_state(self._rng)
         self._keep_buffers(module)  # nothing yet in a replacement: attach() takes them after this
+
+
+class ResumableLoop:
+    """``DDPStrategy``'s ``epochs()`` / ``batches()`` / ``step()``: where training is (``progress``)
+    and, under in-place recovery, the replay of the batches since the last optimizer step after a
+    rank was replaced. Without recovery, ``range`` and the loader's own batches."""
+
+    def __init__(self, on_recovered: Callable[[], None]) -> None:
+        self.progress = Progress()
+        self.recovery: InPlaceRecovery | None = None  # set by ``start_recovery``
+        self._on_recovered = on_recovered  # what else was tied to the abandoned group (the strategy's)
+        self._in_step = False  # inside step(): a lost rank is its to recover from
+
+    def start_recovery(self, environment: ClusterEnvironment, wanted: Recovery | None,
+                       optimizer: torch.optim.Optimizer | None, comm_state: object | None) -> InPlaceRecovery | None:
+        """This process's side of in-place recovery (made once) when the job runs with it: ``wanted``
+        (``DDPStrategy(recovery=...)``), by default what the launcher told ``environment``. None
+        without it, or alone; ``ValueError`` for a combination it cannot serve, before connecting."""
+        launched_in_place = getattr(environment, "recovery", None) is Recovery.IN_PLACE
+        if (wanted or (Recovery.IN_PLACE if launched_in_place else None)) is not Recovery.IN_PLACE:
+            return None
+        if environment.world_size() < 2:
+            return None
+        if not launched_in_place:
+            raise ValueError("DDPStrategy(recovery='in-place') needs the launcher's part: start the job with "
+                             "`ddpkit run --recovery in-place --max-restarts N ...` (it hosts the store and a spare process).")
+        if optimizer is None:
+            raise ValueError("in-place recovery needs the optimizer: call setup(model, optimizer), so that its state "
+                             "reaches a replacement and its steps mark what was trained.")
+        if comm_state is not None:
+            raise ValueError("in-place recovery does not carry a comm hook's state (ddp_comm_state, e.g. PowerSGD's "
+                             "error feedback) to a replacement; use a stateless hook or --recovery fail-fast.")
+        if self.recovery is None:
+            self.recovery = InPlaceRecovery(self.progress)
+        return self.recovery
+
+    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
+        recovery = self.recovery
+        epoch = recovery.first_epoch(start) if recovery is not None else start
+        while epoch < stop:
+            self.progress.epoch, self.progress.batch = epoch, -1
+            if recovery is not None:
+                recovery.reached(epoch, 0)
+            yield epoch
+            epoch += 1
+
+    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
+        epoch = self.progress.epoch
+        set_epoch(loader, epoch)
+        recovery = self.recovery
+        if recovery is not None:
+            skip = recovery.first_batch(epoch, skip)
+        try:
+            yield from self._batches_of_epoch(loader, epoch, skip, recovery)
+        finally:
+            if recovery is not None:
+                # The loop left the epoch (every batch read, or a break): a rank lost from here
+                # on (a save between epochs) is replaced at the next epoch's first batch.
+                recovery.reached(epoch + 1, 0)
+
+    def _batches_of_epoch(self, loader: Iterable[Any], epoch: int, skip: int,
+                          recovery: InPlaceRecovery | None) -> Iterator[Any]:
+        iterator = iter(loader)
+        next_index = 0
+        uncommitted: list[tuple[int, Any]] = []  # batches since the last optimizer step (in-place recovery)
+        again: list[tuple[int, Any]] = []
+        while True:
+            replay = recovery.replay_from(epoch) if recovery is not None else None
+            if replay is not None:
+                again = [(index, batch) for index, batch in uncommitted if index >= replay]
+                uncommitted = list(again)
+                skip = max(skip, replay)
+            if again:
+                index, batch = again.pop(0)
+            else:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                index, next_index = next_index, next_index + 1
+                if index < skip:
+                    continue
+                if recovery is not None:
+                    uncommitted.append((index, batch))
+            self.progress.batch = index
+            yield batch
+            if recovery is not None and uncommitted:
+                done = recovery.committed(epoch)
+                uncommitted = [(i, b) for i, b in uncommitted if i >= done]
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        self._in_step = True
+        try:
+            yield
+        except PeerLostError:
+            if self.recovery is None:
+                raise
+            self._recover(self.recovery)
+        finally:
+            self._in_step = False
+
+    def recover_between_steps(self, lost: PeerLostError) -> list[int]:
+        """A rank was lost outside ``step()`` (in a checkpoint save): recover as ``step()`` would and
+        return the ranks that were replaced; re-raise ``lost`` when there is no recovery, or when
+        the save was inside ``step()`` (which recovers itself)."""
+        if self.recovery is None or self._in_step:
+            raise lost
+        self._recover(self.recovery)
+        return self.recovery.replaced
+
+    def _recover(self, recovery: InPlaceRecovery) -> None:
+        recovery.recover()
+        self._on_recovered()
+
+
+def set_epoch(loader: Iterable[Any], epoch: int) -> None:
+    """Give ``loader``'s sampler the epoch, so that its shuffle is the epoch's on every rank."""
+    if isinstance(loader, EpochDataLoader):
+        loader.epoch = epoch
+    elif isinstance(getattr(loader, "sampler", None), DistributedSampler):
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
 
 
 # -- the state transfer --------------------------------------------------------------------------

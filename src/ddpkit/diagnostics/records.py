@@ -11,12 +11,22 @@ import json
 import time
 import traceback
 
-__all__ = ["exception_record", "failure_record", "read_error_record", "record_time", "write_error_record"]
+__all__ = ["trace_record", "exception_record", "failure_record", "read_error_record", "record_time", "write_error_record"]
 
 
 def failure_record(rank: int, kind: str, message: str, trace: str) -> dict[str, object]:
     """One rank's failure, as the launchers' error files and the store (``ddpkit.diagnostics.failures``) hold it."""
     return {"rank": rank, "time": time.time(), "type": kind, "message": message, "traceback": trace}
+
+
+def trace_record(rank: int, trace: str) -> dict[str, object]:
+    """The record of a failure given as its formatted traceback, named by its last line
+    ("SomeError: message"; "Error" when the last line is not of that form)."""
+    last_line = trace.strip().splitlines()[-1] if trace.strip() else "(no traceback given)"
+    kind, separator, message = last_line.partition(": ")
+    if not separator or " " in kind:
+        kind, message = "Error", last_line
+    return failure_record(rank, kind, message, trace)
 
 
 def record_time(record: dict[str, object]) -> float:

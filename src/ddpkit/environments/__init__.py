@@ -36,6 +36,7 @@ from ddpkit.environments.base import (
     _ResolvedEnvironment,
     check_place,
     environment_variables,
+    restart_count,
 )
 from ddpkit.environments.kubeflow import KubeflowEnvironment
 from ddpkit.environments.local import LocalEnvironment
@@ -61,6 +62,7 @@ __all__ = [
     "environment_variables",
     "expand_slurm_nodelist",
     "find_free_port",
+    "restart_count",
 ]
 
 

@@ -7,7 +7,9 @@ import enum
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-__all__ = ["RECOVERY_TIMEOUT_SECONDS", "ChoosesBackend", "ClusterEnvironment", "Recovery", "check_place",
+from ddpkit.variables import DDPKIT_RESTART_COUNT
+
+__all__ = ["RECOVERY_TIMEOUT_SECONDS", "ChoosesBackend", "ClusterEnvironment", "Recovery", "check_place", "restart_count",
            "environment_variables"]
 
 
@@ -148,6 +150,22 @@ class _ResolvedEnvironment:
 
 # ---------------------------------------------------------------------------------------------
 # Parsing helpers: every error names the variable, its value and what to do about it.
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How often the workers were started again before this start (0: the first start):
+    ``DDPKIT_RESTART_COUNT`` (``ddpkit run --max-restarts``), else torchrun's
+    ``TORCHELASTIC_RESTART_COUNT``. ``ValueError`` naming a malformed one."""
+    for variable in (DDPKIT_RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT"):
+        value = env.get(variable, "").strip()
+        if not value:
+            continue
+        count = int(value) if value.isdigit() else -1
+        if count < 0:
+            raise ValueError(f"{variable}={value!r} is not a restart count (0 or more); the launcher sets it, "
+                             "so unset it if you set it yourself.")
+        return count
+    return 0
 
 
 def _int_var(env: Mapping[str, str], name: str, fix: str, default: int | None = None, minimum: int = 0) -> int:

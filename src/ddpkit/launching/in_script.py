@@ -28,9 +28,10 @@ from types import TracebackType
 import torch
 
 from ddpkit._network import find_free_port
+from ddpkit.environments import ClusterEnvironment, LocalEnvironment
 from ddpkit.launching.config import LaunchConfig, RunAs
 from ddpkit.launching.launcher import performance_defaults, rank_variables, worker_command
-from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
+from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
@@ -115,8 +116,8 @@ class LocalRanks:
         self.finished.set()
         self.children.end(_GRACE_SECONDS)
 
-    def join(self, timeout: float) -> list[tuple[int, int]]:
-        """Wait for the children to end by themselves; return (local rank, exit code) of those that failed.
+    def join(self, timeout: float) -> None:
+        """Wait for the children to end by themselves; ``RuntimeError`` naming those that failed.
 
         Children still running after ``timeout`` are ended and count as failed; one that exited
         with ``PREEMPTED_EXIT_CODE`` saved and stopped with this process, and did not fail.
@@ -129,10 +130,25 @@ class LocalRanks:
             except subprocess.TimeoutExpired:
                 code = -signal.SIGTERM
             if code not in (0, PREEMPTED_EXIT_CODE):
-                failed.append((child.local_rank, code))
+                failed.append(f"local rank {child.local_rank} {describe_exit(code)}")
         self.finished.set()
         self.children.close(_GRACE_SECONDS)
-        return failed
+        if failed:
+            raise RuntimeError("local ranks that this process started did not end cleanly: " + ", ".join(failed))
+
+
+def processes_to_start(environment: ClusterEnvironment, devices: int, num_nodes: int) -> int:
+    """How many processes in-script launching must make on this node (this one included) for a
+    strategy with ``devices`` parallel devices on ``num_nodes`` nodes; 0: none (a launcher or
+    scheduler started them, or the user set WORLD_SIZE, or one device on one node)."""
+    if environment.creates_processes_externally:
+        return 0
+    if not isinstance(environment, LocalEnvironment) or environment.world_size() > 1:
+        return 0  # a user-made environment, or WORLD_SIZE set by hand: the processes exist already
+    if num_nodes > 1 and devices == 0:
+        raise ValueError(f"num_nodes={num_nodes} needs parallel_devices (the devices of each node), e.g. "
+                         "parallel_devices=[torch.device('cpu')] * 2, or start the job with `ddpkit run`.")
+    return devices if devices > 1 or num_nodes > 1 else 0
 
 
 def start_local_ranks(nproc_per_node: int, num_nodes: int, env: Mapping[str, str] | None = None) -> LocalRanks:
