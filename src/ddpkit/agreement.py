@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.collectives import collective_call, communication_device
+from ddpkit.collective_call import collective_call, communication_device
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.preemption import PreemptionNotice, preemption_signals

@@ -9,37 +9,22 @@ inside the group, and ddpkit translates them to global ranks for torch.
 from __future__ import annotations
 
 import ctypes
-import functools
-import inspect
 import math
 import pickle
 import zlib
-from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ddpkit.collective_call import (
+    all_gather_stacked,
+    collective,
+    communication_device,
+    group_rank_and_size,
+)
 from ddpkit.connection import distributed_available
-from ddpkit.diagnostics.debug import (
-    CollectiveMismatchError,
-    call_site,
-    checking,
-    debug_enabled,
-    fingerprint,
-    mismatch,
-)
-from ddpkit.diagnostics.failures import (
-    PeerFailedError,
-    PeerLostError,
-    lost_peers_expected,
-    note_lost_peer,
-    peer_failure,
-    raising,
-)
-from ddpkit.diagnostics.hangs import HangWatch, active_watch
-from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.waits import run_collective
 
 __all__ = [
@@ -50,8 +35,6 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
-    "collective_call",
-    "communication_device",
     "gather_all_tensors",
     "sync_ddp",
     "sync_ddp_if_available",
@@ -64,148 +47,6 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default gr
 # before they know each other's shapes: [ndim, dtype code, size_0 .. size_{MAX-1}].
 _MAX_GATHER_NDIM = 16
 _TOO_MANY_DIMS = -1
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-class collective_call:
-    """The diagnostics seam: every ddpkit collective, and each gradient synchronisation of the
-    DDP module, runs inside ``with collective_call(operation, group, tensor):``.
-
-    - With hang diagnosis on (``ddpkit.diagnostics.hangs``), the watch notes that this rank is in
-      ``operation``, called from the user's code at ``call_site()``, until the block ends.
-    - In debug mode (``ddpkit.diagnostics.debug``; ``fingerprint`` overrides the setting), the ranks of
-      ``group`` first compare fingerprints (operation, sequence number, dtype and, if ``compare_shape``,
-      shape of ``tensor``, call site) and raise ``CollectiveMismatchError`` on every rank when they differ.
-    - When the block fails with a ``RuntimeError`` because another rank published its failure
-      (``ddpkit.diagnostics.failures``), ``PeerFailedError`` naming that rank and its exception is
-      raised instead of the connection error. Under in-place recovery, a failure that nobody
-      recorded (a rank was killed) becomes ``PeerLostError``, and the other ranks are told.
-
-    Blocks inside a block (a collective that another one makes) are neither watched nor checked
-    again. A class, not a generator: the call site is found by walking up the frames, and a
-    generator's caller would be ``contextlib``.
-    """
-
-    __slots__ = ("_operation", "_group", "_tensor", "_compare_shape", "_fingerprint", "_nesting", "_watch")
-
-    def __init__(self, operation: str, group: ProcessGroup = None, tensor: Any = None, *,
-                 compare_shape: bool = True, fingerprint: bool | None = None) -> None:
-        self._operation, self._group, self._tensor = operation, group, tensor
-        self._compare_shape, self._fingerprint = compare_shape, fingerprint
-        self._nesting: checking | None = None
-        self._watch: HangWatch | None = None
-
-    def __enter__(self) -> None:
-        watch_peers()
-        debug = debug_enabled() if self._fingerprint is None else self._fingerprint
-        watch = active_watch()
-        if not (debug or watch is not None) or not distributed_available():
-            return
-        self._nesting = checking()
-        if not self._nesting.__enter__():
-            return  # inside another block, which is checked and watched
-        if watch is not None:
-            self._watch = watch
-            watch.enter(self._operation, call_site())
-        if debug:
-            try:
-                _check_fingerprints(self._operation, self._group, self._tensor, self._compare_shape)
-            except BaseException as error:
-                self.__exit__(type(error), error, error.__traceback__)
-                raise
-
-    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
-        if self._watch is not None:
-            self._watch.leave()
-            self._watch = None
-        if self._nesting is not None:
-            self._nesting.__exit__()
-            self._nesting = None
-        if isinstance(error, RuntimeError) and not isinstance(error, (PeerFailedError, PeerLostError)):
-            failure = peer_failure(probe_first=True)
-            if failure is None and lost_peers_expected():
-                failure = note_lost_peer(error)  # a rank vanished: in-place recovery replaces it
-            if failure is not None:
-                raise raising(failure) from error
-
-
-def _collective(tensor_argument: str | None = None,
-                compare_shape: bool = True) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
-    """Run one of ddpkit's collectives inside ``collective_call``, named after the function; in
-    debug mode its argument ``tensor_argument`` (and ``group``) are the ones fingerprinted."""
-
-    def decorate(collective: Callable[_P, _R]) -> Callable[_P, _R]:
-        signature = inspect.signature(collective)
-        operation = collective.__name__
-
-        @functools.wraps(collective)
-        def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            debug = debug_enabled()
-            group = tensor = None
-            if debug:
-                arguments = signature.bind(*args, **kwargs).arguments
-                group = arguments.get("group")
-                tensor = arguments.get(tensor_argument) if tensor_argument else None
-            with collective_call(operation, group, tensor, compare_shape=compare_shape, fingerprint=debug):
-                return collective(*args, **kwargs)
-
-        return run
-
-    return decorate
-
-
-def _check_fingerprints(operation: str, group: ProcessGroup, tensor: Any = None, compare_shape: bool = True) -> None:
-    """Debug mode: raise on every rank of ``group`` if they are not all about to run the same collective."""
-    mine = fingerprint(operation, group, tensor, compare_shape)
-    _, world_size = _group_rank_and_size(group)
-    code = torch.tensor(mine.code(), dtype=torch.long, device=communication_device(group))
-    codes = _all_gather_stacked(code, group, world_size)
-    if bool((codes == codes[0]).all()):
-        return
-    with checking():  # the exchange is itself a collective: not fingerprinted
-        everyone = all_gather_object(mine, group)
-    problem = mismatch(everyone)
-    if problem is not None:
-        raise CollectiveMismatchError(f"ddpkit debug mode: {problem}")
-
-
-def _group_rank_and_size(group: ProcessGroup) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size; raises if this process is not in it."""
-    rank = dist.get_rank(group)
-    if rank < 0:
-        members = dist.get_process_group_ranks(group)
-        raise ValueError(
-            f"Global rank {dist.get_rank()} called a collective on a process group it is not a member of "
-            f"(members: global ranks {members}). Call collectives on a group only from its members."
-        )
-    return rank, dist.get_world_size(group)
-
-
-def communication_device(group: ProcessGroup) -> torch.device:
-    """Where tensors that ddpkit creates for a collective must live: NCCL only moves CUDA tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); earlier
-# releases, which pyproject's torch>=2.4 admits, have only the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _all_gather_stacked(tensor: Tensor, group: ProcessGroup, world_size: int) -> Tensor:
-    """All ranks' ``tensor`` (same shape everywhere) stacked into ``(world_size, *shape)``.
-
-    Gathers a flat view into one output buffer: no list of outputs and no ``torch.stack`` copy.
-    """
-    flat = tensor.detach().contiguous().reshape(-1)
-    out = flat.new_empty(world_size * flat.numel())
-    if flat.numel() > 0:  # every rank has the same numel here, so all skip or none does
-        run_collective(_all_gather_single, out, flat, group=group)
-    return out.view(world_size, *tensor.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,9 +62,9 @@ class AllGatherGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, group: ProcessGroup = None) -> Tensor:
-        rank, world_size = _group_rank_and_size(group)
+        rank, world_size = group_rank_and_size(group)
         ctx.group, ctx.rank = group, rank
-        return _all_gather_stacked(tensor, group, world_size)
+        return all_gather_stacked(tensor, group, world_size)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> tuple[Tensor, None]:
@@ -234,7 +75,7 @@ class AllGatherGrad(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
-@_collective("tensor")  # same shape on every rank: different ones would abort the process in Gloo
+@collective("tensor")  # same shape on every rank: different ones would abort the process in Gloo
 def all_gather_ddp_if_available(tensor: Tensor, group: ProcessGroup = None, sync_grads: bool = False) -> Tensor:
     """Gather ``tensor`` (same shape on every rank) from all ranks of ``group``: ``(world_size, *shape)``.
 
@@ -245,8 +86,8 @@ def all_gather_ddp_if_available(tensor: Tensor, group: ProcessGroup = None, sync
         return tensor
     if sync_grads:
         return AllGatherGrad.apply(tensor, group)  # type: ignore[no-untyped-call, no-any-return]  # torch: unannotated
-    _, world_size = _group_rank_and_size(group)
-    return _all_gather_stacked(tensor, group, world_size)
+    _, world_size = group_rank_and_size(group)
+    return all_gather_stacked(tensor, group, world_size)
 
 
 def _exchange_with_peers(sends: list[Tensor], receives: list[Tensor], rank: int, group: ProcessGroup) -> None:
@@ -297,7 +138,7 @@ class _UnevenAllGather(torch.autograd.Function):
         return torch.stack(received).sum(dim=0), None, None, None
 
 
-@_collective("result", compare_shape=False)
+@collective("result", compare_shape=False)
 def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: bool = False) -> list[Tensor]:
     """Gather ``result`` from every rank of ``group`` into a list, one tensor per rank.
 
@@ -311,7 +152,7 @@ def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: b
     """
     if not distributed_available():
         return [result]
-    rank, world_size = _group_rank_and_size(group)
+    rank, world_size = group_rank_and_size(group)
     shapes = _exchange_shapes(result, group, world_size, rank)
     source = result if sync_grads else result.detach()
 
@@ -319,7 +160,7 @@ def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: b
         if sync_grads:
             stacked = AllGatherGrad.apply(source, group)  # type: ignore[no-untyped-call]  # torch: unannotated
         else:
-            stacked = _all_gather_stacked(source, group, world_size)
+            stacked = all_gather_stacked(source, group, world_size)
         return list(stacked.unbind(0))
 
     numels = [math.prod(shape) for shape in shapes]
@@ -337,7 +178,7 @@ def _exchange_shapes(result: Tensor, group: ProcessGroup, world_size: int, rank:
         fields = [result.ndim, dtype_code, *result.shape]
     fields += [0] * (2 + _MAX_GATHER_NDIM - len(fields))
     header = torch.tensor(fields, dtype=torch.long, device=result.device)
-    headers = _all_gather_stacked(header, group, world_size).cpu().tolist()
+    headers = all_gather_stacked(header, group, world_size).cpu().tolist()
 
     ndims = [row[0] for row in headers]
     if _TOO_MANY_DIMS in ndims:
@@ -397,7 +238,7 @@ def _as_tensor(result: Tensor | float | int | bool, group: ProcessGroup) -> Tens
     return torch.tensor(result, device=communication_device(group) if distributed_available() else None)
 
 
-@_collective("result")
+@collective("result")
 def sync_ddp(result: Tensor | float | int, group: ProcessGroup = None, reduce_op: ReduceOpLike = None) -> Tensor:
     """Reduce ``result`` over the ranks of ``group`` and return the reduced value on every rank.
 
@@ -413,7 +254,7 @@ def sync_ddp(result: Tensor | float | int, group: ProcessGroup = None, reduce_op
         tensor = tensor.to(torch.get_default_dtype())
     if not distributed_available():
         return tensor
-    _, world_size = _group_rank_and_size(group)
+    _, world_size = group_rank_and_size(group)
     reduced = tensor.detach().clone()  # torch reduces in place; the caller's tensor stays as it was
     run_collective(dist.all_reduce, reduced, op=op, group=group)
     if divide:
@@ -435,7 +276,7 @@ def sync_ddp_if_available(
 # Objects, barriers, hooks
 
 
-@_collective("tensor")
+@collective("tensor")
 def broadcast(tensor: Tensor, src: int = 0, group: ProcessGroup = None) -> Tensor:
     """Copy rank ``src``'s ``tensor`` (``src`` counts inside ``group``) into every rank's ``tensor``,
     in place, and return it; an identity when not distributed.
@@ -447,7 +288,7 @@ def broadcast(tensor: Tensor, src: int = 0, group: ProcessGroup = None) -> Tenso
     """
     if not distributed_available():
         return tensor
-    rank, world_size = _group_rank_and_size(group)
+    rank, world_size = group_rank_and_size(group)
     if not 0 <= src < world_size:
         raise ValueError(f"broadcast src={src} is not a rank of the group (ranks 0..{world_size - 1}, counted "
                          "inside the group).")
@@ -464,7 +305,7 @@ def broadcast(tensor: Tensor, src: int = 0, group: ProcessGroup = None) -> Tenso
     return tensor
 
 
-@_collective()
+@collective()
 def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     """Send a picklable ``obj`` from rank ``src`` of ``group`` to all its ranks and return it.
 
@@ -475,7 +316,7 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     """
     if not distributed_available():
         return obj
-    rank, world_size = _group_rank_and_size(group)
+    rank, world_size = group_rank_and_size(group)
     if not 0 <= src < world_size:
         raise ValueError(f"src={src} is not a rank of the group, whose ranks are 0..{world_size - 1}.")
     global_src = src if group is None else dist.get_global_rank(group, src)
@@ -493,7 +334,7 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
     return obj if rank == src else _unpickle(data)
 
 
-@_collective()
+@collective()
 def all_gather_object(obj: Any, group: ProcessGroup = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order of ``group``; ``[obj]`` in one process.
 
@@ -516,9 +357,9 @@ def _unpickle(data: Tensor) -> Any:
     return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))  # a memcpy; tolist() is O(n) Python
 
 
-@_collective()
+@collective()
 def barrier(group: ProcessGroup = None) -> None:
     """Wait until every rank of ``group`` arrives; a no-op when not distributed."""
     if distributed_available():
-        _group_rank_and_size(group)
+        group_rank_and_size(group)
         run_collective(dist.barrier, group=group)

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-from ddpkit.collectives import communication_device, sync_ddp
+from ddpkit.collective_call import communication_device
+from ddpkit.collectives import sync_ddp
 from ddpkit.connection import distributed_available
 
 __all__ = ["EpochDataLoader", "even_batches", "shard"]

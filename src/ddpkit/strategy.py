@@ -44,7 +44,8 @@ from torch.utils.data import DataLoader
 
 from ddpkit.agreement import PreemptionAgreement
 from ddpkit.checkpoints import read_checkpoint, write_atomically
-from ddpkit.collectives import barrier, broadcast_object, collective_call, sync_ddp_if_available
+from ddpkit.collective_call import collective_call
+from ddpkit.collectives import barrier, broadcast_object, sync_ddp_if_available
 from ddpkit.connection import (
     destroy_dist_connection,
     distributed_available,

@@ -45,7 +45,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ddpkit._allocator import keep_freed_memory
-from ddpkit.collectives import all_gather_object, broadcast_object, collective_call
+from ddpkit.collective_call import collective_call
+from ddpkit.collectives import all_gather_object, broadcast_object
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.debug import debug_enabled
 from ddpkit.diagnostics.failures import CollectiveFailedError, guard
