@@ -334,6 +334,7 @@ def test_sigusr1_to_the_launcher_prints_every_workers_stack(scripts: Path) -> No
         ({"DDPKIT_BACKEND": "tcp"}, "DDPKIT_BACKEND='tcp' is not a backend; use one of gloo, nccl, mpi"),
         ({"DDPKIT_NNODES": "2", "DDPKIT_NODE_RANK": "5", "DDPKIT_MASTER_PORT": "29400"}, "--node-rank=5 with --nnodes=2"),
         ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
+        ({"DDPKIT_RECOVERY": "inplace"}, "DDPKIT_RECOVERY='inplace': use 'fail-fast' or 'in-place'"),
     ],
 )
 def test_bad_environment_values_are_refused_before_anything_starts(scripts: Path, variables: dict[str, str],
