@@ -21,7 +21,7 @@ from ddpkit.collective_call import communication_device
 from ddpkit.collectives import sync_ddp
 from ddpkit.connection import distributed_available
 
-__all__ = ["EpochDataLoader", "even_batches", "shard"]
+__all__ = ["EpochDataLoader", "even_batches", "set_epoch", "shard"]
 
 T = TypeVar("T")
 ProcessGroup = Any
@@ -79,3 +79,11 @@ class EpochDataLoader(DataLoader):  # type: ignore[type-arg]
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         return super().__iter__()
+
+
+def set_epoch(loader: Iterable[Any], epoch: int) -> None:
+    """Give ``loader``'s sampler the epoch, so that its shuffle is the epoch's on every rank."""
+    if isinstance(loader, EpochDataLoader):
+        loader.epoch = epoch
+    elif isinstance(getattr(loader, "sampler", None), DistributedSampler):
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]

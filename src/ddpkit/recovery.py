@@ -48,11 +48,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import DistributedSampler
 
 from ddpkit.collectives import all_gather_object, broadcast_object
 from ddpkit.connection import current_generation, form_generation
-from ddpkit.data import EpochDataLoader
+from ddpkit.data import set_epoch
 from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import ClusterEnvironment, Recovery
@@ -60,7 +59,7 @@ from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.variables import DDPKIT_READY_FILE
 
-__all__ = ["InPlaceRecovery", "Progress", "ResumableLoop", "set_epoch"]
+__all__ = ["InPlaceRecovery", "Progress", "ResumableLoop"]
 
 _log = get_logger("recovery")
 
@@ -360,14 +359,6 @@ class ResumableLoop:
     def _recover(self, recovery: InPlaceRecovery) -> None:
         recovery.recover()
         self._on_recovered()
-
-
-def set_epoch(loader: Iterable[Any], epoch: int) -> None:
-    """Give ``loader``'s sampler the epoch, so that its shuffle is the epoch's on every rank."""
-    if isinstance(loader, EpochDataLoader):
-        loader.epoch = epoch
-    elif isinstance(getattr(loader, "sampler", None), DistributedSampler):
-        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
 
 
 # -- the state transfer --------------------------------------------------------------------------

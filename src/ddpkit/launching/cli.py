@@ -57,12 +57,8 @@ def _spellings(name: str) -> list[str]:
     return [*short, dashed] if dashed == underscored else [*short, dashed, underscored]
 
 
-def _variable(name: str) -> str:
-    return launcher_flag_variable(name)
-
-
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
-    environment = _variable(name)
+    environment = launcher_flag_variable(name)
     default = os.environ.get(environment, kwargs.pop("default", None))
     help_text = f"{kwargs.pop('help', '')} (environment: {environment})"
     parser.add_argument(*_spellings(name), dest=name.replace("-", "_"), default=default, help=help_text, **kwargs)  # type: ignore[arg-type]
@@ -70,7 +66,7 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
 
 def _switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:  # noqa: A002 - argparse's name
     """An on/off flag, also on when its DDPKIT_ variable is 1, true or yes."""
-    environment = _variable(name)
+    environment = launcher_flag_variable(name)
     default = os.environ.get(environment, "").strip().lower() in ("1", "true", "yes")
     parser.add_argument(*_spellings(name), dest=name.replace("-", "_"), action="store_true", default=default,
                         help=f"{help} (environment: {environment}=1)")
@@ -131,7 +127,7 @@ def _given(flag: str, argv: Sequence[str]) -> bool:
 
 def _origin(flag: str, argv: Sequence[str]) -> str:
     """How the user gave ``flag``: the flag itself, or its DDPKIT_ environment variable."""
-    variable = _variable(flag)
+    variable = launcher_flag_variable(flag)
     return variable if not _given(flag, argv) and variable in os.environ else f"--{flag}"
 
 

@@ -49,7 +49,7 @@ class LaunchConfig:
     max_restarts: int = 0  # times the workers are started again after a failure (torchrun's flag)
     preemption_signal: signal.Signals = signal.SIGTERM  # besides SIGTERM: asks the workers to save and stop
     recovery: Recovery = Recovery.FAIL_FAST  # IN_PLACE: a killed worker is replaced while the others go on
-    run_as: RunAs = field(default_factory=lambda: RunAs.SCRIPT)
+    run_as: RunAs = RunAs.SCRIPT
     output: OutputPlan = field(default_factory=OutputPlan)  # default: the launcher's own streams
     # torchrun's c10d rendezvous (``launching.rendezvous``): the node rank comes from it, and the
     # master address and port are the endpoint's. None: static (``node_rank``, ``master_*``).

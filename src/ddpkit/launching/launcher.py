@@ -98,7 +98,7 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
     torchrun's per-worker variables come too, with torchrun's meanings, so that scripts and
     frameworks written for it (Lightning's ``TorchElasticEnvironment``, ``GROUP_RANK`` readers) find
     theirs. ``TORCHELASTIC_USE_AGENT_STORE`` is ``True`` where the launchers host the store
-    (``_hosts_store``): torch's ``env://`` then connects to it as a client instead of making
+    (``LaunchConfig.hosts_store``): torch's ``env://`` then connects to it as a client instead of making
     rank 0 serve one on the same port."""
     rank = str(config.node_rank * config.nproc_per_node + local_rank)
     variables = {
@@ -198,9 +198,9 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     try:
         restart_count = 0
         if config.rendezvous is not None:
+            store_host = _host_rendezvous(config.rendezvous, {**defaults, **os.environ})
             try:
-                config, store_host, nodes = _join_rendezvous(config, config.rendezvous, {**defaults, **os.environ},
-                                                             stop_waiting)
+                config, nodes = _join_rendezvous(config, config.rendezvous, store_host is not None, stop_waiting)
             except RendezvousError as error:
                 _log.error(f"ddpkit run: {error}")
                 return 1
@@ -333,35 +333,30 @@ def worker_command(run_as: RunAs, script: str, script_args: Sequence[str]) -> li
             *script_args]
 
 
-def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, environment: Mapping[str, str],
-                     stop_waiting: GiveUp) -> tuple[LaunchConfig, StoreHost | None, NodeCoordination | None]:
-    """Meet the other nodes' launchers at the endpoint (hosting its store when it is this host's):
-    the job as a static one with this node's rank, the store host if this launcher runs it, and
-    the agreement between the launchers (several nodes). ``stop_waiting`` (and the store host's
-    end) end the wait with ``GaveUpWaiting``."""
+def _host_rendezvous(rendezvous: RendezvousSettings, environment: Mapping[str, str]) -> StoreHost | None:
+    """The store host of the rendezvous when the endpoint is this host's and free (handed the socket
+    this launcher bound, so two launchers on one host cannot both host it); else None."""
+    listener = claim_endpoint(rendezvous.endpoint)
+    if listener is None:
+        return None
+    store_host = StoreHost(rendezvous.endpoint.host, rendezvous.endpoint.port, environment, listener.fileno())
+    listener.close()  # the store host holds its own copy
+    return store_host
+
+
+def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_store: bool,
+                     stop_waiting: GiveUp) -> tuple[LaunchConfig, NodeCoordination | None]:
+    """Meet the other nodes' launchers at the endpoint: the job as a static one with this node's
+    rank, and the agreement between the launchers (several nodes). ``stop_waiting`` ends the wait
+    with ``GaveUpWaiting``."""
     endpoint = rendezvous.endpoint
-    listener = claim_endpoint(endpoint)
-    store_host = None
-    if listener is not None:
-        store_host = StoreHost(endpoint.host, endpoint.port, environment, listener.fileno())
-        listener.close()  # the store host holds its own copy
-
-    def stop_or_store_host_gone() -> str | None:
-        return stop_waiting() or (store_host.failure() if store_host is not None else None)
-
-    try:
-        node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, rendezvous.join_timeout,
-                                stop_or_store_host_gone)
-    except BaseException:
-        if store_host is not None:
-            store_host.stop()
-        raise
+    node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, rendezvous.join_timeout, stop_waiting)
     config = dataclasses.replace(config, node_rank=node_rank, master_addr=endpoint.host, master_port=endpoint.port)
     nodes = None
     if config.coordinates_nodes:
         nodes = NodeCoordination(store, node_rank, config.nnodes, endpoint.host, endpoint.port,
-                                 hosts_store=store_host is not None, give_up=stop_or_store_host_gone)
-    return config, store_host, nodes
+                                 hosts_store=hosts_store, give_up=stop_waiting)
+    return config, nodes
 
 
 # How long the launcher that hosts the store keeps it for the others after it was told to stop.
