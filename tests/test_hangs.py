@@ -191,14 +191,14 @@ def test_hang_abort_ends_the_job_naming_the_stuck_rank(tmp_path: Path) -> None:
 def every_rank_is_in_the_slow_collective() -> tuple[str, bool]:
     """Rank 1 is inside collective #2 as far as the watch can tell (slow inside it, as on a slow
     network) while rank 0 waits for it: the hang abort must not end the job."""
-    from ddpkit.diagnostics.hangs import active_watch
+    from ddpkit.diagnostics.hangs import start_hang_watch
 
     os.environ["DDPKIT_HANG_ABORT_SECONDS"] = "1"
     watch_for_hangs(HANG_SECONDS)
     try:
         ddpkit.barrier()
         if dist.get_rank() == 1:
-            watch = active_watch()
+            watch = start_hang_watch()
             assert watch is not None
             watch.enter("sync_ddp", "a slow network")
             time.sleep(7)  # the report (~2-4 s) and the abort time after it pass

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ddpkit.collective_call import collective_call, communication_device
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.waits import wait_for
+from ddpkit.group import Membership, current_group
 from ddpkit.preemption import PreemptionNotice, preemption_signals
 
 __all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "PreemptionAgreement", "StepAgreement"]
@@ -101,6 +102,7 @@ class StepAgreement:
         self._calls_until_round = 0  # calls that pass without a round (the same count on every rank)
         self._calls_since_round = 0
         self._last_round: float | None = None
+        self._follows_group = False
 
     def decide(self, flag: bool) -> bool:
         if self._decided:
@@ -108,6 +110,11 @@ class StepAgreement:
         if not distributed_available():
             self._decided = flag
             return flag
+        if not self._follows_group:
+            group = current_group()
+            if group is not None:
+                group.on_reconfigure(self._forget_pending_round)
+            self._follows_group = True
         self._flag_raised = self._flag_raised or flag
         self._calls_since_round += 1
         if self._calls_until_round > 0:
@@ -128,6 +135,13 @@ class StepAgreement:
             self._pending = pending
         return self._decided
 
+    def _forget_pending_round(self, _: Membership) -> None:
+        """The group was formed again (``ddpkit.group``): the round on its way belonged to the
+        abandoned one, whose collective will not complete. Agree afresh."""
+        self._pending = None
+        self._calls_until_round = self._calls_since_round = 0
+        self._last_round = None
+
     def _take(self, result: tuple[bool, float]) -> None:
         """Act on a round's reduced values, which every rank sees alike."""
         self._decided, slowest = result
@@ -147,10 +161,6 @@ class PreemptionAgreement:
     def decide(self) -> bool:
         """True on every rank at the same call once any rank received a preemption signal."""
         return self._agreement.decide(self._notice.received is not None)
-
-    def restart(self) -> None:
-        """Agree afresh: the pending all-reduce belonged to a group abandoned by an in-place recovery."""
-        self._agreement = StepAgreement()
 
     def close(self) -> None:
         """Give the signals their handlers from before back."""

@@ -33,7 +33,7 @@ from ddpkit.diagnostics.failures import (
     peer_failure,
     raising,
 )
-from ddpkit.diagnostics.hangs import HangWatch, active_watch
+from ddpkit.diagnostics.hangs import HangWatch, start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.waits import run_collective
 
@@ -76,7 +76,7 @@ class collective_call:
     def __enter__(self) -> None:
         watch_peers()
         debug = debug_enabled() if self._fingerprint is None else self._fingerprint
-        watch = active_watch()
+        watch = start_hang_watch()
         if not (debug or watch is not None) or not distributed_available():
             return
         self._nesting = checking()

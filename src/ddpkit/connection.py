@@ -9,9 +9,9 @@ one process and in many.
 Under in-place recovery (``ddpkit run --recovery in-place``), and when the launchers of several
 nodes restart together, the store is not rank 0's: the launcher hosts it
 (``launching/store_host.py``), so it outlives any rank, and each attempt and each generation of
-the group keeps its keys under a prefix of its own. ``form_generation`` abandons the current
-group (a rank of it vanished) and forms the next one with the same ranks, once all of them,
-the replacement included, have arrived.
+the group keeps its keys under a prefix of its own. Each connection makes a ``ddpkit.group.Group``
+(``current_group()``), which owns that store, the membership and its changes
+(``Group.reconfigure``), and starts the diagnostics that follow the group.
 """
 
 from __future__ import annotations
@@ -26,13 +26,9 @@ import torch._dynamo  # noqa: F401  (imported before any process group exists; s
 import torch.distributed as dist
 
 from ddpkit._network import gloo_interface_towards
-from ddpkit.diagnostics.failures import PeerFailedError, expect_lost_peers
-from ddpkit.diagnostics.hangs import active_watch
-from ddpkit.diagnostics.peer_watch import watch_peers
-from ddpkit.diagnostics.settings import seconds_setting
+from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
-    RECOVERY_TIMEOUT_SECONDS,
     ChoosesBackend,
     ClusterEnvironment,
     LocalEnvironment,
@@ -41,15 +37,14 @@ from ddpkit.environments import (
     TorchElasticEnvironment,
     check_place,
 )
+from ddpkit.group import Group, Membership, set_current_group
 from ddpkit.logs import get_logger
-from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_RECOVERY_TIMEOUT_SECONDS
+from ddpkit.variables import DDPKIT_BACKEND
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "destroy_dist_connection",
     "distributed_available",
-    "current_generation",
-    "form_generation",
     "get_rank",
     "get_world_size",
     "init_dist_connection",
@@ -133,22 +128,23 @@ def init_dist_connection(
         _warn_if_slurm_expected_more()
     if size == 1 and "init_method" not in kwargs and "store" not in kwargs:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
+    launcher_store: Any = None
+    in_place = False
+    generation = attempt = 0
     if (isinstance(cluster_environment, LocalEnvironment) and cluster_environment.hosted_store
             and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
         # The launcher hosts the store (it outlives any rank and any attempt); each attempt and
         # each generation of the group has its own keys.
-        _generations.base_store = dist.TCPStore(  # type: ignore[attr-defined]
+        launcher_store = dist.TCPStore(  # type: ignore[attr-defined]
             cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
-        _generations.timeout = timeout
-        _generations.attempt = cluster_environment.attempt
-        _generations.in_place = cluster_environment.recovery is Recovery.IN_PLACE
-        generation = cluster_environment.generation if _generations.in_place else 0
+        in_place = cluster_environment.recovery is Recovery.IN_PLACE
+        generation = cluster_environment.generation if in_place else 0
+        attempt = cluster_environment.attempt
+    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, attempt, in_place)
+    if launcher_store is not None:
         if generation > 0:  # a replacement, completing that generation
-            _meet(generation, size)
-        kwargs["store"] = dist.PrefixStore(_prefix(generation), _generations.base_store)  # type: ignore[attr-defined]
-        _generations.current = generation
-        if _generations.in_place:
-            expect_lost_peers()
+            group.meet(generation)
+        kwargs["store"] = group.store_of(generation)
     elif (isinstance(cluster_environment, TorchElasticEnvironment) and cluster_environment.store_attempt is not None
           and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
         # torchrun's static rendezvous creates its store once and hands it to every attempt, and
@@ -161,70 +157,8 @@ def init_dist_connection(
         kwargs["store"] = dist.PrefixStore(  # type: ignore[attr-defined]
             f"ddpkit/torchrun/attempt/{cluster_environment.store_attempt}/", store)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
-    active_watch()  # with hang diagnosis on, every rank can answer for its stack from the start
-    watch_peers()
-
-
-class _Generations:
-    """This process's connection to a store the launcher hosts, and its in-place recovery state."""
-
-    def __init__(self) -> None:
-        self.base_store: Any = None  # the launcher's store, without a prefix; None: rank 0 hosts the store
-        self.in_place = False  # ddpkit run --recovery in-place: the group can be formed again
-        self.current = 0
-        self.attempt = 0  # the launcher's restart count: its store outlives a restart, so keys name it
-        self.timeout = DEFAULT_TIMEOUT
-        # Groups left behind: a collective of theirs may still be pending in a Gloo thread, and
-        # destroying the group object would wait for it (up to its timeout); they live until exit.
-        self.abandoned: list[Any] = []
-
-
-_generations = _Generations()
-
-def current_generation() -> int | None:
-    """The generation of the group this process is in under in-place recovery; None otherwise."""
-    return _generations.current if _generations.in_place else None
-
-
-def form_generation(generation: int) -> None:
-    """Leave the current default group (a rank of it vanished) and form the group of ``generation``
-    with the same ranks, once every one of them has arrived (the replacement too).
-
-    The old group is destroyed but kept referenced (see ``_Generations.abandoned``). Raises
-    ``TimeoutError`` when not every rank arrives within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``.
-    """
-    if not _generations.in_place:
-        raise RuntimeError("form_generation needs in-place recovery (ddpkit run --recovery in-place): this process's "
-                           "store is its group's own and may have died with the lost rank.")
-    backend, rank, size = str(dist.get_backend()), dist.get_rank(), dist.get_world_size()
-    _generations.abandoned.append(dist.distributed_c10d._get_default_group())
-    dist.destroy_process_group()
-    _meet(generation, size)
-    store = dist.PrefixStore(_prefix(generation), _generations.base_store)  # type: ignore[attr-defined]
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_generations.timeout)
-    _generations.current = generation
-    active_watch()
-    watch_peers()
-
-
-def _prefix(generation: int) -> str:
-    return f"ddpkit/attempt/{_generations.attempt}/generation/{generation}/"
-
-
-def _meet(generation: int, size: int) -> None:
-    """Count this rank in ``generation`` and wait until all ``size`` ranks are counted."""
-    seconds = seconds_setting(DDPKIT_RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_SECONDS, "60")
-    key = f"{_prefix(generation)}arrived"
-    arrived = _generations.base_store.add(key, 1)
-    deadline = time.monotonic() + seconds
-    while arrived < size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"in-place recovery: only {arrived} of the {size} ranks arrived for generation {generation} of the "
-                f"group within {seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}); the replacement of the lost rank did "
-                "not start, or another rank failed meanwhile. The launcher's output names the failures.")
-        time.sleep(0.005)
-        arrived = _generations.base_store.add(key, 0)
+    set_current_group(group)
+    group.install_diagnostics()  # e.g. with hang diagnosis on, every rank can answer for its stack from the start
 
 
 def _warn_if_slurm_expected_more() -> None:
@@ -282,6 +216,7 @@ def destroy_dist_connection() -> None:
         except PeerFailedError:
             pass  # a rank failed (and said so): there is no clean exit to wait for
     dist.destroy_process_group()
+    set_current_group(None)
     time.sleep(_TEARDOWN_GIL_RELEASE_S)
 
 

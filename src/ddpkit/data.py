@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 from ddpkit.collective_call import communication_device
 from ddpkit.collectives import sync_ddp
 from ddpkit.connection import distributed_available
+from ddpkit.group import Group, Membership
 
 __all__ = ["EpochDataLoader", "even_batches", "set_epoch", "shard"]
 
@@ -50,18 +51,25 @@ def even_batches(batches: Iterable[T], group: ProcessGroup = None) -> Iterator[T
         yield batch  # type: ignore[misc]
 
 
-def shard(loader: DataLoader[Any], num_replicas: int, rank: int) -> DataLoader[Any]:
+def shard(loader: DataLoader[Any], num_replicas: int, rank: int, group: Group | None = None) -> DataLoader[Any]:
     """``loader`` with a ``DistributedSampler`` (shuffled unless it read its data in order), so that
     each rank reads its own share; each pass over it shuffles for the next epoch
-    (``EpochDataLoader``). A loader with a DistributedSampler already is returned as it is."""
+    (``EpochDataLoader``). A loader with a DistributedSampler already is returned as it is.
+
+    With ``group`` (``ddpkit.group``; ``DDPStrategy`` gives the default group's), the shares
+    follow the group's membership when it is formed again: each rank's share is taken anew.
+    """
     if isinstance(loader.sampler, DistributedSampler):
         return loader
     shuffle = not isinstance(loader.sampler, SequentialSampler)
     sampler: DistributedSampler[Any] = DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank,
                                                           shuffle=shuffle)
-    return EpochDataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
-                           num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                           pin_memory=loader.pin_memory, drop_last=loader.drop_last)
+    sharded = EpochDataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+                              num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                              pin_memory=loader.pin_memory, drop_last=loader.drop_last)
+    if group is not None:
+        group.on_reconfigure(sharded.follow_membership)
+    return sharded
 
 
 class EpochDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -73,6 +81,19 @@ class EpochDataLoader(DataLoader):  # type: ignore[type-arg]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.epoch = 0
+
+    def follow_membership(self, membership: Membership) -> None:
+        """Take this rank's share of the data in the group's new membership (``Group.on_reconfigure``)."""
+        sampler = self.sampler
+        if not isinstance(sampler, DistributedSampler):
+            return
+        if (sampler.num_replicas, sampler.rank) == (membership.world_size, membership.rank):
+            return
+        epoch = sampler.epoch
+        DistributedSampler.__init__(sampler, sampler.dataset, num_replicas=membership.world_size,
+                                    rank=membership.rank, shuffle=sampler.shuffle, seed=sampler.seed,
+                                    drop_last=sampler.drop_last)
+        sampler.set_epoch(epoch)
 
     def __iter__(self) -> Any:
         if isinstance(self.sampler, DistributedSampler):

@@ -12,7 +12,7 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
 - **Survivors.** A collective of the step fails (the killed rank closed its connections; the
   first rank to see it tells the others through the store: ``PeerLostError``). ``step()`` catches
   it, abandons the group and forms the next generation with the same ranks
-  (``connection.form_generation``), then ``InPlaceRecovery.recover`` runs the exchange below and
+  (``ddpkit.group.Group.reconfigure``), then ``InPlaceRecovery.recover`` runs the exchange below and
   ``batches()`` hands out again the batches after the last optimizer step.
 - **Between steps**, a rank lost during ``DDPStrategy.save_checkpoint`` is handled the same
   way by the survivors waiting in the save (see there); the replacement starts at the next
@@ -41,7 +41,7 @@ import contextlib
 import io
 import os
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +50,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddpkit.collectives import all_gather_object, broadcast_object
-from ddpkit.connection import current_generation, form_generation
 from ddpkit.data import set_epoch
 from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import ClusterEnvironment, Recovery
+from ddpkit.group import current_group
 from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.variables import DDPKIT_READY_FILE
@@ -192,9 +192,13 @@ class InPlaceRecovery:
         model, optimizer = self._model, self._optimizer
         if model is None or optimizer is None:
             raise RuntimeError("in-place recovery: the model and optimizer were never set up (DDPStrategy.setup).")
-        generation = (current_generation() or 0) + 1
+        group = current_group()
+        if group is None or not group.in_place:
+            raise RuntimeError("in-place recovery: this process's group was not formed by ddpkit's connection under "
+                               "`ddpkit run --recovery in-place`, so it cannot be formed again.")
+        generation = group.generation + 1
         _log.warning(f"ddpkit: a rank was lost; forming generation {generation} of the group with its replacement")
-        form_generation(generation)
+        group.reconfigure()
         state = self._exchange(model.module, optimizer, replacement=False)
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
         optimizer.zero_grad(set_to_none=True)  # the redo starts a fresh accumulation window
@@ -252,10 +256,9 @@ class ResumableLoop:
     and, under in-place recovery, the replay of the batches since the last optimizer step after a
     rank was replaced. Without recovery, ``range`` and the loader's own batches."""
 
-    def __init__(self, on_recovered: Callable[[], None]) -> None:
+    def __init__(self) -> None:
         self.progress = Progress()
         self.recovery: InPlaceRecovery | None = None  # set by ``start_recovery``
-        self._on_recovered = on_recovered  # what else was tied to the abandoned group (the strategy's)
         self._in_step = False  # inside step(): a lost rank is its to recover from
 
     def start_recovery(self, environment: ClusterEnvironment, wanted: Recovery | None,
@@ -343,7 +346,7 @@ class ResumableLoop:
         except PeerLostError:
             if self.recovery is None:
                 raise
-            self._recover(self.recovery)
+            self.recovery.recover()
         finally:
             self._in_step = False
 
@@ -353,12 +356,8 @@ class ResumableLoop:
         the save was inside ``step()`` (which recovers itself)."""
         if self.recovery is None or self._in_step:
             raise lost
-        self._recover(self.recovery)
+        self.recovery.recover()
         return self.recovery.replaced
-
-    def _recover(self, recovery: InPlaceRecovery) -> None:
-        recovery.recover()
-        self._on_recovered()
 
 
 # -- the state transfer --------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from ddpkit.data import shard
 from ddpkit.diagnostics.failures import PeerLostError, guard, record_failure
 from ddpkit.diagnostics.records import trace_record
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment, Recovery, detect_environment, restart_count
+from ddpkit.group import current_group
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, processes_to_start, start_local_ranks
 from ddpkit.logs import get_logger
@@ -111,7 +112,7 @@ class DDPStrategy(LightningPluginHooks):
         self._preemption: PreemptionAgreement | None = None  # from the first preempted()
         self._recovery_wanted = None if recovery is None else Recovery.parse(
             recovery, "recovery", "or leave it out to follow ddpkit run --recovery")
-        self._loop = ResumableLoop(on_recovered=self._after_recovery)
+        self._loop = ResumableLoop()
         self.progress = self._loop.progress  # where the loop is: epochs() and batches() keep it
 
     # -- where this process is ---------------------------------------------------------------
@@ -205,7 +206,8 @@ class DDPStrategy(LightningPluginHooks):
 
     def setup_dataloader(self, loader: DataLoader[Any]) -> DataLoader[Any]:
         """``loader`` sharded over the data-parallel group, a new shuffle each pass (``ddpkit.data.shard``)."""
-        return shard(loader, **self.distributed_sampler_kwargs)
+        follows = current_group() if self.data_parallel_group is None else None
+        return shard(loader, **self.distributed_sampler_kwargs, group=follows)
 
     # -- during training -------------------------------------------------------------------------
 
@@ -246,10 +248,6 @@ class DDPStrategy(LightningPluginHooks):
         """One training step; under in-place recovery a rank lost in it is replaced and the block
         ends quietly (``ddpkit.recovery.ResumableLoop``)."""
         return self._loop.step()
-
-    def _after_recovery(self) -> None:
-        if self._preemption is not None:
-            self._preemption.restart()
 
     def backward(self, loss: Tensor) -> None:
         with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)

@@ -88,7 +88,7 @@ class HangWatch:
         self.reported_sequence = 0
         self.reported_at = 0.0
         self.missing: list[int] = []  # the ranks that had not arrived at the reported collective
-        self.abort_seconds = 0.0  # DDPKIT_HANG_ABORT_SECONDS, set by active_watch in the main thread
+        self.abort_seconds = 0.0  # DDPKIT_HANG_ABORT_SECONDS, set by start_hang_watch in the main thread
         self.ended_sequence = 0
         self.requests_answered = 0
         self.report = ""
@@ -283,8 +283,10 @@ def _configured_seconds() -> float:
     return seconds_setting(DDPKIT_HANG_SECONDS, DEFAULT_HANG_SECONDS, "60")
 
 
-def active_watch() -> HangWatch | None:
-    """The watch of this process when hang diagnosis is on (started on first use), else None."""
+def start_hang_watch() -> HangWatch | None:
+    """Start this process's hang watch for the current default group unless it runs already, and
+    return it; None when hang diagnosis is off. ``Group.install_diagnostics`` starts it at
+    connection; ddpkit's collectives call it too, for a group that other code made."""
     seconds = _configured_seconds()
     if seconds <= 0 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None  # off, or no one to wait for

@@ -51,6 +51,7 @@ from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.debug import debug_enabled
 from ddpkit.diagnostics.failures import CollectiveFailedError, guard
 from ddpkit.diagnostics.waits import run_collective, wait_for
+from ddpkit.group import Membership, current_group
 from ddpkit.hooks.contract import (
     GradBucket,
     check_comm_hook,
@@ -173,6 +174,9 @@ class DistributedDataParallel(nn.Module):
         cap_mb = kwargs.get("bucket_cap_mb")
         self._bucket_cap = DEFAULT_CAP_BYTES if cap_mb is None else int(float(cap_mb) * 1024 * 1024)
         self._scale = 1.0 / self._world_size
+        group = current_group() if process_group is None else None
+        if group is not None:  # the default group, which in-place recovery forms again
+            group.on_reconfigure(self._follow_membership)
         # (submodule, name) of every buffer: read afresh each sync, so reassigned buffers are seen,
         # without walking the module tree every step.
         self._buffer_slots = [(owner, name) for _, owner in module.named_modules()
@@ -709,6 +713,11 @@ class DistributedDataParallel(nn.Module):
         handle = RemovableHandle(self._pre_sync_hooks)
         self._pre_sync_hooks[handle.id] = hook
         return handle
+
+    def _follow_membership(self, membership: Membership) -> None:
+        """A new generation of the default group (``ddpkit.group``): this rank's place in it."""
+        self._rank, self._world_size = membership.rank, membership.world_size
+        self._scale = 1.0 / membership.world_size
 
     def bucket_order(self) -> tuple[list[str], bool]:
         """The launch order of the buckets, and whether it may still change after the next

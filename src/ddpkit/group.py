@@ -1,0 +1,226 @@
+"""The group this process trains in, as ddpkit keeps it: who is in it now, and the one place
+where that changes.
+
+``init_dist_connection`` makes one ``Group`` per connection (``current_group()``). It owns what
+torch's default process group does not say about itself:
+
+- the **store**: the launcher's (``ddpkit run`` hosts it under in-place recovery and when nodes
+  restart together: it outlives any rank, and each attempt and each generation of the group keeps
+  its keys under a prefix of its own), or None when the group's own store is rank 0's;
+- the **membership**: generation, rank and world size (``Membership``);
+- ``abort()``: leave torch's group (a rank of it vanished), keeping the object referenced, since a
+  collective of it may still be pending in a Gloo thread;
+- ``reconfigure(members)``: form the next generation, once every member has arrived;
+- ``on_reconfigure(callback)``: **the one hook** through which whatever caches membership learns
+  of a new generation. Called in registration order, after the new torch group exists and
+  before anything else runs on it. Who registers: the diagnostics (the hang watch and the peer
+  watch follow the new group), the DDP module (rank, world size, scale, source rank), the
+  sampler of ``ddpkit.data.shard`` (its share of the data), ``StepAgreement`` (a round pending on
+  the abandoned group is dropped). A comm hook's state (PowerSGD's) does not: in-place recovery
+  refuses a comm hook state, since it would not reach a replacement.
+
+Today ``reconfigure`` re-forms the group with the same members (a lost rank's replacement takes
+its place); a change of members (shrinking, growing) is refused with a message until the launcher
+can drive one.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit.diagnostics.failures import expect_lost_peers
+from ddpkit.diagnostics.hangs import start_hang_watch
+from ddpkit.diagnostics.peer_watch import watch_peers
+from ddpkit.diagnostics.settings import seconds_setting
+from ddpkit.environments import RECOVERY_TIMEOUT_SECONDS
+from ddpkit.logs import get_logger
+from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
+
+__all__ = ["Group", "Membership", "current_group"]
+
+_log = get_logger("group")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who this process is in the group now."""
+
+    generation: int  # 0 at connection; each ``reconfigure`` forms the next
+    rank: int
+    world_size: int
+
+    @property
+    def members(self) -> list[int]:
+        """The ranks of the group (global ranks: the group is the default one)."""
+        return list(range(self.world_size))
+
+
+Reaction = Callable[[Membership], None]
+
+
+class Group:
+    """This process's place in the job's default process group (see the module docstring)."""
+
+    def __init__(self, membership: Membership, backend: str, timeout: timedelta,
+                 launcher_store: Any = None, attempt: int = 0, in_place: bool = False) -> None:
+        if in_place and launcher_store is None:
+            raise ValueError("A group that can be formed again needs the launcher's store: the group's own store "
+                             "may die with the rank that hosts it.")
+        self._membership = membership
+        self._backend = backend
+        self._timeout = timeout
+        self._launcher_store = launcher_store
+        self._attempt = attempt
+        self._in_place = in_place
+        self._reactions: dict[int, Callable[[], Reaction | None]] = {}
+        self._next_reaction = 0
+        # Groups left behind: a collective of theirs may still be pending in a Gloo thread, and
+        # destroying the group object would wait for it (up to its timeout); they live until exit.
+        self._abandoned: list[Any] = []
+
+    # -- what it is ------------------------------------------------------------------------------
+
+    @property
+    def membership(self) -> Membership:
+        return self._membership
+
+    @property
+    def generation(self) -> int:
+        return self._membership.generation
+
+    @property
+    def rank(self) -> int:
+        return self._membership.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._membership.world_size
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the group can be formed again (``ddpkit run --recovery in-place``)."""
+        return self._in_place
+
+    @property
+    def launcher_store(self) -> Any:
+        """The launcher's store without a prefix; None when the group's store is rank 0's."""
+        return self._launcher_store
+
+    def store_of(self, generation: int) -> Any:
+        """The launcher's store under ``generation``'s prefix: that generation's torch group's store."""
+        return dist.PrefixStore(self._prefix(generation), self._launcher_store)  # type: ignore[attr-defined]
+
+    # -- the one hook ------------------------------------------------------------------------------
+
+    def on_reconfigure(self, reaction: Reaction) -> Callable[[], None]:
+        """Call ``reaction(membership)`` after each ``reconfigure``; return a function that stops it.
+
+        A bound method is held weakly (a DDP module or a sampler that is dropped is not kept
+        alive by the group, and its reaction ends with it); any other callable strongly.
+        """
+        key = self._next_reaction
+        self._next_reaction += 1
+        if hasattr(reaction, "__self__") and hasattr(reaction, "__func__"):
+            self._reactions[key] = weakref.WeakMethod(reaction)
+        else:
+            self._reactions[key] = lambda: reaction
+
+        def stop() -> None:
+            self._reactions.pop(key, None)
+
+        return stop
+
+    # -- changes --------------------------------------------------------------------------------
+
+    def install_diagnostics(self) -> None:
+        """Start the diagnostics that follow the group: the hang watch (when hang diagnosis is on) and
+        the peer watch; under in-place recovery a collective failing without a record means a lost rank."""
+        start_hang_watch()
+        watch_peers()
+        if self._in_place:
+            expect_lost_peers()
+
+    def abort(self) -> None:
+        """Leave torch's default group (a rank of it vanished): destroyed, but kept referenced."""
+        if dist.is_initialized():
+            self._abandoned.append(dist.distributed_c10d._get_default_group())
+            dist.destroy_process_group()
+
+    def reconfigure(self, members: Sequence[int] | None = None) -> Membership:
+        """Abandon the current torch group and form the next generation with ``members`` (the
+        current ones when None) once every one of them has arrived, the replacement of a lost rank
+        included; then tell every reaction. ``TimeoutError`` when not all arrive within
+        ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
+        if not self._in_place:
+            raise RuntimeError("Forming the group again needs in-place recovery (ddpkit run --recovery in-place): "
+                               "this process's store is its group's own and may have died with the lost rank.")
+        current = self._membership.members
+        if members is not None and list(members) != current:
+            raise ValueError(f"Group.reconfigure(members={list(members)}): changing the members of the group "
+                             f"(now {current}) is not supported yet; in-place recovery forms the group again with "
+                             "the same ranks, a replacement taking a lost rank's place.")
+        self.abort()
+        generation = self._membership.generation + 1
+        self.meet(generation)
+        dist.init_process_group(self._backend, store=self.store_of(generation), rank=self.rank,
+                                world_size=self.world_size, timeout=self._timeout)
+        self._membership = replace(self._membership, generation=generation)
+        self.install_diagnostics()
+        for key, reference in list(self._reactions.items()):
+            reaction = reference()
+            if reaction is None:
+                del self._reactions[key]
+            else:
+                reaction(self._membership)
+        return self._membership
+
+    def meet(self, generation: int) -> None:
+        """Count this rank in ``generation`` and wait until every member is counted."""
+        seconds = seconds_setting(DDPKIT_RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_SECONDS, "60")
+        size = self.world_size
+        key = f"{self._prefix(generation)}arrived"
+        arrived = self._launcher_store.add(key, 1)
+        deadline = time.monotonic() + seconds
+        while arrived < size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"in-place recovery: only {arrived} of the {size} ranks arrived for generation {generation} of the "
+                    f"group within {seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}); the replacement of the lost rank "
+                    "did not start, or another rank failed meanwhile. The launcher's output names the failures.")
+            time.sleep(0.005)
+            arrived = self._launcher_store.add(key, 0)
+
+    def _prefix(self, generation: int) -> str:
+        return f"ddpkit/attempt/{self._attempt}/generation/{generation}/"
+
+
+class _Connected:
+    """The group of this process's connection: torch's default group is one per process, and so
+    is ddpkit's account of it. Set by ``init_dist_connection``, cleared by ``destroy_dist_connection``."""
+
+    def __init__(self) -> None:
+        self.group: Group | None = None
+
+
+_connected = _Connected()
+
+
+def current_group() -> Group | None:
+    """The group ``init_dist_connection`` formed (None without one, or when the process group
+    was made by other code, e.g. a plain ``torch.distributed.init_process_group``)."""
+    group = _connected.group
+    if group is not None and not dist.is_initialized():
+        return None  # the connection ended without ddpkit (destroy_process_group called directly)
+    return group
+
+
+def set_current_group(group: Group | None) -> None:
+    """For ``ddpkit.connection`` only: the group it formed, or None after tearing it down."""
+    _connected.group = group

@@ -1,0 +1,196 @@
+"""The group object (``ddpkit.group``): one owner of the membership, one hook through which what caches
+membership follows a new generation.
+
+Each case runs in processes of its own: forming a group under in-place recovery changes how the
+process's diagnostics read a failed collective, which must not leak into the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.environments import find_free_port
+from ddpkit.variables import DDPKIT_RECOVERY
+
+BOUND_SECONDS = 90
+
+# One process, the launcher's store played by a HashStore: the hook's contract.
+HOOK_CONTRACT = textwrap.dedent(
+    """
+    import gc, json
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ddpkit.group import Group, Membership
+
+    group = Group(Membership(0, 0, 1), "gloo", timedelta(seconds=30), launcher_store=dist.HashStore(), in_place=True)
+    dist.init_process_group("gloo", store=group.store_of(0), rank=0, world_size=1)
+    calls = []
+
+    class Follower:
+        def __init__(self, name):
+            self.name = name
+        def follow(self, membership):
+            calls.append([self.name, membership.generation, membership.rank, membership.world_size])
+
+    kept, dropped, stopped = Follower("kept"), Follower("dropped"), Follower("stopped")
+    group.on_reconfigure(kept.follow)
+    group.on_reconfigure(dropped.follow)
+    stop = group.on_reconfigure(stopped.follow)
+    group.on_reconfigure(lambda membership: calls.append(["function", membership.generation, 0, 1]))
+    stop()
+    del dropped
+    gc.collect()
+    first = group.reconfigure()
+    second = group.reconfigure([0])
+    try:
+        group.reconfigure([0, 1])
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    print("RESULT " + json.dumps({"calls": calls, "generations": [first.generation, second.generation],
+                                  "refused": refused, "same_world": dist.get_world_size()}), flush=True)
+    """
+)
+
+
+def _result(output: str) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert lines, output
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_reactions_run_in_order_once_per_generation_and_a_dropped_or_stopped_follower_is_not_called() -> None:
+    run = subprocess.run([sys.executable, "-c", HOOK_CONTRACT], capture_output=True, text=True, timeout=BOUND_SECONDS,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = _result(run.stdout)
+    assert result["generations"] == [1, 2]
+    assert result["calls"] == [["kept", 1, 0, 1], ["function", 1, 0, 1], ["kept", 2, 0, 1], ["function", 2, 0, 1]]
+    assert "changing the members of the group (now [0]) is not supported yet" in result["refused"]
+    assert "reconfigure(members=[0, 1])" in result["refused"]
+
+
+# Two ranks; the test process hosts the store, as ddpkit run's store host does under in-place recovery.
+RANK = textwrap.dedent(
+    """
+    import json, os
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    from ddpkit.agreement import StepAgreement
+    from ddpkit.connection import destroy_dist_connection, init_dist_connection
+    from ddpkit.data import shard
+    from ddpkit.environments import LocalEnvironment
+    from ddpkit.group import current_group
+    from ddpkit.parallel.ddp import DistributedDataParallel
+
+    rank = int(os.environ["RANK"])
+    init_dist_connection(LocalEnvironment(), "gloo")
+    group = current_group()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = torch.arange(64, dtype=torch.float32).reshape(16, 4) / 64
+    targets = torch.arange(32, dtype=torch.float32).reshape(16, 2) / 32
+    loader = shard(DataLoader(TensorDataset(inputs, targets), batch_size=2), num_replicas=2, rank=rank, group=group)
+    # Rounds read a round late, so that one is on its way when the group is formed again.
+    agreement = StepAgreement(wait_at_once_seconds=1e9, round_interval_seconds=0.0)
+    seen = []
+    group.on_reconfigure(lambda membership: seen.append([membership.generation, membership.rank, membership.world_size]))
+
+    def step(x, y):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    batches = iter(loader)
+    step(*next(batches))
+    first_decision = agreement.decide(False)
+    if rank == 1:
+        # A round rank 0 never joins, as when a rank is lost: it cannot complete on the old group.
+        agreement.decide(False)
+    group.reconfigure()
+    step(*next(batches))
+    decided_at = None
+    for call in range(1, 6):
+        if agreement.decide(rank == 1) and decided_at is None:
+            decided_at = call
+    shares = sorted(loader.sampler)
+    print("RESULT " + json.dumps({"seen": seen, "first_decision": first_decision, "decided_at": decided_at,
+                                  "shares": shares, "generation": group.generation,
+                                  "weight": model.module.weight.tolist(), "bias": model.module.bias.tolist()}),
+          flush=True)
+    destroy_dist_connection()
+    """
+)
+
+
+def _reference() -> tuple[torch.Tensor, torch.Tensor]:
+    """One process, the concatenated batches of both ranks (the sampler gives rank r the rows r, r+2, ...)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs = torch.arange(64, dtype=torch.float32).reshape(16, 4) / 64
+    targets = torch.arange(32, dtype=torch.float32).reshape(16, 2) / 32
+    for rows in ([0, 2, 1, 3], [4, 6, 5, 7]):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows]).backward()
+        optimizer.step()
+    return model.weight.detach(), model.bias.detach()
+
+
+def test_after_the_group_is_formed_again_ddp_the_sampler_and_the_agreement_follow_it() -> None:
+    port = find_free_port()
+    store = dist.TCPStore("127.0.0.1", port, world_size=3, is_master=True,  # type: ignore[attr-defined]
+                          timeout=timedelta(seconds=BOUND_SECONDS), wait_for_workers=False)
+    processes = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1", DDPKIT_RECOVERY: "in-place"}
+        processes.append(subprocess.Popen([sys.executable, "-c", RANK], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=BOUND_SECONDS)[0])
+    finally:
+        for process in processes:
+            process.kill()
+        del store
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    results = [_result(output) for output in outputs]
+    weight, bias = _reference()
+    for rank, result in enumerate(results):
+        assert result["seen"] == [[1, rank, 2]]
+        assert result["generation"] == 1
+        assert result["first_decision"] is False
+        assert result["shares"] == list(range(rank, 16, 2))
+        torch.testing.assert_close(torch.tensor(result["weight"]), weight, rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(result["bias"]), bias, rtol=0, atol=1e-6)
+    # Every rank decides at the same call, though only rank 1 raised the flag.
+    assert results[0]["decided_at"] == results[1]["decided_at"] is not None
+
+
+def test_a_sharded_loader_takes_its_share_anew_when_the_membership_changes() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddpkit.data import shard
+    from ddpkit.group import Membership
+
+    loader = shard(DataLoader(TensorDataset(torch.arange(10)), batch_size=2, shuffle=True), num_replicas=2, rank=1)
+    loader.sampler.set_epoch(3)  # type: ignore[attr-defined]
+    before = list(loader.sampler)
+    loader.follow_membership(Membership(generation=1, rank=0, world_size=1))  # type: ignore[attr-defined]
+    after = list(loader.sampler)
+    assert len(before) == 5 and sorted(after) == list(range(10))
+    assert loader.sampler.epoch == 3  # type: ignore[attr-defined]
+    assert set(before) <= set(after)
