@@ -214,6 +214,6 @@ def agree_without_synchronising() -> int:
 
 
 def test_the_preemption_agreement_never_synchronises_the_device(gpu_pool: WorkerPool) -> None:
-    """README, "Never lose work": the host reads the agreement's result through an event."""
+    """docs/never-lose-work.md: the host reads the agreement's result through an event."""
     stop0, stop1 = gpu_pool.run(agree_without_synchronising)
     assert stop0 == stop1 and 10 <= stop0 <= 12

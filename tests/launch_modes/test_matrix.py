@@ -6,7 +6,7 @@ process trained on the concatenated batches, the same as torchrun's, exit 0, no 
 
 Where torchrun is not run the mode says why (its restarted attempt reads stale keys; it has no
 in-place recovery); ddpkit's cell is then checked against the reference alone. The table in the
-README ("Launch modes and script kinds") is this matrix's.
+docs/launching.md ("Launch modes and script kinds") is this matrix's.
 """
 
 from __future__ import annotations

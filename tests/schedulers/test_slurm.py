@@ -45,7 +45,7 @@ def test_srun_tasks_train_as_one_world(slurm: SlurmCluster, command: list[str]) 
 
 
 def test_the_sbatch_examples_train_as_one_world(slurm: SlurmCluster) -> None:
-    """The README's sbatch scripts: srun per process, and one `ddpkit run` per node."""
+    """The sbatch scripts of docs/launching.md: srun per process, and one `ddpkit run` per node."""
     for script in (SBATCH_EXAMPLE, SBATCH_LAUNCHER_EXAMPLE):
         job = slurm.batch(script, timeout=90)
         assert (job.state, job.exit_code) == ("COMPLETED", 0), f"{script.name}: {job.state}\n{job.output}"
