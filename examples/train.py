@@ -22,6 +22,7 @@ Compared with a single-process loop, the ddpkit lines are the ones marked ``# dd
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -116,6 +117,8 @@ def main() -> None:
         checkpoint = os.path.join(checkpoint, "checkpoint.pt")
     first_epoch, first_batch, totals = 0, 0, torch.zeros(3)  # totals: loss sum, correct, samples
     history: list[tuple[int, float, float]] = []  # (epoch, loss, accuracy) of every epoch, for --plot
+    resumed: dict[str, Any] | None = None  # where this run continued from, for the summary line
+    trained: list[tuple[int, float]] = []  # (epoch, loss) of the epochs this run finished
     # After a restart (ddpkit run --max-restarts, torchrun) or a preemption the job continues by itself.
     resume = args.resume or strategy.restart_count > 0                          # ddpkit
     state = strategy.load_checkpoint(checkpoint) if checkpoint else None        # ddpkit
@@ -129,6 +132,7 @@ def main() -> None:
         loader.epoch = first_epoch  # the sampler's shuffle continues where it stopped
         where = f"after epoch {first_epoch}" if first_batch == 0 else f"in epoch {first_epoch + 1} after batch {first_batch}"
         strategy.print(f"resumed from {checkpoint} {where}")
+        resumed = {"checkpoint": checkpoint, "epoch": first_epoch, "batch": first_batch}
 
     start, seen = time.perf_counter(), 0
     # strategy.epochs/batches/step: where a lost rank's replacement (ddpkit run --recovery in-place)
@@ -168,6 +172,7 @@ def main() -> None:
                     strategy.exit_preempted()                                   # ddpkit
         totals = strategy.reduce(totals, reduce_op="sum")
         history.append((epoch + 1, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()))
+        trained.append(history[-1][:2])
         strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {history[-1][1]:.4f}  "
                        f"accuracy {history[-1][2]:.3f}", flush=True)
         if checkpoint:
@@ -187,6 +192,11 @@ def main() -> None:
         note = "" if difference is None else f", max |difference| to one process {difference:.2e}"
         print(f"done: {throughput:.0f} samples/s over {strategy.world_size} processes, "
               f"parameters identical on all ranks: {identical}{note}", flush=True)
+        # One line for programs (the tests, benchmarks/recovery.py) to read, whatever the wording above.
+        print("summary " + json.dumps({
+            "world_size": strategy.world_size, "identical": identical, "max_difference": difference,
+            "trained": trained, "resumed": resumed, "recovered_in_place": strategy.recovered_in_place,
+            "samples_per_second": throughput}), flush=True)
     strategy.teardown()                                                         # ddpkit
     if args.plot and strategy.is_global_zero:
         plot_history(history, args.plot)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_strategy import strategy
+from helpers import strategy
 from torch import nn
 
 from ddpkit.parallel.batchnorm import SyncBatchNorm

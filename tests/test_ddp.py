@@ -4,38 +4,17 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import BATCH_PER_RANK, global_batch, grads_of, make_mlp, sgd_on_shards, shard
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.checkpoint import checkpoint
 
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
-
-BATCH_PER_RANK = 4
-
-
-def make_mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def global_batch(world_size: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    n = BATCH_PER_RANK * world_size
-    return torch.randn(n, 6, generator=generator), torch.randn(n, 3, generator=generator)
-
-
-def shard(tensor: torch.Tensor, rank: int) -> torch.Tensor:
-    return tensor[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
-
-
-def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
 
 
 def reference_grads(world_size: int, make=make_mlp, step: int = 0) -> dict[str, torch.Tensor | None]:  # type: ignore[no-untyped-def]
@@ -55,23 +34,6 @@ def assert_close_grads(actual: dict, expected: dict, rtol: float = 1e-6, scale_t
         else:
             atol = max(1e-7, scale_tol * expected[name].abs().max().item())
             torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol)
-
-
-def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | None, steps: int,
-                  before_step: Callable[[int], None] | None = None, set_to_none: bool = True) -> list[torch.Tensor]:
-    """SGD through ``model`` on this rank's shard of each global batch; rank None: the whole batch,
-    the single-process reference. Returns ``module``'s parameters."""
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    for step in range(steps):
-        if before_step is not None:
-            before_step(step)
-        x, y = global_batch(world, step)
-        if rank is not None:
-            x, y = shard(x, rank), shard(y, rank)
-        optimizer.zero_grad(set_to_none=set_to_none)
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in module.parameters()]
 
 
 def train_on_global_batches(model: nn.Module, world_size: int, steps: int) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from test_ddp import global_batch, grads_of, make_mlp, sgd_on_shards, shard
+from helpers import global_batch, grads_of, make_mlp, sgd_on_shards, shard
 from torch import nn
 
 from ddpkit.parallel.ddp import DistributedDataParallel

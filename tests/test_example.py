@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import example_summary
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
@@ -30,8 +31,8 @@ def test_training_converges_and_matches_one_process() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     values = losses(result.stdout)
     assert len(values) == 3 and values == sorted(values, reverse=True) and values[-1] < 0.8 * values[0], values
-    assert "over 2 processes, parameters identical on all ranks: True" in result.stdout
-    difference = float(result.stdout.split("max |difference| to one process")[1].split()[0])
+    assert example_summary(result.stdout)["world_size"] == 2 and example_summary(result.stdout)["identical"]
+    difference = example_summary(result.stdout)["max_difference"]
     assert difference < 1e-5
 
 
@@ -50,11 +51,11 @@ def test_a_checkpoint_resumes_where_the_run_stopped(tmp_path: Path) -> None:
     first = run_example("--epochs", "2", "--samples", "1024", "--checkpoint", checkpoint, "--no-check-reference")
     resumed = run_example("--epochs", "3", "--samples", "1024", "--checkpoint", checkpoint, "--resume")
     assert first.returncode == resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {checkpoint} after epoch 2" in resumed.stdout
+    assert example_summary(resumed.stdout)["resumed"] == {"checkpoint": str(checkpoint), "epoch": 2, "batch": 0}
     assert len(losses(first.stdout)) == 2 and len(losses(resumed.stdout)) == 1  # epoch 3 only, once
     # The reference is one process trained on all three epochs' global batches: the two runs
     # together trained exactly as one uninterrupted run would.
-    assert float(resumed.stdout.split("max |difference| to one process")[1].split()[0]) < 1e-6, resumed.stdout
+    assert example_summary(resumed.stdout)["max_difference"] < 1e-6, resumed.stdout
 
 
 def final_parameters(checkpoint: Path) -> list[torch.Tensor]:
@@ -73,11 +74,12 @@ def test_a_restarted_job_resumes_by_itself_and_ends_as_an_uninterrupted_one(tmp_
     assert whole.returncode == 0 and restarted.returncode == 0, restarted.stderr
     assert "--crash-at-step 12: rank 1 fails on purpose" in restarted.stderr
     assert "restarting all 2 workers (restart 1 of 1)" in restarted.stderr
-    assert f"resumed from {tmp_path / 'restarted' / 'checkpoint.pt'} after epoch 1" in restarted.stdout
+    assert example_summary(restarted.stdout)["resumed"] == {
+        "checkpoint": str(tmp_path / "restarted" / "checkpoint.pt"), "epoch": 1, "batch": 0}
     for after_restart, uninterrupted in zip(final_parameters(tmp_path / "restarted" / "checkpoint.pt"),
                                             final_parameters(tmp_path / "whole.pt")):
         torch.testing.assert_close(after_restart, uninterrupted, rtol=0, atol=1e-6)
-    difference = float(restarted.stdout.split("max |difference| to one process")[1].split()[0])
+    difference = example_summary(restarted.stdout)["max_difference"]
     assert difference < 1e-5
 
 
@@ -86,7 +88,7 @@ def test_a_long_run_matches_one_process_to_the_last_bit() -> None:
     piece drifted to 4e-2 and the example exited 1; it now rounds as the two ranks do."""
     result = run_example("--epochs", "30")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "max |difference| to one process 0.00e+00" in result.stdout, result.stdout
+    assert example_summary(result.stdout)["max_difference"] == 0.0, result.stdout
 
 
 def test_a_preempted_run_saves_mid_epoch_and_the_same_command_finishes_it(tmp_path: Path) -> None:
@@ -108,10 +110,11 @@ def test_a_preempted_run_saves_mid_epoch_and_the_same_command_finishes_it(tmp_pa
     assert stopped is not None and int(stopped[1]) < 10, out
     again = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr
-    assert f"resumed from {checkpoint} in epoch {stopped[1]} after batch {stopped[2]}" in again.stdout, again.stdout
+    assert example_summary(again.stdout)["resumed"] == {"checkpoint": str(checkpoint), "epoch": int(stopped[1]) - 1,
+                                                         "batch": int(stopped[2])}, again.stdout
     for resumed, uninterrupted in zip(final_parameters(checkpoint), final_parameters(tmp_path / "whole.pt")):
         torch.testing.assert_close(resumed, uninterrupted, rtol=0, atol=1e-6)
-    assert "max |difference| to one process 0.00e+00" in again.stdout
+    assert example_summary(again.stdout)["max_difference"] == 0.0
     assert losses(out) + losses(again.stdout) == losses(whole.stdout)  # the interrupted epoch's loss too
 
 
@@ -130,7 +133,8 @@ def test_a_preempted_run_without_the_launcher_stops_with_75_and_resumes(tmp_path
     assert "preempted: saved epoch" in out and "did not end cleanly" not in err, err
     again = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr
-    assert "resumed from" in again.stdout and "max |difference| to one process 0.00e+00" in again.stdout, again.stdout
+    summary = example_summary(again.stdout)
+    assert summary["resumed"] is not None and summary["max_difference"] == 0.0, again.stdout
 
 
 def test_one_process_without_the_launcher() -> None:
@@ -190,13 +194,13 @@ def test_two_nodes_in_separate_network_namespaces_train_like_one_process(two_nam
             node.kill()  # the launcher; its workers die with it
             node.wait()
     assert [node.returncode for node in nodes] == [0, 0], err0[-3000:] + err1[-3000:]
-    assert "over 4 processes, parameters identical on all ranks: True" in out0
-    assert float(out0.split("max |difference| to one process")[1].split()[0]) < 1e-5
+    assert example_summary(out0)["world_size"] == 4 and example_summary(out0)["identical"]
+    assert example_summary(out0)["max_difference"] < 1e-5
 
 
 def test_run_directly_the_script_starts_its_own_second_process() -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), "--processes", "2", "--epochs", "1", "--samples", "512"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "over 2 processes, parameters identical on all ranks: True" in result.stdout
-    assert float(result.stdout.split("max |difference| to one process")[1].split()[0]) < 1e-5
+    assert example_summary(result.stdout)["world_size"] == 2 and example_summary(result.stdout)["identical"]
+    assert example_summary(result.stdout)["max_difference"] < 1e-5

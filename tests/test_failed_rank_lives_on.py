@@ -12,7 +12,6 @@ group down on the failed rank frees nobody.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import start_bare_ranks, wait_then_end_all
 from torch import nn
 
 import ddpkit
 from ddpkit.collectives import barrier, sync_ddp
 from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.peer_watch import PEER_FAILED_EXIT_CODE
-from ddpkit.environments import find_free_port
 from ddpkit.hooks import fp16_compress_hook
 from ddpkit.testing import WorkerPool
 
@@ -155,32 +154,6 @@ SCRIPT = textwrap.dedent(
         raise
     """
 )
-
-
-def start_bare_ranks(folder: Path, world_size: int, *args: str, **variables: str) -> list[subprocess.Popen[str]]:
-    port = find_free_port()
-    ranks = []
-    for rank in range(world_size):
-        env = {**os.environ, **variables, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-               "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "lives-on"}
-        ranks.append(subprocess.Popen([sys.executable, "script.py", *args], cwd=folder, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return ranks
-
-
-def wait_then_end_all(ranks: list[subprocess.Popen[str]],
-                      waited_for: list[subprocess.Popen[str]]) -> list[tuple[str, float]]:
-    """(stderr, wall-clock end) of each process of ``waited_for``, in order; then every rank is ended."""
-    ended = []
-    try:
-        for process in waited_for:
-            ended.append((process.communicate(timeout=60)[1], time.time()))
-    finally:
-        for process in ranks:
-            process.kill()
-            process.communicate()
-    return ended
 
 
 def raised_at(folder: Path) -> float:

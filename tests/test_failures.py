@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from helpers import Flaky
 
 import ddpkit
 from ddpkit.diagnostics.failures import PeerFailedError
@@ -18,22 +18,6 @@ from ddpkit.diagnostics.hangs import watch_for_hangs
 from ddpkit.testing import WorkerPool
 
 PG_TIMEOUT = 5.0
-
-
-class Flaky(nn.Module):
-    """A model whose forward raises on one rank at one step, like a bad batch would."""
-
-    def __init__(self, failing_rank: int, failing_step: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(4, 2)
-        self.failing_rank, self.failing_step, self.step = failing_rank, failing_step, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.step += 1
-        if dist.get_rank() == self.failing_rank and self.step == self.failing_step:
-            raise ValueError(f"rank {self.failing_rank} broke on purpose")
-        return self.layer(x)
 
 
 def outcome(action, own: type[Exception] = ValueError) -> tuple[str, str, int | None, float]:  # type: ignore[no-untyped-def]
@@ -207,7 +191,7 @@ def test_looking_for_a_peer_failure_is_a_query_and_raising_it_is_said_once() -> 
 
 
 def save_where_rank_zero_cannot_write(folder: str) -> tuple[str, str, int | None, float]:
-    from test_strategy import strategy
+    from helpers import strategy
 
     s = strategy()
     blocker = f"{folder}/a-file"
@@ -232,7 +216,7 @@ def reconcile_on_rank_one(folder: str) -> tuple[str, str, int | None, float] | d
     import json
     import os
 
-    from test_strategy import strategy
+    from helpers import strategy
 
     s = strategy()
     if s.global_rank == 0:

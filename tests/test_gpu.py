@@ -18,9 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_ddp import global_batch, make_mlp, shard
-from test_failures import Flaky
-from test_strategy import strategy
+from helpers import Flaky, global_batch, make_mlp, shard, strategy
 from torch import nn
 
 from ddpkit.diagnostics.failures import PeerFailedError

@@ -53,7 +53,7 @@ def test_a_late_rank_is_named_with_the_stacks_of_every_rank() -> None:
 
 
 def rank_one_is_late_for_a_named_barrier() -> str:
-    from test_strategy import strategy
+    from helpers import strategy
 
     s = strategy()
     watch_for_hangs(HANG_SECONDS)

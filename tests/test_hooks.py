@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import Counting
 from torch import nn
 
 from ddpkit.distributed import register_ddp_comm_hook
@@ -40,25 +41,6 @@ def wrap(model: nn.Module, kind: str) -> nn.Module:
     # Several buckets; static_graph so that only gradients are counted on the wire (with a hook,
     # ddpkit negotiates in a separate small all-reduce, tested in test_ddp.py).
     return DistributedDataParallel(model, bucket_cap_mb=0.001, static_graph=True)
-
-
-class Counting:
-    """Counts the bytes that go through torch.distributed.all_reduce while active."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self._original = dist.all_reduce
-
-    def __enter__(self) -> Counting:
-        def counted(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self.sent += tensor.numel() * tensor.element_size()
-            return self._original(tensor, *args, **kwargs)
-
-        dist.all_reduce = counted
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self._original
 
 
 def make_model() -> nn.Module:

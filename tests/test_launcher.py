@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import assert_gone, worker_pids
 
 from ddpkit.diagnostics.hangs import _process_state
 from ddpkit.environments import find_free_port
@@ -56,36 +57,6 @@ def scripts(tmp_path: Path) -> Path:
 def launch(folder: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "ddpkit", "run", *args], cwd=folder, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def worker_pids(folder: Path, count: int, timeout: float = 30) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = [folder / f"pid{rank}" for rank in range(count)]
-        if all(f.exists() and f.read_text() for f in files):
-            return [int(f.read_text()) for f in files]
-        time.sleep(0.05)
-    raise AssertionError("workers did not start")
-
-
-def assert_gone(pids: list[int], within: float = 3.0) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = [pid for pid in pids if _alive(pid)]
-        if not alive:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"processes still alive: {alive}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); it is gone for our purposes once it is not running
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_a_clean_two_process_run_exits_zero(scripts: Path) -> None:

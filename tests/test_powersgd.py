@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from test_hooks import Counting
+from helpers import Counting
 from torch import nn
 
 from ddpkit.distributed import register_ddp_comm_hook

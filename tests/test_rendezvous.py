@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import example_summary
 
 from ddpkit.environments import find_free_port
 from ddpkit.launching.cli import main
@@ -78,8 +79,8 @@ def test_two_launchers_without_node_ranks_form_one_world_of_four_and_train_like_
     nodes = sorted(int(re.findall(r"this is node (\d) of 2", err)[0]) for _, _, err in results)
     assert nodes == [0, 1]
     out = "".join(out for _, out, _ in results)
-    assert "over 4 processes, parameters identical on all ranks: True" in out, out
-    assert float(out.split("max |difference| to one process")[1].split()[0]) < 1e-5
+    assert example_summary(out)["world_size"] == 4 and example_summary(out)["identical"], out
+    assert example_summary(out)["max_difference"] < 1e-5
 
 
 def test_a_launcher_too_many_and_another_job_on_the_endpoint_are_refused(folder: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launcher import assert_gone, worker_pids
+from helpers import assert_gone, worker_pids
 from torch import nn
 
 SCRIPT = textwrap.dedent(

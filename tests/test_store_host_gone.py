@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_failed_rank_lives_on import start_bare_ranks, wait_then_end_all
+from helpers import start_bare_ranks, wait_then_end_all
 
 BOUND_SECONDS = 2.0
 

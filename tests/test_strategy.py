@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import strategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -18,16 +19,6 @@ from ddpkit.strategy import DDPStrategy
 from ddpkit.testing import WorkerPool
 
 SAMPLES, BATCH = 32, 4
-
-
-def strategy(**kwargs: object) -> DDPStrategy:
-    """A strategy for the pool's process group (the pool connected the workers already)."""
-    rank, size = dist.get_rank(), dist.get_world_size()
-    environment = LocalEnvironment({"WORLD_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                    "MASTER_PORT": "1"})
-    result = DDPStrategy(cluster_environment=environment, **kwargs)  # type: ignore[arg-type]
-    result.setup_environment()  # the existing group agrees: kept
-    return result
 
 
 def dataset() -> TensorDataset:

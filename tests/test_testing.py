@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_launcher import assert_gone, worker_pids
+from helpers import assert_gone, worker_pids
 
 from ddpkit import guard
 from ddpkit.testing import RankFailedError, RankTimeoutError, WorkerPool

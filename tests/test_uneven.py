@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_ddp import BATCH_PER_RANK, make_mlp
+from helpers import BATCH_PER_RANK, make_mlp
 from torch import nn
 
 import ddpkit
@@ -102,7 +102,7 @@ def test_even_batches_stops_every_rank_at_the_shortest(pool: WorkerPool) -> None
 
 
 def train_through_the_strategy(use_torch_ddp: bool) -> list[torch.Tensor]:
-    from test_strategy import strategy
+    from helpers import strategy
 
     rank = dist.get_rank()
     s = strategy(use_torch_ddp=use_torch_ddp)

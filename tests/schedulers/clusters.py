@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import example_summary
 
 from ddpkit.environments import find_free_port
 
@@ -40,13 +40,11 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def trained_as_one_world_of(processes: int, output: str) -> None:
-    """The example's last line: one training over ``processes`` ranks that agree, equal to one process."""
-    found = re.search(r"over (\d+) processes, parameters identical on all ranks: (\w+), "
-                      r"max \|difference\| to one process ([\d.e+-]+)", output)
-    assert found is not None, output[-3000:]
+    """The example's summary line: one training over ``processes`` ranks that agree, equal to one process."""
+    summary = example_summary(output)
     assert output.count("samples/s over") == 1, f"more than one training ran:\n{output[-3000:]}"
-    assert (int(found.group(1)), found.group(2)) == (processes, "True"), output[-3000:]
-    assert float(found.group(3)) < 1e-5, output[-3000:]
+    assert (summary["world_size"], summary["identical"]) == (processes, True), output[-3000:]
+    assert summary["max_difference"] < 1e-5, output[-3000:]
 
 
 @dataclass
