@@ -14,7 +14,7 @@ torch's default process group does not say about itself:
 - ``on_reconfigure(callback)``: **the one hook** through which whatever caches membership learns
   of a new generation. Called in registration order, after the new torch group exists and
   before anything else runs on it. Who registers: the diagnostics (the hang watch and the peer
-  watch follow the new group), the DDP module (rank, world size, scale, source rank), the
+  watch follow the new group), the DDP module (rank, world size, its Reducer's scale), the
   sampler of ``ddpkit.data.shard`` (its share of the data), ``StepAgreement`` (a round pending on
   the abandoned group is dropped). A comm hook's state (PowerSGD's) does not: in-place recovery
   refuses a comm hook state, since it would not reach a replacement.
@@ -81,9 +81,6 @@ class Group:
         self._in_place = in_place
         self._reactions: dict[int, Callable[[], Reaction | None]] = {}
         self._next_reaction = 0
-        # Groups left behind: a collective of theirs may still be pending in a Gloo thread, and
-        # destroying the group object would wait for it (up to its timeout); they live until exit.
-        self._abandoned: list[Any] = []
 
     # -- what it is ------------------------------------------------------------------------------
 
@@ -150,7 +147,7 @@ class Group:
     def abort(self) -> None:
         """Leave torch's default group (a rank of it vanished): destroyed, but kept referenced."""
         if dist.is_initialized():
-            self._abandoned.append(dist.distributed_c10d._get_default_group())
+            _left_behind.append(dist.distributed_c10d._get_default_group())
             dist.destroy_process_group()
 
     def reconfigure(self, members: Sequence[int] | None = None) -> Membership:
@@ -199,6 +196,13 @@ class Group:
 
     def _prefix(self, generation: int) -> str:
         return f"ddpkit/attempt/{self._attempt}/generation/{generation}/"
+
+
+# Torch groups abandoned by ``Group.abort``: a collective of theirs may still be pending in a Gloo
+# thread, and freeing the group object waits for it (up to the group's timeout, minutes). They are
+# kept until the process ends, apart from any ``Group``: a connection torn down at the end of
+# training drops its ``Group``, and the process would then wait at exit.
+_left_behind: list[Any] = []
 
 
 class _Connected:
