@@ -95,7 +95,7 @@ def train_steps_keeping_grads(steps: int, as_view: bool | None, set_to_none: boo
     options = {} if as_view is None else {"gradient_as_bucket_view": as_view}
     model = DistributedDataParallel(module, **options)
     parameters = sgd_on_shards(model, module, world, rank, steps, set_to_none=set_to_none)
-    buffers = {bucket.buffer.untyped_storage().data_ptr() for bucket in model._buckets}
+    buffers = {bucket.buffer.untyped_storage().data_ptr() for bucket in model._reducer.buckets}
     in_buckets = all(p.grad is not None and p.grad.untyped_storage().data_ptr() in buffers for p in module.parameters())
     return parameters, in_buckets
 
@@ -621,13 +621,13 @@ def test_buckets_are_rebuilt_in_the_order_gradients_arrive(pool: WorkerPool, as_
 def test_forward_inputs_move_to_the_module_device_through_nested_containers() -> None:
     from collections import namedtuple
 
-    from ddpkit.parallel.ddp import _to_device
+    from ddpkit.parallel.construction import to_device
 
     Pair = namedtuple("Pair", ["left", "right"])
     meta = torch.device("meta")
-    moved = _to_device(((torch.ones(2), [torch.ones(1), 3]), {"k": Pair(torch.ones(1), "text")}), meta)
+    moved = to_device(((torch.ones(2), [torch.ones(1), 3]), {"k": Pair(torch.ones(1), "text")}), meta)
     (first, (second, number)), mapping = moved
     assert first.device == meta and second.device == meta and number == 3
     assert isinstance(mapping["k"], Pair) and mapping["k"].left.device == meta and mapping["k"].right == "text"
     already = torch.ones(1, device=meta)
-    assert _to_device(already, meta) is already  # no copy for tensors already there
+    assert to_device(already, meta) is already  # no copy for tensors already there

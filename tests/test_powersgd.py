@@ -47,7 +47,7 @@ def train_with_powersgd(kind: str, bucket_cap_mb: float, steps: int) -> tuple[in
     state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1)
     register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
     sgd_steps(model, steps)
-    buckets = len(model._buckets) if kind == "ddpkit" else int(
+    buckets = len(model._reducer.buckets) if kind == "ddpkit" else int(
         model._get_ddp_logging_data()["rebuilt_bucket_sizes"].count(",") + 1)
     return buckets, [p.grad.clone() for p in model.module.parameters()]
 

@@ -1,0 +1,436 @@
+"""The gradient synchronisation of one ``DistributedDataParallel`` (torch's C++ Reducer has the same
+job): the buckets and the post-accumulate-grad hooks that fill them during backward, their
+reductions launched strictly in bucket order (the all-reduce, a comm hook, or ``reduce_function``),
+the wait and the copy back, the negotiation of parameters no rank used, and the reductions of zeros
+by which a rank that ran out of data shadows the others (``DistributedDataParallel.join``).
+
+How a step goes is told in ``ddpkit.parallel.ddp``'s docstring; the module owns the wrapped model, its
+construction checks and broadcasts, forward and the public API, and hands backward to this class.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from ddpkit.collective_call import collective_call
+from ddpkit.collectives import broadcast_object
+from ddpkit.diagnostics.debug import debug_enabled
+from ddpkit.diagnostics.failures import CollectiveFailedError, guard
+from ddpkit.diagnostics.waits import wait_for
+from ddpkit.hooks.contract import GradBucket, check_hook_result
+from ddpkit.parallel.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, assign_buckets
+from ddpkit.parallel.sparse import average_sparse_gradients
+
+if TYPE_CHECKING:
+    from ddpkit.parallel.ddp import DistributedDataParallel
+
+__all__ = ["SYNCHRONISATION", "Reducer", "StepState"]
+
+ProcessGroup = Any
+TensorsFunction = Callable[[Sequence[Tensor], ProcessGroup], None]
+CommHook = Callable[[object, GradBucket], "torch.futures.Future[Any]"]
+
+# Gradients smaller than this (elements) are copied into their bucket in one batched call when
+# the bucket completes, not one by one in their hooks: for a small tensor the cost of a
+# separate torch call from Python exceeds the cost of moving its data. Larger ones are copied
+# (and scaled) at once in one pass, while backward goes on.
+_BATCH_BELOW_NUMEL = 16384
+
+#: What a backward's synchronisation is called in hang reports and debug-mode fingerprints.
+SYNCHRONISATION = "DistributedDataParallel backward"
+
+
+class Reducer:
+    """Backward's side of one DDP module. ``owner`` is that module: its ``no_sync`` switch
+    (``require_backward_grad_sync``), ``broadcast_buffers``, ``negotiate_grads`` and ``static_graph``
+    are read at each backward, and pre-sync hooks are called with it."""
+
+    def __init__(self, owner: DistributedDataParallel, trainable: dict[str, nn.Parameter], sparse: list[nn.Parameter],
+                 launch_order: list[str], bucket_cap: int, process_group: ProcessGroup, rank: int, world_size: int,
+                 gradient_as_bucket_view: bool, reduce_function: TensorsFunction | None) -> None:
+        self._owner = owner
+        self._trainable = trainable
+        self._sparse = sparse
+        self._bucket_cap = bucket_cap
+        self._group = process_group
+        self._as_view = gradient_as_bucket_view
+        self._reduce_function = reduce_function
+        self.follow(rank, world_size)
+        # The bucket all-reduce calls the group directly with options made once: dist.all_reduce
+        # re-checks its arguments on every call, a cost the hot path need not pay.
+        self._allreduce_options = dist.AllreduceOptions()
+        self._allreduce_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stub's type is narrower
+        self._allreduce_options.asyncOp = True
+        self.comm_state: object = None
+        self.comm_hook: CommHook | None = None
+        # Whether each bucket is averaged elementwise: with no hook and no reduce_function, or with
+        # a hook declared ``elementwise_average`` (ddpkit.hooks.contract; ddpkit's allreduce, fp16,
+        # bf16). Then DDP divides while copying gradients in (one pass) and the negotiation flags
+        # travel in the buffer (no message); otherwise the hook or reduce_function divides, and
+        # negotiation takes its own all-reduce. Decided when the hook is registered, not in every
+        # backward: the protocol check costs tens of microseconds.
+        self.averages_elementwise = reduce_function is None
+        # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
+        self.pre_sync_hooks: OrderedDict[int, Callable[[DistributedDataParallel], None]] = OrderedDict()
+        # What changes every step lives in a plain object: writing attributes of an nn.Module goes
+        # through its registration checks, several microseconds each.
+        self.step = StepState()
+        self.buckets: list[Bucket] = []
+        self.launch_order: list[str] = []
+        self._hook_handles: list[RemovableHandle] = []
+        self.set_launch_order([name for name in launch_order if name in trainable])
+        # Their hook only makes sure the end of backward runs, also when no dense gradient arrives.
+        self._sparse_hook_handles = [p.register_post_accumulate_grad_hook(self._on_sparse_gradient) for p in sparse]
+
+    def follow(self, rank: int, world_size: int) -> None:
+        """This rank's place in the group (at construction, and when the group is formed again)."""
+        self._rank, self._world_size = rank, world_size
+        self._scale = 1.0 / world_size
+
+    @property
+    def sparse_count(self) -> int:
+        """How many parameters get sparse gradients (averaged apart from the buckets)."""
+        return len(self._sparse)
+
+    def set_launch_order(self, names: list[str]) -> None:
+        """(Re)build the buckets for parameters in this launch order, and hook every parameter."""
+        for handle in self._hook_handles:
+            handle.remove()
+        old_views = {id(p): view for bucket in self.buckets for p, view in zip(bucket.parameters, bucket.views)}
+        self.launch_order = names
+        ordered = [self._trainable[name] for name in names]
+        first_cap = min(self._bucket_cap, DEFAULT_FIRST_CAP_BYTES)
+        groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap)
+        self.buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
+                        for i, g in enumerate(groups)]
+        # A parameter frozen after wrapping cannot take a hook (torch refuses). It keeps its slot:
+        # the end of backward copies whatever gradient it has (none: zeros, or None when no rank
+        # has one), so unfreezing it later is right too, only without overlap for it.
+        self._hook_handles = [bucket.parameters[slot].register_post_accumulate_grad_hook(self._make_hook(bucket, slot))
+                              for bucket in self.buckets for slot in range(len(bucket.parameters))
+                              if bucket.parameters[slot].requires_grad]
+        if self._as_view:
+            # Gradients that were views into the old buffers move into the new ones (and the old
+            # buffers are freed), so .grad stays a bucket view.
+            for bucket in self.buckets:
+                for parameter, view in zip(bucket.parameters, bucket.views):
+                    if parameter.grad is not None and parameter.grad is old_views.get(id(parameter)):
+                        view.copy_(parameter.grad)
+                        parameter.grad = view
+
+    def _rebuild_buckets_in_observed_order(self) -> None:
+        """After the first synchronised backward: rebuild the buckets in the order in which the
+        group's first rank saw gradients arrive (torch's Reducer does the same), so each bucket
+        fills as early as backward allows even when registration order is not the order of use.
+        The order comes from one rank, so every rank builds identical buckets."""
+        observed, self.step.observed = self.step.observed, None
+        if self._world_size > 1:
+            observed = broadcast_object(observed, src=0, group=self._group)
+        seen = set(observed or ())
+        order = list(observed or ()) + [name for name in self.launch_order if name not in seen]
+        if order != self.launch_order:
+            self.set_launch_order(order)
+
+    def _make_hook(self, bucket: Bucket, slot: int) -> Callable[[Tensor], None]:
+        """The post-accumulate-grad hook of one parameter, with its bucket and slot bound (hot path)."""
+        view = bucket.views[slot]
+        name = bucket.names[slot]
+        batched = slot in bucket.batched_slots
+
+        def on_gradient_ready(parameter: Tensor) -> None:
+            if not self._owner.require_backward_grad_sync:
+                return
+            if not self.step.in_backward:
+                self._begin_backward()
+            if bucket.ready[slot]:
+                return  # a second call in the same backward (retain_graph reuse): already counted
+            if self.step.observed is not None:
+                self.step.observed.append(name)
+            if self.step.defer_copies:
+                pass  # a pre-sync hook may still change .grad: everything is copied after it ran
+            elif batched:
+                bucket.batched.append((parameter, view))
+            else:
+                self._copy_into_bucket(parameter, view)
+            bucket.ready[slot] = True
+            bucket.pending -= 1
+            if bucket.pending == 0 and self.step.overlap:
+                self._launch_complete_buckets()
+
+        return on_gradient_ready
+
+    def _on_sparse_gradient(self, parameter: Tensor) -> None:
+        if self._owner.require_backward_grad_sync and not self.step.in_backward:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        self.step.in_backward = True
+        # Debug mode checks fingerprints before reducing, so nothing may launch during backward.
+        self.step.debug = debug_enabled()
+        self.step.defer_copies = bool(self.pre_sync_hooks)
+        self.step.overlap = self._reduce_function is None and not self.step.defer_copies and not self.step.debug
+        self.step.elementwise = self.averages_elementwise
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
+        grad = parameter.grad
+        if grad is None:
+            view.zero_()
+        elif grad is view:
+            if self.step.elementwise:
+                view.mul_(self._scale)
+        elif grad.layout != torch.strided:  # sparse, from a module ddpkit did not recognise: densified
+            view.copy_(grad.to_dense())
+            if self.step.elementwise:
+                view.mul_(self._scale)
+        elif self.step.elementwise:
+            torch.mul(grad, self._scale, out=view)  # copy and divide in one pass, as torch's Reducer
+        else:
+            view.copy_(grad)
+        if self._as_view and grad is not None and grad is not view:
+            parameter.grad = view
+
+    def _launch_complete_buckets(self) -> None:
+        while self.step.next_bucket < len(self.buckets) and self.buckets[self.step.next_bucket].pending == 0:
+            self._launch(self.buckets[self.step.next_bucket])
+            self.step.next_bucket += 1
+
+    def _copy_batched(self, bucket: Bucket) -> None:
+        """Copy the small gradients that the hooks only recorded, in two calls for the bucket."""
+        if not bucket.batched:
+            return
+        arrived, bucket.batched = bucket.batched, []
+        every_one = len(arrived) == len(bucket.batched_slots)  # the usual case
+        parameters = bucket.batched_parameters if every_one else [parameter for parameter, _ in arrived]
+        views = bucket.batched_views if every_one else [view for _, view in arrived]
+        grads = [parameter.grad for parameter in parameters]  # each hook fired, so none is None
+        try:
+            torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+        except RuntimeError:
+            if all(grad.layout == torch.strided for grad in grads):  # type: ignore[union-attr]
+                raise
+            # Sparse gradients from a module ddpkit did not recognise: densified one by one.
+            for view, grad in zip(views, grads):
+                view.copy_(grad.to_dense())  # type: ignore[union-attr]
+        if self.step.elementwise:  # g * (1/world): the same arithmetic as mul(out=)
+            if every_one:
+                bucket.batched_region.mul_(self._scale)  # they lie contiguous: one pass, not one call each
+            else:
+                torch._foreach_mul_(views, self._scale)
+        if self._as_view:
+            for parameter, view in zip(parameters, views):
+                parameter.grad = view
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._copy_batched(bucket)
+        if self.step.elementwise:
+            # The flags after the gradients say which parameters have a gradient on this rank.
+            if all(p.grad is not None for p in bucket.parameters):
+                bucket.flags.fill_(1)
+            else:
+                bucket.flags.copy_(torch.tensor([p.grad is not None for p in bucket.parameters]))
+                self.step.buckets_missing_grads.add(bucket.index)
+        self.step.in_flight.append((bucket, self._start_reduction(bucket, self.step.elementwise)))
+
+    def _start_reduction(self, bucket: Bucket, elementwise: bool) -> Any:
+        """Start reducing one bucket: its all-reduce, or the comm hook's future."""
+        if self.comm_hook is None:
+            # The default group is looked up, not kept: a reference would keep its connections
+            # open after destroy_process_group, and peers waiting on them would not be freed.
+            group = self._group if self._group is not None else dist.group.WORLD
+            if group is None:  # destroyed: torch's own "not initialized" error
+                return dist.all_reduce(bucket.buffer, group=self._group, async_op=True)
+            return group.allreduce([bucket.buffer], self._allreduce_options)
+        is_last = bucket.index == len(self.buckets) - 1
+        result = self.comm_hook(self.comm_state, GradBucket(bucket, is_last, prescaled=elementwise, with_flags=elementwise))
+        check_hook_result(self.comm_hook, result)
+        return result
+
+    def _wait_into_bucket(self, bucket: Bucket, pending: Any) -> None:
+        """Wait for one bucket's reduction and leave its result in the bucket's buffer (a hook may
+        return another tensor)."""
+        result = self._wait(bucket, pending)
+        if isinstance(pending, dist.Work):
+            return
+        result = result[0] if isinstance(result, (list, tuple)) else result
+        if result is not bucket.grads and result is not bucket.buffer:
+            (bucket.buffer if result.numel() == bucket.buffer.numel() else bucket.grads).copy_(result)
+
+    def _finish_backward(self) -> None:
+        """End of backward: complete, launch and await every bucket; copy results back."""
+        self.step.synced_backwards += 1
+        fingerprint = self.step.debug and self._world_size > 1
+        try:
+            # guard(): an error of this rank's is published to the other ranks (ddpkit.diagnostics.failures)
+            with collective_call(SYNCHRONISATION, self._group, fingerprint=fingerprint), guard():
+                self._synchronise()
+        finally:
+            self.step.end_backward()
+            for bucket in self.buckets:
+                bucket.reset()
+
+    def _synchronise(self) -> None:
+        """Complete, launch and await every bucket; copy results back; then buffers."""
+        if self.step.defer_copies:
+            # The hooks see the complete local gradients in .grad, and what they leave there is
+            # what gets reduced: nothing was copied into the buckets yet.
+            for hook in list(self.pre_sync_hooks.values()):
+                hook(self._owner)
+        for bucket in self.buckets[self.step.next_bucket :]:
+            for slot, ready in enumerate(bucket.ready):
+                if not ready or self.step.defer_copies:  # not ready: an accumulated gradient (no_sync), or zeros
+                    self._copy_into_bucket(bucket.parameters[slot], bucket.views[slot])
+            bucket.pending = 0
+        if self._reduce_function is not None:
+            for bucket in self.buckets:
+                self._copy_batched(bucket)
+            self._reduce_with_custom_function(self._reduce_function)
+        else:
+            self._launch_complete_buckets()
+        self._await_and_copy_back(self._negotiation_needed())
+        if self._sparse and self._world_size > 1:
+            average_sparse_gradients(self._sparse, self._group, self._scale)
+        if self._owner.broadcast_buffers:
+            self._owner._sync_buffers()
+        if self.step.observed is not None:
+            self._rebuild_buckets_in_observed_order()
+
+    def _reduce_with_custom_function(self, reduce_function: TensorsFunction) -> None:
+        """The user's function reduces every gradient in place (views into the buckets)."""
+        reduce_function([view for bucket in self.buckets for view in bucket.views], self._group)
+        self.step.next_bucket = len(self.buckets)
+
+    def _wait(self, bucket: Bucket, pending: Any) -> Any:
+        """Wait for one bucket's reduction; when it fails or times out, say what that usually means
+        (``collective_call`` names the rank instead when a peer published its failure)."""
+        try:
+            return wait_for(pending, self._group)
+        except RuntimeError as error:
+            raise CollectiveFailedError(
+                f"ddpkit DistributedDataParallel: the gradient reduction of bucket {bucket.index} of "
+                f"{len(self.buckets)} (parameters {bucket.names[:3]}{'...' if len(bucket.names) > 3 else ''}) "
+                f"did not complete on group rank {self._rank} of {self._world_size}: {error}\n"
+                "Another rank of the group did not run this backward: it failed or was killed, skipped "
+                "backward, or ran a different number of steps (e.g. uneven batches). Check the other ranks' output."
+            ) from error
+
+    def _negotiation_needed(self) -> bool:
+        return self._owner.negotiate_grads and not self._owner.static_graph
+
+    def _launch_separate_negotiation(self) -> tuple[Tensor, Any]:
+        """Count, over ranks, who has a gradient for each parameter: one small asynchronous all-reduce,
+        needed when a comm hook or reduce_function reduces the gradients (they carry no bucket flags)."""
+        used = torch.tensor(
+            [p.grad is not None for bucket in self.buckets for p in bucket.parameters],
+            dtype=torch.int32, device=self.buckets[0].buffer.device,
+        )
+        return used, dist.all_reduce(used, group=self._group, async_op=True)
+
+    def _await_and_copy_back(self, negotiate: bool) -> None:
+        """Wait for each bucket in turn and copy its results back at once, so copying bucket i
+        overlaps with the reduction of the buckets after it (as torch's Reducer does)."""
+        separate = None
+        if negotiate and not self.step.elementwise and self.buckets:
+            # Its answer only matters for parameters no rank touched (rare): copy everything back
+            # first and undo those afterwards, rather than wait for it before the first copy.
+            separate = self._launch_separate_negotiation()
+        pending_by_bucket = {bucket.index: pending for bucket, pending in self.step.in_flight}
+        for bucket in self.buckets:
+            pending = pending_by_bucket.get(bucket.index)
+            if pending is not None:
+                self._wait_into_bucket(bucket, pending)
+            used = None  # None: every parameter of the bucket has a gradient somewhere
+            # With a gradient for every parameter here, every summed flag is positive: no need to
+            # read them (on a GPU the read would stall the CPU until the reduction has finished).
+            if negotiate and separate is None and bucket.index in self.step.buckets_missing_grads:
+                flags = bucket.flags.real.tolist()  # .real: complex buckets carry their flags as 1+0j
+                if min(flags) <= 0:
+                    used = [flag > 0 for flag in flags]
+            self._copy_back(bucket, used)
+        if separate is not None:
+            counts, work = separate
+            wait_for(work, self._group)
+            parameters = [p for bucket in self.buckets for p in bucket.parameters]
+            for parameter, count in zip(parameters, counts.tolist()):
+                if count == 0:
+                    parameter.grad = None  # no rank has a gradient: None, as without DDP
+
+    def _copy_back(self, bucket: Bucket, used: list[bool] | None) -> None:
+        targets, sources = [], []
+        for slot, (parameter, view) in enumerate(zip(bucket.parameters, bucket.views)):
+            if used is not None and not used[slot]:
+                continue  # no rank has a gradient: keep None, as without DDP
+            if parameter.grad is view:
+                continue
+            if parameter.grad is None or self._as_view:
+                parameter.grad = view if self._as_view else view.clone()
+            else:
+                targets.append(parameter.grad)
+                sources.append(view)
+        if not targets:
+            return
+        try:
+            torch._foreach_copy_(targets, sources)  # one call instead of one copy_ per parameter
+        except RuntimeError:
+            if all(target.layout == torch.strided for target in targets):
+                raise
+            self._copy_back_densifying(bucket, used)
+
+    def _copy_back_densifying(self, bucket: Bucket, used: list[bool] | None) -> None:
+        """The slow copy back, for a sparse gradient that went through a dense bucket: it comes back dense."""
+        for slot, (parameter, view) in enumerate(zip(bucket.parameters, bucket.views)):
+            if (used is None or used[slot]) and parameter.grad is not None and parameter.grad is not view:
+                if parameter.grad.layout == torch.strided:
+                    parameter.grad.copy_(view)
+                else:
+                    parameter.grad = view.clone()
+
+    def reduce_zeros(self) -> bool:
+        pending = []
+        for bucket in self.buckets:  # the same collectives, in the same order, as a real backward
+            bucket.buffer.zero_()
+            pending.append((bucket, self._start_reduction(bucket, elementwise=True)))  # join checked it is
+        anyone_trained = False
+        for bucket, work in pending:
+            self._wait_into_bucket(bucket, work)
+            anyone_trained = anyone_trained or bool(bucket.flags.real.sum() > 0)
+        if anyone_trained:  # mirror the rest of their step
+            if self._owner.broadcast_buffers:
+                self._owner._sync_buffers()
+            if self.step.observed is not None:
+                self._rebuild_buckets_in_observed_order()
+        return anyone_trained
+
+
+
+@dataclass
+class StepState:
+    """Bookkeeping of the backward in progress (and of buffers since the last sync)."""
+
+    in_backward: bool = False
+    overlap: bool = True  # launch buckets during backward
+    defer_copies: bool = False  # copy gradients into buckets only at the end (pre-sync hooks change them)
+    debug: bool = False  # debug mode (ddpkit.diagnostics.debug) for this backward: fingerprints before reducing
+    elementwise: bool = True  # DDP divides while copying in, and the flags travel in the buffer
+    next_bucket: int = 0  # buckets launch strictly in index order
+    in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)
+    buckets_missing_grads: set[int] = field(default_factory=set)  # buckets with a parameter lacking .grad here
+    buffers_stale: bool = False  # forwards ran since the last buffer broadcast
+    synced_backwards: int = 0  # since construction; the rank with most joined last (see join)
+    #: Names in the order their gradients arrived, during the first synchronised backward only.
+    observed: list[str] | None = field(default_factory=list)
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        self.next_bucket = 0
+        self.in_flight = []
+        self.buckets_missing_grads = set()
+
