@@ -146,7 +146,7 @@ class DistributedDataParallel(nn.Module):
         by_name = dict(named)
         cap_mb = kwargs.get("bucket_cap_mb")
         self._reducer = Reducer(
-            self, trainable={name: p for name, p in named if id(p) not in sparse_ids},
+            self, self._sync_buffers, trainable={name: p for name, p in named if id(p) not in sparse_ids},
             sparse=[by_name[name] for name in launch_order if name in by_name and id(by_name[name]) in sparse_ids],
             launch_order=launch_order,
             bucket_cap=DEFAULT_CAP_BYTES if cap_mb is None else int(float(cap_mb) * 1024 * 1024),

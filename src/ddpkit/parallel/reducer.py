@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,7 @@ from ddpkit.hooks.contract import GradBucket, check_hook_result
 from ddpkit.parallel.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.sparse import average_sparse_gradients
 
-if TYPE_CHECKING:
-    from ddpkit.parallel.ddp import DistributedDataParallel
-
-__all__ = ["SYNCHRONISATION", "Reducer", "StepState"]
+__all__ = ["SYNCHRONISATION", "ReducedModule", "Reducer", "StepState"]
 
 ProcessGroup = Any
 TensorsFunction = Callable[[Sequence[Tensor], ProcessGroup], None]
@@ -48,15 +45,26 @@ _BATCH_BELOW_NUMEL = 16384
 SYNCHRONISATION = "DistributedDataParallel backward"
 
 
-class Reducer:
-    """Backward's side of one DDP module. ``owner`` is that module: its ``no_sync`` switch
-    (``require_backward_grad_sync``), ``broadcast_buffers``, ``negotiate_grads`` and ``static_graph``
-    are read at each backward, and pre-sync hooks are called with it."""
+class ReducedModule(Protocol):
+    """What a ``Reducer`` reads from its DDP module at each backward (the user may change them)."""
 
-    def __init__(self, owner: DistributedDataParallel, trainable: dict[str, nn.Parameter], sparse: list[nn.Parameter],
-                 launch_order: list[str], bucket_cap: int, process_group: ProcessGroup, rank: int, world_size: int,
-                 gradient_as_bucket_view: bool, reduce_function: TensorsFunction | None) -> None:
+    require_backward_grad_sync: bool  # False inside no_sync: gradients accumulate locally
+    broadcast_buffers: bool
+    negotiate_grads: bool
+    static_graph: bool
+
+
+class Reducer:
+    """Backward's side of one DDP module. ``owner`` is that module: its settings
+    (``ReducedModule``) are read at each backward, pre-sync hooks are called with it, and
+    ``sync_buffers`` broadcasts its buffers after a synchronisation."""
+
+    def __init__(self, owner: ReducedModule, sync_buffers: Callable[[], None], trainable: dict[str, nn.Parameter],
+                 sparse: list[nn.Parameter], launch_order: list[str], bucket_cap: int, process_group: ProcessGroup,
+                 rank: int, world_size: int, gradient_as_bucket_view: bool,
+                 reduce_function: TensorsFunction | None) -> None:
         self._owner = owner
+        self._sync_buffers = sync_buffers
         self._trainable = trainable
         self._sparse = sparse
         self._bucket_cap = bucket_cap
@@ -79,7 +87,7 @@ class Reducer:
         # backward: the protocol check costs tens of microseconds.
         self.averages_elementwise = reduce_function is None
         # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
-        self.pre_sync_hooks: OrderedDict[int, Callable[[DistributedDataParallel], None]] = OrderedDict()
+        self.pre_sync_hooks: OrderedDict[int, Callable[[Any], None]] = OrderedDict()
         # What changes every step lives in a plain object: writing attributes of an nn.Module goes
         # through its registration checks, several microseconds each.
         self.step = StepState()
@@ -299,7 +307,7 @@ class Reducer:
         if self._sparse and self._world_size > 1:
             average_sparse_gradients(self._sparse, self._group, self._scale)
         if self._owner.broadcast_buffers:
-            self._owner._sync_buffers()
+            self._sync_buffers()
         if self.step.observed is not None:
             self._rebuild_buckets_in_observed_order()
 
@@ -404,7 +412,7 @@ class Reducer:
             anyone_trained = anyone_trained or bool(bucket.flags.real.sum() > 0)
         if anyone_trained:  # mirror the rest of their step
             if self._owner.broadcast_buffers:
-                self._owner._sync_buffers()
+                self._sync_buffers()
             if self.step.observed is not None:
                 self._rebuild_buckets_in_observed_order()
         return anyone_trained
