@@ -160,6 +160,7 @@ def test_bad_input_is_refused_before_anything_starts(scripts: Path, args: list[s
     launcher = launch(scripts, *args)
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 2 and message in err, err
+    assert "Traceback" not in err, err
     assert not list(scripts.glob("pid*"))  # no worker started
 
 
@@ -306,6 +307,10 @@ def test_sigusr1_to_the_launcher_prints_every_workers_stack(scripts: Path) -> No
         ({"DDPKIT_NNODES": "2", "DDPKIT_NODE_RANK": "5", "DDPKIT_MASTER_PORT": "29400"}, "--node-rank=5 with --nnodes=2"),
         ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
         ({"DDPKIT_RECOVERY": "inplace"}, "DDPKIT_RECOVERY='inplace': use 'fail-fast' or 'in-place'"),
+        # The workers' settings: refused by the launcher, not by each worker with its traceback.
+        ({"DDPKIT_HANG_SECONDS": "abc"}, "DDPKIT_HANG_SECONDS='abc' is not a number of seconds"),
+        ({"DDPKIT_HANG_ABORT_SECONDS": "1 min"}, "DDPKIT_HANG_ABORT_SECONDS='1 min' is not a number of seconds"),
+        ({"DDPKIT_PEER_FAILURE_EXIT_SECONDS": "x"}, "DDPKIT_PEER_FAILURE_EXIT_SECONDS='x' is not a number of seconds"),
     ],
 )
 def test_bad_environment_values_are_refused_before_anything_starts(scripts: Path, variables: dict[str, str],
@@ -314,6 +319,7 @@ def test_bad_environment_values_are_refused_before_anything_starts(scripts: Path
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **variables})
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 2 and message in err, err
+    assert "Traceback" not in err, err
     assert not list(scripts.glob("pid*"))  # no worker started
 
 

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ddpkit.diagnostics.failures import record_failure
 from ddpkit.diagnostics.records import failure_record
-from ddpkit.diagnostics.settings import seconds_setting
+from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_HANG_ABORT_SECONDS, DDPKIT_HANG_SECONDS, DDPKIT_STACK_FILE
 
@@ -280,7 +280,7 @@ def last_report() -> str:
 def _configured_seconds() -> float:
     if _settings.seconds is not None:
         return _settings.seconds
-    return seconds_setting(DDPKIT_HANG_SECONDS, DEFAULT_HANG_SECONDS, "60")
+    return seconds_setting(DDPKIT_HANG_SECONDS, DEFAULT_HANG_SECONDS, WORKER_SECONDS_SETTINGS[DDPKIT_HANG_SECONDS])
 
 
 def start_hang_watch() -> HangWatch | None:
@@ -295,5 +295,6 @@ def start_hang_watch() -> HangWatch | None:
     if watch is None or watch.group() is not group or not watch.running():  # first use, a new group, or turned back on
         watch = _settings.watch = HangWatch(seconds, group, dist.distributed_c10d._get_default_store())
     watch.seconds = seconds
-    watch.abort_seconds = seconds_setting(DDPKIT_HANG_ABORT_SECONDS, 0.0, "30")
+    watch.abort_seconds = seconds_setting(DDPKIT_HANG_ABORT_SECONDS, 0.0,
+                                           WORKER_SECONDS_SETTINGS[DDPKIT_HANG_ABORT_SECONDS])
     return watch

@@ -42,7 +42,7 @@ from ddpkit.diagnostics.failures import (
     record_exception,
     store_host_gone,
 )
-from ddpkit.diagnostics.settings import seconds_setting
+from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_PEER_FAILURE_EXIT_SECONDS
 
@@ -139,7 +139,7 @@ def _exit_seconds() -> float:
     """``DDPKIT_PEER_FAILURE_EXIT_SECONDS``: how long a rank whose peer failed may go on without
     ddpkit raising ``PeerFailedError`` in it before the watch ends it (0: never)."""
     return seconds_setting(DDPKIT_PEER_FAILURE_EXIT_SECONDS, _DEFAULT_EXIT_SECONDS,
-                           "1, 0 to never end a rank whose peer failed")
+                           WORKER_SECONDS_SETTINGS[DDPKIT_PEER_FAILURE_EXIT_SECONDS])
 
 
 class _Watches:

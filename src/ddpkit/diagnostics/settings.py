@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["seconds_setting"]
+from ddpkit.variables import DDPKIT_HANG_ABORT_SECONDS, DDPKIT_HANG_SECONDS, DDPKIT_PEER_FAILURE_EXIT_SECONDS
+
+__all__ = ["WORKER_SECONDS_SETTINGS", "check_worker_seconds_settings", "seconds_setting"]
+
+#: The seconds settings every worker reads, each with the example its message suggests.
+WORKER_SECONDS_SETTINGS = {
+    DDPKIT_HANG_SECONDS: "60",
+    DDPKIT_HANG_ABORT_SECONDS: "30",
+    DDPKIT_PEER_FAILURE_EXIT_SECONDS: "1, 0 to never end a rank whose peer failed",
+}
 
 
 def seconds_setting(variable: str, default: float, example: str) -> float:
@@ -21,3 +30,10 @@ def seconds_setting(variable: str, default: float, example: str) -> float:
         return max(0.0, float(value))
     except ValueError:
         raise ValueError(f"{variable}={value!r} is not a number of seconds. Set e.g. {example}, or unset it.") from None
+
+
+def check_worker_seconds_settings() -> None:
+    """``ValueError`` for the first malformed ``WORKER_SECONDS_SETTINGS`` value: the launcher refuses
+    it before any worker starts, instead of every worker failing on it with a traceback."""
+    for variable, example in WORKER_SECONDS_SETTINGS.items():
+        seconds_setting(variable, 0.0, example)

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpkit.diagnostics.settings import check_worker_seconds_settings
 from ddpkit.environments import Recovery
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.rendezvous import RendezvousSettings
@@ -100,6 +101,10 @@ def validate(config: LaunchConfig, script: str) -> None:
             raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
                               "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "
                               "--max-restarts.")
+    try:
+        check_worker_seconds_settings()
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
     _check_script(config.run_as, script)
     if config.run_as is RunAs.PROGRAM and config.recovery is Recovery.IN_PLACE:
         raise LaunchError("--recovery in-place with --no-python: a warm spare runs ddpkit's worker bootstrap, in "
