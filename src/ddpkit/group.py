@@ -38,15 +38,10 @@ import torch.distributed as dist
 from ddpkit.diagnostics.failures import expect_lost_peers
 from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
-from ddpkit.diagnostics.settings import seconds_setting
-from ddpkit.environments import RECOVERY_TIMEOUT_SECONDS
-from ddpkit.logs import get_logger
+from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["Group", "Membership", "current_group"]
-
-_log = get_logger("group")
-
 
 @dataclass(frozen=True)
 class Membership:
@@ -104,11 +99,6 @@ class Group:
     def in_place(self) -> bool:
         """Whether the group can be formed again (``ddpkit run --recovery in-place``)."""
         return self._in_place
-
-    @property
-    def launcher_store(self) -> Any:
-        """The launcher's store without a prefix; None when the group's store is rank 0's."""
-        return self._launcher_store
 
     def store_of(self, generation: int) -> Any:
         """The launcher's store under ``generation``'s prefix: that generation's torch group's store."""
@@ -180,7 +170,7 @@ class Group:
 
     def meet(self, generation: int) -> None:
         """Count this rank in ``generation`` and wait until every member is counted."""
-        seconds = seconds_setting(DDPKIT_RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_SECONDS, "60")
+        seconds = recovery_timeout_seconds()
         size = self.world_size
         key = f"{self._prefix(generation)}arrived"
         arrived = self._launcher_store.add(key, 1)

@@ -193,7 +193,7 @@ class InPlaceRecovery:
         if model is None or optimizer is None:
             raise RuntimeError("in-place recovery: the model and optimizer were never set up (DDPStrategy.setup).")
         group = current_group()
-        if group is None or not group.in_place:
+        if group is None:  # (Group.reconfigure refuses a group formed without in-place recovery)
             raise RuntimeError("in-place recovery: this process's group was not formed by ddpkit's connection under "
                                "`ddpkit run --recovery in-place`, so it cannot be formed again.")
         generation = group.generation + 1

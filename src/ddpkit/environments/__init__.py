@@ -29,7 +29,6 @@ from collections.abc import Mapping
 
 from ddpkit._network import find_free_port  # here in 0.1; it binds, so it lives with the sockets
 from ddpkit.environments.base import (
-    RECOVERY_TIMEOUT_SECONDS,
     ChoosesBackend,
     ClusterEnvironment,
     Recovery,
@@ -47,7 +46,6 @@ from ddpkit.environments.torchelastic import TorchElasticEnvironment
 from ddpkit.variables import DDPKIT_LAUNCHED
 
 __all__ = [
-    "RECOVERY_TIMEOUT_SECONDS",
     "ChoosesBackend",
     "ClusterEnvironment",
     "KubeflowEnvironment",

@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 from ddpkit.variables import DDPKIT_RESTART_COUNT
 
-__all__ = ["RECOVERY_TIMEOUT_SECONDS", "ChoosesBackend", "ClusterEnvironment", "Recovery", "check_place", "restart_count",
+__all__ = ["ChoosesBackend", "ClusterEnvironment", "Recovery", "check_place", "restart_count",
            "environment_variables"]
 
 
@@ -31,9 +31,6 @@ class Recovery(enum.Enum):
             choices = " or ".join(repr(choice.value) for choice in cls)
             raise ValueError(f"{origin}={value!r}: use {choices} ({fix}).") from None
 
-
-#: DDPKIT_RECOVERY_TIMEOUT_SECONDS when not set.
-RECOVERY_TIMEOUT_SECONDS = 60.0
 
 # Lightning's defaults, kept so that jobs move between the two without new ports.
 _DEFAULT_PORT = 12910

@@ -16,11 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpkit.diagnostics.settings import check_worker_seconds_settings
+from ddpkit.diagnostics.settings import check_worker_seconds_settings, recovery_timeout_seconds
 from ddpkit.environments import Recovery
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.rendezvous import RendezvousSettings
-from ddpkit.launching.replacement import recovery_timeout_seconds
 
 __all__ = ["LaunchConfig", "LaunchError", "RunAs", "validate"]
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port, gloo_interface_towards
+from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
 from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
@@ -53,7 +54,6 @@ from ddpkit.launching.replacement import (
     NoReplacements,
     Replacements,
     ready_file,
-    recovery_timeout_seconds,
 )
 from ddpkit.launching.store_client import GaveUpWaiting, GiveUp
 from ddpkit.launching.store_host import StoreHost, StoreHostError

@@ -33,13 +33,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ddpkit.diagnostics.settings import seconds_setting
-from ddpkit.environments import RECOVERY_TIMEOUT_SECONDS
+from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_GENERATION, DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["NO_REPLACEMENTS", "NoReplacements", "Replacements", "ready_file", "recovery_timeout_seconds"]
+__all__ = ["NO_REPLACEMENTS", "NoReplacements", "Replacements", "ready_file"]
 
 _log = get_logger("launching")
 
@@ -168,7 +167,3 @@ class _Recovery:
     def ranks(self) -> str:
         return ", ".join(str(replacement.rank) for replacement, _ in self.replacements)
 
-
-def recovery_timeout_seconds() -> float:
-    """``DDPKIT_RECOVERY_TIMEOUT_SECONDS`` (``ValueError`` naming it when it is not a number)."""
-    return seconds_setting(DDPKIT_RECOVERY_TIMEOUT_SECONDS, RECOVERY_TIMEOUT_SECONDS, "60")
