@@ -172,13 +172,15 @@ from ddpkit.diagnostics.records import failure_record
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 store = dist.distributed_c10d._get_default_store()
-store.set(failures.FAILURE_KEY, json.dumps(failure_record(1, "ValueError", "broken", "a trace")))
+signer = failures.record_signer()
+key = signer.key(failures.FAILURE)
+store.set(key, signer.sign(key, json.dumps(failure_record(1, "ValueError", "broken", "a trace"))))
 hook = sys.excepthook
 found = [failures.peer_failure() for _ in range(3)]
 print("query", [type(f).__name__ for f in found], sys.excepthook is hook, failures.peer_failure_raised(),
-      store.check([failures._SEEN_KEY]))
+      store.check([signer.key(failures._SEEN)]))
 failures.raising(found[0])
-print("raising", sys.excepthook is hook, failures.peer_failure_raised(), int(store.add(failures._SEEN_KEY, 0)))
+print("raising", sys.excepthook is hook, failures.peer_failure_raised(), int(store.add(signer.key(failures._SEEN), 0)))
 """
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.diagnostics.failures import FAILURE, record_signer
 from ddpkit.diagnostics.hangs import last_report, watch_for_hangs
 from ddpkit.testing import WorkerPool
 
@@ -204,7 +205,8 @@ def every_rank_is_in_the_slow_collective() -> tuple[str, bool]:
             time.sleep(7)  # the report (~2-4 s) and the abort time after it pass
             watch.leave()
         ddpkit.sync_ddp(torch.ones(2))
-        return last_report(), dist.distributed_c10d._get_default_store().check(["ddpkit/failure"])
+        published = record_signer().key(FAILURE)
+        return last_report(), dist.distributed_c10d._get_default_store().check([published])
     finally:
         watch_for_hangs(None)
         del os.environ["DDPKIT_HANG_ABORT_SECONDS"]

@@ -12,6 +12,10 @@ nodes restart together, the store is not rank 0's: the launcher hosts it
 the group keeps its keys under a prefix of its own. Each connection makes a ``ddpkit.group.Group``
 (``current_group()``), which owns that store, the membership and its changes
 (``Group.reconfigure``), and starts the diagnostics that follow the group.
+
+With a job secret (``ddpkit.job_secret``; ``ddpkit run`` on one node makes one), the group's
+members prove it to each other as the group forms, and ddpkit's records in the store are signed.
+A multi-process job without one runs as before, and rank 0 says so once.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from ddpkit.environments import (
     check_place,
 )
 from ddpkit.group import Group, Membership, set_current_group
+from ddpkit.job_secret import job_secret
 from ddpkit.logs import get_logger
-from ddpkit.variables import DDPKIT_BACKEND
+from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_JOB_SECRET, DDPKIT_LAUNCHED
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -103,6 +108,7 @@ def init_dist_connection(
     if dist.is_initialized():
         _check_existing_group(rank, size, torch_distributed_backend)
         return
+    secret = job_secret()  # a malformed one is refused here, before anything connects
     if size > 1 and cluster_environment.main_port == 0:
         raise ValueError(
             f"No port to meet on: {type(cluster_environment).__name__} has no main port (MASTER_PORT is not set), "
@@ -130,7 +136,11 @@ def init_dist_connection(
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
     launcher_store: Any = None
     in_place = False
-    generation = attempt = 0
+    generation = 0
+    # Records are bound to the attempt (the launcher's count of starts), so a record copied from an
+    # earlier attempt into this one's store does not pass.
+    attempt = (cluster_environment.attempt if isinstance(cluster_environment, LocalEnvironment) else
+               (cluster_environment.store_attempt or 0) if isinstance(cluster_environment, TorchElasticEnvironment) else 0)
     if (isinstance(cluster_environment, LocalEnvironment) and cluster_environment.hosted_store
             and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
         # The launcher hosts the store (it outlives any rank and any attempt); each attempt and
@@ -139,8 +149,7 @@ def init_dist_connection(
             cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
         in_place = cluster_environment.recovery is Recovery.IN_PLACE
         generation = cluster_environment.generation if in_place else 0
-        attempt = cluster_environment.attempt
-    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, attempt, in_place)
+    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, attempt, in_place, secret)
     if launcher_store is not None:
         if generation > 0:  # a replacement, completing that generation
             group.meet(generation)
@@ -158,7 +167,22 @@ def init_dist_connection(
             f"ddpkit/torchrun/attempt/{cluster_environment.store_attempt}/", store)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     set_current_group(group)
+    group.prove_members()  # before anything (a model's state) is sent to a member
     group.install_diagnostics()  # e.g. with hang diagnosis on, every rank can answer for its stack from the start
+    if secret is None and size > 1 and rank == 0:
+        _say_unauthenticated()
+
+
+def _say_unauthenticated() -> None:
+    """Once, on rank 0 of a job without a job secret. ``ddpkit run`` says it itself for its jobs
+    (it makes a secret on one node, and across nodes it asks for one)."""
+    if os.environ.get(DDPKIT_LAUNCHED):
+        return
+    _log.warning(
+        f"ddpkit: this job has no secret ({DDPKIT_JOB_SECRET}), so its records in the store are not authenticated: any "
+        "process that reaches the store's port can end the job and name a rank as its cause. Set "
+        f"{DDPKIT_JOB_SECRET} to the same random value for every process (e.g. `python -c 'import secrets; "
+        "print(secrets.token_hex(32))'`), or start the job with `ddpkit run`, which makes one on one node.")
 
 
 def _warn_if_slurm_expected_more() -> None:

@@ -19,6 +19,13 @@ torch's default process group does not say about itself:
   the abandoned group is dropped). A comm hook's state (PowerSGD's) does not: in-place recovery
   refuses a comm hook state, since it would not reach a replacement.
 
+With a job secret (``ddpkit.job_secret``), the group's keys live under the job's prefix, its
+records are bound to its attempt and generation, and every formation of it (at connection, and
+each ``reconfigure``) begins with ``prove_members``: each member proves over the group's own
+connections that it holds the secret, before anything is sent to it or unpickled from it (a
+process outside the job that wrote itself into the store as a member is named, and the ranks
+stop).
+
 Today ``reconfigure`` re-forms the group with the same members (a lost rank's replacement takes
 its place); a change of members (shrinking, growing) is refused with a message until the launcher
 can drive one.
@@ -26,6 +33,7 @@ can drive one.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,15 +41,27 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from ddpkit.diagnostics.failures import expect_lost_peers
+from ddpkit.diagnostics.exits import leave_on_uncaught_exception
+from ddpkit.diagnostics.failures import expect_lost_peers, sign_records_in
 from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
+from ddpkit.diagnostics.waits import wait_for
+from ddpkit.job_secret import JobSecret, member_proof, unsigned_namespace
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["Group", "Membership", "current_group"]
+__all__ = ["Group", "MemberProofError", "Membership", "current_group"]
+
+# Bytes each member draws for a formation's proofs (so a proof seen once proves nothing later).
+_NONCE_BYTES = 16
+
+
+class MemberProofError(RuntimeError):
+    """A member of a newly formed group did not prove the job secret: a process outside the job
+    wrote itself into the store as that rank. Nothing was sent to it."""
 
 @dataclass(frozen=True)
 class Membership:
@@ -64,7 +84,8 @@ class Group:
     """This process's place in the job's default process group (see the module docstring)."""
 
     def __init__(self, membership: Membership, backend: str, timeout: timedelta,
-                 launcher_store: Any = None, attempt: int = 0, in_place: bool = False) -> None:
+                 launcher_store: Any = None, attempt: int = 0, in_place: bool = False,
+                 secret: JobSecret | None = None) -> None:
         if in_place and launcher_store is None:
             raise ValueError("A group that can be formed again needs the launcher's store: the group's own store "
                              "may die with the rank that hosts it.")
@@ -74,6 +95,7 @@ class Group:
         self._launcher_store = launcher_store
         self._attempt = attempt
         self._in_place = in_place
+        self._secret = secret
         self._reactions: dict[int, Callable[[], Reaction | None]] = {}
         self._next_reaction = 0
 
@@ -127,8 +149,10 @@ class Group:
     # -- changes --------------------------------------------------------------------------------
 
     def install_diagnostics(self) -> None:
-        """Start the diagnostics that follow the group: the hang watch (when hang diagnosis is on) and
-        the peer watch; under in-place recovery a collective failing without a record means a lost rank."""
+        """Start the diagnostics that follow the group: its records bound to this generation, the hang
+        watch (when hang diagnosis is on) and the peer watch; under in-place recovery a collective
+        failing without a record means a lost rank."""
+        sign_records_in(self._scope(self.generation))
         start_hang_watch()
         watch_peers()
         if self._in_place:
@@ -159,6 +183,7 @@ class Group:
         dist.init_process_group(self._backend, store=self.store_of(generation), rank=self.rank,
                                 world_size=self.world_size, timeout=self._timeout)
         self._membership = replace(self._membership, generation=generation)
+        self.prove_members()
         self.install_diagnostics()
         for key, reference in list(self._reactions.items()):
             reaction = reference()
@@ -184,8 +209,47 @@ class Group:
             time.sleep(0.005)
             arrived = self._launcher_store.add(key, 0)
 
+    def prove_members(self) -> None:
+        """With a job secret, have every member of the torch group just formed prove that it holds
+        it, over the group's own connections (the store is anyone's: a process outside the job can
+        write its address there as a member's). ``MemberProofError`` on every rank that did, naming
+        the ranks that did not, before any state is sent or any object unpickled. Without a secret,
+        or on NCCL (whose tensors need a device chosen by then), nothing."""
+        if self._secret is None or self.world_size == 1 or self._backend != "gloo":
+            return
+        scope = self._scope(self.generation)
+        drawn = b"".join(self._gather(os.urandom(_NONCE_BYTES), scope))
+        proofs = self._gather(member_proof(self._secret, scope, self.rank, drawn), scope)
+        impostors = [rank for rank, given in enumerate(proofs)
+                     if given != member_proof(self._secret, scope, rank, drawn)]
+        if impostors:
+            raise MemberProofError(
+                f"rank(s) {impostors} of the group just formed ({scope}) did not prove this job's secret "
+                f"({self._secret.source}): a process outside the job wrote itself into the store as that rank (anyone "
+                "who reaches the store's port can). Nothing was sent to it. Check who can reach the job's store port.")
+
+    def _gather(self, mine: bytes, scope: str) -> list[bytes]:
+        """Every member's ``mine`` (all of one length), by rank; ``MemberProofError`` when a member
+        does not take part within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
+        parts = [torch.empty(len(mine), dtype=torch.uint8) for _ in range(self.world_size)]
+        pending = dist.all_gather(parts, torch.frombuffer(bytearray(mine), dtype=torch.uint8), async_op=True)
+        seconds = recovery_timeout_seconds()
+        try:
+            wait_for(pending, within=seconds)
+        except TimeoutError:
+            leave_on_uncaught_exception()  # the gather stays pending in Gloo: exit without waiting for it
+            raise MemberProofError(
+                f"a member of the group just formed ({scope}) did not take part in proving the job's secret within "
+                f"{seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): a process outside the job most likely wrote "
+                "itself into the store as a member. Nothing was sent to it.") from None
+        return [bytes(part.tolist()) for part in parts]
+
+    def _scope(self, generation: int) -> str:
+        return f"attempt {self._attempt} generation {generation}"
+
     def _prefix(self, generation: int) -> str:
-        return f"ddpkit/attempt/{self._attempt}/generation/{generation}/"
+        namespace = self._secret.namespace() if self._secret is not None else unsigned_namespace()
+        return f"{namespace}attempt/{self._attempt}/generation/{generation}/"
 
 
 # Torch groups abandoned by ``Group.abort``: a collective of theirs may still be pending in a Gloo

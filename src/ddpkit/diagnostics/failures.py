@@ -23,6 +23,11 @@ one that fails, it keeps the store up for a moment at exit so that the others ca
 When rank 0 dies without a word (SIGKILL, the out-of-memory killer, its machine), the store dies
 with it: a collective that fails, or a read of the store that fails, then checks whether the
 store still accepts connections and raises ``StoreHostGoneError`` (a ``PeerFailedError``) naming it.
+
+With a job secret (``ddpkit.job_secret``), the records live under the job's key prefix and carry
+the secret's HMAC, bound to their key and to the attempt and generation of the group
+(``sign_records_in``): a record that a process outside the job wrote is ignored (and said once),
+and cannot keep the job's own first failure from being published.
 """
 
 from __future__ import annotations
@@ -43,17 +48,24 @@ import torch.distributed as dist
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
-from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED
+from ddpkit.job_secret import RecordSigner, job_secret
+from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "expect_lost_peers",
            "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised", "raising",
-           "read_failure_record", "record_exception", "record_failure", "store_host_gone"]
+           "publish_first", "read_failure_record", "record_exception", "record_failure", "record_signer",
+           "sign_records_in", "store_host_gone"]
 
-FAILURE_KEY = "ddpkit/failure"
+# The records' names under the job's key prefix (``RecordSigner.key``).
+FAILURE = "failure"
 # Under in-place recovery: a rank of this group vanished (no record: killed); the first rank whose
 # collective failed says so, which frees the ranks still waiting on a live peer for the lost one.
-LOST_KEY = "ddpkit/peer_lost"
-_SEEN_KEY = "ddpkit/failure_seen"
+LOST = "peer_lost"
+# A counter, which cannot be signed: a stranger who adds to it only shortens the failed rank 0's linger.
+_SEEN = "failure_seen"
+# How many forged values publish_first replaces before it gives up (a stranger rewriting the key
+# as fast as it is replaced: a denial of service the store allows, see ddpkit.job_secret).
+_REPLACE_ATTEMPTS = 8
 # How long the rank that hosts the store stays up after publishing its own failure, at most,
 # waiting for every other rank to have read it.
 _LINGER_SECONDS = 3.0
@@ -143,13 +155,43 @@ def record_failure(record: dict[str, object], publish: bool = True, tear_down: b
     if store is None:
         return
     try:
-        store.compare_set(FAILURE_KEY, "", json.dumps(record))
+        publish_first(store, record_signer(), FAILURE, json.dumps(record))
     except RuntimeError:
         return  # the store is gone (its host died first): nothing to tell, and no one to tell it
     if dist.get_rank() == 0:
         atexit.register(_linger_until_read, store, dist.get_world_size())
     if tear_down:
         dist.destroy_process_group()
+
+
+def record_signer() -> RecordSigner:
+    """How this process signs and checks its records in the default group's store."""
+    return RecordSigner(job_secret(), _default_scope() if _state.scope is None else _state.scope)
+
+
+def sign_records_in(scope: str) -> None:
+    """Bind this process's records from now on to ``scope`` (``ddpkit.group``: the attempt and the
+    generation of the group it formed), so that a record of another attempt or generation, copied
+    into this one's keys, does not pass."""
+    _state.scope = scope
+
+
+def _default_scope() -> str:
+    """A group that ddpkit did not form: the attempt the launcher says (each has a store of its own)."""
+    return f"attempt {os.environ.get(DDPKIT_RESTART_COUNT) or os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}"
+
+
+def publish_first(store: Any, signer: RecordSigner, name: str, payload: str) -> None:
+    """Write record ``name`` unless the job wrote one already: the first of the job's records wins.
+    A value under its key that does not carry the job's secret (a stranger's) is replaced."""
+    key = signer.key(name)
+    value = signer.sign(key, payload)
+    expected = ""
+    for _ in range(_REPLACE_ATTEMPTS):
+        current = bytes(store.compare_set(key, expected, value)).decode("utf-8", "surrogateescape")
+        if current == value or signer.verify(key, current) is not None:
+            return
+        expected = current
 
 
 def _this_rank() -> int:
@@ -190,7 +232,7 @@ def raising(failure: CollectiveFailedError) -> CollectiveFailedError:
         store = _default_store()
         if store is not None:
             with contextlib.suppress(RuntimeError):
-                store.add(_SEEN_KEY, 1)  # once per process: the rank hosting the store waits for every rank
+                store.add(record_signer().key(_SEEN), 1)  # once per process: the rank hosting the store waits for every rank
     return failure
 
 
@@ -223,20 +265,24 @@ def note_lost_peer(error: BaseException) -> PeerLostError:
     store = _default_store()
     if store is not None:
         with contextlib.suppress(RuntimeError):
-            store.compare_set(LOST_KEY, "", f"rank {_this_rank()}: {error}".splitlines()[0])
+            publish_first(store, record_signer(), LOST, f"rank {_this_rank()}: {error}".splitlines()[0])
     return PeerLostError(f"a rank of the group vanished (its collective failed on rank {_this_rank()}: "
                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__}); "
                          "in-place recovery replaces it")
 
 
 def _lost_peer(store: Any) -> PeerLostError | None:
+    signer = record_signer()
+    key = signer.key(LOST)
     try:
-        if not store.check([LOST_KEY]):
+        if not store.check([key]):
             return None
-        return PeerLostError(f"a rank of the group vanished ({store.get(LOST_KEY).decode(errors='replace')}); "
-                             "in-place recovery replaces it")
+        note = signer.verify(key, store.get(key))
     except RuntimeError:
         return None
+    if note is None:
+        return None
+    return PeerLostError(f"a rank of the group vanished ({note}); in-place recovery replaces it")
 
 
 def store_host_gone() -> StoreHostGoneError | None:
@@ -283,13 +329,20 @@ def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -
     store's timeout alone, for a reader in another thread: changing it, even briefly, would
     change it for the main thread's store operations too.
     """
+    signer = record_signer()
+    key = signer.key(FAILURE)
     previous_timeout = store.timeout
     try:
         if timeout is not None:
             store.set_timeout(timeout)
-        if not store.check([FAILURE_KEY]):
+        if not store.check([key]):
             return None
-        record: dict[str, Any] = json.loads(store.get(FAILURE_KEY))
+        payload = signer.verify(key, store.get(key))
+        if payload is None:
+            return None
+        record: dict[str, Any] = json.loads(payload)
+        if not isinstance(record, dict) or not {"rank", "type", "message", "traceback"} <= record.keys():
+            return None
         return record
     except ValueError:
         return None
@@ -310,6 +363,7 @@ class _State:
         self.seen = False  # this process has counted itself among the readers of the record
         self.raised = threading.Event()
         self.expect_lost = False  # in-place recovery: a collective failing without a record means a rank vanished
+        self.scope: str | None = None  # what this process's records are bound to (sign_records_in)
         # (id of the store, its address, why, who hosted it) once its host is gone
         self.gone: tuple[int, tuple[str, int], str, str] | None = None
 
@@ -336,7 +390,7 @@ def _linger_until_read(store: Any, world_size: int) -> None:
     deadline = time.monotonic() + _LINGER_SECONDS
     while time.monotonic() < deadline:
         try:
-            if store.add(_SEEN_KEY, 0) >= world_size - 1:
+            if store.add(record_signer().key(_SEEN), 0) >= world_size - 1:
                 return
         except RuntimeError:
             return

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.failures import record_failure
+from ddpkit.diagnostics.failures import record_failure, record_signer
 from ddpkit.diagnostics.records import failure_record
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
@@ -69,7 +69,9 @@ _POLL_SECONDS = 1.0
 _SIGNALLED_STACK_SECONDS = 0.5
 # How long the reporting rank waits for the others' stacks.
 _GATHER_SECONDS = 2.5
-_REQUEST_KEY = "ddpkit/hang/requests"
+# A counter, which cannot be signed: a stranger who adds to it makes every rank post its stack
+# (signed, so not forged), nothing more.
+_REQUESTS = "hang/requests"
 
 
 class HangWatch:
@@ -92,8 +94,12 @@ class HangWatch:
         self.ended_sequence = 0
         self.requests_answered = 0
         self.report = ""
+        # Every value is signed with the job secret when there is one: a forged progress would name
+        # the wrong rank, a forged process record would have the reporting rank signal any pid and
+        # read any file (its "stack file").
+        self.signer = record_signer()
         # Where this process is, for a reporting rank on the same machine when this one cannot answer.
-        self.store.set(f"ddpkit/hang/process/{self.rank}", json.dumps(
+        self._write(f"hang/process/{self.rank}", json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "stack_file": os.environ.get(DDPKIT_STACK_FILE)}))
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watch", daemon=True)
         self._thread.start()
@@ -124,12 +130,12 @@ class HangWatch:
     def _check(self) -> None:
         entered, last_entered = self.entered, self.last_entered
         if entered != self.published:
-            self.store.set(f"ddpkit/hang/progress/{self.rank}", last_entered)
+            self._write(f"hang/progress/{self.rank}", last_entered)
             self.published = entered
         current = self.current
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
-            request = self.store.add(_REQUEST_KEY, 1)
+            request = self.store.add(self.signer.key(_REQUESTS), 1)
             self._post_stack(request)
             self.report, self.missing = self._build_report(current, request)
             self.reported_at = time.monotonic()
@@ -140,7 +146,7 @@ class HangWatch:
             self.ended_sequence = current[0]
             self._end_the_job(current)
             return
-        request = self.store.add(_REQUEST_KEY, 0)
+        request = self.store.add(self.signer.key(_REQUESTS), 0)
         if request > self.requests_answered:
             self._post_stack(request)
 
@@ -149,7 +155,7 @@ class HangWatch:
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no main thread)\n"
         current = self.current
         where = f"in #{current[0]} {current[1]} at {current[2]}" if current else f"in no collective (entered {self.entered})"
-        self.store.set(f"ddpkit/hang/stack/{request}/{self.rank}", f"{where}\n{stack}")
+        self._write(f"hang/stack/{request}/{self.rank}", f"{where}\n{stack}")
         self.requests_answered = request
 
     def _end_the_job(self, current: tuple[int, str, str, float]) -> None:
@@ -173,15 +179,15 @@ class HangWatch:
 
     def _build_report(self, current: tuple[int, str, str, float], request: int) -> tuple[str, list[int]]:
         sequence, operation, call_site, started = current
-        keys = [f"ddpkit/hang/stack/{request}/{rank}" for rank in range(self.world_size)]
+        keys = [f"hang/stack/{request}/{rank}" for rank in range(self.world_size)]
         deadline = time.monotonic() + _GATHER_SECONDS
-        while time.monotonic() < deadline and not self.store.check(keys):
+        while time.monotonic() < deadline and not self.store.check([self.signer.key(key) for key in keys]):
             time.sleep(0.05)
         lines = [f"\nddpkit: rank {self.rank} has waited {time.monotonic() - started:.1f} s in collective "
                  f"#{sequence} {operation} at {call_site}."]
         missing, sections = [], []
         for rank, key in enumerate(keys):
-            progress = self._read(f"ddpkit/hang/progress/{rank}") or "no ddpkit collective yet"
+            progress = self._read(f"hang/progress/{rank}") or "no ddpkit collective yet"
             entered = int(progress[1:].split()[0]) if progress.startswith("#") else 0
             if entered < sequence:
                 missing.append(rank)
@@ -192,7 +198,7 @@ class HangWatch:
 
     def _describe_silent_rank(self, rank: int) -> str:
         """What can be said of a rank whose watch thread did not post its stack."""
-        process = json.loads(self._read(f"ddpkit/hang/process/{rank}") or "{}")
+        process = json.loads(self._read(f"hang/process/{rank}") or "{}")
         host, pid, stack_file = process.get("host"), process.get("pid"), process.get("stack_file")
         where = f"pid {pid} on {host}"
         if host != socket.gethostname() or not isinstance(pid, int):
@@ -211,11 +217,16 @@ class HangWatch:
             return f"{description} Its threads' stacks (faulthandler):\n{stack}"
         return f"{description} `py-spy dump --pid {pid}` shows where.\n"
 
-    def _read(self, key: str) -> str | None:
+    def _write(self, name: str, value: str) -> None:
+        key = self.signer.key(name)
+        self.store.set(key, self.signer.sign(key, value))
+
+    def _read(self, name: str) -> str | None:
+        """The value of ``name`` one of the job's ranks wrote; None when there is none (or only a forged one)."""
+        key = self.signer.key(name)
         if not self.store.check([key]):
             return None
-        value: bytes = self.store.get(key)
-        return value.decode(errors="replace")
+        return self.signer.verify(key, self.store.get(key))
 
 
 def _process_state(pid: int) -> str | None:

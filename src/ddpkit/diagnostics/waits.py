@@ -17,6 +17,7 @@ fails, which makes their pending kernels end with an error.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -34,14 +35,16 @@ SLICE = timedelta(seconds=0.1)
 _SLICE_ENDED = "Operation timed out"
 
 
-def wait_for(pending: Any, group: Any = None) -> Any:
+def wait_for(pending: Any, group: Any = None, within: float | None = None) -> Any:
     """Wait for ``pending`` (a ``torch.distributed`` Work or a ``torch.futures.Future``) and return
     what its ``wait()`` returns; raise ``PeerFailedError`` as soon as another rank has published
-    its failure."""
+    its failure. ``within``: seconds after which a Gloo work still pending raises ``TimeoutError``
+    (it stays pending: the caller leaves the group)."""
     if _is_nccl(group):
         return pending.wait()
     if not isinstance(pending, dist.Work):  # a future (torch's, or the C++ one that Work.get_future returns)
         return _wait_for_future(pending)
+    deadline = None if within is None else time.monotonic() + within
     while True:
         try:
             return pending.wait(timeout=SLICE)
@@ -49,6 +52,8 @@ def wait_for(pending: Any, group: Any = None) -> Any:
             if _SLICE_ENDED not in str(error):
                 raise
         _raise_peer_failure(group)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"a collective of the group did not complete within {within:g} s")
 
 
 def run_collective(collective: Callable[..., Any], *args: Any, group: Any = None, **kwargs: Any) -> Any:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ddpkit.diagnostics.settings import check_worker_seconds_settings, recovery_timeout_seconds
 from ddpkit.environments import Recovery
+from ddpkit.job_secret import JobSecretError, job_secret
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.rendezvous import RendezvousSettings
 
@@ -102,7 +103,8 @@ def validate(config: LaunchConfig, script: str) -> None:
                               "--max-restarts.")
     try:
         check_worker_seconds_settings()
-    except ValueError as error:
+        job_secret()
+    except (ValueError, JobSecretError) as error:
         raise LaunchError(str(error)) from None
     _check_script(config.run_as, script)
     if config.run_as is RunAs.PROGRAM and config.recovery is Recovery.IN_PLACE:

@@ -30,7 +30,7 @@ import torch
 from ddpkit._network import find_free_port
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment
 from ddpkit.launching.config import LaunchConfig, RunAs
-from ddpkit.launching.launcher import performance_defaults, rank_variables, worker_command
+from ddpkit.launching.launcher import job_secret_for_workers, performance_defaults, rank_variables, worker_command
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
@@ -181,6 +181,10 @@ def start_local_ranks(nproc_per_node: int, num_nodes: int, env: Mapping[str, str
         torch.set_num_threads(int(threads))
         _log.info(f"ddpkit: OMP_NUM_THREADS={threads} for each of this node's {nproc_per_node} processes "
                   "(set it yourself to choose).")
+    secret = job_secret_for_workers(num_nodes > 1, env)  # this process is rank 0: it takes the secret too
+    if secret:
+        env = {**env, **secret}
+        os.environ.update(secret)
     children = WorkerProcesses("ranks")
     for local_rank in range(1, nproc_per_node):
         variables = rank_variables(config, port, local_rank)

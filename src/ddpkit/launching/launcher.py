@@ -44,6 +44,7 @@ from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port, gloo_interface_towards
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
+from ddpkit.job_secret import job_secret, new_job_secret
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
 from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.launching.pool import RankFailedError, WorkerPool
@@ -62,6 +63,8 @@ from ddpkit.logs import get_logger
 from ddpkit.variables import (
     DDPKIT_BACKEND,
     DDPKIT_HOSTED_STORE,
+    DDPKIT_JOB_SECRET,
+    DDPKIT_JOB_SECRET_FILE,
     DDPKIT_LAUNCHED,
     DDPKIT_PREEMPTION_SIGNAL,
     DDPKIT_READY_FILE,
@@ -69,7 +72,8 @@ from ddpkit.variables import (
     DDPKIT_RESTART_COUNT,
 )
 
-__all__ = ["RankFailedError", "launch", "performance_defaults", "rank_variables", "run_workers", "worker_command"]
+__all__ = ["RankFailedError", "job_secret_for_workers", "launch", "performance_defaults", "rank_variables", "run_workers",
+           "worker_command"]
 
 _log = get_logger("launching")
 
@@ -147,6 +151,26 @@ def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[s
     return defaults
 
 
+def job_secret_for_workers(across_nodes: bool, environment: Mapping[str, str]) -> dict[str, str]:
+    """``DDPKIT_JOB_SECRET`` for the workers of a job whose user gave none in ``environment``: a new
+    random one when the job is this node's alone (the workers inherit the user's otherwise). Across
+    nodes every launcher needs the same one, which only the user can give them: without it the job
+    runs unauthenticated, as before, and the launcher says so."""
+    secret = job_secret(environment)
+    if secret is not None:
+        _log.info(f"ddpkit: the job's secret comes from {secret.source}.")
+        return {}
+    if not across_nodes:
+        return {DDPKIT_JOB_SECRET: new_job_secret()}
+    _log.warning(
+        f"ddpkit: no job secret ({DDPKIT_JOB_SECRET} or {DDPKIT_JOB_SECRET_FILE}): the records in this job's store are "
+        "not authenticated, so any process that reaches its port can end the job and name a rank as its cause. Give "
+        f"every node the same secret: `export {DDPKIT_JOB_SECRET}=$(python -c 'import secrets; "
+        "print(secrets.token_hex(32))')` where the job is submitted (the scheduler passes it on), or a file readable "
+        f"only by you in {DDPKIT_JOB_SECRET_FILE}.")
+    return {}
+
+
 def _gloo_interface(config: LaunchConfig, port: int, base: Mapping[str, str]) -> dict[str, str]:
     """``GLOO_SOCKET_IFNAME`` for the workers of a multi-node job, unless ``base`` (the user's
     environment) has it: the interface that routes to the master address (``ddpkit._network``
@@ -178,6 +202,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
         stack_requests.append(time.monotonic())
 
     defaults = performance_defaults(config.nproc_per_node, os.environ)
+    defaults.update(job_secret_for_workers(config.nnodes > 1 or config.rendezvous is not None, os.environ))
     if "OMP_NUM_THREADS" in defaults:
         _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
                   f"{config.nproc_per_node} workers (set it yourself to choose).")
