@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,9 +62,11 @@ ddpkit.destroy_dist_connection()
 """
 
 # The stranger: a torch.distributed client of the job's store that knows ddpkit's key names (from
-# its source) and lists the store's keys to find the job's prefix. argv: host, port, folder.
+# its source) and lists the store's keys to find the job's prefix. argv: host, port, folder. Under
+# several nodes the launchers' keys are in the same store: it stops the job as a preempted node's
+# launcher would, fails the attempt, publishes a cause and says a node left.
 STRANGER = """
-import json, pathlib, sys, time
+import json, pathlib, re, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 
@@ -83,6 +86,17 @@ for prefix in prefixes:
     store.set(prefix + "hang/progress/1", "#1 forged")
     store.set(prefix + "hang/process/1", json.dumps({"host": "here", "pid": 1, "stack_file": "/etc/passwd"}))
     store.add(prefix + "hang/requests", 5)
+for namespace in {re.match(r"ddpkit/(job-[0-9a-f]+/)?", key).group(0) for key in store.list_keys()
+                  if key.startswith("ddpkit/")}:
+    launchers = namespace + "launchers/"
+    store.set(launchers + "attempt/0/stop", "node 1's launcher received SIGTERM (forged)")
+    store.add(launchers + "attempt/0/failed", 1)  # the count ddpkit's launchers kept before job secrets
+    store.set(launchers + "attempt/0/failed/1", "1")
+    store.add(launchers + "attempt/0/failed/count", 1)
+    store.set(launchers + "attempt/0/cause/1", json.dumps({"text": "rank 1 forged", "recorded_at": None}))
+    store.add(launchers + "left", 1)
+    store.set(launchers + "left/1", "1")
+    store.add(launchers + "left/count", 1)
 print("struck", sorted(prefixes), flush=True)
 (folder / "struck").write_text("1")
 """
@@ -101,21 +115,32 @@ def single_process_reference() -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def run_job_with_stranger(folder: Path, launcher_flags: list[str], master_addr: str,
-                          stranger_prefix: list[str]) -> tuple[subprocess.CompletedProcess[str], str]:
+def run_job_with_stranger(folder: Path, launcher_flags: list[str], master_addr: str, stranger_prefix: list[str],
+                          nodes: int = 1, **variables: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """The job under ``ddpkit run`` (two ranks: one node, or ``nodes`` launchers of one rank each, on
+    this host) while the stranger strikes; the outcome (node 0's, with every node's stderr) and what
+    the stranger said."""
     (folder / "job.py").write_text(JOB)
     port = find_free_port(master_addr)
     env = {key: value for key, value in os.environ.items() if not key.startswith("DDPKIT_JOB_SECRET")}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", **variables)
     stranger = subprocess.Popen([*stranger_prefix, sys.executable, "-c", STRANGER, master_addr, str(port), str(folder)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    per_node = ["--nproc-per-node", "2"] if nodes == 1 else ["--nproc-per-node", "1", "--nnodes", str(nodes)]
+    launchers = [subprocess.Popen([sys.executable, "-m", "ddpkit", "run", *per_node,
+                                   *([] if nodes == 1 else ["--node-rank", str(node)]), "--master-addr", master_addr,
+                                   "--master-port", str(port), *launcher_flags, "job.py", str(folder)],
+                                  cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for node in range(nodes)]
     try:
-        job = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "--master-addr",
-                              master_addr, "--master-port", str(port), *launcher_flags, "job.py", str(folder)],
-                             cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+        ended = [launcher.communicate(timeout=120) for launcher in launchers]
         said = stranger.communicate(timeout=30)[0]
     finally:
-        stranger.kill()
+        for process in (*launchers, stranger):
+            process.kill()
+    codes = [launcher.returncode for launcher in launchers]
+    job = subprocess.CompletedProcess(launchers[0].args, max(codes, key=abs), "".join(out for out, _ in ended),
+                                      "".join(err for _, err in ended))
     return job, said
 
 
@@ -136,6 +161,15 @@ def test_a_stranger_on_the_same_host_cannot_end_the_job_or_blame_a_rank(tmp_path
     flags = ["--recovery", recovery] + (["--max-restarts", "1"] if recovery == "in-place" else [])
     job, said = run_job_with_stranger(tmp_path, flags, "127.0.0.1", [])
     assert_fault_free(job, said)
+
+
+def test_a_stranger_cannot_stop_a_multi_node_job_or_fail_its_attempt(tmp_path: Path) -> None:
+    """Two launchers (nodes) restarting together share node 0's store with their workers: a forged
+    stop (a preempted node's), failure, cause or departure would end or restart every node."""
+    job, said = run_job_with_stranger(tmp_path, ["--max-restarts", "1"], "127.0.0.1", [], nodes=2,
+                                      DDPKIT_JOB_SECRET="a-secret-every-node-was-given")
+    assert_fault_free(job, said)
+    assert "restarting" not in job.stderr
 
 
 @contextlib.contextmanager
@@ -170,6 +204,40 @@ def test_a_stranger_in_another_network_namespace_cannot_end_the_job(tmp_path: Pa
     with stranger_namespace() as (namespace, address):
         job, said = run_job_with_stranger(tmp_path, [], address, ["ip", "netns", "exec", namespace])
     assert_fault_free(job, said)
+
+
+def reaches(namespace: str, address: str, port: int) -> bool:
+    """Whether a process in ``namespace`` can open a TCP connection to ``address:port``."""
+    probe = f"import socket; socket.create_connection(({address!r}, {port}), timeout=3).close()"
+    return subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", probe], capture_output=True,
+                          timeout=30).returncode == 0
+
+
+@pytest.mark.parametrize(("recovery", "bind"), [("fail-fast", ""), ("in-place", ""), ("in-place", "all")],
+                         ids=["rank-zeros-store", "store-host", "store-host-bound-to-all-when-asked"])
+def test_a_single_node_jobs_store_is_out_of_reach_of_other_machines(tmp_path: Path, recovery: str, bind: str) -> None:
+    """The job meets on 127.0.0.1; its store listens there only (torch's own listens on every
+    interface), so the far end of a link cannot even connect, unless DDPKIT_STORE_BIND=all asks."""
+    (tmp_path / "job.py").write_text(JOB)
+    port = find_free_port("127.0.0.1")
+    flags = ["--recovery", recovery] + (["--max-restarts", "1"] if recovery == "in-place" else [])
+    with stranger_namespace() as (namespace, address):
+        job = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "--master-port",
+                                str(port), *flags, "job.py", str(tmp_path)], cwd=tmp_path, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "DDPKIT_STORE_BIND": bind})
+        try:
+            deadline = time.monotonic() + 60
+            while not all((tmp_path / f"connected{rank}").exists() for rank in (0, 1)):
+                assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+                time.sleep(0.05)
+            reached = reaches(namespace, address, port)
+            (tmp_path / "struck").write_text("1")
+            out, err = job.communicate(timeout=60)
+        finally:
+            job.kill()
+    assert job.returncode == 0, err
+    assert reached is (bind == "all")
 
 
 PROVE = """

@@ -1,5 +1,6 @@
-"""Sockets: which network interface Gloo should use to reach the other nodes, and free ports
-for whoever starts processes (the launcher, in-script launching; never an environment).
+"""Sockets: which network interface Gloo should use to reach the other nodes, free ports for
+whoever starts processes (the launcher, in-script launching; never an environment), and where the
+job's stores listen (``store_bind_address``, ``listen_on``).
 
 Without ``GLOO_SOCKET_IFNAME``, Gloo binds to the address this host's *name* resolves to, and
 to loopback when that fails. Both are wrong surprisingly often across nodes: Debian and Ubuntu
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import os
 import socket
 import struct
 
-__all__ = ["find_free_port", "gloo_interface_towards"]
+from ddpkit.variables import DDPKIT_STORE_BIND
+
+__all__ = ["find_free_port", "gloo_interface_towards", "listen_on", "store_bind_address"]
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
@@ -69,3 +73,37 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def store_bind_address(master_address: str, across_nodes: bool) -> str:
+    """Where a store of the job listens (``listen_on``): the master address, so that only the
+    network the job uses reaches it (a single-node job's 127.0.0.1: nobody outside this machine);
+    every interface ("") when ``DDPKIT_STORE_BIND=all`` asks, or when the address resolves to a
+    loopback one here while other nodes must reach it (a host name that /etc/hosts maps to
+    127.0.1.1 here, as Debian does, and DNS to a routable address elsewhere)."""
+    if os.environ.get(DDPKIT_STORE_BIND, "").strip().lower() == "all":
+        return ""
+    try:
+        resolved = socket.getaddrinfo(master_address, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        return ""  # the connection that follows says what is wrong with the address
+    if across_nodes and ipaddress.ip_address(str(resolved).partition("%")[0]).is_loopback:
+        return ""
+    return str(resolved)
+
+
+def listen_on(address: str, port: int) -> socket.socket:
+    """A socket listening on ``address`` ("" for every interface) and ``port``, inheritable, for a
+    store's ``master_listen_fd`` (torch's TCPStore listens on every interface when it binds
+    itself). ``OSError`` when the address is not this machine's or the port is taken."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(512)
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener

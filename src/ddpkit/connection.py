@@ -29,7 +29,7 @@ import torch
 import torch._dynamo  # noqa: F401  (imported before any process group exists; see below)
 import torch.distributed as dist
 
-from ddpkit._network import gloo_interface_towards
+from ddpkit._network import gloo_interface_towards, listen_on, store_bind_address
 from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
@@ -165,12 +165,38 @@ def init_dist_connection(
             cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
         kwargs["store"] = dist.PrefixStore(  # type: ignore[attr-defined]
             f"ddpkit/torchrun/attempt/{cluster_environment.store_attempt}/", store)
+    elif (size > 1 and "init_method" not in kwargs and "store" not in kwargs
+          and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"):
+        kwargs["store"] = _rank_zeros_store(cluster_environment, rank, size, timeout)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     set_current_group(group)
     group.prove_members()  # before anything (a model's state) is sent to a member
     group.install_diagnostics()  # e.g. with hang diagnosis on, every rank can answer for its stack from the start
     if secret is None and size > 1 and rank == 0:
         _say_unauthenticated()
+
+
+def _rank_zeros_store(environment: ClusterEnvironment, rank: int, size: int, timeout: timedelta) -> Any:
+    """The job's store as torch's ``env://`` makes it (rank 0 hosts it, the others connect), except
+    that rank 0's listens only on the main address (``_network.store_bind_address``; torch's listens
+    on every interface): a single-node job's store on 127.0.0.1 is out of reach of other machines.
+    When that address cannot be bound here, rank 0 listens where torch would."""
+    address, port = environment.main_address, environment.main_port
+    listener = None
+    if rank == 0:
+        # Which nodes take part is not known here: only a loopback address given as such says "one machine".
+        bind = store_bind_address(address, across_nodes=not (address in ("localhost", "::1") or address.startswith("127.")))
+        try:
+            listener = listen_on(bind, port)
+        except OSError as error:
+            _log.debug(f"ddpkit: the store cannot listen on {bind or 'every interface'} port {port} ({error}); "
+                       "it listens where torch's own would")
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        address, port, world_size=size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+        master_listen_fd=None if listener is None else listener.fileno())
+    if listener is not None:
+        listener.detach()  # the store listens on that very descriptor now: closing it would end its server
+    return store
 
 
 def _say_unauthenticated() -> None:

@@ -11,7 +11,7 @@ __all__ = [
     "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL",
     "DDPKIT_PEER_FAILURE_EXIT_SECONDS", "DDPKIT_POOL_CONNECTION", "DDPKIT_PREEMPTION_SIGNAL", "DDPKIT_READY_FILE",
     "DDPKIT_RECOVERY", "DDPKIT_RECOVERY_TIMEOUT_SECONDS", "DDPKIT_RESTART_COUNT", "DDPKIT_STACK_FILE",
-    "DDPKIT_STDERR_PREFIXED", "launcher_flag_variable",
+    "DDPKIT_STDERR_PREFIXED", "DDPKIT_STORE_BIND", "launcher_flag_variable",
 ]
 
 # What ``ddpkit run`` (and in-script launching, and the function pool) tells each worker.
@@ -58,6 +58,9 @@ DDPKIT_RECOVERY_TIMEOUT_SECONDS = "DDPKIT_RECOVERY_TIMEOUT_SECONDS"
 #: node makes one when neither is given and passes it to its workers in ``DDPKIT_JOB_SECRET``.
 DDPKIT_JOB_SECRET = "DDPKIT_JOB_SECRET"
 DDPKIT_JOB_SECRET_FILE = "DDPKIT_JOB_SECRET_FILE"
+#: ``all``: the job's stores (the launcher's store host, rank 0's) listen on every interface, not
+#: only on the master address's (``ddpkit._network.store_bind_address``).
+DDPKIT_STORE_BIND = "DDPKIT_STORE_BIND"
 #: ddpkit's log level.
 DDPKIT_LOG_LEVEL = "DDPKIT_LOG_LEVEL"
 #: The collective mismatch guard.

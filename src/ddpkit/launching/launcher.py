@@ -41,7 +41,7 @@ from types import FrameType
 from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
-from ddpkit._network import find_free_port, gloo_interface_towards
+from ddpkit._network import find_free_port, gloo_interface_towards, listen_on, store_bind_address
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
 from ddpkit.job_secret import job_secret, new_job_secret
@@ -233,7 +233,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
         port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
         defaults.update(_gloo_interface(config, port, os.environ))
         if config.hosts_store and config.node_rank == 0 and config.rendezvous is None:
-            store_host = StoreHost(config.master_addr, port, {**defaults, **os.environ})
+            store_host = _host_store(config.master_addr, port, config.nnodes > 1, {**defaults, **os.environ})
         output = config.output.with_log_dir()
         command = worker_command(config.run_as, script, script_args)
         while True:
@@ -356,6 +356,21 @@ def worker_command(run_as: RunAs, script: str, script_args: Sequence[str]) -> li
         return [script, *script_args]
     return [sys.executable, "-m", "ddpkit.launching.worker", *(["-m"] if run_as is RunAs.MODULE else []), script,
             *script_args]
+
+
+def _host_store(address: str, port: int, across_nodes: bool, environment: Mapping[str, str]) -> StoreHost:
+    """The store host of node 0, listening only on the master address (``_network.store_bind_address``)."""
+    bind = store_bind_address(address, across_nodes)
+    try:
+        listener = listen_on(bind, port)
+    except OSError as error:
+        raise LaunchError(
+            f"the job's store cannot listen on {bind or 'every interface'} port {port} ({error.strerror or error}): "
+            "give --master-port a free port (or leave it out: ddpkit run picks one), and --master-addr an address of "
+            "this machine (node 0).") from None
+    store_host = StoreHost(address, port, environment, listener.fileno())
+    listener.close()  # the store host holds its own copy
+    return store_host
 
 
 def _host_rendezvous(rendezvous: RendezvousSettings, environment: Mapping[str, str]) -> StoreHost | None:

@@ -2,8 +2,12 @@
 
 Every node's launcher reaches the job's store, which node 0's launcher hosts
 (``launching.store_host``; the workers meet through it too, one key prefix per attempt), and the
-launchers agree through keys under ``ddpkit/launchers/attempt/A/``, A counting the starts of
-the workers as ``DDPKIT_RESTART_COUNT`` does:
+launchers agree through keys under ``<the job's prefix>launchers/attempt/A/``, A counting the
+starts of the workers as ``DDPKIT_RESTART_COUNT`` does. With a job secret (``ddpkit.job_secret``)
+every value they read carries its HMAC, and a forged one is ignored: a stranger who reaches the
+store cannot stop the job, fail an attempt or name its cause. Where a count would do, each
+launcher writes a signed key of its own, and a count (which cannot be signed) only says that
+one may be there to read:
 
 - a launcher whose workers failed says so at once (``announce_failure``): the other launchers
   poll for it beside their workers (``ended_elsewhere``) and end theirs; then every launcher
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
@@ -85,6 +90,7 @@ class NodeCoordination:
         # rendezvous the one on the endpoint's host (``launching.rendezvous``).
         self.hosts_store = node_rank == 0 if hosts_store is None else hosts_store
         self.attempt = 0
+        self._signer = RecordSigner(job_secret(), "launchers")
 
     @classmethod
     def connect(cls, address: str, port: int, node_rank: int, nnodes: int,
@@ -125,7 +131,35 @@ class NodeCoordination:
         return cls(store, node_rank, nnodes, address, port, give_up=give_up)
 
     def _key(self, name: str, attempt: int | None = None) -> str:
-        return f"ddpkit/launchers/attempt/{self.attempt if attempt is None else attempt}/{name}"
+        """The store key of ``name`` in ``attempt`` (the current one by default); ``attempt`` -1: the
+        job's keys outside any attempt."""
+        attempt = self.attempt if attempt is None else attempt
+        return self._signer.key(f"launchers/{name}" if attempt < 0 else f"launchers/attempt/{attempt}/{name}")
+
+    def _put(self, name: str, value: str, attempt: int | None = None) -> None:
+        key = self._key(name, attempt)
+        self._call("set", key, self._signer.sign(key, value))
+
+    def _read(self, name: str, attempt: int | None = None) -> str | None:
+        """The value a launcher of the job wrote under ``name``; None when there is none (or a forged one)."""
+        key = self._key(name, attempt)
+        if not self._call("check", [key]):
+            return None
+        return self._signer.verify(key, bytes(self._call("get", key)))
+
+    def _hint(self, name: str, attempt: int | None = None) -> int:
+        """The count beside ``name``'s signed keys: a change to read them for (not itself believed)."""
+        return int(self._call("add", self._key(f"{name}/count", attempt), 0))
+
+    def _say(self, name: str, value: str = "1", attempt: int | None = None) -> None:
+        """This node's signed ``name/<node>``, and its count raised."""
+        self._put(f"{name}/{self.node_rank}", value, attempt)
+        self._call("add", self._key(f"{name}/count", attempt), 1)
+
+    def _nodes_that_said(self, name: str, attempt: int | None = None) -> list[int]:
+        if self._hint(name, attempt) == 0:
+            return []
+        return [node for node in range(self.nnodes) if self._read(f"{name}/{node}", attempt) is not None]
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -137,32 +171,30 @@ class NodeCoordination:
                 "rendezvous endpoint's host) ended or its host is unreachable. Its output says why.") from None
 
     def _has(self, name: str, attempt: int | None = None) -> bool:
-        return bool(self._call("check", [self._key(name, attempt)]))
+        return self._read(name, attempt) is not None
 
     def announce_failure(self) -> None:
         """Tell the other launchers that this node's workers failed in the current attempt."""
-        self._call("add", self._key("failed"), 1)
+        self._say("failed")
 
     def announce_stop(self, reason: str) -> None:
         """Tell the other launchers to end their workers and not restart (a stop signal here)."""
-        self._call("set", self._key("stop"), f"node {self.node_rank}'s launcher {reason}")
+        self._put("stop", f"node {self.node_rank}'s launcher {reason}")
 
     def ended_elsewhere(self) -> bool:
         """Whether another node's launcher announced a failure or a stop in the current attempt, or
         left the job (it ended without a word: its workers are gone, and this node's would wait)."""
-        return self._has("failed") or self._has("stop") or int(self._call("add", "ddpkit/launchers/left", 0)) > 0
+        return bool(self._nodes_that_said("failed")) or self._has("stop") or bool(self._nodes_that_said("left", -1))
 
     def stop_reason(self, attempt: int | None = None) -> str | None:
         """Why another launcher stopped the job (no restart), when one did."""
-        if not self._has("stop", attempt):
-            return None
-        return bytes(self._call("get", self._key("stop", attempt))).decode()
+        return self._read("stop", attempt)
 
     def publish_cause(self, cause: FailureCause | None) -> None:
         """Publish this node's view of the attempt's end, for ``root_cause``: the cause of its
         workers' failure, or None (they were ended because of another node, or by a signal)."""
-        value = json.dumps(None if cause is None else {"text": cause.text, "recorded_at": cause.recorded_at})
-        self._call("set", self._key(f"cause/{self.node_rank}"), value)
+        self._put(f"cause/{self.node_rank}", json.dumps(
+            None if cause is None else {"text": cause.text, "recorded_at": cause.recorded_at}))
 
     def root_cause(self, wait_seconds: float) -> FailureCause | None:
         """The root cause of the current attempt's failure, once every node published its view
@@ -173,24 +205,25 @@ class NodeCoordination:
         workers may fail first while its launcher notices last."""
         deadline = time.monotonic() + wait_seconds
         while True:
-            views = {node: self._view(node) for node in range(self.nnodes)
-                     if self._has(f"cause/{node}")}
+            views = {node: self._view(node, view) for node in range(self.nnodes)
+                     if (view := self._read(f"cause/{node}")) is not None}
             if len(views) == self.nnodes or time.monotonic() > deadline:
                 causes = [cause for cause in views.values() if cause is not None]
                 return min(causes, key=FailureCause.rank_key) if causes else None
             time.sleep(_POLL_SECONDS)
 
-    def _view(self, node: int) -> FailureCause | None:
-        value = json.loads(bytes(self._call("get", self._key(f"cause/{node}"))).decode())
+    @staticmethod
+    def _view(node: int, published: str) -> FailureCause | None:
+        value = json.loads(published)
         return None if value is None else FailureCause(node, str(value["text"]), value["recorded_at"])
 
     def finish(self, poll: float = 0.05) -> bool:
         """Count this node's workers as done and wait until every node's are (True), or another
         launcher announces a failure or a stop in this attempt (False)."""
-        self._call("add", self._key("succeeded"), 1)
-        while (succeeded := int(self._call("add", self._key("succeeded"), 0))) < self.nnodes:
+        self._say("succeeded")
+        while len(succeeded := self._nodes_that_said("succeeded")) < self.nnodes:
             # A node that finished too may leave between the two reads: its success counts first.
-            if self.ended_elsewhere() and int(self._call("add", self._key("succeeded"), 0)) == succeeded:
+            if self.ended_elsewhere() and self._nodes_that_said("succeeded") == succeeded:
                 return False
             self._check_give_up()
             time.sleep(poll)
@@ -203,14 +236,14 @@ class NodeCoordination:
         The launcher that hosts the store then runs ``open_attempt`` (it clears the workers' keys
         of the attempts before: a plain torch script's ``env://`` connection keeps no keys per
         attempt) and says the attempt is open; the others wait for that before they start workers."""
-        self._call("set", self._key(f"arrived/{self.node_rank}", attempt), "1")
+        self._put(f"arrived/{self.node_rank}", "1", attempt)
         deadline = time.monotonic() + timeout_seconds
         while True:
             missing = [node for node in range(self.nnodes) if not self._has(f"arrived/{node}", attempt)]
             if not missing:
                 break
             stopped = self.stop_reason(attempt - 1)
-            ended = [node for node in missing if self._call("check", [f"ddpkit/launchers/left/{node}"])]
+            ended = [node for node in missing if self._has(f"left/{node}", -1)]
             if stopped is not None or ended or time.monotonic() > deadline:
                 why = (f"({stopped})" if stopped else "(they ended)" if ended else
                        f"within {timeout_seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS})")
@@ -223,7 +256,7 @@ class NodeCoordination:
         if self.hosts_store:
             if open_attempt is not None:
                 open_attempt()
-            self._call("set", self._key("open", attempt), "1")
+            self._put("open", "1", attempt)
         while not self._has("open", attempt):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"restart {attempt}: the launcher that hosts the job's store did not open it within "
@@ -240,11 +273,9 @@ class NodeCoordination:
         """Count this launcher out; the one that hosts the store waits for the others first, up to
         ``wait_seconds``, so that none loses the store while it still reads it."""
         try:
-            self._call("set", f"ddpkit/launchers/left/{self.node_rank}", "1")
-            left = int(self._call("add", "ddpkit/launchers/left", 1))
+            self._say("left", attempt=-1)
             deadline = time.monotonic() + wait_seconds
-            while self.hosts_store and left < self.nnodes and time.monotonic() < deadline:
+            while self.hosts_store and time.monotonic() < deadline and len(self._nodes_that_said("left", -1)) < self.nnodes:
                 time.sleep(_POLL_SECONDS)
-                left = int(self._call("add", "ddpkit/launchers/left", 0))
         except NodeContactLostError:
             pass  # node 0 already gone: nothing to wait for

@@ -13,6 +13,12 @@ address and port are the endpoint's, and whose store is the launchers' (the work
 one key prefix per attempt, as under restarts across nodes: ``launching.nodes``); node ranks stay
 the same across restarts.
 
+Arrivals are tickets: a launcher draws the next number from a count and writes its ticket under
+it, signed with the job secret when there is one (``ddpkit.job_secret``); node ranks are the
+order of the signed tickets, so a stranger who adds to the count or writes tickets of its own
+takes no node's place. The rendezvous id stays outside the job's prefix and unsigned: it is what
+tells a launcher of another job (with another secret) that the endpoint is taken.
+
 ``torch.distributed`` (the store's client, ``launching.store_client``) is imported only here, and
 only with ``c10d``. A stop signal or the store host's end ends the waits within seconds (``give_up``).
 """
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
 from ddpkit.logs import get_logger
 
@@ -38,6 +45,8 @@ DEFAULT_PORT = 29400
 _POLL_SECONDS = 0.05
 # How long one request to the store may take once the launchers are connected.
 _REQUEST_TIMEOUT = timedelta(seconds=30)
+# Tickets read at most, beyond --nnodes: a count raised by a stranger is not read to its end.
+_EXTRA_TICKETS = 64
 
 
 class RendezvousError(RuntimeError):
@@ -143,27 +152,59 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float,
         raise RendezvousError(
             f"the rendezvous at {endpoint} serves --rdzv-id={served!r}, not {run_id!r}: another job uses this endpoint. "
             "Give each job its own --rdzv-endpoint port, or the same --rdzv-id to join that job.")
-    arrived = int(store.add(_keys("arrived"), 1))
-    if arrived > nnodes:
-        raise RendezvousError(
-            f"rendezvous {run_id!r} at {endpoint} already has its --nnodes={nnodes} nodes; this launcher arrived as "
-            f"number {arrived}. Start exactly --nnodes launchers (a node that is started again joins a new job: give it "
-            "a new --rdzv-id or endpoint).")
-    node_rank = arrived - 1
+    tickets = _Tickets(store, RecordSigner(job_secret(), f"rendezvous {run_id}"), nnodes)
+    mine = tickets.draw()
     deadline = time.monotonic() + join_timeout
     told = False
-    while (count := int(store.add(_keys("arrived"), 0))) < nnodes:
+    while True:
+        arrived = tickets.signed()
+        if mine in arrived[:nnodes] and len(arrived) >= nnodes:
+            break
+        if len(arrived) >= nnodes:
+            raise RendezvousError(
+                f"rendezvous {run_id!r} at {endpoint} already has its --nnodes={nnodes} nodes; this launcher arrived "
+                f"as number {mine}. Start exactly --nnodes launchers (a node that is started again joins a new job: give it "
+                "a new --rdzv-id or endpoint).")
         if (reason := give_up()) is not None:
             raise GaveUpWaiting(reason)
         if time.monotonic() > deadline:
             raise RendezvousError(
-                f"rendezvous {run_id!r} at {endpoint}: {count} of --nnodes={nnodes} launchers arrived within "
+                f"rendezvous {run_id!r} at {endpoint}: {len(arrived)} of --nnodes={nnodes} launchers arrived within "
                 f"{join_timeout:g} s (--rdzv-conf join_timeout). Start `ddpkit run` with the same --rdzv-endpoint, "
-                "--rdzv-id and --nnodes on every node.")
+                "--rdzv-id, --nnodes and job secret on every node.")
         if not told:
-            _log.info(f"ddpkit run: node {node_rank} of rendezvous {run_id!r} at {endpoint}; waiting for "
-                      f"{nnodes - count} more node(s)")
+            _log.info(f"ddpkit run: arrived at rendezvous {run_id!r} at {endpoint}; waiting for "
+                      f"{nnodes - len(arrived)} more node(s)")
             told = True
         time.sleep(_POLL_SECONDS)
+    node_rank = arrived.index(mine)
     _log.info(f"ddpkit run: rendezvous {run_id!r} at {endpoint} complete: this is node {node_rank} of {nnodes}")
     return node_rank, store
+
+
+class _Tickets:
+    """The launchers' arrivals at one rendezvous: numbers drawn from a count, each one's ticket
+    written under its number and signed (see the module docstring)."""
+
+    def __init__(self, store: Any, signer: RecordSigner, nnodes: int) -> None:
+        self._store, self._signer, self._nnodes = store, signer, nnodes
+        self._signed: set[int] = set()
+
+    def draw(self) -> int:
+        number = int(self._store.add(self._signer.key("rendezvous/tickets"), 1))
+        key = self._ticket_key(number)
+        self._store.set(key, self._signer.sign(key, "arrived"))
+        return number
+
+    def signed(self) -> list[int]:
+        """The numbers of the signed tickets so far, in order (a signed one stays signed)."""
+        drawn = min(int(self._store.add(self._signer.key("rendezvous/tickets"), 0)), self._nnodes + _EXTRA_TICKETS)
+        for number in range(1, drawn + 1):
+            key = self._ticket_key(number)
+            if (number not in self._signed and self._store.check([key])
+                    and self._signer.verify(key, bytes(self._store.get(key))) is not None):
+                self._signed.add(number)
+        return sorted(self._signed)
+
+    def _ticket_key(self, number: int) -> str:
+        return self._signer.key(f"rendezvous/ticket/{number}")

@@ -35,13 +35,11 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import IO, Any
 
+from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.processes import describe_exit
 from ddpkit.variables import DDPKIT_LAUNCHER_PID
 
-__all__ = ["LAUNCHER_KEY_PREFIXES", "StoreHost", "StoreHostError", "main"]
-
-#: Keys that belong to the launchers (``launching.nodes``, ``launching.rendezvous``) and outlive attempts.
-LAUNCHER_KEY_PREFIXES = ("ddpkit/launchers/", "ddpkit/rendezvous/")
+__all__ = ["StoreHost", "StoreHostError", "launcher_key_prefixes", "main"]
 
 _CLEAR = "clear"
 # How long the launcher waits for the host to clear the keys; a host that takes longer is stuck.
@@ -81,7 +79,7 @@ class StoreHost:
                 + (f": {last}" if last else "") + ". Every worker reaches its peers through it, so the job ends.")
 
     def clear_worker_keys(self) -> int:
-        """Delete every key but the launchers' (``LAUNCHER_KEY_PREFIXES``) before the workers start
+        """Delete every key but the launchers' (``launcher_key_prefixes``) before the workers start
         again; the number deleted. Raises ``StoreHostError`` when the host ended or does not answer."""
         stdin, stdout = self._process.stdin, self._process.stdout
         if stdin is None or stdout is None:  # made by __init__: a pipe each
@@ -138,11 +136,20 @@ def _last_line(path: str) -> str:
     return lines[-1] if lines else ""
 
 
+def launcher_key_prefixes() -> tuple[str, ...]:
+    """Keys that belong to the launchers (``launching.nodes``, ``launching.rendezvous``) and outlive
+    attempts: under the job's prefix (``ddpkit.job_secret``; the store host has the launcher's
+    environment), and the rendezvous id, which is outside it."""
+    namespace = RecordSigner(job_secret()).namespace
+    return f"{namespace}launchers/", f"{namespace}rendezvous/", "ddpkit/rendezvous/"
+
+
 def clear_worker_keys(store: Any) -> int:
     """Delete every key of ``store`` but the launchers'; the number deleted."""
     deleted = 0
+    kept = launcher_key_prefixes()
     for key in store.list_keys():
-        if not key.startswith(LAUNCHER_KEY_PREFIXES) and store.delete_key(key):
+        if not key.startswith(kept) and store.delete_key(key):
             deleted += 1
     return deleted
 
