@@ -311,6 +311,8 @@ def test_sigusr1_to_the_launcher_prints_every_workers_stack(scripts: Path) -> No
         ({"DDPKIT_HANG_SECONDS": "abc"}, "DDPKIT_HANG_SECONDS='abc' is not a number of seconds"),
         ({"DDPKIT_HANG_ABORT_SECONDS": "1 min"}, "DDPKIT_HANG_ABORT_SECONDS='1 min' is not a number of seconds"),
         ({"DDPKIT_PEER_FAILURE_EXIT_SECONDS": "x"}, "DDPKIT_PEER_FAILURE_EXIT_SECONDS='x' is not a number of seconds"),
+        ({"DDPKIT_LOG_LEVEL": "LOUD"}, "DDPKIT_LOG_LEVEL='LOUD' is not a logging level"),  # read as the launcher loads
+        ({"DDPKIT_JOB_SECRET": "tiny"}, "DDPKIT_JOB_SECRET is 4 characters long"),
     ],
 )
 def test_bad_environment_values_are_refused_before_anything_starts(scripts: Path, variables: dict[str, str],

@@ -191,3 +191,35 @@ def test_the_checks_of_the_script_hold_under_a_rendezvous_too(
     message = refused(monkeypatch, capsys, folder, *c10d_here, "--recovery", "in-place", "--max-restarts", "1",
                       "--no-python", "./job.sh")
     assert "--recovery in-place with --no-python" in message
+
+
+def test_a_stranger_at_the_endpoint_takes_no_nodes_place(folder: Path) -> None:
+    """Between the first launcher's arrival and the second's, a process outside the job that reaches
+    the endpoint adds to the arrival counts (the one ddpkit kept before job secrets, and the
+    tickets') and writes the next tickets itself (issue 33): both nodes still form the job."""
+    port = find_free_port()
+    secret = {"DDPKIT_JOB_SECRET": "both-nodes-share-this-secret"}
+    first = launcher(folder, *c10d(port), "--nproc-per-node", "1", "place.py", **secret)
+    stranger = textwrap.dedent(f"""
+        import time
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=timedelta(seconds=30))
+        deadline = time.monotonic() + 30
+        while (not [key for key in store.list_keys() if key.endswith(("rendezvous/tickets", "rendezvous/arrived"))]
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        store.add("ddpkit/rendezvous/arrived", 1)
+        for key in [key for key in store.list_keys() if key.endswith("rendezvous/tickets")]:
+            drawn = int(store.add(key, 1))
+            for number in range(1, drawn + 3):
+                if number != 1:  # the first launcher's stays; the rest are taken or pre-empted
+                    store.set(key.replace("tickets", f"ticket/{{number}}"), "arrived")
+        print("struck", flush=True)
+        """)
+    struck = subprocess.run([sys.executable, "-c", stranger], capture_output=True, text=True, timeout=60)
+    assert "struck" in struck.stdout, struck.stderr
+    second = launcher(folder, *c10d(port), "--nproc-per-node", "1", "place.py", **secret)
+    results = ended([first, second], timeout=60)
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    assert sorted(int(re.findall(r"this is node (\d) of 2", err)[0]) for _, _, err in results) == [0, 1]

@@ -51,7 +51,7 @@ def _source_address_towards(ip: str, port: int) -> str:
 def _addresses_of_host_name() -> set[str]:
     try:
         return {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
-    except OSError:
+    except (OSError, UnicodeError):
         return set()
 
 
@@ -85,7 +85,7 @@ def store_bind_address(master_address: str, across_nodes: bool) -> str:
         return ""
     try:
         resolved = socket.getaddrinfo(master_address, None, type=socket.SOCK_STREAM)[0][4][0]
-    except (socket.gaierror, IndexError):
+    except (socket.gaierror, UnicodeError, IndexError):
         return ""  # the connection that follows says what is wrong with the address
     if across_nodes and ipaddress.ip_address(str(resolved).partition("%")[0]).is_loopback:
         return ""

@@ -23,7 +23,7 @@ import sys
 
 from ddpkit.variables import DDPKIT_LOG_LEVEL, DDPKIT_STDERR_PREFIXED
 
-__all__ = ["get_logger"]
+__all__ = ["get_logger", "log_level_problem"]
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -53,14 +53,21 @@ class _StandardErrorHandler(logging.Handler):
             self.handleError(record)
 
 
-def _level_from_environment() -> int:
+def log_level_problem() -> str | None:
+    """What is wrong with ``DDPKIT_LOG_LEVEL``, or None. Sets nothing up: ``ddpkit run`` asks
+    before it imports anything that logs, so that a malformed level is one line, not a traceback."""
     value = os.environ.get(DDPKIT_LOG_LEVEL, "INFO").strip().upper()
-    if value not in _LEVELS:
-        raise ValueError(
-            f"{DDPKIT_LOG_LEVEL}={os.environ[DDPKIT_LOG_LEVEL]!r} is not a logging level. "
-            f"Use one of {', '.join(_LEVELS)}, or unset it for INFO."
-        )
-    return int(getattr(logging, value))
+    if value in _LEVELS:
+        return None
+    return (f"{DDPKIT_LOG_LEVEL}={os.environ[DDPKIT_LOG_LEVEL]!r} is not a logging level. "
+            f"Use one of {', '.join(_LEVELS)}, or unset it for INFO.")
+
+
+def _level_from_environment() -> int:
+    problem = log_level_problem()
+    if problem is not None:
+        raise ValueError(problem)
+    return int(getattr(logging, os.environ.get(DDPKIT_LOG_LEVEL, "INFO").strip().upper()))
 
 
 def _configure(root: logging.Logger) -> None:

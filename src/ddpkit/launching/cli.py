@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -138,12 +139,22 @@ def _integer(flag: str, value: str, argv: Sequence[str]) -> int:
         raise LaunchError(f"{_origin(flag, argv)}={value!r} is not an integer.") from None
 
 
+#: The most processes ``ddpkit run`` starts on one node: a GPU node has 8 or 16, a CPU node's cores are
+#: shared among its processes; a larger count is most likely a typo, and each would be an interpreter with torch.
+MAX_PROCESSES_PER_NODE = 1024
+
+
 def _nproc(value: str, argv: Sequence[str]) -> int:
     if value == "auto":
         import torch  # only here: the launcher itself needs no torch, and importing it takes seconds
 
         return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
-    return _integer("nproc-per-node", value, argv)
+    count = _integer("nproc-per-node", value, argv)
+    if count > MAX_PROCESSES_PER_NODE:
+        raise LaunchError(f"{_origin('nproc-per-node', argv)}={count}: more than {MAX_PROCESSES_PER_NODE} processes on "
+                          "one node, which ddpkit run takes for a typo. Give the number of GPUs (or a share of the "
+                          "cores), and spread more processes over several nodes (--nnodes).")
+    return count
 
 
 def _nnodes(value: str, argv: Sequence[str]) -> int:
@@ -186,6 +197,12 @@ def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> tuple[Rendezvo
         except ValueError as error:
             raise LaunchError(str(error).replace("--rdzv-endpoint", _origin("rdzv-endpoint", argv))) from None
     if backend == "static":
+        if endpoint is not None:  # it stands for --master-addr: say it as the user gave it
+            try:
+                socket.getaddrinfo(endpoint.host, None)
+            except (socket.gaierror, UnicodeError) as error:
+                raise LaunchError(f"{_origin('rdzv-endpoint', argv)}={args.rdzv_endpoint!r}: the host {endpoint.host!r} "
+                                  f"does not resolve ({error}). Give the address of the node with rank 0.") from None
         return None, endpoint
     if endpoint is None:
         raise LaunchError(f"{_origin('rdzv-backend', argv)}=c10d needs --rdzv-endpoint HOST[:PORT]: an address of one "
@@ -233,6 +250,14 @@ def _backend(value: str | None, argv: Sequence[str]) -> str | None:
     return value or None
 
 
+# What the environments detect a scheduler's process by (``ddpkit.environments``), named when they
+# are malformed.
+_SCHEDULER_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK",
+                        "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_RANK", "LSB_JOBID",
+                        "JSM_NAMESPACE_RANK", "KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+                        "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
 def _started_by_a_scheduler() -> str | None:
     """The name of the scheduler that already started this process as one of many, if any."""
     environment = detect_environment()
@@ -244,12 +269,20 @@ def _started_by_a_scheduler() -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    for name, value in vars(args).items():  # argparse gives `--flag=--` as an empty list: no value at all
+        if isinstance(value, list) and name != "script_args":
+            print(f"ddpkit run: --{name.replace('_', '-')} was given '--', which is no value for it (it ends the flags). "
+                  "Give it a value.", file=sys.stderr)
+            return 2
     # Only ddpkit's own flags (before the script) can name a flag's origin.
     launcher_argv = argv[: argv.index(args.script)] if args.script in argv else argv
     try:
         scheduler = _started_by_a_scheduler()
     except ValueError as error:  # malformed scheduler variables: say so before anything starts
-        print(f"ddpkit run: {error}", file=sys.stderr)
+        given = [name for name in _SCHEDULER_VARIABLES if name in os.environ]
+        print(f"ddpkit run: {error} (ddpkit run took this process for one a scheduler started, from "
+              f"{', '.join(given) or 'its variables'}: start it that way, or unset them to have ddpkit run start "
+              "the workers)", file=sys.stderr)
         return 2
     try:
         preemption_signal = parse_signal(args.preemption_signal, _origin("preemption-signal", launcher_argv))

@@ -120,7 +120,7 @@ def validate(config: LaunchConfig, script: str) -> None:
         )
     try:
         socket.getaddrinfo(config.master_addr, None)
-    except socket.gaierror as error:
+    except (socket.gaierror, UnicodeError) as error:
         raise LaunchError(
             f"--master-addr={config.master_addr!r} does not resolve ({error}). Use the host name or IP address "
             "of the node with --node-rank=0."
@@ -128,6 +128,10 @@ def validate(config: LaunchConfig, script: str) -> None:
     if config.master_port is None:
         if config.nnodes > 1:
             raise LaunchError("--master-port is required with --nnodes > 1: every node must use the same port.")
+        if not _port_is_free(config.master_addr, 0):
+            raise LaunchError(f"--master-addr={config.master_addr!r} is not an address of this machine: on one node the "
+                              "workers meet at one of its addresses (127.0.0.1 by default). Leave --master-addr out, or "
+                              "give an address of this machine.")
         return
     if not 1 <= config.master_port <= 65535:
         raise LaunchError(f"--master-port={config.master_port} is not a TCP port (1..65535).")
@@ -141,7 +145,7 @@ def validate(config: LaunchConfig, script: str) -> None:
 def _check_endpoint(rendezvous: RendezvousSettings) -> None:
     try:
         socket.getaddrinfo(rendezvous.endpoint.host, None)
-    except socket.gaierror as error:
+    except (socket.gaierror, UnicodeError) as error:
         raise LaunchError(f"--rdzv-endpoint={str(rendezvous.endpoint)!r} does not resolve ({error}). Use the host "
                           "name or IP address of one of the job's nodes, the same on every node.") from None
     if not rendezvous.run_id:

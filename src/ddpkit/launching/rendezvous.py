@@ -115,7 +115,7 @@ def claim_endpoint(endpoint: Endpoint) -> socket.socket | None:
     say) or the address is another machine's."""
     try:
         family = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror:
+    except (socket.gaierror, UnicodeError):
         return None
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
