@@ -9,20 +9,26 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import example_summary
 from torch import nn
 
 from ddpkit.environments import find_free_port
 from ddpkit.job_secret import JobSecret, JobSecretError, RecordSigner, job_secret
+from ddpkit.testing import WorkerPool
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 STEPS = 12
 STRIKE_AT_STEP = 3
 
@@ -152,6 +158,9 @@ def assert_fault_free(job: subprocess.CompletedProcess[str], said: str) -> None:
     for mine, reference in zip(parameters, single_process_reference(), strict=True):
         assert torch.allclose(torch.tensor(mine), reference, atol=1e-6)
     assert "does not carry this job's secret" in job.stderr  # the forged values were read, and ignored
+    said_per_rank_and_key = Counter(re.findall(r"(\[rank \d+\]) ddpkit: ignored a value under the store key '([^']+)'",
+                                               job.stderr))
+    assert said_per_rank_and_key and set(said_per_rank_and_key.values()) == {1}, said_per_rank_and_key  # said once
 
 
 @pytest.mark.parametrize("recovery", ["fail-fast", "in-place"])
@@ -170,6 +179,68 @@ def test_a_stranger_cannot_stop_a_multi_node_job_or_fail_its_attempt(tmp_path: P
                                       DDPKIT_JOB_SECRET="a-secret-every-node-was-given")
     assert_fault_free(job, said)
     assert "restarting" not in job.stderr
+
+
+# A stranger with torch: when the survivors of a lost rank start to form generation 1 of the group,
+# it counts itself in (the meeting's count cannot be signed) and forms the group as the lost rank 1,
+# before the replacement does; had it joined, it would receive what a replacement receives.
+IMPOSTOR = """
+import socket, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:  # torch's client backs off for long after a refused connection
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.01)
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+while time.monotonic() < deadline:
+    meeting = [key for key in store.list_keys() if key.endswith("generation/1/arrived")]
+    if meeting:
+        break
+    time.sleep(0.002)
+else:
+    sys.exit("no recovery seen")
+prefix = meeting[0].removesuffix("arrived")
+store.add(meeting[0], 1)
+print("forming as rank 1 at", prefix, flush=True)
+try:
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=1, world_size=2,
+                            timeout=timedelta(seconds=15))
+    print("joined the group", flush=True)
+    told = [None, None]
+    dist.all_gather_object(told, (True, 0))
+    print("received", told, flush=True)
+except Exception as error:  # noqa: BLE001 - what stopped it is the point
+    print("kept out:", type(error).__name__, str(error).splitlines()[0][:200], flush=True)
+"""
+
+
+def test_a_stranger_cannot_take_a_lost_ranks_place_in_an_in_place_recovery(tmp_path: Path) -> None:
+    """Rank 1 is killed; while the survivor forms the group again, a stranger writes itself in as
+    rank 1. Torch's own values in the group's store are signed, so the survivor waits for the
+    replacement's address and the job ends as without the fault; nothing reaches the stranger."""
+    port = find_free_port("127.0.0.1")
+    impostor = subprocess.Popen([sys.executable, "-c", IMPOSTOR, str(port)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        job = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1",
+                              "--nproc-per-node", "2", "--master-port", str(port), str(EXAMPLE), "--epochs", "1",
+                              "--samples", "1024", "--kill-at-step", "5"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        said = impostor.communicate(timeout=60)[0]
+    finally:
+        impostor.kill()
+    assert "forming as rank 1" in said, said
+    assert "received" not in said, said
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "recovered in place" in job.stderr
+    summary = example_summary(job.stdout)
+    assert summary["identical"] and summary["max_difference"] <= 1e-6, summary
 
 
 @contextlib.contextmanager
@@ -241,23 +312,21 @@ def test_a_single_node_jobs_store_is_out_of_reach_of_other_machines(tmp_path: Pa
 
 
 PROVE = """
-import os, sys
 import ddpkit
 from ddpkit.environments import LocalEnvironment
-from ddpkit.group import MemberProofError
 try:
-    ddpkit.init_dist_connection(LocalEnvironment())
+    ddpkit.init_dist_connection(LocalEnvironment(), timeout=5)
     print("formed", flush=True)
-except MemberProofError as error:
-    print("refused", error, flush=True)
+except Exception as error:
+    print("refused", type(error).__name__, error, flush=True)
 """
 
 
 @pytest.mark.parametrize("secrets", [("a" * 32, "a" * 32), ("a" * 32, "b" * 32)], ids=["same", "rank1-differs"])
-def test_a_member_that_cannot_prove_the_secret_is_named_before_anything_is_sent(
-        tmp_path: Path, secrets: tuple[str, str]) -> None:
-    """Rank 1 stands for a process that wrote itself into the store as a member: it has another
-    secret. Every rank refuses the group; a rank with the secret names rank 1."""
+def test_a_member_with_another_secret_is_kept_out_of_the_group(tmp_path: Path, secrets: tuple[str, str]) -> None:
+    """Rank 1 stands for a process that writes itself into the store as a member: it has another
+    secret. Torch's values in the store are signed, so neither rank takes the other's address: the
+    connection fails within its timeout, naming the key, instead of forming a group with it."""
     (tmp_path / "script.py").write_text(PROVE)
     port = find_free_port()
     ranks = [subprocess.Popen([sys.executable, "script.py"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
@@ -276,8 +345,32 @@ def test_a_member_that_cannot_prove_the_secret_is_named_before_anything_is_sent(
     if secrets[0] == secrets[1]:
         assert said == ["formed\n", "formed\n"], outputs
     else:
-        assert said[0].startswith("refused rank(s) [1] of the group just formed (attempt 0 generation 0)"), outputs
-        assert said[1].startswith("refused rank(s) [0]"), outputs
+        for out in said:
+            assert out.startswith("refused") and "does not carry this job's secret" in out, outputs
+
+
+def members_prove_with(secrets: tuple[bytes, bytes]) -> str:
+    """Every rank of the pool's group proves the secret its ``secrets`` entry gives it."""
+    import torch.distributed as dist
+
+    from ddpkit.group import Group, MemberProofError, Membership
+
+    rank = dist.get_rank()
+    group = Group(Membership(0, rank, 2), "gloo", timedelta(seconds=30), secret=JobSecret(secrets[rank], "test"))
+    try:
+        group.prove_members()
+    except MemberProofError as error:
+        return str(error)
+    return "proved"
+
+
+def test_the_members_proof_names_a_member_without_the_secret(pool2: WorkerPool) -> None:
+    """Past the store (a process that joins Gloo's connections directly), the members' proof over the
+    group's own connections names a member that does not hold the secret, before anything is sent."""
+    assert pool2.run(members_prove_with, (b"a" * 32, b"a" * 32), timeout=60) == ["proved", "proved"]
+    told = pool2.run(members_prove_with, (b"a" * 32, b"b" * 32), timeout=60)
+    assert told[0].startswith("rank(s) [1] of the group just formed (attempt 0 generation 0) did not prove"), told
+    assert told[1].startswith("rank(s) [0]"), told
 
 
 def test_records_are_bound_to_their_key_scope_and_contents() -> None:

@@ -163,11 +163,11 @@ def init_dist_connection(
         # rendezvous's shared store).
         store = dist.TCPStore(  # type: ignore[attr-defined]
             cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
-        kwargs["store"] = dist.PrefixStore(  # type: ignore[attr-defined]
-            f"ddpkit/torchrun/attempt/{cluster_environment.store_attempt}/", store)
+        kwargs["store"] = group.signed(dist.PrefixStore(  # type: ignore[attr-defined]
+            f"ddpkit/torchrun/attempt/{cluster_environment.store_attempt}/", store))
     elif (size > 1 and "init_method" not in kwargs and "store" not in kwargs
           and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"):
-        kwargs["store"] = _rank_zeros_store(cluster_environment, rank, size, timeout)
+        kwargs["store"] = group.signed(_rank_zeros_store(cluster_environment, rank, size, timeout))
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     set_current_group(group)
     group.prove_members()  # before anything (a model's state) is sent to a member

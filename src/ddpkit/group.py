@@ -50,7 +50,8 @@ from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
-from ddpkit.job_secret import JobSecret, member_proof, unsigned_namespace
+from ddpkit.job_secret import JobSecret, RecordSigner, member_proof, unsigned_namespace
+from ddpkit.signed_store import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["Group", "MemberProofError", "Membership", "current_group"]
@@ -123,8 +124,17 @@ class Group:
         return self._in_place
 
     def store_of(self, generation: int) -> Any:
-        """The launcher's store under ``generation``'s prefix: that generation's torch group's store."""
-        return dist.PrefixStore(self._prefix(generation), self._launcher_store)  # type: ignore[attr-defined]
+        """The launcher's store under ``generation``'s prefix: that generation's torch group's store
+        (torch's values in it signed, with a job secret: ``ddpkit.signed_store``)."""
+        return self.signed(dist.PrefixStore(self._prefix(generation), self._launcher_store),  # type: ignore[attr-defined]
+                           generation)
+
+    def signed(self, store: Any, generation: int | None = None) -> Any:
+        """``store`` with torch's values signed for ``generation`` (the current one by default), so
+        that a process outside the job cannot write itself in as a member; ``store`` itself
+        without a job secret."""
+        generation = self.generation if generation is None else generation
+        return signed(store, RecordSigner(self._secret, self._scope(generation)))
 
     # -- the one hook ------------------------------------------------------------------------------
 

@@ -153,7 +153,6 @@ class RecordSigner:
 
     def __init__(self, secret: JobSecret | None, scope: str = "") -> None:
         self.secret, self.scope = secret, scope
-        self._refused: set[str] = set()
 
     @property
     def namespace(self) -> str:
@@ -178,16 +177,39 @@ class RecordSigner:
         mac, _, payload = text.removeprefix(_SIGNED_MARK).partition(":")
         if text.startswith(_SIGNED_MARK) and hmac.compare_digest(mac, self.secret.mac(key, self.scope, payload)):
             return payload
-        if key not in self._refused:
-            self._refused.add(key)
+        self._refuse(key, text)
+        return None
+
+    def _refuse(self, key: str, text: str) -> None:
+        if key not in _refused_keys and self.secret is not None:
+            _refused_keys.add(key)
             _log.warning(f"ddpkit: ignored a value under the store key {key!r} that does not carry this job's secret "
                          f"({self.secret.source}): a process outside the job wrote it. Its first bytes: "
                          f"{text[:80]!r}. Check who can reach the job's store port.")
+
+    def sign_bytes(self, key: str, payload: bytes) -> bytes:
+        """``sign`` for a binary value (torch's own, e.g. a Gloo address)."""
+        if self.secret is None:
+            return payload
+        return f"{_SIGNED_MARK}{self.secret.mac(key, self.scope, payload.hex())}:".encode() + payload
+
+    def verify_bytes(self, key: str, stored: bytes) -> bytes | None:
+        """``verify`` for a binary value: its payload, or None (said once per key)."""
+        if self.secret is None:
+            return stored
+        mark = _SIGNED_MARK.encode()
+        mac, _, payload = stored.removeprefix(mark).partition(b":")
+        if stored.startswith(mark) and hmac.compare_digest(mac.decode("ascii", "replace"),
+                                                           self.secret.mac(key, self.scope, payload.hex())):
+            return payload
+        self._refuse(key, stored.decode("utf-8", "replace"))
         return None
 
-    def refused(self) -> set[str]:
-        """The keys under which a value was ignored (for tests and reports)."""
-        return set(self._refused)
+
+
+# The keys under which this process ignored a forged value: each is said once per process, however
+# often a watch thread reads it.
+_refused_keys: set[str] = set()
 
 
 def member_proof(secret: JobSecret, scope: str, rank: int, nonces: bytes) -> bytes:
