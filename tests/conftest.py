@@ -14,6 +14,18 @@ import pytest
 from ddpkit.testing import WorkerPool
 
 
+@pytest.fixture(autouse=True)
+def environment_kept() -> Iterator[None]:
+    """Every test leaves ``os.environ`` as it found it. A test that connects in this process
+    (``init_dist_connection`` sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as Lightning's
+    does) would otherwise hand its variables to every launcher a later test starts."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def pool2() -> Iterator[WorkerPool]:
     with WorkerPool(2, timeout=60, pg_timeout=20) as pool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -64,6 +65,32 @@ def test_a_clean_two_process_run_exits_zero(scripts: Path) -> None:
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, err
     assert "rank 0 of 2 total 2.0" in out and "rank 1 of 2 total 2.0" in out
+
+
+def test_a_stop_signal_after_every_worker_ended_leaves_the_job_s_exit_code(tmp_path: Path) -> None:
+    """A scheduler signals every process of a job that just ended (or a user presses Ctrl-C as the
+    last rank returns): the workers succeeded, so the job did; neither the watch ("stopping all
+    workers", 143) nor the launcher's exit (the default action: killed by SIGTERM) may say otherwise."""
+    (tmp_path / "ends.py").write_text("import os\nopen(f\"pid.{os.environ['RANK']}\", 'w').write(str(os.getpid()))\n")
+    codes = []
+    for _ in range(3):
+        for written in tmp_path.glob("pid.*"):
+            written.unlink()
+        launcher = launch(tmp_path, "--nproc-per-node", "2", "ends.py")
+        deadline = time.monotonic() + 60
+        while len(pids := [int(text) for path in tmp_path.glob("pid.*") if (text := path.read_text())]) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+            time.sleep(0.002)
+        while any(_process_state(pid) is not None for pid in pids):  # until both exited
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        while launcher.poll() is None:  # a signal every millisecond, through the launcher's end
+            assert time.monotonic() < deadline
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher.pid, signal.SIGTERM)
+            time.sleep(0.001)
+        codes.append((launcher.returncode, launcher.communicate()[1][-500:]))
+    assert all(code == 0 for code, _ in codes), codes
 
 
 def test_a_raising_worker_ends_the_job_naming_its_rank_and_traceback(scripts: Path) -> None:

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
 
 from ddpkit.environments import LocalEnvironment, Recovery, detect_environment
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs
-from ddpkit.launching.launcher import run_workers, worker_command
+from ddpkit.launching.launcher import run_workers, stop_signals, worker_command
 from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
 from ddpkit.launching.rendezvous import (
     DEFAULT_PORT,
@@ -326,10 +327,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             output=_output_plan(args, nproc_per_node, launcher_argv),
             rendezvous=rendezvous,
         )
-        return run_workers(args.script, args.script_args, config)
+        code = run_workers(args.script, args.script_args, config)
     except LaunchError as error:
         print(f"ddpkit run: {error}", file=sys.stderr)
         return 2
+    # The launcher's own exit is left (a moment, with torch imported), through which its handlers stay
+    # out of a stop signal's way: the interpreter's finalisation puts the default action back, which
+    # would end the process with the signal's code instead of the job's.
+    for stop in stop_signals(config.preemption_signal):
+        signal.signal(stop, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

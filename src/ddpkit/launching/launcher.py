@@ -73,7 +73,7 @@ from ddpkit.variables import (
 )
 
 __all__ = ["RankFailedError", "job_secret_for_workers", "launch", "performance_defaults", "rank_variables", "run_workers",
-           "worker_command"]
+           "stop_signals", "worker_command"]
 
 _log = get_logger("launching")
 
@@ -132,6 +132,11 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
     if config.backend:
         variables[DDPKIT_BACKEND] = config.backend
     return variables
+
+
+def stop_signals(preemption_signal: signal.Signals) -> set[signal.Signals]:
+    """The signals that stop a launcher or preempt its job (``run_workers`` notes them)."""
+    return {signal.SIGINT, signal.SIGTERM, preemption_signal}
 
 
 def performance_defaults(nproc_per_node: int, base: Mapping[str, str]) -> dict[str, str]:
@@ -206,10 +211,12 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     if "OMP_NUM_THREADS" in defaults:
         _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
                   f"{config.nproc_per_node} workers (set it yourself to choose).")
-    previous = {sig: signal.signal(sig, note_signal)
-                for sig in {signal.SIGINT, signal.SIGTERM, config.preemption_signal}}
+    # Not restored at the return: the launcher's exit follows (``cli``), and a stop signal then (a
+    # scheduler's SIGTERM to every process of a job that just ended) has nothing left to stop.
+    for sig in stop_signals(config.preemption_signal):
+        signal.signal(sig, note_signal)
     if config.preemption_signal != signal.SIGUSR1:
-        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, request_stacks)
+        signal.signal(signal.SIGUSR1, request_stacks)
     signals = Signals(received, stack_requests, config.preemption_signal)
     store_host: StoreHost | None = None
     nodes: NodeCoordination | None = None
@@ -302,8 +309,6 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             nodes.leave(wait_seconds=_LEAVE_AFTER_SIGNAL_SECONDS if received else grace + 5.0)
         if store_host is not None:
             store_host.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _gave_up(stopped: GaveUpWaiting, received: Sequence[int], consequence: str,

@@ -78,7 +78,9 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
         if signals.stack_requests:
             signals.stack_requests.clear()
             _print_stacks(workers)
-        stop = signals.stop()
+        # A signal that comes after every worker ended by itself has nothing left to stop: their end is the outcome.
+        ended = None not in workers.exit_codes()
+        stop = None if ended else signals.stop()
         if stop is not None:
             _log.warning(f"ddpkit run: received {signal.Signals(stop).name}, stopping all {count} workers")
             if nodes is not None:
@@ -86,7 +88,7 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
             # After a preemption the workers had their SIGTERM: asked again, they are killed at once.
             workers.end(grace if preemption is None else 0.0)
             return Outcome(128 + stop)
-        if preemption is None and (preemption := signals.preemption()) is not None:
+        if not ended and preemption is None and (preemption := signals.preemption()) is not None:
             _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {count} workers to "
                          "save and stop (preemption); a second signal stops them at once")
             workers.notify(signal.SIGTERM)
@@ -124,8 +126,8 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
             return Outcome(1, problem)
         codes = workers.exit_codes()
         if preemption is not None and -signal.SIGTERM in codes:
-            _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script does not call "
-                         f"DDPStrategy.preempted()); stopping all {count} workers")
+            _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script had not set up its "
+                         f"DDPStrategy yet, or does not call DDPStrategy.preempted()); stopping all {count} workers")
             workers.end(grace)
             return Outcome(128 + preemption)
         if None not in codes:
