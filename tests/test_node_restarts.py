@@ -151,3 +151,57 @@ def test_a_node_that_does_not_come_back_for_a_restart_ends_the_others(tmp_path: 
     assert time.monotonic() - start < 60
     assert code1 == 1 and "no restart left (--max-restarts=1)" in err1, err1[-3000:]
     assert code0 == 1 and "restart 2: the launchers of node(s) 1 did not come back (they ended)" in err0, err0[-3000:]
+
+
+def test_a_node_whose_network_flapped_as_its_workers_failed_still_tells_the_others(
+        two_namespaces: list[tuple[str, str]], tmp_path: Path) -> None:
+    """Node 1's network is down as the job starts, and its worker is lost before its launcher
+    reached node 0's store: once the network is back (seconds later) the launcher announces the
+    failure, and both nodes restart together; it does not end alone, leaving node 0's rank waiting
+    for a rank 1 that never comes (found by benchmarks/chaos.py)."""
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    (namespace0, address0), (namespace1, _) = two_namespaces
+    link1 = subprocess.run(["ip", "-n", namespace1, "-o", "link", "show", "type", "veth"], capture_output=True,
+                           text=True, check=True).stdout.split(":")[1].strip().split("@")[0]
+    port = "29544"
+
+    def node(rank: int, namespace: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "ddpkit", "run", "--nnodes", "2",
+                                 "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", address0,
+                                 "--master-port", port, "--max-restarts", "1", "flaky.py"],
+                                cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "FAIL_STARTS": "", "DDPKIT_JOB_SECRET": "0123456789abcdef" * 2})
+
+    launchers = [node(0, namespace0)]
+    subprocess.run(["ip", "-n", namespace1, "link", "set", link1, "down"], check=True)
+    try:
+        launchers.append(node(1, namespace1))
+        deadline = time.monotonic() + 30
+        while not (workers := [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _parent(pid) ==
+                               launchers[1].pid and "ddpkit.launching.worker" in _command_line(pid)]):
+            assert time.monotonic() < deadline and launchers[1].poll() is None, launchers[1].communicate()
+            time.sleep(0.05)
+        time.sleep(4.0)  # the launcher is trying to reach the store (it imports torch first)
+        os.kill(workers[0], signal.SIGKILL)
+        time.sleep(4.0)  # longer than one try to connect (2 s): the launcher sees its worker lost meanwhile
+    finally:
+        subprocess.run(["ip", "-n", namespace1, "link", "set", link1, "up"], check=True)
+    (code0, out0, err0), (code1, out1, err1) = finish(launchers, timeout=90)
+    assert code1 == 0 and "restarting all 1 workers of node 1 (restart 1 of 1)" in err1, err1[-3000:]
+    assert code0 == 0 and "rank 0 start 1 total 2" in out0, err0[-3000:]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return int(handle.read().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

@@ -56,6 +56,10 @@ _REQUEST_TIMEOUT = timedelta(seconds=30)
 # How long a launcher waits for node 0's store to come up at the start: the nodes of a job are
 # rarely started at the same second (torchrun's rendezvous waits 600 s by default too).
 _CONNECT_TIMEOUT = timedelta(minutes=10)
+# How long a launcher whose workers failed before it reached the store still tries to, to tell the
+# other nodes (which would otherwise wait for this node's ranks): a network that flapped as the job
+# started comes back within it; a node 0 that is gone does not.
+_ANNOUNCE_SECONDS = 20.0
 _POLL_SECONDS = 0.02
 
 
@@ -100,27 +104,32 @@ class NodeCoordination:
         """Reach the job's store on node 0, waiting for it to come up (up to 10 minutes). The
         workers start before this: when they fail meanwhile (``workers_failed`` describes how)
         the store is not awaited any longer (``NodeContactLostError``): node 0's launcher may
-        have ended after its workers met this node's, and a store that is gone never comes up.
-        When they all ended without a failure (``workers_ended``), or ``give_up`` gives a reason
-        (a stop signal), the wait ends with ``GaveUpWaiting``; ``give_up`` is also what
-        ``finish`` and ``meet`` ask while they wait."""
+        have ended after its workers met this node's, and a store that is gone never comes up. It
+        is still tried for ``_ANNOUNCE_SECONDS`` after the failure: when it answers (a network that
+        flapped), the failure is announced as any other, and the other nodes do not wait for this
+        node's ranks. When the workers all ended without a failure (``workers_ended``), or
+        ``give_up`` gives a reason (a stop signal), the wait ends with ``GaveUpWaiting``;
+        ``give_up`` is also what ``finish`` and ``meet`` ask while they wait."""
         failure: list[str] = []
+        failed_at: list[float] = []
 
         def stop_waiting() -> str | None:
-            if (failed := workers_failed()) is not None:
+            if not failure and (failed := workers_failed()) is not None:
                 failure.append(failed)
-                return failed
+                failed_at.append(time.monotonic())
+            if failure:
+                return failure[0] if time.monotonic() - failed_at[0] > _ANNOUNCE_SECONDS else give_up()
             return "every worker of this node ended" if workers_ended() else give_up()
 
         try:
             store = connect(address, port, _CONNECT_TIMEOUT.total_seconds(), stop_waiting)
-        except GaveUpWaiting:
-            if not failure:
+        except GaveUpWaiting as stopped:
+            if not failure or stopped.reason != failure[0]:
                 raise
             raise NodeContactLostError(
                 f"node {node_rank}'s launcher could not reach the job's store at {address}:{port}, and meanwhile "
-                f"{failure[0]}: the launcher that hosts the store (node 0's) ended or its host is unreachable. Its "
-                "output says why.") from None
+                f"{failure[0]}; nor within {_ANNOUNCE_SECONDS:g} s after that: the launcher that hosts the store "
+                "(node 0's) ended or its host is unreachable. Its output says why.") from None
         except StoreUnreachableError as error:
             raise NodeContactLostError(
                 f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted by the "
