@@ -1,0 +1,553 @@
+"""A chaos soak: the example trained under faults drawn at random, and what became of each run.
+
+    python benchmarks/chaos.py --runs N [--seed S] [--epochs 6] [--samples 16384]
+
+Each run trains ``examples/train.py`` (two ranks, a checkpoint after every epoch, its own check
+against one process trained on the same batches) in one of three set-ups, drawn at random:
+
+- one node, ``ddpkit run --nproc-per-node 2 --recovery in-place --max-restarts 3``;
+- one node, ``ddpkit run --nproc-per-node 2 --max-restarts 3`` (restart mode);
+- two nodes, a launcher with one worker each, ``--nnodes 2 --max-restarts 3``: each in a network
+  namespace of its own joined by a veth pair when this runs as root with ``ip``, else on loopback.
+
+and meets one to three faults, each at a random time of the run (a fault follows the one before
+within two seconds half of the time: during the recovery it started):
+
+- ``kill-worker``: SIGKILL to a rank's process;
+- ``kill-in-save``: a rank kills itself (SIGKILL) as its epoch's checkpoint is saved (the
+  example's ``--kill-during checkpoint-save``);
+- ``kill-spare``: SIGKILL to the warm spare (in-place recovery);
+- ``kill-launcher``: SIGKILL to a node's ``ddpkit run`` (two nodes; node 0's hosts the store);
+- ``freeze``: SIGSTOP to a rank for longer than the hang threshold (``DDPKIT_HANG_SECONDS`` and
+  ``DDPKIT_HANG_ABORT_SECONDS`` are 3 here), SIGCONT after it if it still lives;
+- ``link-down``: node 1's network link down for 5 s (two nodes in namespaces);
+- ``preempt``: SIGTERM to every launcher, then the same command again (it resumes);
+- ``disk-full``: the checkpoint folder (a 4 MiB tmpfs) filled up, freed 2-10 s later.
+
+A run ends in one of these ways:
+
+- **exact**: the job finished (after a preemption: the same command again finished) with the
+  ranks' parameters identical and within 1e-6 of one process trained on the same batches;
+- **ended naming the root cause**: the job ended (a budget spent, the disk full, a node lost)
+  with the fault named in its output, and the same command with ``--resume`` then finished exact
+  from the checkpoint it left (nothing of the work is lost but the steps since that checkpoint);
+- **hung**: a command still running past its bound (then killed);
+- **wrong**: anything else: a wrong result, an end that does not name the fault, a checkpoint
+  the command after it cannot finish from.
+
+Apart from those, **left behind** counts the runs after which a process of the run was still
+alive (its working folder is the run's), a namespace or a mount. Printed: a table per fault kind
+(the runs that had it), then ``chaos: N runs: A exact, B ended naming the root cause, H hung, W
+wrong, L left behind``. Runs one at a time; a run takes 10-30 s on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+EXACT = 1e-6
+KINDS = ["kill-worker", "kill-in-save", "kill-spare", "kill-launcher", "freeze", "link-down", "preempt", "disk-full"]
+SETUPS = ["in-place", "restart", "two-nodes"]
+# What the job's output says when a fault of each kind ended it (any one of them).
+NAMED = {
+    "kill-worker": ["SIGKILL"],
+    "kill-in-save": ["SIGKILL"],
+    "kill-spare": ["SIGKILL"],
+    "kill-launcher": ["lost contact with the job's store", "did not come back", "SIGKILL", "ended without a word"],
+    "freeze": ["HangError", "SIGKILL", "SIGSTOP"],
+    "link-down": ["lost contact", "did not come back", "HangError", "Connection", "connection"],
+    "preempt": ["SIGTERM"],
+    "disk-full": ["No space left on device"],
+}
+HANG_SECONDS = 3
+FREEZE_SECONDS = 9  # past the report (3 s) and the abort (3 s more)
+LINK_DOWN_SECONDS = 5
+DISK_MIB = 4
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: float  # seconds after the job started
+    applied: str = ""  # what was done, or empty when the job had ended before it
+
+
+@dataclass
+class Run:
+    index: int
+    setup: str
+    faults: list[Fault]
+    outcome: str = ""
+    detail: str = ""
+    left_behind: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Namespaces:
+    """Two network namespaces joined by a veth pair (node 0: 10.231.9.1, node 1: 10.231.9.2)."""
+
+    def __init__(self) -> None:
+        tag = f"chaos{os.getpid() % 100000}"
+        self.names = [f"{tag}n0", f"{tag}n1"]
+        self.links = [f"{tag}a", f"{tag}b"]
+        self.addresses = ["10.231.9.1", "10.231.9.2"]
+
+    @staticmethod
+    def available() -> str | None:
+        """Why namespaces cannot be made here, or None."""
+        if not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("ip") is None:
+            return "needs Linux, root and iproute2's `ip`"
+        return None
+
+    def __enter__(self) -> Namespaces:
+        commands = [["ip", "netns", "add", name] for name in self.names]
+        commands.append(["ip", "link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]])
+        for name, link, address in zip(self.names, self.links, self.addresses, strict=True):
+            commands += [["ip", "link", "set", link, "netns", name],
+                         ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", link],
+                         ["ip", "-n", name, "link", "set", link, "up"],
+                         ["ip", "-n", name, "link", "set", "lo", "up"]]
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, timeout=30)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+    def link(self, node: int, up: bool) -> None:
+        subprocess.run(["ip", "-n", self.names[node], "link", "set", self.links[node], "up" if up else "down"],
+                       check=True, capture_output=True, timeout=30)
+
+
+# Processes, from /proc (a run's processes are the launchers' descendants, and anything whose
+# working folder is the run's).
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int | None:
+    stat = _read(f"/proc/{pid}/stat")
+    return int(stat.rsplit(")", 1)[1].split()[1]) if stat else None
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def descendants(pid: int) -> list[int]:
+    parents = {other: _parent(other) for other in _all_pids()}
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _command_line(pid: int) -> list[str]:
+    return _read(f"/proc/{pid}/cmdline").split("\0")
+
+
+def _has_sockets(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    return False
+
+
+def workers_and_spares(launcher: int) -> tuple[list[int], list[int]]:
+    """The launcher's worker processes (ranks) and its waiting warm spares. A spare that took a
+    rank keeps the spare's command line: told apart by its connections."""
+    workers, spares = [], []
+    for pid in descendants(launcher):
+        command = _command_line(pid)
+        if "ddpkit.launching.worker" not in command:
+            continue
+        (spares if "--spare" in command and not _has_sockets(pid) else workers).append(pid)
+    return workers, spares
+
+
+def processes_in(folder: Path) -> list[int]:
+    """The processes whose working folder is ``folder`` or below it (the run's)."""
+    found = []
+    for pid in _all_pids():
+        with contextlib.suppress(OSError):
+            if pid != os.getpid() and Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(folder):
+                found.append(pid)
+    return found
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+# One run.
+
+class Job:
+    """One command of a run: one launcher per node, each in a session of its own."""
+
+    def __init__(self, folder: Path, setup: str, port: int, extra: list[str], namespaces: Namespaces | None,
+                 name: str = "first") -> None:
+        self.folder, self.namespaces = folder, namespaces
+        train = [str(EXAMPLE), *extra, "--checkpoint", str(folder / "checkpoint") + os.sep]
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "DDPKIT_HANG_SECONDS": str(HANG_SECONDS),
+                       "DDPKIT_HANG_ABORT_SECONDS": str(HANG_SECONDS), "DDPKIT_RECOVERY_TIMEOUT_SECONDS": "15",
+                       "DDPKIT_JOB_SECRET": hashlib.sha256(str(folder).encode()).hexdigest(), "PYTHONUNBUFFERED": "1"}
+        run = [sys.executable, "-m", "ddpkit", "run"]
+        if setup == "two-nodes":
+            address = namespaces.addresses[0] if namespaces else "127.0.0.1"
+            commands = [([*(["ip", "netns", "exec", namespaces.names[node]] if namespaces else []), *run,
+                          "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", address,
+                          "--master-port", str(port), "--max-restarts", "3", *train]) for node in (0, 1)]
+        else:
+            recovery = ["--recovery", "in-place"] if setup == "in-place" else []
+            commands = [[*run, "--nproc-per-node", "2", *recovery, "--max-restarts", "3", *train]]
+        self.outputs = [(open(folder / f"{name}.out{node}.txt", "w+"), open(folder / f"{name}.err{node}.txt", "w+"))
+                        for node in range(len(commands))]
+        self.started = time.monotonic()
+        self.launchers = [subprocess.Popen(command, cwd=folder, env=environment, stdout=out, stderr=err,
+                                           start_new_session=True)
+                          for command, (out, err) in zip(commands, self.outputs, strict=True)]
+
+    def running(self) -> bool:
+        return any(launcher.poll() is None for launcher in self.launchers)
+
+    def wait(self, bound: float) -> bool:
+        """Until every launcher ended (True) or ``bound`` seconds passed since the start (False)."""
+        while self.running():
+            if time.monotonic() - self.started > bound:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def diagnose(self) -> str:
+        """What a hung command's processes were doing: each one's state and kernel wait, and the
+        workers' Python stacks (SIGUSR1 asks ``ddpkit run`` for them)."""
+        for launcher in self.launchers:
+            _signal(launcher.pid, signal.SIGUSR1)
+        time.sleep(3)
+        lines = []
+        for node, launcher in enumerate(self.launchers):
+            for pid in [launcher.pid, *descendants(launcher.pid)]:
+                state = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[:1]
+                lines.append(f"node {node} pid {pid} state {state} wchan {_read(f'/proc/{pid}/wchan')}: "
+                             f"{' '.join(_command_line(pid))[:100]}")
+        return "\n".join(lines)
+
+    def kill_all(self) -> None:
+        for launcher in self.launchers:
+            for pid in [launcher.pid, *descendants(launcher.pid)]:
+                _signal(pid, signal.SIGKILL)
+                _signal(pid, signal.SIGCONT)
+        for launcher in self.launchers:
+            launcher.wait()
+
+    def text(self) -> tuple[str, str]:
+        out, err = "", ""
+        for stdout, stderr in self.outputs:
+            stdout.seek(0)
+            stderr.seek(0)
+            out, err = out + stdout.read(), err + stderr.read()
+            stdout.close()
+            stderr.close()
+        return out, err
+
+    def codes(self) -> list[int]:
+        return [launcher.returncode for launcher in self.launchers]
+
+
+def summary_of(out: str) -> dict[str, object] | None:
+    line = next((line for line in out.splitlines() if line.startswith("summary ")), None)
+    return None if line is None else json.loads(line.removeprefix("summary "))
+
+
+def exact(codes: list[int], out: str) -> tuple[bool, str]:
+    summary = summary_of(out)
+    if summary is None or any(codes):
+        return False, f"exit codes {codes}, summary {summary}"
+    difference = summary["max_difference"]
+    good = summary["identical"] is True and isinstance(difference, float) and difference <= EXACT
+    return good, f"identical {summary['identical']}, max difference {difference}"
+
+
+class Injector(threading.Thread):
+    """Applies a run's faults at their times while its first command runs."""
+
+    def __init__(self, job: Job, faults: list[Fault], disk: Path | None, chooser: random.Random) -> None:
+        super().__init__(daemon=True)
+        self.job, self.faults, self.disk, self.chooser = job, faults, disk, chooser
+        self.cleanups: list[tuple[float, str, int]] = []  # (when, what, pid): SIGCONT, link up, disk freed
+
+    def run(self) -> None:
+        pending = sorted(self.faults, key=lambda fault: fault.at)
+        while self.job.running() and (pending or self.cleanups):
+            now = time.monotonic() - self.job.started
+            for cleanup in [cleanup for cleanup in self.cleanups if cleanup[0] <= now]:
+                self.cleanups.remove(cleanup)
+                self._clean(cleanup[1], cleanup[2])
+            if pending and pending[0].at <= now:
+                fault = pending.pop(0)
+                fault.applied = self._apply(fault, now)
+            time.sleep(0.02)
+        self.finish()
+
+    def finish(self) -> None:
+        """Undo what is still in force (the job ended first): thaw, link up, disk freed."""
+        for _, what, pid in self.cleanups:
+            self._clean(what, pid)
+        self.cleanups.clear()
+
+    def _clean(self, what: str, pid: int) -> None:
+        if what == "thaw":
+            _signal(pid, signal.SIGCONT)
+        elif what == "link-up" and self.job.namespaces is not None:
+            self.job.namespaces.link(1, up=True)
+        elif what == "free-disk" and self.disk is not None:
+            with contextlib.suppress(OSError):
+                (self.disk / "filler").unlink()
+
+    def _apply(self, fault: Fault, now: float) -> str:
+        launchers = [launcher.pid for launcher in self.job.launchers if launcher.poll() is None]
+        if not launchers:
+            return ""
+        if fault.kind in ("kill-worker", "freeze"):
+            workers = [pid for launcher in launchers for pid in workers_and_spares(launcher)[0]]
+            if not workers:
+                return ""
+            pid = self.chooser.choice(workers)
+            if fault.kind == "kill-worker":
+                return f"SIGKILL to worker {pid}" if _signal(pid, signal.SIGKILL) else ""
+            if _signal(pid, signal.SIGSTOP):
+                self.cleanups.append((now + FREEZE_SECONDS, "thaw", pid))
+                return f"SIGSTOP to worker {pid} for {FREEZE_SECONDS} s"
+            return ""
+        if fault.kind == "kill-spare":
+            spares = [pid for launcher in launchers for pid in workers_and_spares(launcher)[1]]
+            return f"SIGKILL to spare {spares[0]}" if spares and _signal(spares[0], signal.SIGKILL) else ""
+        if fault.kind == "kill-launcher":
+            pid = self.chooser.choice(launchers)
+            node = [launcher.pid for launcher in self.job.launchers].index(pid)
+            return f"SIGKILL to node {node}'s launcher" if _signal(pid, signal.SIGKILL) else ""
+        if fault.kind == "preempt":
+            for pid in launchers:
+                _signal(pid, signal.SIGTERM)
+            return f"SIGTERM to {len(launchers)} launcher(s)"
+        if fault.kind == "link-down" and self.job.namespaces is not None:
+            self.job.namespaces.link(1, up=False)
+            self.cleanups.append((now + LINK_DOWN_SECONDS, "link-up", 0))
+            return f"node 1's link down for {LINK_DOWN_SECONDS} s"
+        if fault.kind == "disk-full" and self.disk is not None:
+            with contextlib.suppress(OSError), open(self.disk / "filler", "wb") as filler:
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+            freed = self.chooser.uniform(2, 10)
+            self.cleanups.append((now + freed, "free-disk", 0))
+            return f"checkpoint disk full for {freed:.1f} s"
+        return ""
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, wanted: bool) -> Iterator[Path | None]:
+    """The checkpoint folder, a tmpfs of DISK_MIB when ``wanted`` (and possible: root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = wanted and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(folder)],
+                                        capture_output=True, timeout=30).returncode == 0
+    try:
+        yield folder if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
+
+
+def plan(index: int, chooser: random.Random, duration: float, namespaces: bool, disk: bool) -> Run:
+    setup = chooser.choice(SETUPS)
+    possible = [kind for kind in KINDS
+                if not (kind == "kill-spare" and setup != "in-place")
+                and not (kind == "kill-launcher" and setup != "two-nodes")
+                and not (kind == "link-down" and (setup != "two-nodes" or not namespaces))
+                and not (kind == "disk-full" and not disk)]
+    faults: list[Fault] = []
+    for _ in range(chooser.randint(1, 3)):
+        kind = chooser.choice(possible)
+        if kind == "kill-in-save" and any(fault.kind == kind for fault in faults):
+            kind = "kill-worker"  # the example kills itself once per run
+        follows = faults and chooser.random() < 0.5  # during the recovery the fault before started
+        at = faults[-1].at + chooser.uniform(0.1, 2.0) if follows else chooser.uniform(0.5, duration)
+        faults.append(Fault(kind, at))
+    return Run(index, setup, faults)
+
+
+def execute(run: Run, base: Path, train: list[str], epochs: int, bound: float, namespaces: Namespaces | None,
+            chooser: random.Random) -> None:
+    folder = base / f"run{run.index}"
+    folder.mkdir()
+    started = time.monotonic()
+    extra = list(train)
+    save_kill = next((fault for fault in run.faults if fault.kind == "kill-in-save"), None)
+    if save_kill is not None:
+        epoch = chooser.randint(1, max(1, epochs - 1))
+        steps_per_epoch = int(train[train.index("--samples") + 1]) // 2 // 64
+        extra += ["--kill-at-step", str(epoch * steps_per_epoch), "--kill-during", "checkpoint-save",
+                  "--kill-rank", str(chooser.randint(0, 1))]
+        save_kill.applied = f"rank kills itself in the save after epoch {epoch}"
+    from ddpkit.environments import find_free_port
+
+    with small_disk(folder / "checkpoint", any(fault.kind == "disk-full" for fault in run.faults)) as disk:
+        in_namespaces = namespaces is not None and run.setup == "two-nodes"
+        # A fresh namespace has every port free; a port per command all the same (the last one's may linger).
+        ports = [20000 + 2 * run.index, 20001 + 2 * run.index] if in_namespaces else [
+            find_free_port("127.0.0.1"), find_free_port("127.0.0.1")]
+        port = ports[0]
+        job = Job(folder, run.setup, port, extra, namespaces if run.setup == "two-nodes" else None)
+        injector = Injector(job, [fault for fault in run.faults if fault.kind != "kill-in-save"], disk, chooser)
+        injector.start()
+        finished = job.wait(bound)
+        if not finished:
+            processes = job.diagnose()
+            job.kill_all()
+        injector.join(timeout=30)
+        injector.finish()
+        out, err = job.text()
+        codes = job.codes()
+        if not finished:
+            run.outcome, run.detail = "hung", f"past {bound:.0f} s; its processes:\n{processes}\nlast output: {err[-3000:]}"
+        elif all(code == 0 for code in codes):
+            good, run.detail = exact(codes, out)
+            run.outcome = "exact" if good else "wrong"
+        else:
+            preempted = all(code == 75 for code in codes)
+            kinds = {fault.kind for fault in run.faults if fault.applied}
+            named = preempted or any(pattern in err for kind in kinds for pattern in NAMED[kind])
+            again = Job(folder, run.setup, ports[1], extra if preempted else [*train, "--resume"],
+                        namespaces if run.setup == "two-nodes" else None, "again")
+            finished_again = again.wait(bound)
+            if not finished_again:
+                again.kill_all()
+            out2, err2 = again.text()
+            good, detail = exact(again.codes(), out2)
+            if not finished_again:
+                run.outcome, run.detail = "hung", f"the command after the end, past {bound:.0f} s: {err2[-400:]}"
+            elif not good:
+                run.outcome, run.detail = "wrong", f"the command after the end (codes {codes}): {detail}; {err2[-600:]}"
+            elif preempted:
+                run.outcome, run.detail = "exact", "preempted, then the same command finished: " + detail
+            elif named:
+                run.outcome, run.detail = "ended", f"codes {codes}, then --resume finished: {detail}"
+            else:
+                run.outcome, run.detail = "wrong", f"ended (codes {codes}) without naming the fault: {err[-800:]}"
+    time.sleep(1.0)  # a process on its way out
+    for pid in processes_in(folder):
+        run.left_behind.append(f"{pid} {' '.join(_command_line(pid))[:120]}")
+        _signal(pid, signal.SIGKILL)
+        _signal(pid, signal.SIGCONT)
+    if subprocess.run(["mountpoint", "-q", str(folder / "checkpoint")], capture_output=True).returncode == 0:
+        run.left_behind.append("the checkpoint tmpfs is still mounted")
+    run.seconds = time.monotonic() - started
+
+
+def calibrate(base: Path, train: list[str]) -> float:
+    """The fault-free run's duration (seconds); it must be exact."""
+    folder = base / "fault-free"
+    folder.mkdir()
+    job = Job(folder, "restart", 0, train, None)
+    if not job.wait(600):
+        job.kill_all()
+        raise SystemExit("chaos: the fault-free run did not finish within 600 s")
+    out, err = job.text()
+    good, detail = exact(job.codes(), out)
+    if not good:
+        raise SystemExit(f"chaos: the fault-free run is not exact ({detail}):\n{err[-2000:]}")
+    return time.monotonic() - job.started
+
+
+def table(runs: list[Run]) -> str:
+    rows = [f"{'fault':<14}{'applied':>8}{'runs':>6}{'exact':>7}{'ended':>7}{'hung':>6}{'wrong':>7}{'left':>6}"]
+    for kind in KINDS:
+        having = [run for run in runs if any(fault.kind == kind and fault.applied for fault in run.faults)]
+        applied = sum(fault.kind == kind and bool(fault.applied) for run in runs for fault in run.faults)
+        if not applied:
+            continue
+        count = {outcome: sum(run.outcome == outcome for run in having) for outcome in ("exact", "ended", "hung", "wrong")}
+        rows.append(f"{kind:<14}{applied:>8}{len(having):>6}{count['exact']:>7}{count['ended']:>7}{count['hung']:>6}"
+                    f"{count['wrong']:>7}{sum(bool(run.left_behind) for run in having):>6}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=None, help="the faults' draw (a new one when not given)")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--keep", action="store_true", help="keep the runs' folders (outputs, checkpoints)")
+    parser.add_argument("--verbose", action="store_true", help="say what each fault did and how each run ended")
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
+    # The plans (set-ups, faults, times) come from the seed alone; the choices made while a run goes
+    # on (which worker, when the disk is freed) from a stream of their own.
+    planner, chooser = random.Random(seed), random.Random(seed + 1)
+    train = ["--epochs", str(args.epochs), "--samples", str(args.samples)]
+    no_namespaces = Namespaces.available()
+    no_disk = None if os.geteuid() == 0 and shutil.which("mount") else "needs root to mount a small tmpfs"
+    for kind, why in (("link-down", no_namespaces), ("disk-full", no_disk)):
+        if why:
+            print(f"chaos: no {kind} faults: {why}; two nodes run on loopback" if kind == "link-down"
+                  else f"chaos: no {kind} faults: {why}", flush=True)
+    base = Path(tempfile.mkdtemp(prefix="ddpkit-chaos-"))
+    runs: list[Run] = []
+    try:
+        duration = calibrate(base, train)
+        bound = 3 * duration + 90
+        print(f"chaos: seed {seed}; the fault-free run took {duration:.1f} s; each command is bounded at {bound:.0f} s",
+              flush=True)
+        with Namespaces() if no_namespaces is None else contextlib.nullcontext() as namespaces:
+            for index in range(args.runs):
+                run = plan(index, planner, duration, namespaces is not None, no_disk is None)
+                execute(run, base, train, args.epochs, bound, namespaces, chooser)
+                runs.append(run)
+                faults = "; ".join(f"{fault.kind} at {fault.at:.1f} s" + ("" if fault.applied else " (after the end)")
+                                   for fault in run.faults)
+                left = f"; LEFT BEHIND: {run.left_behind}" if run.left_behind else ""
+                print(f"run {index} ({run.setup}): {faults} -> {run.outcome} in {run.seconds:.0f} s{left}", flush=True)
+                if args.verbose:
+                    print("    " + "; ".join(fault.applied or "-" for fault in run.faults), flush=True)
+                if run.outcome in ("hung", "wrong") or args.verbose:
+                    print(re.sub(r"^", "    ", run.detail, flags=re.M), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    print(table(runs))
+    counts = {outcome: sum(run.outcome == outcome for run in runs) for outcome in ("exact", "ended", "hung", "wrong")}
+    print(f"chaos: {len(runs)} runs: {counts['exact']} exact, {counts['ended']} ended naming the root cause, "
+          f"{counts['hung']} hung, {counts['wrong']} wrong, {sum(bool(run.left_behind) for run in runs)} left behind")
+
+
+if __name__ == "__main__":
+    main()
