@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -67,6 +68,38 @@ def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_without_the_faul
     assert "restarting all" not in result.stderr  # no survivor process was started again
     assert example_summary(result.stdout)["identical"] and example_summary(result.stdout)["max_difference"] == 0.0
     assert_same(final_parameters(tmp_path), fault_free[2])
+
+
+def test_a_spare_killed_before_the_loss_is_started_again_and_the_rank_is_still_replaced_in_place(tmp_path: Path) -> None:
+    """The warm spare killed on its own (as the chaos soak does, or the out-of-memory killer): the
+    launcher starts another, and a rank lost later is replaced in place, not by a restart of all."""
+    command = [sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1",
+               "--nproc-per-node", "2", str(EXAMPLE), "--epochs", "2", "--samples", "16384", "--checkpoint",
+               str(tmp_path) + os.sep, "--kill-at-step", "100"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (spares := [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                              if "--spare" in _command_line(pid) and str(EXAMPLE) in _command_line(pid)]):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.02)
+        os.kill(spares[0], signal.SIGKILL)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    assert "the warm spare was killed by signal SIGKILL; a new one" in err, err[-3000:]
+    assert "recovered in place" in err and "restarting all" not in err, err[-3000:]
+    assert example_summary(out)["max_difference"] <= 1e-6
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().decode("utf-8", "replace").replace("\0", " ")
+    except OSError:
+        return ""
 
 
 def test_four_ranks_recover_in_place_and_end_as_without_the_fault(tmp_path: Path) -> None:

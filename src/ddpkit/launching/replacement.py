@@ -92,6 +92,7 @@ class Replacements:
         # The ready file of the worker that holds each rank now (a replacement's is of its generation).
         self._ready_files = {worker.rank: ready_file(workers.folder, 0, worker.rank) for worker in workers.workers}
         self._spare = workers.start_spare(self._command, self._environment)
+        self._spares_started = 0  # spares started again after one ended between recoveries
 
     def replace(self, failed: Sequence[WorkerProcess]) -> bool:
         """Hand the ranks of the lost workers in ``failed`` to replacements, if they can be (see the
@@ -138,9 +139,17 @@ class Replacements:
 
     def check(self) -> str | None:
         """Follow the recovery under way: None while it goes on or when it is over; a description of
-        the failure when it did not finish in time."""
+        the failure when it did not finish in time. Between recoveries, a warm spare that ended (killed
+        with the others' processes untouched, or by the out-of-memory killer) is started again, up to
+        ``_SPARE_STARTS`` times: a lost rank is then still replaced in place, not by a restart of all."""
         pending = self._pending
         if pending is None:
+            code = self._spare.process.poll()
+            if code is not None and self._spares_started < _SPARE_STARTS:
+                self._spares_started += 1
+                self._spare = self._workers.start_spare(self._command, self._environment)
+                _log.warning(f"ddpkit run: the warm spare {describe_exit(code)}; a new one (pid "
+                             f"{self._spare.process.pid}) takes its place ({self._spares_started} of {_SPARE_STARTS})")
             return None
         if all(os.path.exists(path) for _, path in pending.replacements):
             several = len(pending.replacements) > 1
@@ -154,6 +163,11 @@ class Replacements:
                     f"{pending.deadline - pending.started:.0f} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): the ranks did not "
                     "meet again.")
         return None
+
+
+# How often a spare that ended between recoveries is started again: one that keeps ending (a broken
+# environment) stops being replaced, and a lost rank then ends the workers as without a spare.
+_SPARE_STARTS = 3
 
 
 @dataclass
