@@ -408,6 +408,32 @@ def execute(run: Run, base: Path, train: list[str], epochs: int, bound: float, n
             chooser: random.Random) -> None:
     folder = base / f"run{run.index}"
     folder.mkdir()
+    try:
+        _execute(run, folder, train, epochs, bound, namespaces, chooser)
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): nothing of the run may outlive the soak
+        end_all(folder)
+        raise
+
+
+def end_all(folder: Path) -> list[int]:
+    """SIGKILL to every process of ``folder`` (a launcher may start a worker between two looks):
+    those there were."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut this short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ended: list[int] = []
+    for _ in range(10):
+        if not (left := processes_in(folder)):
+            break
+        for pid in left:
+            _signal(pid, signal.SIGKILL)
+            _signal(pid, signal.SIGCONT)
+        ended += left
+        time.sleep(0.2)
+    return ended
+
+
+def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float, namespaces: Namespaces | None,
+             chooser: random.Random) -> None:
     started = time.monotonic()
     extra = list(train)
     save_kill = next((fault for fault in run.faults if fault.kind == "kill-in-save"), None)
@@ -510,6 +536,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (outputs, checkpoints)")
     parser.add_argument("--verbose", action="store_true", help="say what each fault did and how each run ended")
     args = parser.parse_args()
+    # SIGTERM as Ctrl-C: the runs' processes, the namespaces and the mounts are removed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10 ** 6)
     # The plans (set-ups, faults, times) come from the seed alone; the choices made while a run goes
     # on (which worker, when the disk is freed) from a stream of their own.
@@ -542,6 +570,8 @@ def main() -> None:
                 if run.outcome in ("hung", "wrong") or args.verbose:
                     print(re.sub(r"^", "    ", run.detail, flags=re.M), flush=True)
     finally:
+        if left := end_all(base):
+            print(f"chaos: ended {len(left)} processes of the runs on the way out", flush=True)
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     print(table(runs))
