@@ -149,8 +149,9 @@ def test_a_node_that_does_not_come_back_for_a_restart_ends_the_others(tmp_path: 
     (code0, _, err0), (code1, _, err1) = finish(start_nodes(tmp_path, ["flaky.py"], restarts=("2", "1"),
                                                              FAIL_STARTS="0,1,2"), timeout=90)
     assert time.monotonic() - start < 60
-    assert code1 == 1 and "no restart left (--max-restarts=1)" in err1, err1[-3000:]
-    assert code0 == 1 and "restart 2: the launchers of node(s) 1 did not come back (they ended)" in err0, err0[-3000:]
+    both = f"node 0 ({code0}):\n{err0[-3000:]}\nnode 1 ({code1}):\n{err1[-3000:]}"
+    assert code1 == 1 and "no restart left (--max-restarts=1)" in err1, both
+    assert code0 == 1 and "restart 2: the launchers of node(s) 1 did not come back (they ended)" in err0, both
 
 
 def test_a_node_whose_network_flapped_as_its_workers_failed_still_tells_the_others(
@@ -205,3 +206,73 @@ def _command_line(pid: int) -> str:
             return handle.read().decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+# Rank 1 is slow to start (its node's disks, a big import): rank 0 waits for it as the group forms.
+LATE = textwrap.dedent(
+    """
+    import os, time
+    import ddpkit
+
+    rank = int(os.environ["RANK"])
+    open(f"begun{rank}", "w").close()
+    if rank == 1:
+        time.sleep(120)
+    ddpkit.init_dist_connection(ddpkit.detect_environment(), timeout=120)
+    ddpkit.destroy_dist_connection()
+    """
+)
+
+
+def test_a_node_whose_launcher_is_killed_while_the_group_forms_ends_the_others_within_seconds(tmp_path: Path) -> None:
+    """SIGKILL to node 1's launcher (its worker dies with it) while rank 0 waits for rank 1 to join
+    the group: no connection of rank 0's breaks, and nothing is written; node 0's launcher hears no
+    more from node 1's and ends the job naming it, instead of waiting for torch's timeout."""
+    (tmp_path / "late.py").write_text(LATE)
+    launchers = start_nodes(tmp_path, ["late.py"], restarts=("1", "1"))
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"begun{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline, [launcher.poll() for launcher in launchers]
+        time.sleep(0.05)
+    time.sleep(5.0)  # node 1's launcher has reached the store, and says it is alive
+    launchers[1].kill()
+    killed = time.monotonic()
+    code0, _, err0 = finish(launchers[:1], timeout=60)[0]
+    assert time.monotonic() - killed < 30, err0[-3000:]
+    assert code0 == 1 and "node 1's launcher went silent" in err0, err0[-3000:]
+    launchers[1].wait()
+
+
+def test_a_node_whose_launcher_is_killed_mid_training_saves_and_the_others_name_it(tmp_path: Path) -> None:
+    """SIGKILL to node 1's launcher: the kernel sends its worker SIGTERM (``die_with_launcher``), which
+    saves with the others as for a preemption (no work lost, exit 75). Node 0's launcher, which no
+    signal reached, says where the preemption came from: node 1's launcher, gone silent."""
+    launchers = start_nodes(tmp_path, [str(EXAMPLE), "--epochs", "4", "--samples", "32768", "--checkpoint",
+                                       str(tmp_path) + os.sep])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "checkpoint.pt").exists():  # the first epoch is saved: training is under way
+        assert time.monotonic() < deadline, [launcher.poll() for launcher in launchers]
+        time.sleep(0.02)
+    launchers[1].kill()
+    code0, _, err0 = finish(launchers[:1], timeout=60)[0]
+    launchers[1].wait()
+    assert code0 == 75, err0[-3000:]
+    assert "the preemption came from the workers of a lost launcher" in err0, err0[-3000:]
+    assert "node 1's launcher went silent" in err0, err0[-3000:]
+
+
+def test_a_node_that_never_arrives_ends_the_others_after_the_join_timeout(tmp_path: Path) -> None:
+    """Node 1's launcher never comes (killed before it reached the store, its host never up): rank 0
+    would wait for rank 1 as the group forms until torch's timeout; node 0's launcher, which
+    coordinates the nodes (``--max-restarts``), ends it after ``--rdzv-conf join_timeout``
+    (torchrun's setting, read for static nodes too), naming node 1, and restarts nothing."""
+    (tmp_path / "late.py").write_text(LATE)
+    port = str(find_free_port("127.0.0.1"))
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--nproc-per-node", "1",
+                                 "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port,
+                                 "--max-restarts", "1", "--rdzv-conf", "join_timeout=8", "late.py"],
+                                cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    start = time.monotonic()
+    code, _, err = finish([launcher], timeout=60)[0]
+    assert time.monotonic() - start < 30, err[-3000:]
+    assert code == 1 and "node 1's launcher did not reach the job's store within 8 s" in err, err[-3000:]

@@ -219,6 +219,14 @@ def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> tuple[Rendezvo
     return RendezvousSettings(endpoint, str(args.rdzv_id), join_timeout), None
 
 
+def _static_join_timeout(conf: str | None) -> float:
+    """``--rdzv-conf join_timeout=S`` for static nodes: how long their launchers wait for one another."""
+    try:
+        return parse_join_timeout(conf or "")
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+
+
 def _run_as(module: bool, no_python: bool) -> RunAs:
     if module and no_python:
         raise LaunchError("--module and --no-python together: a module runs in python. Give one of them.")
@@ -306,11 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         nnodes = _nnodes(args.nnodes, launcher_argv)
         node_rank = _integer("node-rank", args.node_rank, launcher_argv)
         master_addr, master_port = args.master_addr, args.master_port
-        rendezvous = None
+        rendezvous, join_timeout = None, LaunchConfig.join_timeout
         if args.standalone:
             master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
         else:
             rendezvous, static_endpoint = _rendezvous(args, launcher_argv)
+            join_timeout = rendezvous.join_timeout if rendezvous is not None else _static_join_timeout(args.rdzv_conf)
             if static_endpoint is not None:
                 master_addr, master_port = static_endpoint.host, str(static_endpoint.port)
         config = LaunchConfig(
@@ -326,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_as=_run_as(args.module, args.no_python),
             output=_output_plan(args, nproc_per_node, launcher_argv),
             rendezvous=rendezvous,
+            join_timeout=join_timeout,
         )
         code = run_workers(args.script, args.script_args, config)
     except LaunchError as error:

@@ -55,6 +55,10 @@ class LaunchConfig:
     # torchrun's c10d rendezvous (``launching.rendezvous``): the node rank comes from it, and the
     # master address and port are the endpoint's. None: static (``node_rank``, ``master_*``).
     rendezvous: RendezvousSettings | None = None
+    # How long the launchers of several nodes wait for one another to reach the job's store
+    # (torchrun's ``--rdzv-conf join_timeout``, also read for static nodes): one not heard from by
+    # then ends the others' wait (``launching.nodes``).
+    join_timeout: float = 600.0
 
     @property
     def world_size(self) -> int:

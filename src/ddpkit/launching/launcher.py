@@ -56,10 +56,11 @@ from ddpkit.launching.replacement import (
     Replacements,
     ready_file,
 )
-from ddpkit.launching.store_client import GaveUpWaiting, GiveUp
+from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, connect
 from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.launching.watch import Signals, agree_across_nodes, failure_of, watch
 from ddpkit.logs import get_logger
+from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.variables import (
     DDPKIT_BACKEND,
     DDPKIT_HOSTED_STORE,
@@ -277,6 +278,9 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 workers.close(grace)
             restart_count += replacements.used  # replacements spend the same budget
             if outcome.cause is None:  # success, preempted, or stopped by a signal
+                if outcome.code == PREEMPTED_EXIT_CODE and nodes is not None and not received:
+                    # Saved and stopped, though no signal came here: say where the preemption came from.
+                    _log.warning(f"ddpkit run: the preemption came from {nodes.preemption_source()}")
                 return outcome.code
             count = config.nproc_per_node
             these = f"all {count} workers" + (f" of node {config.node_rank}" if config.nnodes > 1 else "")
@@ -347,7 +351,7 @@ def _connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
     try:
         return NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes,
                                         functools.partial(failure_of, workers),
-                                        lambda: None not in workers.exit_codes(), stop_waiting)
+                                        lambda: None not in workers.exit_codes(), stop_waiting, config.join_timeout)
     except GaveUpWaiting as stopped:
         _log.warning(f"ddpkit run: node {config.node_rank}'s launcher stopped waiting for the job's store at "
                      f"{config.master_addr}:{port} ({stopped.reason}); the other nodes' launchers are not told how "
@@ -400,7 +404,8 @@ def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts
     nodes = None
     if config.coordinates_nodes:
         nodes = NodeCoordination(store, node_rank, config.nnodes, endpoint.host, endpoint.port,
-                                 hosts_store=hosts_store, give_up=stop_waiting)
+                                 hosts_store=hosts_store, give_up=stop_waiting, join_seconds=rendezvous.join_timeout)
+        nodes.beat_through(connect(endpoint.host, endpoint.port, rendezvous.join_timeout, stop_waiting))
     return config, nodes
 
 

@@ -38,6 +38,7 @@ Every wait here also ends, with ``GaveUpWaiting``, when the launcher's ``give_up
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,14 +54,21 @@ __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination"]
 # How long a launcher waits for node 0's store to answer one request once connected: a node 0
 # that vanished from the network (no connection reset) must not hold the others longer.
 _REQUEST_TIMEOUT = timedelta(seconds=30)
-# How long a launcher waits for node 0's store to come up at the start: the nodes of a job are
-# rarely started at the same second (torchrun's rendezvous waits 600 s by default too).
+# How long the launchers wait for one another at the start (node 0's store to come up, another node to
+# reach it), unless ``--rdzv-conf join_timeout`` says: the nodes of a job are rarely started at the
+# same second (torchrun's rendezvous waits 600 s by default too).
 _CONNECT_TIMEOUT = timedelta(minutes=10)
 # How long a launcher whose workers failed before it reached the store still tries to, to tell the
 # other nodes (which would otherwise wait for this node's ranks): a network that flapped as the job
 # started comes back within it; a node 0 that is gone does not.
 _ANNOUNCE_SECONDS = 20.0
 _POLL_SECONDS = 0.02
+# Each launcher says it is alive this often, from a thread of its own with a client of its own (its
+# main thread may be busy ending workers for seconds); one that said nothing for _SILENT_SECONDS was
+# killed with its workers, or its host is gone: the others then end theirs instead of leaving their
+# ranks waiting for the lost node's (in a collective, or while the group forms) until torch's timeout.
+_BEAT_SECONDS = 1.0
+_SILENT_SECONDS = 10.0
 
 
 class NodeContactLostError(RuntimeError):
@@ -84,7 +92,8 @@ class NodeCoordination:
     """One launcher's side of the agreement between the launchers of a multi-node job."""
 
     def __init__(self, store: Any, node_rank: int, nnodes: int, address: str, port: int,
-                 hosts_store: bool | None = None, give_up: GiveUp = never_give_up) -> None:
+                 hosts_store: bool | None = None, give_up: GiveUp = never_give_up,
+                 join_seconds: float = _CONNECT_TIMEOUT.total_seconds()) -> None:
         self._store = store
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.node_rank = node_rank
@@ -95,13 +104,65 @@ class NodeCoordination:
         self.hosts_store = node_rank == 0 if hosts_store is None else hosts_store
         self.attempt = 0
         self._signer = RecordSigner(job_secret(), "launchers")
+        self._heard: dict[int, tuple[str, float]] = {}  # node -> (its last beat, when it changed here)
+        self._join_seconds = join_seconds
+        self._joined_by = time.monotonic() + join_seconds  # a node not heard from by then is not coming
+        self._next_look = 0.0
+        self._silent: str | None = None  # why another node's launcher is taken for lost, once one is
+        self._silent_node: int | None = None
+        self._beating = threading.Event()  # set: stop beating
+
+    def beat_through(self, store: Any) -> None:
+        """Say this launcher is alive every ``_BEAT_SECONDS``, through ``store`` (a client for this
+        alone), from a daemon thread, until ``leave``."""
+        key = self._key(f"beat/{self.node_rank}", -1)
+
+        def beat() -> None:
+            count = 0
+            while not self._beating.is_set():
+                count += 1
+                try:
+                    store.set(key, self._signer.sign(key, str(count)))
+                except Exception:  # the store is gone: the main thread finds out at its next request
+                    return
+                self._beating.wait(_BEAT_SECONDS)
+
+        threading.Thread(target=beat, name="ddpkit-launcher-beat", daemon=True).start()
+
+    def silent_node(self) -> str | None:
+        """Why another node's launcher is taken for lost (no beat for ``_SILENT_SECONDS`` and no
+        word that it left), or None; looked at once a second, and once lost, always lost."""
+        now = time.monotonic()
+        if self._silent is not None or now < self._next_look:
+            return self._silent
+        self._next_look = now + 1.0
+        left = set(self._nodes_that_said("left", -1))
+        for node in range(self.nnodes):
+            if node == self.node_rank or node in left:
+                continue
+            beat = self._read(f"beat/{node}", -1)
+            if beat is None:  # not arrived yet: its launcher may still be starting, or be gone before it arrived
+                if now > self._joined_by:
+                    self._silent_node = node
+                    self._silent = (f"node {node}'s launcher did not reach the job's store within {self._join_seconds:g} s "
+                                    "of this one's (--rdzv-conf join_timeout): it ended or was lost before it did")
+                continue
+            last = self._heard.get(node)
+            if last is None or last[0] != beat:
+                self._heard[node] = (beat, now)
+            elif now - last[1] > _SILENT_SECONDS:
+                self._silent_node = node
+                self._silent = (f"node {node}'s launcher went silent: no word from it for {_SILENT_SECONDS:g} s (killed "
+                                "with its workers, or its host lost)")
+        return self._silent
 
     @classmethod
     def connect(cls, address: str, port: int, node_rank: int, nnodes: int,
                 workers_failed: Callable[[], str | None] = never_give_up,
                 workers_ended: Callable[[], bool] = lambda: False,
-                give_up: GiveUp = never_give_up) -> NodeCoordination:
-        """Reach the job's store on node 0, waiting for it to come up (up to 10 minutes). The
+                give_up: GiveUp = never_give_up,
+                join_seconds: float = _CONNECT_TIMEOUT.total_seconds()) -> NodeCoordination:
+        """Reach the job's store on node 0, waiting for it to come up (up to ``join_seconds``). The
         workers start before this: when they fail meanwhile (``workers_failed`` describes how)
         the store is not awaited any longer (``NodeContactLostError``): node 0's launcher may
         have ended after its workers met this node's, and a store that is gone never comes up. It
@@ -122,7 +183,7 @@ class NodeCoordination:
             return "every worker of this node ended" if workers_ended() else give_up()
 
         try:
-            store = connect(address, port, _CONNECT_TIMEOUT.total_seconds(), stop_waiting)
+            store = connect(address, port, join_seconds, stop_waiting)
         except GaveUpWaiting as stopped:
             if not failure or stopped.reason != failure[0]:
                 raise
@@ -133,11 +194,13 @@ class NodeCoordination:
         except StoreUnreachableError as error:
             raise NodeContactLostError(
                 f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted by the "
-                f"launcher of node 0) within {_CONNECT_TIMEOUT.total_seconds():g} s: {error}. Start "
+                f"launcher of node 0) within {join_seconds:g} s (--rdzv-conf join_timeout): {error}. Start "
                 "`ddpkit run --node-rank 0` with the same --master-addr and --master-port, and check that this host "
                 "can reach it.") from None
         store.set_timeout(_REQUEST_TIMEOUT)
-        return cls(store, node_rank, nnodes, address, port, give_up=give_up)
+        coordination = cls(store, node_rank, nnodes, address, port, give_up=give_up, join_seconds=join_seconds)
+        coordination.beat_through(connect(address, port, _REQUEST_TIMEOUT.total_seconds()))
+        return coordination
 
     def _key(self, name: str, attempt: int | None = None) -> str:
         """The store key of ``name`` in ``attempt`` (the current one by default); ``attempt`` -1: the
@@ -191,9 +254,31 @@ class NodeCoordination:
         self._put("stop", f"node {self.node_rank}'s launcher {reason}")
 
     def ended_elsewhere(self) -> bool:
-        """Whether another node's launcher announced a failure or a stop in the current attempt, or
-        left the job (it ended without a word: its workers are gone, and this node's would wait)."""
-        return bool(self._nodes_that_said("failed")) or self._has("stop") or bool(self._nodes_that_said("left", -1))
+        """Whether another node's launcher announced a failure or a stop in the current attempt, left
+        the job, or went silent (``silent_node``): its workers are gone, and this node's would wait."""
+        return (bool(self._nodes_that_said("failed")) or self._has("stop") or bool(self._nodes_that_said("left", -1))
+                or self.silent_node() is not None)
+
+    def announce_preemption(self, reason: str) -> None:
+        """Tell the other launchers that this one passed a preemption on to its workers (they stop
+        with the others' at the same step through their own agreement)."""
+        self._put(f"preempted/{self.node_rank}", f"node {self.node_rank}'s launcher {reason}")
+
+    def preemption_source(self) -> str:
+        """Where the preemption this node's workers stopped for came from, when no signal came to
+        this launcher: another launcher that announced one, or a launcher gone silent (its workers
+        had SIGTERM from the kernel when it died, and saved as for a preemption); waits up to
+        ``_SILENT_SECONDS`` and a little for either."""
+        deadline = time.monotonic() + _SILENT_SECONDS + 2.0
+        while True:
+            said = [text for node in range(self.nnodes) if (text := self._read(f"preempted/{node}")) is not None]
+            if said:
+                return "; ".join(said)
+            if (silent := self.silent_node()) is not None:
+                return f"the workers of a lost launcher, which saved as for a preemption: {silent}"
+            if time.monotonic() > deadline:
+                return "no launcher: a worker was signalled by itself"
+            time.sleep(0.1)
 
     def stop_reason(self, attempt: int | None = None) -> str | None:
         """Why another launcher stopped the job (no restart), when one did."""
@@ -216,7 +301,8 @@ class NodeCoordination:
         while True:
             views = {node: self._view(node, view) for node in range(self.nnodes)
                      if (view := self._read(f"cause/{node}")) is not None}
-            if len(views) == self.nnodes or time.monotonic() > deadline:
+            # A launcher taken for lost publishes nothing: not waited for.
+            if len(views) == self.nnodes - (self._silent_node is not None) or time.monotonic() > deadline:
                 causes = [cause for cause in views.values() if cause is not None]
                 return min(causes, key=FailureCause.rank_key) if causes else None
             time.sleep(_POLL_SECONDS)
@@ -253,8 +339,9 @@ class NodeCoordination:
                 break
             stopped = self.stop_reason(attempt - 1)
             ended = [node for node in missing if self._has(f"left/{node}", -1)]
-            if stopped is not None or ended or time.monotonic() > deadline:
-                why = (f"({stopped})" if stopped else "(they ended)" if ended else
+            silent = self.silent_node()
+            if stopped is not None or ended or silent or time.monotonic() > deadline:
+                why = (f"({stopped})" if stopped else "(they ended)" if ended else f"({silent})" if silent else
                        f"within {timeout_seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS})")
                 raise TimeoutError(
                     f"restart {attempt}: the launchers of node(s) {', '.join(map(str, missing))} did not come back "
@@ -281,6 +368,7 @@ class NodeCoordination:
     def leave(self, wait_seconds: float) -> None:
         """Count this launcher out; the one that hosts the store waits for the others first, up to
         ``wait_seconds``, so that none loses the store while it still reads it."""
+        self._beating.set()
         try:
             self._say("left", attempt=-1)
             deadline = time.monotonic() + wait_seconds

@@ -92,6 +92,8 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
             _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {count} workers to "
                          "save and stop (preemption); a second signal stops them at once")
             workers.notify(signal.SIGTERM)
+            if nodes is not None:
+                nodes.announce_preemption(f"received {signal.Signals(preemption).name}")
         # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
         also_fine = (-signal.SIGTERM,) if preemption else ()
         failed = workers.failed(also_fine)
@@ -181,7 +183,8 @@ def agree_across_nodes(nodes: NodeCoordination, outcome: Outcome, grace: float) 
     if cause is not None:
         text = cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}"
     else:
-        text = f"the job was stopped: {stopped}" if stopped else "another node's workers failed (its output says why)"
+        text = (f"the job was stopped: {stopped}" if stopped else nodes.silent_node()
+                or "another node's workers failed (its output says why)")
     return Outcome(1, text, stopped_elsewhere=stopped is not None)
 
 
