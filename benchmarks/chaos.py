@@ -17,7 +17,8 @@ within two seconds half of the time: during the recovery it started):
 - ``kill-in-save``: a rank kills itself (SIGKILL) as its epoch's checkpoint is saved (the
   example's ``--kill-during checkpoint-save``);
 - ``kill-spare``: SIGKILL to the warm spare (in-place recovery);
-- ``kill-launcher``: SIGKILL to a node's ``ddpkit run`` (two nodes; node 0's hosts the store);
+- ``kill-launcher``: SIGKILL to a node's ``ddpkit run`` (two nodes; node 0's hosts the store; the
+  launchers wait 30 s for one another at the start, ``--rdzv-conf join_timeout=30``);
 - ``freeze``: SIGSTOP to a rank for longer than the hang threshold (``DDPKIT_HANG_SECONDS`` and
   ``DDPKIT_HANG_ABORT_SECONDS`` are 3 here), SIGCONT after it if it still lives;
 - ``link-down``: node 1's network link down for 5 s (two nodes in namespaces);
@@ -70,7 +71,9 @@ NAMED = {
     "kill-worker": ["SIGKILL"],
     "kill-in-save": ["SIGKILL"],
     "kill-spare": ["SIGKILL"],
-    "kill-launcher": ["lost contact with the job's store", "did not come back", "SIGKILL", "ended without a word"],
+    "kill-launcher": ["lost contact with the job's store", "could not reach the job's store", "did not come back",
+                      "went silent",
+                      "did not reach the job's store", "the preemption came from the workers of a lost launcher"],
     "freeze": ["HangError", "SIGKILL", "SIGSTOP"],
     "link-down": ["lost contact", "did not come back", "HangError", "Connection", "connection"],
     "preempt": ["SIGTERM"],
@@ -224,7 +227,8 @@ class Job:
             address = namespaces.addresses[0] if namespaces else "127.0.0.1"
             commands = [([*(["ip", "netns", "exec", namespaces.names[node]] if namespaces else []), *run,
                           "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", address,
-                          "--master-port", str(port), "--max-restarts", "3", *train]) for node in (0, 1)]
+                          "--master-port", str(port), "--max-restarts", "3", "--rdzv-conf", "join_timeout=30",
+                          *train]) for node in (0, 1)]
         else:
             recovery = ["--recovery", "in-place"] if setup == "in-place" else []
             commands = [[*run, "--nproc-per-node", "2", *recovery, "--max-restarts", "3", *train]]
