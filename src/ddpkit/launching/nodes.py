@@ -24,7 +24,14 @@ one may be there to read:
   before it has. Each counts its restarts itself: with the same ``--max-restarts`` on every node they agree on
   when to give up;
 - the launcher that hosts the store (node 0's; under a c10d rendezvous the one on the endpoint's
-  host) keeps it until every launcher has left (``leave``), or a few seconds.
+  host) keeps it until every launcher has left (``leave``), or a few seconds;
+- each launcher says it is alive once a second from a thread of its own (``beat_through``): one
+  silent for ``_SILENT_SECONDS``, or never heard from within the join timeout, is taken for lost
+  (``silent_node``), which ends the others' workers as its failure would have, since nothing else
+  may tell them (a rank killed before the group formed breaks no connection);
+- a launcher that passes a preemption on says so (``announce_preemption``); one whose workers
+  stopped for a preemption no signal brought it names its source (``preemption_source``): another
+  launcher's signal, or a lost launcher, whose workers the kernel sent SIGTERM.
 
 Under a c10d rendezvous (``launching.rendezvous``) this agreement is used whenever there are several
 nodes, restarts or not: the store is a launcher's, so the one that hosts it must outlive the others.
