@@ -1,6 +1,6 @@
 """A chaos soak: the example trained under faults drawn at random, and what became of each run.
 
-    python benchmarks/chaos.py --runs N [--seed S] [--epochs 4] [--samples 32768]
+    python benchmarks/chaos.py --runs N [--seed S] [--skip K] [--epochs 4] [--samples 32768]
 
 Each run trains ``examples/train.py`` (two ranks, a checkpoint after every epoch, its own check
 against one process trained on the same batches) in one of three set-ups, drawn at random:
@@ -537,6 +537,8 @@ def main() -> None:
     # Training long enough (1024 steps, seconds) that most faults land in it rather than in the start.
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--samples", type=int, default=32768)
+    parser.add_argument("--skip", type=int, default=0, metavar="K",
+                        help="start at run K of the seed's draw (to go on with a soak that was stopped)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (outputs, checkpoints)")
     parser.add_argument("--verbose", action="store_true", help="say what each fault did and how each run ended")
     args = parser.parse_args()
@@ -561,8 +563,10 @@ def main() -> None:
         print(f"chaos: seed {seed}; the fault-free run took {duration:.1f} s; each command is bounded at {bound:.0f} s",
               flush=True)
         with Namespaces() if no_namespaces is None else contextlib.nullcontext() as namespaces:
-            for index in range(args.runs):
+            for index in range(args.skip + args.runs):
                 run = plan(index, planner, duration, namespaces is not None, no_disk is None)
+                if index < args.skip:
+                    continue
                 execute(run, base, train, args.epochs, bound, namespaces, chooser)
                 runs.append(run)
                 faults = "; ".join(f"{fault.kind} at {fault.at:.1f} s" + ("" if fault.applied else " (after the end)")
