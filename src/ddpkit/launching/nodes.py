@@ -379,7 +379,9 @@ class NodeCoordination:
         try:
             self._say("left", attempt=-1)
             deadline = time.monotonic() + wait_seconds
-            while self.hosts_store and time.monotonic() < deadline and len(self._nodes_that_said("left", -1)) < self.nnodes:
+            # A launcher taken for lost (``silent_node``) never says it left: not waited for.
+            expected = self.nnodes - (self._silent_node is not None)
+            while self.hosts_store and time.monotonic() < deadline and len(self._nodes_that_said("left", -1)) < expected:
                 time.sleep(_POLL_SECONDS)
         except NodeContactLostError:
             pass  # node 0 already gone: nothing to wait for
