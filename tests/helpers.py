@@ -167,3 +167,21 @@ def example_summary(output: str) -> dict[str, Any]:
         raise AssertionError(f"no summary line in the example's output:\n{output[-3000:]}")
     summary: dict[str, Any] = json.loads(lines[-1].split("]: ")[-1][len("summary "):])
     return summary
+
+
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ("" once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().decode("utf-8", "replace").replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def parent_pid(pid: int) -> int | None:
+    """A process's parent's pid (None once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return int(handle.read().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None

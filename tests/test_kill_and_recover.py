@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import example_summary
+from helpers import command_line, example_summary
 
 import ddpkit
 
@@ -81,7 +81,7 @@ def test_a_spare_killed_before_the_loss_is_started_again_and_the_rank_is_still_r
     try:
         deadline = time.monotonic() + 60
         while not (spares := [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                              if "--spare" in _command_line(pid) and str(EXAMPLE) in _command_line(pid)]):
+                              if "--spare" in command_line(pid) and str(EXAMPLE) in command_line(pid)]):
             assert time.monotonic() < deadline and launcher.poll() is None
             time.sleep(0.02)
         os.kill(spares[0], signal.SIGKILL)
@@ -92,14 +92,6 @@ def test_a_spare_killed_before_the_loss_is_started_again_and_the_rank_is_still_r
     assert "the warm spare was killed by signal SIGKILL; a new one" in err, err[-3000:]
     assert "recovered in place" in err and "restarting all" not in err, err[-3000:]
     assert example_summary(out)["max_difference"] <= 1e-6
-
-
-def _command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().decode("utf-8", "replace").replace("\0", " ")
-    except OSError:
-        return ""
 
 
 def test_four_ranks_recover_in_place_and_end_as_without_the_fault(tmp_path: Path) -> None:

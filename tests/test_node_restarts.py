@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import example_summary
+from helpers import command_line, example_summary, parent_pid
 
 from ddpkit._network import find_free_port
 
@@ -178,8 +178,8 @@ def test_a_node_whose_network_flapped_as_its_workers_failed_still_tells_the_othe
     try:
         launchers.append(node(1, namespace1))
         deadline = time.monotonic() + 30
-        while not (workers := [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _parent(pid) ==
-                               launchers[1].pid and "ddpkit.launching.worker" in _command_line(pid)]):
+        while not (workers := [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if parent_pid(pid) ==
+                               launchers[1].pid and "ddpkit.launching.worker" in command_line(pid)]):
             assert time.monotonic() < deadline and launchers[1].poll() is None, launchers[1].communicate()
             time.sleep(0.05)
         time.sleep(4.0)  # the launcher is trying to reach the store (it imports torch first)
@@ -191,21 +191,6 @@ def test_a_node_whose_network_flapped_as_its_workers_failed_still_tells_the_othe
     assert code1 == 0 and "restarting all 1 workers of node 1 (restart 1 of 1)" in err1, err1[-3000:]
     assert code0 == 0 and "rank 0 start 1 total 2" in out0, err0[-3000:]
 
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            return int(handle.read().rpartition(")")[2].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
 
 
 # Rank 1 is slow to start (its node's disks, a big import): rank 0 waits for it as the group forms.

@@ -212,15 +212,12 @@ def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> tuple[Rendezvo
         if _given(flag, argv):
             _log.warning(f"ddpkit run: --{flag} is not used with --rdzv-backend c10d: the rendezvous gives the "
                          "node rank, and the endpoint is the master address and port.")
-    try:
-        join_timeout = parse_join_timeout(args.rdzv_conf or "")
-    except ValueError as error:
-        raise LaunchError(str(error)) from None
-    return RendezvousSettings(endpoint, str(args.rdzv_id), join_timeout), None
+    return RendezvousSettings(endpoint, str(args.rdzv_id), _join_timeout(args.rdzv_conf)), None
 
 
-def _static_join_timeout(conf: str | None) -> float:
-    """``--rdzv-conf join_timeout=S`` for static nodes: how long their launchers wait for one another."""
+def _join_timeout(conf: str | None) -> float:
+    """``--rdzv-conf join_timeout=S``: how long the launchers wait for one another (a c10d rendezvous,
+    and static nodes)."""
     try:
         return parse_join_timeout(conf or "")
     except ValueError as error:
@@ -319,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
         else:
             rendezvous, static_endpoint = _rendezvous(args, launcher_argv)
-            join_timeout = rendezvous.join_timeout if rendezvous is not None else _static_join_timeout(args.rdzv_conf)
+            join_timeout = rendezvous.join_timeout if rendezvous is not None else _join_timeout(args.rdzv_conf)
             if static_endpoint is not None:
                 master_addr, master_port = static_endpoint.host, str(static_endpoint.port)
         config = LaunchConfig(
