@@ -185,3 +185,14 @@ def parent_pid(pid: int) -> int | None:
             return int(handle.read().rpartition(")")[2].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by ``pid``, by its children and so on (those alive now)."""
+    found, frontier = [], [pid]
+    pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    while frontier:
+        children = [child for child in pids if parent_pid(child) in frontier]
+        found += children
+        frontier = children
+    return found

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import command_line, example_summary, parent_pid
+from helpers import command_line, descendants, example_summary, parent_pid
 
 from ddpkit._network import find_free_port
 
@@ -139,6 +139,32 @@ def test_a_lost_node_0_ends_the_other_nodes_within_seconds(tmp_path: Path) -> No
     assert "all 1 workers of node 1 were stopped" in err1
     assert not list(tmp_path.glob("started*.1"))
     launchers[0].wait()
+
+
+def test_a_frozen_node_0_ends_the_other_nodes_after_the_read_timeout(tmp_path: Path) -> None:
+    """Node 0 frozen rather than dead (its launcher, the store's host and its worker stopped): the
+    store's connections stay open and nothing answers. torch's store client waits for the answer to
+    a check, get or add without end (its own timeout bounds only waits for a key), so node 1's
+    launcher waited for ever, its worker with it (found by benchmarks/chaos.py). Now each request is
+    given up after ``--rdzv-conf read_timeout`` (torchrun's setting), naming why."""
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    launchers = start_nodes(tmp_path, ["flaky.py"], "--rdzv-conf", "read_timeout=5", restarts=("3", "3"),
+                            FAIL_STARTS="", STEPS="600")
+    wait_until_training(tmp_path)
+    node0 = [launchers[0].pid, *descendants(launchers[0].pid)]
+    for pid in node0:
+        os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        code1, _, err1 = finish(launchers[1:], timeout=60)[0]
+        elapsed = time.monotonic() - start
+    finally:
+        for pid in node0:
+            os.kill(pid, signal.SIGKILL)
+        launchers[0].wait()
+    assert code1 == 1 and "did not answer a request within 5 s (--rdzv-conf read_timeout)" in err1, err1[-3000:]
+    assert "all 1 workers of node 1 were stopped" in err1
+    assert elapsed < 20, err1[-3000:]
 
 
 def test_a_node_that_does_not_come_back_for_a_restart_ends_the_others(tmp_path: Path) -> None:

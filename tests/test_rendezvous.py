@@ -17,7 +17,7 @@ from helpers import example_summary
 
 from ddpkit.environments import find_free_port
 from ddpkit.launching.cli import main
-from ddpkit.launching.rendezvous import DEFAULT_PORT, Endpoint, parse_endpoint, parse_join_timeout
+from ddpkit.launching.rendezvous import DEFAULT_PORT, Endpoint, StoreWaits, parse_endpoint, parse_rdzv_conf
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
@@ -178,7 +178,8 @@ def test_endpoints_and_settings_are_read_as_torchrun_reads_them() -> None:
     assert parse_endpoint("node0") == Endpoint("node0", DEFAULT_PORT) and DEFAULT_PORT == 29400
     assert parse_endpoint("node0:1234") == Endpoint("node0", 1234)
     assert parse_endpoint("[::1]:1234") == Endpoint("::1", 1234) and str(Endpoint("::1", 5)) == "[::1]:5"
-    assert parse_join_timeout("") == 600 and parse_join_timeout("read_timeout=60,join_timeout=30") == 30
+    assert parse_rdzv_conf("") == StoreWaits(join_timeout=600, read_timeout=30)
+    assert parse_rdzv_conf("read_timeout=60, join_timeout=30,last_call_timeout=5") == StoreWaits(30, 60)
 
 
 def test_the_checks_of_the_script_hold_under_a_rendezvous_too(

@@ -1,5 +1,6 @@
 """``python -m ddpkit run ...`` and the ``ddpkit`` command."""
 
+import os
 import sys
 
 from ddpkit.logs import log_level_problem
@@ -13,8 +14,16 @@ def main() -> int:
         print(f"ddpkit run: {problem}", file=sys.stderr)
         return 2
     from ddpkit.launching.cli import main as run
+    from ddpkit.launching.store_client import requests_left_unanswered
 
-    return run()
+    code = run()
+    if requests_left_unanswered():
+        # A thread still blocked in torch's store client, woken while the interpreter finalises,
+        # would end the launcher with SIGABRT instead of the job's exit code: end without finalising.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ from ddpkit.launching.rendezvous import (
     DEFAULT_PORT,
     Endpoint,
     RendezvousSettings,
+    StoreWaits,
     parse_endpoint,
-    parse_join_timeout,
+    parse_rdzv_conf,
 )
 from ddpkit.logs import get_logger
 from ddpkit.preemption import parse_signal
@@ -99,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
                "HOST hosts it (static: the master address and port)")
     _flag(run, "rdzv-id", default="none", help="the job's name at the rendezvous, the same on every node")
     _flag(run, "rdzv-conf", default="", help="torchrun's key=value,... settings; ddpkit reads join_timeout (seconds, "
-                                             "default 600)")
+                                             "default 600) and read_timeout (seconds, default 30)")
     _switch(run, "standalone", help="one node on this machine: address and port chosen here (torchrun's flag)")
     _switch(run, "module", help="run the script as a module, as 'python -m' does")
     _switch(run, "no-python", help="run the script as a program (not with python); ddpkit's worker bootstrap "
@@ -212,14 +213,14 @@ def _rendezvous(args: argparse.Namespace, argv: Sequence[str]) -> tuple[Rendezvo
         if _given(flag, argv):
             _log.warning(f"ddpkit run: --{flag} is not used with --rdzv-backend c10d: the rendezvous gives the "
                          "node rank, and the endpoint is the master address and port.")
-    return RendezvousSettings(endpoint, str(args.rdzv_id), _join_timeout(args.rdzv_conf)), None
+    return RendezvousSettings(endpoint, str(args.rdzv_id)), None
 
 
-def _join_timeout(conf: str | None) -> float:
-    """``--rdzv-conf join_timeout=S``: how long the launchers wait for one another (a c10d rendezvous,
-    and static nodes)."""
+def _store_waits(conf: str | None) -> StoreWaits:
+    """``--rdzv-conf join_timeout=S,read_timeout=S``: how long the launchers wait for one another,
+    and for one answer from the job's store (a c10d rendezvous, and static nodes)."""
     try:
-        return parse_join_timeout(conf or "")
+        return parse_rdzv_conf(conf or "")
     except ValueError as error:
         raise LaunchError(str(error)) from None
 
@@ -311,12 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         nnodes = _nnodes(args.nnodes, launcher_argv)
         node_rank = _integer("node-rank", args.node_rank, launcher_argv)
         master_addr, master_port = args.master_addr, args.master_port
-        rendezvous, join_timeout = None, LaunchConfig.join_timeout
+        rendezvous = None
         if args.standalone:
             master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
         else:
             rendezvous, static_endpoint = _rendezvous(args, launcher_argv)
-            join_timeout = rendezvous.join_timeout if rendezvous is not None else _join_timeout(args.rdzv_conf)
             if static_endpoint is not None:
                 master_addr, master_port = static_endpoint.host, str(static_endpoint.port)
         config = LaunchConfig(
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_as=_run_as(args.module, args.no_python),
             output=_output_plan(args, nproc_per_node, launcher_argv),
             rendezvous=rendezvous,
-            join_timeout=join_timeout,
+            store_waits=_store_waits(args.rdzv_conf),
         )
         code = run_workers(args.script, args.script_args, config)
     except LaunchError as error:

@@ -20,7 +20,7 @@ from ddpkit.diagnostics.settings import check_worker_seconds_settings, recovery_
 from ddpkit.environments import Recovery
 from ddpkit.job_secret import JobSecretError, job_secret
 from ddpkit.launching.output import OutputPlan
-from ddpkit.launching.rendezvous import RendezvousSettings
+from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits
 
 __all__ = ["LaunchConfig", "LaunchError", "RunAs", "validate"]
 
@@ -55,10 +55,11 @@ class LaunchConfig:
     # torchrun's c10d rendezvous (``launching.rendezvous``): the node rank comes from it, and the
     # master address and port are the endpoint's. None: static (``node_rank``, ``master_*``).
     rendezvous: RendezvousSettings | None = None
-    # How long the launchers of several nodes wait for one another to reach the job's store
-    # (torchrun's ``--rdzv-conf join_timeout``, also read for static nodes): one not heard from by
-    # then ends the others' wait (``launching.nodes``).
-    join_timeout: float = 600.0
+    # How long the launchers of several nodes wait for one another to reach the job's store, and
+    # for one answer from it (torchrun's ``--rdzv-conf join_timeout`` and ``read_timeout``, also
+    # read for static nodes): a node not heard from by then, or a store that does not answer, ends
+    # the others' wait (``launching.nodes``).
+    store_waits: StoreWaits = field(default_factory=StoreWaits)
 
     @property
     def world_size(self) -> int:

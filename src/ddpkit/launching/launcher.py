@@ -349,9 +349,9 @@ def _connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
     the workers) or every worker here ended meanwhile (their end is this node's outcome); a
     failure of a worker meanwhile is ``NodeContactLostError``."""
     try:
-        return NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes,
+        return NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes, config.store_waits,
                                         functools.partial(failure_of, workers),
-                                        lambda: None not in workers.exit_codes(), stop_waiting, config.join_timeout)
+                                        lambda: None not in workers.exit_codes(), stop_waiting)
     except GaveUpWaiting as stopped:
         _log.warning(f"ddpkit run: node {config.node_rank}'s launcher stopped waiting for the job's store at "
                      f"{config.master_addr}:{port} ({stopped.reason}); the other nodes' launchers are not told how "
@@ -399,13 +399,14 @@ def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts
     rank, and the agreement between the launchers (several nodes). ``stop_waiting`` ends the wait
     with ``GaveUpWaiting``."""
     endpoint = rendezvous.endpoint
-    node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, rendezvous.join_timeout, stop_waiting)
+    waits = config.store_waits
+    node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting)
     config = dataclasses.replace(config, node_rank=node_rank, master_addr=endpoint.host, master_port=endpoint.port)
     nodes = None
     if config.coordinates_nodes:
         nodes = NodeCoordination(store, node_rank, config.nnodes, endpoint.host, endpoint.port,
-                                 hosts_store=hosts_store, give_up=stop_waiting, join_seconds=rendezvous.join_timeout)
-        nodes.beat_through(connect(endpoint.host, endpoint.port, rendezvous.join_timeout, stop_waiting))
+                                 hosts_store=hosts_store, give_up=stop_waiting, join_seconds=waits.join_timeout)
+        nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
     return config, nodes
 
 

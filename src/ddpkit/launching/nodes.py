@@ -49,22 +49,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from ddpkit.job_secret import RecordSigner, job_secret
-from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
+from ddpkit.launching.rendezvous import StoreWaits
+from ddpkit.launching.store_client import (
+    BoundedStore,
+    GaveUpWaiting,
+    GiveUp,
+    StoreRequestTimeout,
+    StoreUnreachableError,
+    connect,
+    never_give_up,
+)
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination"]
 
-# How long a launcher waits for node 0's store to answer one request once connected: a node 0
-# that vanished from the network (no connection reset) must not hold the others longer.
-_REQUEST_TIMEOUT = timedelta(seconds=30)
-# How long the launchers wait for one another at the start (node 0's store to come up, another node to
-# reach it), unless ``--rdzv-conf join_timeout`` says: the nodes of a job are rarely started at the
-# same second (torchrun's rendezvous waits 600 s by default too).
-_CONNECT_TIMEOUT = timedelta(minutes=10)
 # How long a launcher whose workers failed before it reached the store still tries to, to tell the
 # other nodes (which would otherwise wait for this node's ranks): a network that flapped as the job
 # started comes back within it; a node 0 that is gone does not.
@@ -98,9 +99,9 @@ class FailureCause:
 class NodeCoordination:
     """One launcher's side of the agreement between the launchers of a multi-node job."""
 
-    def __init__(self, store: Any, node_rank: int, nnodes: int, address: str, port: int,
+    def __init__(self, store: BoundedStore, node_rank: int, nnodes: int, address: str, port: int,
                  hosts_store: bool | None = None, give_up: GiveUp = never_give_up,
-                 join_seconds: float = _CONNECT_TIMEOUT.total_seconds()) -> None:
+                 join_seconds: float = StoreWaits.join_timeout) -> None:
         self._store = store
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.node_rank = node_rank
@@ -164,20 +165,20 @@ class NodeCoordination:
         return self._silent
 
     @classmethod
-    def connect(cls, address: str, port: int, node_rank: int, nnodes: int,
+    def connect(cls, address: str, port: int, node_rank: int, nnodes: int, waits: StoreWaits,
                 workers_failed: Callable[[], str | None] = never_give_up,
                 workers_ended: Callable[[], bool] = lambda: False,
-                give_up: GiveUp = never_give_up,
-                join_seconds: float = _CONNECT_TIMEOUT.total_seconds()) -> NodeCoordination:
-        """Reach the job's store on node 0, waiting for it to come up (up to ``join_seconds``). The
-        workers start before this: when they fail meanwhile (``workers_failed`` describes how)
-        the store is not awaited any longer (``NodeContactLostError``): node 0's launcher may
-        have ended after its workers met this node's, and a store that is gone never comes up. It
-        is still tried for ``_ANNOUNCE_SECONDS`` after the failure: when it answers (a network that
-        flapped), the failure is announced as any other, and the other nodes do not wait for this
-        node's ranks. When the workers all ended without a failure (``workers_ended``), or
-        ``give_up`` gives a reason (a stop signal), the wait ends with ``GaveUpWaiting``;
-        ``give_up`` is also what ``finish`` and ``meet`` ask while they wait."""
+                give_up: GiveUp = never_give_up) -> NodeCoordination:
+        """Reach the job's store on node 0, waiting for it to come up (up to ``waits.join_timeout``;
+        each request then bounded by ``waits.read_timeout``). The workers start before this: when
+        they fail meanwhile (``workers_failed`` describes how) the store is not awaited any longer
+        (``NodeContactLostError``): node 0's launcher may have ended after its workers met this
+        node's, and a store that is gone never comes up. It is still tried for ``_ANNOUNCE_SECONDS``
+        after the failure: when it answers (a network that flapped), the failure is announced as any
+        other, and the other nodes do not wait for this node's ranks. When the workers all ended
+        without a failure (``workers_ended``), or ``give_up`` gives a reason (a stop signal), the
+        wait ends with ``GaveUpWaiting``; ``give_up`` is also what ``finish`` and ``meet`` ask while
+        they wait."""
         failure: list[str] = []
         failed_at: list[float] = []
 
@@ -189,6 +190,7 @@ class NodeCoordination:
                 return failure[0] if time.monotonic() - failed_at[0] > _ANNOUNCE_SECONDS else give_up()
             return "every worker of this node ended" if workers_ended() else give_up()
 
+        join_seconds = waits.join_timeout
         try:
             store = connect(address, port, join_seconds, stop_waiting)
         except GaveUpWaiting as stopped:
@@ -204,9 +206,9 @@ class NodeCoordination:
                 f"launcher of node 0) within {join_seconds:g} s (--rdzv-conf join_timeout): {error}. Start "
                 "`ddpkit run --node-rank 0` with the same --master-addr and --master-port, and check that this host "
                 "can reach it.") from None
-        store.set_timeout(_REQUEST_TIMEOUT)
-        coordination = cls(store, node_rank, nnodes, address, port, give_up=give_up, join_seconds=join_seconds)
-        coordination.beat_through(connect(address, port, _REQUEST_TIMEOUT.total_seconds()))
+        coordination = cls(BoundedStore(store, waits.read_timeout), node_rank, nnodes, address, port, give_up=give_up,
+                           join_seconds=join_seconds)
+        coordination.beat_through(connect(address, port, waits.read_timeout))
         return coordination
 
     def _key(self, name: str, attempt: int | None = None) -> str:
@@ -224,7 +226,7 @@ class NodeCoordination:
         key = self._key(name, attempt)
         if not self._call("check", [key]):
             return None
-        return self._signer.verify(key, bytes(self._call("get", key)))
+        return self._signer.verify(key, self._call("get", key))
 
     def _hint(self, name: str, attempt: int | None = None) -> int:
         """The count beside ``name``'s signed keys: a change to read them for (not itself believed)."""
@@ -243,6 +245,12 @@ class NodeCoordination:
     def _call(self, method: str, *args: Any) -> Any:
         try:
             return getattr(self._store, method)(*args)
+        except StoreRequestTimeout:
+            raise NodeContactLostError(
+                f"node {self.node_rank}'s launcher got no answer from the job's store at {self._where}: it did not "
+                f"answer a request within {self._store.seconds:g} s (--rdzv-conf read_timeout). The launcher that "
+                "hosts it (node 0's, or the one on the rendezvous endpoint's host) is frozen, or its host unreachable."
+            ) from None
         except Exception as error:  # the store's client raises several kinds, all meaning the same here
             raise NodeContactLostError(
                 f"node {self.node_rank}'s launcher lost contact with the job's store at {self._where} "

@@ -20,7 +20,8 @@ takes no node's place. The rendezvous id stays outside the job's prefix and unsi
 tells a launcher of another job (with another secret) that the endpoint is taken.
 
 ``torch.distributed`` (the store's client, ``launching.store_client``) is imported only here, and
-only with ``c10d``. A stop signal or the store host's end ends the waits within seconds (``give_up``).
+only with ``c10d``. A stop signal or the store host's end ends the waits within seconds (``give_up``),
+and a store that stops answering ends them after ``read_timeout`` (``store_client.BoundedStore``).
 """
 
 from __future__ import annotations
@@ -28,23 +29,27 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
 
 from ddpkit.job_secret import RecordSigner, job_secret
-from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
+from ddpkit.launching.store_client import (
+    BoundedStore,
+    GaveUpWaiting,
+    GiveUp,
+    StoreRequestTimeout,
+    StoreUnreachableError,
+    connect,
+    never_give_up,
+)
 from ddpkit.logs import get_logger
 
-__all__ = ["DEFAULT_PORT", "Endpoint", "RendezvousError", "RendezvousSettings", "claim_endpoint", "join", "parse_endpoint",
-           "parse_join_timeout"]
+__all__ = ["DEFAULT_PORT", "Endpoint", "RendezvousError", "RendezvousSettings", "StoreWaits", "claim_endpoint", "join",
+           "parse_endpoint", "parse_rdzv_conf"]
 
 _log = get_logger("launching")
 
 #: torchrun's port for a c10d endpoint given without one.
 DEFAULT_PORT = 29400
 _POLL_SECONDS = 0.05
-# How long one request to the store may take once the launchers are connected.
-_REQUEST_TIMEOUT = timedelta(seconds=30)
 # Tickets read at most, beyond --nnodes: a count raised by a stranger is not read to its end.
 _EXTRA_TICKETS = 64
 
@@ -64,11 +69,23 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class RendezvousSettings:
-    """``--rdzv-endpoint``, ``--rdzv-id`` and ``--rdzv-conf join_timeout`` of a c10d rendezvous."""
+    """``--rdzv-endpoint`` and ``--rdzv-id`` of a c10d rendezvous."""
 
     endpoint: Endpoint
     run_id: str
+
+
+@dataclass(frozen=True)
+class StoreWaits:
+    """torchrun's ``--rdzv-conf`` settings ddpkit reads, for a c10d rendezvous and for static
+    nodes whose launchers coordinate (``launching.nodes``)."""
+
+    # How long the launchers wait for one another to reach the job's store (600 s, torchrun's
+    # default: the nodes of a job are rarely started at the same second).
     join_timeout: float = 600.0
+    # How long one request to the store may go unanswered once connected (torchrun's is 60 s):
+    # a store whose host froze must not hold the other nodes longer.
+    read_timeout: float = 30.0
 
 
 def parse_endpoint(value: str) -> Endpoint:
@@ -89,24 +106,26 @@ def parse_endpoint(value: str) -> Endpoint:
     return Endpoint(host, int(port_text))
 
 
-def parse_join_timeout(conf: str) -> float:
-    """``join_timeout`` from torchrun's ``--rdzv-conf key=value,...`` (600 s when absent); other keys
-    are torchrun's tuning of its own rendezvous and are ignored with a notice."""
-    timeout = RendezvousSettings.join_timeout
+def parse_rdzv_conf(conf: str) -> StoreWaits:
+    """``join_timeout`` and ``read_timeout`` from torchrun's ``--rdzv-conf key=value,...`` (the
+    defaults of ``StoreWaits`` when absent); other keys are torchrun's tuning of its own rendezvous
+    and are ignored with a notice."""
+    read: dict[str, float] = {}
     for pair in filter(None, (part.strip() for part in conf.split(","))):
-        key, sep, value = pair.partition("=")
+        key, sep, value = (part.strip() for part in pair.partition("="))
         if not sep:
             raise ValueError(f"--rdzv-conf={conf!r}: {pair!r} is not key=value (e.g. join_timeout=120).")
-        if key.strip() != "join_timeout":
-            _log.info(f"ddpkit run: --rdzv-conf {key.strip()} is not used by ddpkit's rendezvous (only join_timeout).")
+        if key not in ("join_timeout", "read_timeout"):
+            _log.info(f"ddpkit run: --rdzv-conf {key} is not used by ddpkit's rendezvous (only join_timeout and "
+                      "read_timeout).")
             continue
         try:
-            timeout = float(value)
+            read[key] = float(value)
         except ValueError:
-            raise ValueError(f"--rdzv-conf={conf!r}: join_timeout={value!r} is not a number of seconds.") from None
-        if timeout <= 0:
-            raise ValueError(f"--rdzv-conf={conf!r}: join_timeout must be more than 0 seconds.")
-    return timeout
+            raise ValueError(f"--rdzv-conf={conf!r}: {key}={value!r} is not a number of seconds.") from None
+        if not 0 < read[key] < float("inf"):
+            raise ValueError(f"--rdzv-conf={conf!r}: {key} must be a number of seconds more than 0 (e.g. {key}=60).")
+    return StoreWaits(**read)
 
 
 def claim_endpoint(endpoint: Endpoint) -> socket.socket | None:
@@ -133,21 +152,32 @@ def _keys(name: str) -> str:
     return f"ddpkit/rendezvous/{name}"
 
 
-def join(endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float,
-         give_up: GiveUp = never_give_up) -> tuple[int, Any]:
+def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
+         give_up: GiveUp = never_give_up) -> tuple[int, BoundedStore]:
     """Join the rendezvous ``run_id`` at ``endpoint`` and wait for all ``nnodes`` launchers: this
     node's rank (the order of arrival) and the store's client (kept for ``launching.nodes``).
     ``give_up`` ends the wait with ``GaveUpWaiting`` (a stop signal, the store host gone)."""
+    join_timeout = waits.join_timeout
     try:
-        store = connect(endpoint.host, endpoint.port, join_timeout, give_up)
+        store = BoundedStore(connect(endpoint.host, endpoint.port, join_timeout, give_up), waits.read_timeout)
     except StoreUnreachableError as error:
         raise RendezvousError(
             f"could not reach the rendezvous store at {endpoint} within {join_timeout:g} s ({error}). The launcher "
             f"on the endpoint's host hosts it: start `ddpkit run` there with the same --rdzv-endpoint, and check that "
             "this host can reach it.") from None
-    store.set_timeout(_REQUEST_TIMEOUT)
+    try:
+        return _arrive(store, endpoint, run_id, nnodes, join_timeout, give_up), store
+    except StoreRequestTimeout as unanswered:
+        raise RendezvousError(
+            f"the rendezvous store at {endpoint} stopped answering ({unanswered}; --rdzv-conf read_timeout): the "
+            "launcher on the endpoint's host is frozen, or its host unreachable.") from None
+
+
+def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float,
+            give_up: GiveUp) -> int:
+    """This node's rank once all ``nnodes`` launchers arrived at the rendezvous."""
     # One endpoint, one job: the first launcher names the rendezvous id; any other id is refused.
-    served = bytes(store.compare_set(_keys("id"), "", run_id)).decode()
+    served = store.compare_set(_keys("id"), "", run_id).decode()
     if served != run_id:
         raise RendezvousError(
             f"the rendezvous at {endpoint} serves --rdzv-id={served!r}, not {run_id!r}: another job uses this endpoint. "
@@ -179,30 +209,30 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float,
         time.sleep(_POLL_SECONDS)
     node_rank = arrived.index(mine)
     _log.info(f"ddpkit run: rendezvous {run_id!r} at {endpoint} complete: this is node {node_rank} of {nnodes}")
-    return node_rank, store
+    return node_rank
 
 
 class _Tickets:
     """The launchers' arrivals at one rendezvous: numbers drawn from a count, each one's ticket
     written under its number and signed (see the module docstring)."""
 
-    def __init__(self, store: Any, signer: RecordSigner, nnodes: int) -> None:
+    def __init__(self, store: BoundedStore, signer: RecordSigner, nnodes: int) -> None:
         self._store, self._signer, self._nnodes = store, signer, nnodes
         self._signed: set[int] = set()
 
     def draw(self) -> int:
-        number = int(self._store.add(self._signer.key("rendezvous/tickets"), 1))
+        number = self._store.add(self._signer.key("rendezvous/tickets"), 1)
         key = self._ticket_key(number)
         self._store.set(key, self._signer.sign(key, "arrived"))
         return number
 
     def signed(self) -> list[int]:
         """The numbers of the signed tickets so far, in order (a signed one stays signed)."""
-        drawn = min(int(self._store.add(self._signer.key("rendezvous/tickets"), 0)), self._nnodes + _EXTRA_TICKETS)
+        drawn = min(self._store.add(self._signer.key("rendezvous/tickets"), 0), self._nnodes + _EXTRA_TICKETS)
         for number in range(1, drawn + 1):
             key = self._ticket_key(number)
             if (number not in self._signed and self._store.check([key])
-                    and self._signer.verify(key, bytes(self._store.get(key))) is not None):
+                    and self._signer.verify(key, self._store.get(key)) is not None):
                 self._signed.add(number)
         return sorted(self._signed)
 

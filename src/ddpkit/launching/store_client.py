@@ -11,6 +11,13 @@ Two things every launcher that reaches the store needs, whatever it waits for th
   up, or for the other nodes, for minutes by design; the caller's ``give_up`` says when it is no
   longer worth it (a stop signal, the store host gone, this node's workers ended) and the wait
   ends within ``TRY_SECONDS`` with ``GaveUpWaiting``.
+- requests that end (``BoundedStore``): torch's client waits for the answer to a ``check``,
+  ``get``, ``add`` or ``compare_set`` without end (the store's timeout bounds only the wait for a
+  key). A store whose host is frozen, or whose connection was lost without a reset, answers
+  nothing and would hold the launcher, and so the whole job, for ever. Such a request is left
+  blocked on a thread of its own; were it woken while the interpreter finalises, torch's C++ code
+  would end the process with ``std::terminate`` (SIGABRT), so the launcher then ends without
+  finalising (``requests_left_unanswered``, read by ``ddpkit.__main__``).
 
 torch is imported only when a launcher connects (docs/architecture.md: the launcher stays free of
 torch otherwise).
@@ -19,14 +26,16 @@ torch otherwise).
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
-__all__ = ["TRY_SECONDS", "GaveUpWaiting", "GiveUp", "StoreUnreachableError", "connect", "import_distributed",
-           "never_give_up"]
+__all__ = ["TRY_SECONDS", "BoundedStore", "GaveUpWaiting", "GiveUp", "StoreRequestTimeout", "StoreUnreachableError",
+           "connect", "import_distributed", "never_give_up", "requests_left_unanswered"]
 
 #: A reason to stop waiting, or None to go on (called between tries, from the launcher's main thread).
 GiveUp = Callable[[], str | None]
@@ -35,6 +44,14 @@ GiveUp = Callable[[], str | None]
 TRY_SECONDS = 2.0
 
 _QUIET_LEVEL = "FATAL"  # torch reads TORCH_CPP_LOG_LEVEL once, when it is first imported
+
+# Set once a request was left blocked in torch's client: a fact about this process's threads.
+_left_unanswered = threading.Event()
+
+
+def requests_left_unanswered() -> bool:
+    """Whether a thread of this process is still blocked in a request the store never answered."""
+    return _left_unanswered.is_set()
 
 
 class GaveUpWaiting(RuntimeError):
@@ -47,6 +64,73 @@ class GaveUpWaiting(RuntimeError):
 
 class StoreUnreachableError(RuntimeError):
     """The store did not answer within the whole timeout (the message has torch's last error)."""
+
+
+class StoreRequestTimeout(TimeoutError):
+    """A request to the store got no answer within ``BoundedStore.seconds``."""
+
+
+class _Request:
+    def __init__(self, method: str, args: tuple[Any, ...]) -> None:
+        self.method, self.args = method, args
+        self.answered = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class BoundedStore:
+    """A client of the job's store whose every request ends within ``seconds``: answered, failed
+    as torch's client fails it, or ``StoreRequestTimeout``.
+
+    The requests run one at a time on a daemon thread of the client's own, which the caller waits
+    for. A request left unanswered leaves that thread blocked (torch's client cannot be
+    interrupted), and every later request fails at once: the store is taken for lost, as when its
+    connection breaks."""
+
+    def __init__(self, store: Any, seconds: float) -> None:
+        self.seconds = seconds
+        self._store = store
+        store.set_timeout(timedelta(seconds=seconds))  # a get of a key not there fails as torch fails it, sooner
+        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._unanswered: str | None = None
+        threading.Thread(target=self._serve, name="ddpkit-store-requests", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            request = self._requests.get()
+            try:
+                request.result = getattr(self._store, request.method)(*request.args)
+            except BaseException as error:  # handed to the caller, whatever it is
+                request.error = error
+            request.answered.set()
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        if self._unanswered is not None:
+            raise StoreRequestTimeout(self._unanswered)
+        request = _Request(method, args)
+        self._requests.put(request)
+        if not request.answered.wait(self.seconds):
+            _left_unanswered.set()
+            self._unanswered = f"the store did not answer a request ({method}) within {self.seconds:g} s"
+            raise StoreRequestTimeout(self._unanswered)
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._ask("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._ask("get", key))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._ask("check", keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._ask("add", key, amount))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return bytes(self._ask("compare_set", key, expected, desired))
 
 
 def never_give_up() -> str | None:
@@ -75,11 +159,39 @@ def connect(address: str, port: int, timeout_seconds: float, give_up: GiveUp = n
     while True:
         try_seconds = max(0.1, min(TRY_SECONDS, deadline - time.monotonic()))
         try:
-            return dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=try_seconds),
-                                 wait_for_workers=False)
+            return _try_to_connect(dist, address, port, try_seconds)
         except Exception as error:  # torch raises DistStoreError, DistNetworkError, RuntimeError or OSError
             reason = give_up()
             if reason is not None:
                 raise GaveUpWaiting(reason) from None
             if time.monotonic() >= deadline:
                 raise StoreUnreachableError(f"{type(error).__name__}: {error}") from None
+
+
+# What a try to connect may take beyond its own timeout before it is taken for unanswered.
+_CONNECT_MARGIN_SECONDS = 1.0
+
+
+def _try_to_connect(dist: ModuleType, address: str, port: int, seconds: float) -> Any:
+    """One try, on a daemon thread: torch's client waits for the store's first answer without end
+    once connected, and a frozen store's host still accepts connections (its kernel does). A try
+    left unanswered leaves its thread blocked, and raises ``StoreRequestTimeout``."""
+    outcome: list[Any] = []
+    ended = threading.Event()
+
+    def attempt() -> None:
+        try:
+            outcome.append(dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=seconds),
+                                         wait_for_workers=False))
+        except BaseException as error:  # handed to the caller, whatever it is
+            outcome.append(error)
+        ended.set()
+
+    threading.Thread(target=attempt, name="ddpkit-store-connect", daemon=True).start()
+    if not ended.wait(seconds + _CONNECT_MARGIN_SECONDS):
+        _left_unanswered.set()
+        raise StoreRequestTimeout(f"the store at {address}:{port} took the connection but did not answer within "
+                                  f"{seconds + _CONNECT_MARGIN_SECONDS:g} s")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
