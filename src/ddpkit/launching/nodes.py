@@ -116,8 +116,7 @@ class NodeCoordination:
         self._join_seconds = join_seconds
         self._joined_by = time.monotonic() + join_seconds  # a node not heard from by then is not coming
         self._next_look = 0.0
-        self._silent: str | None = None  # why another node's launcher is taken for lost, once one is
-        self._silent_node: int | None = None
+        self._lost: tuple[int, str] | None = None  # another node's launcher taken for lost, and why
         self._beating = threading.Event()  # set: stop beating
 
     def beat_through(self, store: Any) -> None:
@@ -141,8 +140,8 @@ class NodeCoordination:
         """Why another node's launcher is taken for lost (no beat for ``_SILENT_SECONDS`` and no
         word that it left), or None; looked at once a second, and once lost, always lost."""
         now = time.monotonic()
-        if self._silent is not None or now < self._next_look:
-            return self._silent
+        if self._lost is not None or now < self._next_look:
+            return None if self._lost is None else self._lost[1]
         self._next_look = now + 1.0
         left = set(self._nodes_that_said("left", -1))
         for node in range(self.nnodes):
@@ -151,18 +150,17 @@ class NodeCoordination:
             beat = self._read(f"beat/{node}", -1)
             if beat is None:  # not arrived yet: its launcher may still be starting, or be gone before it arrived
                 if now > self._joined_by:
-                    self._silent_node = node
-                    self._silent = (f"node {node}'s launcher did not reach the job's store within {self._join_seconds:g} s "
-                                    "of this one's (--rdzv-conf join_timeout): it ended or was lost before it did")
+                    self._lost = (node, f"node {node}'s launcher did not reach the job's store within "
+                                        f"{self._join_seconds:g} s of this one's (--rdzv-conf join_timeout): it ended or "
+                                        "was lost before it did")
                 continue
             last = self._heard.get(node)
             if last is None or last[0] != beat:
                 self._heard[node] = (beat, now)
             elif now - last[1] > _SILENT_SECONDS:
-                self._silent_node = node
-                self._silent = (f"node {node}'s launcher went silent: no word from it for {_SILENT_SECONDS:g} s (killed "
-                                "with its workers, or its host lost)")
-        return self._silent
+                self._lost = (node, f"node {node}'s launcher went silent: no word from it for {_SILENT_SECONDS:g} s "
+                                    "(killed with its workers, or its host lost)")
+        return None if self._lost is None else self._lost[1]
 
     @classmethod
     def connect(cls, address: str, port: int, node_rank: int, nnodes: int, waits: StoreWaits,
@@ -317,7 +315,7 @@ class NodeCoordination:
             views = {node: self._view(node, view) for node in range(self.nnodes)
                      if (view := self._read(f"cause/{node}")) is not None}
             # A launcher taken for lost publishes nothing: not waited for.
-            if len(views) == self.nnodes - (self._silent_node is not None) or time.monotonic() > deadline:
+            if len(views) == self.nnodes - (self._lost is not None) or time.monotonic() > deadline:
                 causes = [cause for cause in views.values() if cause is not None]
                 return min(causes, key=FailureCause.rank_key) if causes else None
             time.sleep(_POLL_SECONDS)
@@ -388,7 +386,7 @@ class NodeCoordination:
             self._say("left", attempt=-1)
             deadline = time.monotonic() + wait_seconds
             # A launcher taken for lost (``silent_node``) never says it left: not waited for.
-            expected = self.nnodes - (self._silent_node is not None)
+            expected = self.nnodes - (self._lost is not None)
             while self.hosts_store and time.monotonic() < deadline and len(self._nodes_that_said("left", -1)) < expected:
                 time.sleep(_POLL_SECONDS)
         except NodeContactLostError:
