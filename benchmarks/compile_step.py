@@ -11,7 +11,11 @@ shuffled order each round:
 - ``ddpkit inside``: ``DistributedDataParallel(torch.compile(module))``;
 - ``ddpkit outside``: ``torch.compile(DistributedDataParallel(module))``;
 - ``torch outside``: ``torch.compile`` of torch's DDP (Dynamo's DDPOptimizer splits the graph
-  at bucket boundaries).
+  at bucket boundaries);
+- ``ddpkit c-autograd`` / ``torch c-autograd``: forward, loss and backward in one compiled
+  function with compiled autograd on (``torch._dynamo.config.compiled_autograd``): the backward
+  is traced into a graph too, and each DDP's per-gradient functional all-reduces with it, fused
+  into buckets by inductor (torch's DDP needs ``optimize_ddp="python_reducer"`` for it).
 
 Compilation happens in the warm-up rounds, which are not counted. Prints medians (ms) and the
 per-round ratios of each method to ``torch eager`` (median and quartiles).
@@ -21,7 +25,8 @@ torch's is) and the wrapped module is compiled as one graph; inside, the module 
 too (``tests/test_ddp_combinations.py`` asserts one compiled frame for both). A compiled
 backward is one autograd node, so every gradient of the compiled region arrives at its end:
 ddpkit cannot overlap communication with that backward, where torch's DDPOptimizer cuts the
-graph per bucket to keep some overlap.
+graph per bucket to keep some overlap. Under compiled autograd the all-reduces are nodes of the
+backward graph, and inductor schedules them beside its compute.
 """
 
 from __future__ import annotations
@@ -66,8 +71,28 @@ def measure(steps: int, backend: str) -> dict[str, list[float]]:
             optimizer.step()
         return step
 
+    def compiled_autograd_trainer(model: nn.Module, module: nn.Module) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+        with torch._dynamo.config.patch(compiled_autograd=True):  # read when the function is wrapped, too
+
+            @torch.compile(backend=backend)
+            def forward_backward() -> None:
+                nn.functional.mse_loss(model(x), y).backward()
+
+        def step() -> None:
+            optimizer.zero_grad()
+            with torch._dynamo.config.patch(compiled_autograd=True):
+                forward_backward()
+            optimizer.step()
+        return step
+
     def wrapped(kind: str) -> Callable[[], None]:
         module = MLP()
+        if kind == "ddpkit c-autograd":
+            return compiled_autograd_trainer(DistributedDataParallel(module), module)
+        if kind == "torch c-autograd":
+            with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+                return compiled_autograd_trainer(nn.parallel.DistributedDataParallel(module), module)
         if kind == "torch eager":
             return trainer(nn.parallel.DistributedDataParallel(module), module)
         if kind == "ddpkit eager":
@@ -78,7 +103,8 @@ def measure(steps: int, backend: str) -> dict[str, list[float]]:
             return trainer(torch.compile(DistributedDataParallel(module), backend=backend), module)
         return trainer(torch.compile(nn.parallel.DistributedDataParallel(module), backend=backend), module)
 
-    kinds = ["torch eager", "ddpkit eager", "ddpkit inside", "ddpkit outside", "torch outside"]
+    kinds = ["torch eager", "ddpkit eager", "ddpkit inside", "ddpkit outside", "torch outside", "ddpkit c-autograd",
+             "torch c-autograd"]
     return interleaved_samples({kind: wrapped(kind) for kind in kinds}, steps)
 
 
@@ -92,7 +118,7 @@ def main() -> None:
         samples = pool.run(measure, args.steps, args.backend)[0]
     for name, values in samples.items():
         median, lower, upper = paired_ratio(samples, name, "torch eager")
-        print(f"{name:15s} {statistics.median(values):7.2f} ms   /torch eager per round {median:.2f} "
+        print(f"{name:17s} {statistics.median(values):7.2f} ms   /torch eager per round {median:.2f} "
               f"(quartiles {lower:.2f}-{upper:.2f})", flush=True)
 
 

@@ -495,6 +495,105 @@ def test_torch_compile_inside_or_outside_trains_as_one_process(pool: WorkerPool,
             torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-6)
 
 
+def compiled_step_training(hook: str, compiled_autograd: bool = True) -> list[torch.Tensor] | str:
+    """Steps whose forward, loss and backward are one compiled function, with compiled autograd on
+    (the backward traced into a graph, ddpkit's hooks with it) or off (the backward runs eagerly
+    from the compiled function): three plain steps, then one of two micro-batches, the first
+    under no_sync. The parameters, or the error's text."""
+    from ddpkit.hooks import fp16_compress_hook
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = OwnMLP()
+    model = DistributedDataParallel(module)
+    if hook == "fp16":
+        model.register_comm_hook(None, fp16_compress_hook)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    torch._dynamo.config.compiled_autograd = compiled_autograd  # read when the function is compiled: set before
+    try:
+        @torch.compile(backend=COMPILE_BACKEND)
+        def forward_backward(x: torch.Tensor, y: torch.Tensor) -> None:
+            nn.functional.mse_loss(model(x), y).backward()
+
+        for step in range(4):
+            optimizer.zero_grad()
+            x, y = global_batch(world, step)
+            if step == 3:
+                with model.no_sync():
+                    forward_backward(shard(x, rank), shard(y, rank))
+                x, y = global_batch(world, step + 1)
+            forward_backward(shard(x, rank), shard(y, rank))
+            optimizer.step()
+    except NotImplementedError as error:
+        return str(error)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+        torch._dynamo.reset()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("compiled_autograd", [True, False], ids=["compiled-autograd", "eager-backward"])
+def test_a_compiled_step_with_its_backward_trains_as_one_process(pool: WorkerPool, compiled_autograd: bool) -> None:
+    """torch._dynamo.config.compiled_autograd traces the backward, and DDP's hooks, into a graph:
+    the end-of-backward callback ddpkit's eager reducer uses is not allowed there (torch's internal
+    AssertionError before), so each gradient is averaged by a functional all-reduce inside the graph.
+    Without it, the backward runs eagerly from the compiled function, and Dynamo compiled the hooks'
+    callees one by one (an InternalTorchDynamoError on the process group before): they run outside
+    Dynamo. The same parameters as one process on the whole batches, no_sync's accumulation included."""
+    module = OwnMLP()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(4):
+        optimizer.zero_grad()
+        for micro in ([step] if step < 3 else [3, 4]):
+            x, y = global_batch(pool.world_size, micro)
+            nn.functional.mse_loss(module(x), y).backward()
+        optimizer.step()
+    for params in pool.run(compiled_step_training, "none", compiled_autograd, timeout=180):
+        assert not isinstance(params, str), params
+        for actual, wanted in zip(params, module.parameters()):
+            torch.testing.assert_close(actual, wanted.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_compiled_autograd_backward_refuses_a_comm_hook_naming_it(pool: WorkerPool) -> None:
+    for text in pool.run(compiled_step_training, "fp16", timeout=180):
+        assert isinstance(text, str) and "compiled autograd" in text and "fp16_compress_hook" in text, text
+
+
+class OwnNormalised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.norm = nn.Linear(6, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+def running_mean_after_compiled_autograd_steps() -> torch.Tensor:
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(OwnNormalised())
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        @torch.compile(backend=COMPILE_BACKEND)
+        def forward_backward(x: torch.Tensor) -> None:
+            model(x).square().mean().backward()
+
+        for step in range(2):
+            forward_backward(shard(global_batch(world, step)[0], rank))  # each rank's own batch statistics
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+        torch._dynamo.reset()
+    model.eval()
+    model(torch.zeros(2, 6))  # an evaluation forward does not change the statistics
+    return model.module.norm.running_mean.clone()
+
+
+def test_after_a_compiled_autograd_backward_buffers_are_broadcast_before_the_next_forward(pool: WorkerPool) -> None:
+    means = pool.run(running_mean_after_compiled_autograd_steps, timeout=180)
+    assert all(torch.equal(mean, means[0]) for mean in means) and means[0].abs().sum() > 0
+
+
 class IndexedTable(nn.Module):
     def __init__(self) -> None:
         super().__init__()

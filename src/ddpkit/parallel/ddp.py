@@ -32,6 +32,10 @@ The module (this file) owns the wrapped model, its checks and broadcasts at cons
    bucket and comes back dense: correct, at the cost of the whole tensor's bytes.
 5. Buffers are broadcast from the group's first rank after backward, and before a forward
    when forwards ran without a backward (evaluation).
+6. Under compiled autograd the hooks are traced into the backward graph, where no end-of-backward
+   callback may run: each gradient is averaged there by a functional all-reduce, which inductor
+   fuses into buckets (``Reducer.fuse_compiled_reductions``); buffers are then broadcast before
+   the next forward (point 5's evaluation case). docs/ddp.md says what cannot run there.
 """
 
 from __future__ import annotations
@@ -209,6 +213,8 @@ class DistributedDataParallel(nn.Module):
             if self.broadcast_buffers and self._reducer.step.buffers_stale:
                 self._sync_buffers()  # forwards without backward (evaluation) since the last sync
             self._reducer.step.buffers_stale = True
+            if not self._reducer.compiled_reductions_fused:
+                self._reducer.fuse_compiled_reductions()
             if self.device.type != "cpu":
                 args, kwargs = to_device((args, kwargs), self.device)
             return self.module(*args, **kwargs)
@@ -260,7 +266,11 @@ class DistributedDataParallel(nn.Module):
         and one-argument hooks are not supported here.
         """
         self._check_join_supported()
-        yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.diagnostics.failures)
+        self._reducer.joining = True
+        try:
+            yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.diagnostics.failures)
+        finally:
+            self._reducer.joining = False
         if self._world_size > 1:
             with guard():
                 self._shadow_until_all_joined(shadow_step)

@@ -10,6 +10,7 @@ construction checks and broadcasts, forward and the public API, and hands backwa
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,8 @@ class Reducer:
         self.averages_elementwise = reduce_function is None
         # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
         self.pre_sync_hooks: OrderedDict[int, Callable[[Any], None]] = OrderedDict()
+        self.joining = False  # inside DistributedDataParallel.join(): a compiled backward cannot be shadowed
+        self.compiled_reductions_fused = False  # see fuse_compiled_reductions
         # What changes every step lives in a plain object: writing attributes of an nn.Module goes
         # through its registration checks, several microseconds each.
         self.step = StepState()
@@ -156,6 +159,9 @@ class Reducer:
         def on_gradient_ready(parameter: Tensor) -> None:
             if not self._owner.require_backward_grad_sync:
                 return
+            if torch.compiler.is_compiling() or _dynamo_compiles_callees():
+                self._hook_under_dynamo(parameter, on_gradient_ready)
+                return
             if not self.step.in_backward:
                 self._begin_backward()
             if bucket.ready[slot]:
@@ -175,7 +181,77 @@ class Reducer:
 
         return on_gradient_ready
 
+    def _hook_under_dynamo(self, parameter: Tensor, hook: Callable[[Tensor], None]) -> None:
+        """A hook Dynamo traces, or one whose callees it would compile one by one (an eager
+        backward called from a compiled function: the hooks' buckets, collectives and autograd
+        callback are not Dynamo's to trace). Inside a compiled autograd backward the reduction
+        becomes part of its graph; otherwise the hook runs as written, outside Dynamo."""
+        from torch._dynamo import compiled_autograd
+
+        if compiled_autograd.in_compiled_autograd_region:
+            self._reduce_in_compiled_backward(parameter)
+        else:
+            _outside_dynamo(hook, parameter)
+
+    def _reduce_in_compiled_backward(self, parameter: Tensor) -> None:
+        """Under compiled autograd (``torch._dynamo.config.compiled_autograd``) the hooks are traced
+        into the compiled backward graph, where nothing may wait for the end of backward: each
+        gradient is averaged by a functional all-reduce that becomes part of the graph (inductor
+        fuses them into buckets, ``DistributedDataParallel.forward``, and schedules them beside
+        the backward's compute), as torch's Python reducer does. Every rank's graph must then use
+        the same parameters: nothing negotiates which have a gradient."""
+        import torch.distributed._functional_collectives as functional
+
+        problem = self.compiled_backward_problem()
+        if problem is not None:
+            raise NotImplementedError(
+                f"ddpkit DistributedDataParallel: a compiled autograd backward (torch._dynamo.config.compiled_autograd) "
+                f"reduces each gradient inside the compiled graph, and {problem} cannot run there. Run this model's "
+                "backward without compiled autograd (torch.compile still compiles its forward and backward), or "
+                "leave that setting out.")
+        grad = parameter.grad
+        if grad is None:
+            return
+        group = self._group if self._group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("ddpkit DistributedDataParallel: backward after the default process group was destroyed.")
+        # grad / world, as torch's Python reducer: the form inductor's DDP fusion recognises.
+        grad.copy_(functional.all_reduce(grad / self._world_size, "sum", group))
+
+    def fuse_compiled_reductions(self) -> None:
+        """Once compiled autograd is on: have inductor fuse the all-reduces a compiled backward
+        traces (one per gradient) into buckets of this DDP's cap, each awaited as late as the
+        graph allows (its DDP-communication passes, which torch's DDP turns on in its Python-reducer
+        mode). Called by every forward until then; it does not import torch._dynamo."""
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None or not dynamo.config.compiled_autograd:
+            return
+        from torch._inductor import config as inductor_config
+
+        inductor_config._fuse_ddp_communication = True
+        inductor_config._fuse_ddp_bucket_size = max(1, round(self._bucket_cap / 2**20))
+        self.compiled_reductions_fused = True
+
+    def compiled_backward_problem(self) -> str | None:
+        """What of this DDP's settings a compiled autograd backward cannot do, or None."""
+        if self.comm_hook is not None:
+            return f"the comm hook {getattr(self.comm_hook, '__name__', repr(self.comm_hook))}"
+        if self._reduce_function is not None:
+            return "reduce_function"
+        if self.pre_sync_hooks:
+            return "a one-argument comm hook (it runs before the synchronisation)"
+        if self._sparse:
+            return f"the sparse gradients of {len(self._sparse)} embedding weight(s) (sparse=True)"
+        if self.joining:
+            return "DistributedDataParallel.join() (a finished rank shadows buckets the graph does not have)"
+        if debug_enabled():
+            return "debug mode (DDPKIT_DEBUG: its fingerprints precede each reduction)"
+        return None
+
     def _on_sparse_gradient(self, parameter: Tensor) -> None:
+        if torch.compiler.is_compiling() or _dynamo_compiles_callees():
+            self._hook_under_dynamo(parameter, self._on_sparse_gradient)  # refused in a compiled backward
+            return
         if self._owner.require_backward_grad_sync and not self.step.in_backward:
             self._begin_backward()
 
@@ -186,7 +262,9 @@ class Reducer:
         self.step.defer_copies = bool(self.pre_sync_hooks)
         self.step.overlap = self._reduce_function is None and not self.step.defer_copies and not self.step.debug
         self.step.elementwise = self.averages_elementwise
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        # The engine calls it at the end of backward, also from inside a compiled function, where
+        # Dynamo would compile what it calls (the buckets' waits, the order's broadcast) one by one.
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_outside_dynamo)
 
     def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
         grad = parameter.grad
@@ -271,6 +349,12 @@ class Reducer:
         result = result[0] if isinstance(result, (list, tuple)) else result
         if result is not bucket.grads and result is not bucket.buffer:
             (bucket.buffer if result.numel() == bucket.buffer.numel() else bucket.grads).copy_(result)
+
+    def _finish_backward_outside_dynamo(self) -> None:
+        if torch.compiler.is_compiling() or _dynamo_compiles_callees():
+            _outside_dynamo(self._finish_backward)
+        else:
+            self._finish_backward()
 
     def _finish_backward(self) -> None:
         """End of backward: complete, launch and await every bucket; copy results back."""
@@ -417,6 +501,18 @@ class Reducer:
                 self._rebuild_buckets_in_observed_order()
         return anyone_trained
 
+
+
+def _dynamo_compiles_callees() -> bool:
+    """Whether Dynamo would compile the functions called now (its frame callback is set: a
+    backward run eagerly from inside a compiled function). Tens of nanoseconds: a hook asks it."""
+    return bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
+def _outside_dynamo(function: Callable[..., None], *args: Any) -> None:
+    """``function(*args)`` run as written: Dynamo stops its trace here, and compiles nothing it calls."""
+    function(*args)
 
 
 @dataclass
