@@ -500,30 +500,45 @@ def compiled_step_training(hook: str, compiled_autograd: bool = True) -> list[to
     (the backward traced into a graph, ddpkit's hooks with it) or off (the backward runs eagerly
     from the compiled function): three plain steps, then one of two micro-batches, the first
     under no_sync. The parameters, or the error's text."""
+    from ddpkit.diagnostics.debug import set_debug
     from ddpkit.hooks import fp16_compress_hook
 
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     module = OwnMLP()
-    model = DistributedDataParallel(module)
+
+    def all_reduce_average(tensors: list[torch.Tensor], group: object) -> None:
+        for tensor in tensors:
+            dist.all_reduce(tensor.div_(world), group=group)
+
+    model = DistributedDataParallel(module, reduce_function=all_reduce_average if hook == "reduce_function" else None)
     if hook == "fp16":
         model.register_comm_hook(None, fp16_compress_hook)
+    if hook == "one-argument":
+        model.register_comm_hook(lambda ddp_module: None)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     torch._dynamo.config.compiled_autograd = compiled_autograd  # read when the function is compiled: set before
     try:
+        stack = contextlib.ExitStack()
+        if hook == "join":
+            stack.enter_context(model.join())
+        if hook == "debug":
+            set_debug(True)
+            stack.callback(set_debug, None)
         @torch.compile(backend=COMPILE_BACKEND)
         def forward_backward(x: torch.Tensor, y: torch.Tensor) -> None:
             nn.functional.mse_loss(model(x), y).backward()
 
-        for step in range(4):
-            optimizer.zero_grad()
-            x, y = global_batch(world, step)
-            if step == 3:
-                with model.no_sync():
-                    forward_backward(shard(x, rank), shard(y, rank))
-                x, y = global_batch(world, step + 1)
-            forward_backward(shard(x, rank), shard(y, rank))
-            optimizer.step()
+        with stack:
+            for step in range(4):
+                optimizer.zero_grad()
+                x, y = global_batch(world, step)
+                if step == 3:
+                    with model.no_sync():
+                        forward_backward(shard(x, rank), shard(y, rank))
+                    x, y = global_batch(world, step + 1)
+                forward_backward(shard(x, rank), shard(y, rank))
+                optimizer.step()
     except NotImplementedError as error:
         return str(error)
     finally:
@@ -554,9 +569,39 @@ def test_a_compiled_step_with_its_backward_trains_as_one_process(pool: WorkerPoo
             torch.testing.assert_close(actual, wanted.detach(), rtol=0, atol=1e-6)
 
 
-def test_a_compiled_autograd_backward_refuses_a_comm_hook_naming_it(pool: WorkerPool) -> None:
-    for text in pool.run(compiled_step_training, "fp16", timeout=180):
-        assert isinstance(text, str) and "compiled autograd" in text and "fp16_compress_hook" in text, text
+def compiled_autograd_step_with_sparse_gradients() -> str:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Embedding(10, 4, sparse=True))
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        @torch.compile(backend=COMPILE_BACKEND)
+        def forward_backward(words: torch.Tensor) -> None:
+            model(words).sum().backward()
+
+        forward_backward(torch.tensor([1, 2, 3]))
+    except NotImplementedError as error:
+        return str(error)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+        torch._dynamo.reset()
+    return "not refused"
+
+
+def test_a_compiled_autograd_backward_refuses_sparse_gradients(pool2: WorkerPool) -> None:
+    for text in pool2.run(compiled_autograd_step_with_sparse_gradients, timeout=180):
+        assert "compiled autograd" in text and "sparse gradients of 1 embedding weight(s)" in text, text
+
+
+@pytest.mark.parametrize(("setting", "named"), [
+    ("fp16", "the comm hook fp16_compress_hook"), ("reduce_function", "reduce_function"),
+    ("one-argument", "a one-argument comm hook"), ("join", "DistributedDataParallel.join()"),
+    ("debug", "debug mode (DDPKIT_DEBUG"),
+])
+def test_a_compiled_autograd_backward_refuses_what_cannot_run_in_its_graph_naming_it(
+        pool2: WorkerPool, setting: str, named: str) -> None:
+    for text in pool2.run(compiled_step_training, setting, timeout=180):
+        assert isinstance(text, str) and "compiled autograd" in text and named in text, text
 
 
 class OwnNormalised(nn.Module):

@@ -29,6 +29,7 @@ from ddpkit.diagnostics.waits import wait_for
 from ddpkit.hooks.contract import GradBucket, check_hook_result
 from ddpkit.parallel.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.sparse import average_sparse_gradients
+from ddpkit.variables import DDPKIT_DEBUG
 
 __all__ = ["SYNCHRONISATION", "ReducedModule", "Reducer", "StepState"]
 
@@ -245,7 +246,7 @@ class Reducer:
         if self.joining:
             return "DistributedDataParallel.join() (a finished rank shadows buckets the graph does not have)"
         if debug_enabled():
-            return "debug mode (DDPKIT_DEBUG: its fingerprints precede each reduction)"
+            return f"debug mode ({DDPKIT_DEBUG}: its fingerprints precede each reduction)"
         return None
 
     def _on_sparse_gradient(self, parameter: Tensor) -> None:
