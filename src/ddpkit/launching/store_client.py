@@ -25,6 +25,7 @@ torch otherwise).
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -70,12 +71,31 @@ class StoreRequestTimeout(TimeoutError):
     """A request to the store got no answer within ``BoundedStore.seconds``."""
 
 
-class _Request:
-    def __init__(self, method: str, args: tuple[Any, ...]) -> None:
-        self.method, self.args = method, args
-        self.answered = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
+class _Call:
+    """One call made on a thread of its own, and its outcome, which the caller waits for."""
+
+    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
+        self._function, self._args = function, args
+        self._answered = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._result = self._function(*self._args)
+        except BaseException as error:  # handed to the caller, whatever it is
+            self._error = error
+        self._answered.set()
+
+    def outcome(self, seconds: float, unanswered: str) -> Any:
+        """The result (or the error raised) once it came within ``seconds``; otherwise
+        ``StoreRequestTimeout(unanswered)``, the call's thread left blocked."""
+        if not self._answered.wait(seconds):
+            _left_unanswered.set()
+            raise StoreRequestTimeout(unanswered)
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class BoundedStore:
@@ -91,31 +111,25 @@ class BoundedStore:
         self.seconds = seconds
         self._store = store
         store.set_timeout(timedelta(seconds=seconds))  # a get of a key not there fails as torch fails it, sooner
-        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._unanswered: str | None = None
         threading.Thread(target=self._serve, name="ddpkit-store-requests", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
-            request = self._requests.get()
-            try:
-                request.result = getattr(self._store, request.method)(*request.args)
-            except BaseException as error:  # handed to the caller, whatever it is
-                request.error = error
-            request.answered.set()
+            self._requests.get().run()
 
     def _ask(self, method: str, *args: Any) -> Any:
         if self._unanswered is not None:
             raise StoreRequestTimeout(self._unanswered)
-        request = _Request(method, args)
+        request = _Call(getattr(self._store, method), *args)
         self._requests.put(request)
-        if not request.answered.wait(self.seconds):
-            _left_unanswered.set()
-            self._unanswered = f"the store did not answer a request ({method}) within {self.seconds:g} s"
-            raise StoreRequestTimeout(self._unanswered)
-        if request.error is not None:
-            raise request.error
-        return request.result
+        try:
+            return request.outcome(self.seconds, f"the store did not answer a request ({method}) within "
+                                                 f"{self.seconds:g} s")
+        except StoreRequestTimeout as unanswered:
+            self._unanswered = str(unanswered)
+            raise
 
     def set(self, key: str, value: str | bytes) -> None:
         self._ask("set", key, value)
@@ -176,22 +190,9 @@ def _try_to_connect(dist: ModuleType, address: str, port: int, seconds: float) -
     """One try, on a daemon thread: torch's client waits for the store's first answer without end
     once connected, and a frozen store's host still accepts connections (its kernel does). A try
     left unanswered leaves its thread blocked, and raises ``StoreRequestTimeout``."""
-    outcome: list[Any] = []
-    ended = threading.Event()
-
-    def attempt() -> None:
-        try:
-            outcome.append(dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=seconds),
-                                         wait_for_workers=False))
-        except BaseException as error:  # handed to the caller, whatever it is
-            outcome.append(error)
-        ended.set()
-
-    threading.Thread(target=attempt, name="ddpkit-store-connect", daemon=True).start()
-    if not ended.wait(seconds + _CONNECT_MARGIN_SECONDS):
-        _left_unanswered.set()
-        raise StoreRequestTimeout(f"the store at {address}:{port} took the connection but did not answer within "
-                                  f"{seconds + _CONNECT_MARGIN_SECONDS:g} s")
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+    bound = seconds + _CONNECT_MARGIN_SECONDS
+    attempt = _Call(functools.partial(dist.TCPStore, address, port, is_master=False, timeout=timedelta(seconds=seconds),
+                                      wait_for_workers=False))
+    threading.Thread(target=attempt.run, name="ddpkit-store-connect", daemon=True).start()
+    return attempt.outcome(bound, f"the store at {address}:{port} took the connection but did not answer within "
+                                   f"{bound:g} s")

@@ -160,7 +160,7 @@ class Reducer:
         def on_gradient_ready(parameter: Tensor) -> None:
             if not self._owner.require_backward_grad_sync:
                 return
-            if torch.compiler.is_compiling() or _dynamo_compiles_callees():
+            if _under_dynamo():
                 self._hook_under_dynamo(parameter, on_gradient_ready)
                 return
             if not self.step.in_backward:
@@ -250,7 +250,7 @@ class Reducer:
         return None
 
     def _on_sparse_gradient(self, parameter: Tensor) -> None:
-        if torch.compiler.is_compiling() or _dynamo_compiles_callees():
+        if _under_dynamo():
             self._hook_under_dynamo(parameter, self._on_sparse_gradient)  # refused in a compiled backward
             return
         if self._owner.require_backward_grad_sync and not self.step.in_backward:
@@ -352,7 +352,7 @@ class Reducer:
             (bucket.buffer if result.numel() == bucket.buffer.numel() else bucket.grads).copy_(result)
 
     def _finish_backward_outside_dynamo(self) -> None:
-        if torch.compiler.is_compiling() or _dynamo_compiles_callees():
+        if _under_dynamo():
             _outside_dynamo(self._finish_backward)
         else:
             self._finish_backward()
@@ -504,10 +504,11 @@ class Reducer:
 
 
 
-def _dynamo_compiles_callees() -> bool:
-    """Whether Dynamo would compile the functions called now (its frame callback is set: a
-    backward run eagerly from inside a compiled function). Tens of nanoseconds: a hook asks it."""
-    return bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+def _under_dynamo() -> bool:
+    """Whether Dynamo is tracing this code, or would compile the functions it calls (its frame
+    callback is set: a backward run eagerly from inside a compiled function). About 100 ns: every
+    hook asks it. Traced, ``is_compiling()`` is True and the callback is never read."""
+    return torch.compiler.is_compiling() or bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
