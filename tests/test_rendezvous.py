@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -224,3 +225,23 @@ def test_a_stranger_at_the_endpoint_takes_no_nodes_place(folder: Path) -> None:
     results = ended([first, second], timeout=60)
     assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
     assert sorted(int(re.findall(r"this is node (\d) of 2", err)[0]) for _, _, err in results) == [0, 1]
+
+
+def test_ddpkit_store_serves_until_stopped_and_refuses_a_port_it_cannot_listen_on(folder: Path) -> None:
+    port = find_free_port()
+    store = subprocess.Popen([sys.executable, "-m", "ddpkit", "store", "--host", "127.0.0.1", "--port", str(port)],
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert store.stdout is not None and "serving a job's store on 127.0.0.1 port" in store.stdout.readline()
+        taken = subprocess.run([sys.executable, "-m", "ddpkit", "store", "--port", str(port)], capture_output=True,
+                               text=True, timeout=60)
+        assert taken.returncode == 2 and f"cannot listen on every interface port {port}" in taken.stderr, taken.stderr
+        store.send_signal(signal.SIGTERM)
+        out, _ = store.communicate(timeout=30)
+        assert store.returncode == 0 and "stopped" in out
+    finally:
+        store.kill()
+        store.wait()
+    bad = subprocess.run([sys.executable, "-m", "ddpkit", "store", "--port", "70000"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--port='70000' is not a TCP port (1..65535)" in bad.stderr

@@ -35,6 +35,8 @@ class Mode:
     run_as: str = "script"  # or "module" (-m), "program" (--no-python)
     # Why torchrun is not run beside ddpkit run in this mode (None: it is).
     no_torchrun: str | None = None
+    # The store at the endpoint is `ddpkit store`'s, a process outside the nodes: every launcher is its client.
+    store_outside: bool = False
 
 
 _STALE = "torchrun's restarted attempt reads the attempt before's keys in its store (3 of 6 runs failed or hung)"
@@ -48,6 +50,9 @@ MODES = {mode.name: mode for mode in [
     Mode("one node, a rank killed", _RESTART, kill_rank=1, no_torchrun=_STALE),
     Mode("static nodes, a rank killed", (*_STATIC, *_RESTART), nnodes=2, kill_rank=1, no_torchrun=_STALE),
     Mode("c10d, a rank killed", (*_C10D, *_RESTART), nnodes=2, kill_rank=1, no_torchrun=_STALE),
+    Mode("c10d, store outside", _C10D, nnodes=2, store_outside=True),
+    Mode("c10d, store outside, a rank killed", (*_C10D, *_RESTART), nnodes=2, kill_rank=1, no_torchrun=_STALE,
+         store_outside=True),
     Mode("module", run_as="module"),
     Mode("no python", run_as="program"),
     Mode("in place", ("--recovery", "in-place", *_RESTART), no_torchrun="torchrun has no in-place recovery"),
@@ -88,6 +93,13 @@ def run_cell(launcher: str, mode: Mode, kind: str, folder: Path, port: int, npro
     script = {"script": [f"jobs/{KINDS[kind]}.py"], "module": ["-m", f"jobs.{KINDS[kind]}"],
               "program": ["--no-python", sys.executable, f"jobs/{KINDS[kind]}.py"]}[mode.run_as]
     launchers = []
+    store = None
+    if mode.store_outside:
+        store = subprocess.Popen([sys.executable, "-m", "ddpkit", "store", "--host", address, "--port", str(port)],
+                                 env=environment, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if store.stdout is None or "serving" not in store.stdout.readline():
+            store.kill()
+            raise RuntimeError(f"ddpkit store did not start: {store.communicate()[0]}")
     for node in range(mode.nnodes):
         flags = [flag.format(node=node, address=address, port=port) for flag in mode.flags]
         command = [*LAUNCHERS[launcher], "--nproc-per-node", str(nproc), *flags, *script]
@@ -101,7 +113,7 @@ def run_cell(launcher: str, mode: Mode, kind: str, folder: Path, port: int, npro
         for process in launchers:
             outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
     finally:
-        for process in launchers:
+        for process in [*launchers, *([store] if store is not None else [])]:
             process.kill()
             process.wait()
     final = torch.load(cell / "final.pt") if (cell / "final.pt").exists() else None

@@ -1,4 +1,5 @@
-"""``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``).
+"""``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``);
+``ddpkit store``: keep a job's store outside the training nodes (``launching.store_host``).
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
                [--master-port P] [--standalone] [--rdzv-backend c10d --rdzv-endpoint HOST[:PORT]
@@ -40,6 +41,7 @@ from ddpkit.launching.rendezvous import (
     parse_endpoint,
     parse_rdzv_conf,
 )
+from ddpkit.launching.store_host import serve_outside_nodes
 from ddpkit.logs import get_logger
 from ddpkit.preemption import parse_signal
 from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
@@ -116,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     _flag(run, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
     run.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    store = commands.add_parser(
+        "store", allow_abbrev=False,
+        help="keep a job's store outside the training nodes (a head node): the --rdzv-endpoint of a c10d rendezvous, "
+             "so that losing any training node leaves it")
+    store.add_argument("--host", default="", help="the address to listen on (default: every interface)")
+    store.add_argument("--port", default=str(DEFAULT_PORT), help=f"the port (default {DEFAULT_PORT}, torchrun's c10d port)")
     return parser
 
 
@@ -273,9 +281,19 @@ def _started_by_a_scheduler() -> str | None:
     return type(environment).__name__
 
 
+def _serve_store(args: argparse.Namespace) -> int:
+    """``ddpkit store``: the job's store in this process until it is stopped."""
+    if not args.port.isdigit() or not 1 <= int(args.port) <= 65535:
+        print(f"ddpkit store: --port={args.port!r} is not a TCP port (1..65535).", file=sys.stderr)
+        return 2
+    return serve_outside_nodes(args.host, int(args.port))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.command == "store":
+        return _serve_store(args)
     for name, value in vars(args).items():  # argparse gives `--flag=--` as an empty list: no value at all
         if isinstance(value, list) and name != "script_args":
             print(f"ddpkit run: --{name.replace('_', '-')} was given '--', which is no value for it (it ends the flags). "

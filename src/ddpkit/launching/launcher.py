@@ -331,11 +331,11 @@ def _gave_up(stopped: GaveUpWaiting, received: Sequence[int], consequence: str,
 
 
 def _open_next_attempt(nodes: NodeCoordination | None, store_host: StoreHost | None, attempt: int) -> None:
-    """Before the workers start again: every node's launcher meets the others (``launching.nodes``),
-    and the store the launchers host forgets the workers' keys of the attempts before."""
+    """Before the workers start again: every node's launcher meets the others (``launching.nodes``:
+    node 0's clears the workers' keys of the attempts before), or on one node the store this
+    launcher hosts forgets them."""
     if nodes is not None:
-        nodes.meet(attempt, recovery_timeout_seconds(),
-                   open_attempt=None if store_host is None else store_host.clear_worker_keys)
+        nodes.meet(attempt, recovery_timeout_seconds())
     elif store_host is not None:
         store_host.clear_worker_keys()
 

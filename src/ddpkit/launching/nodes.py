@@ -62,6 +62,7 @@ from ddpkit.launching.store_client import (
     connect,
     never_give_up,
 )
+from ddpkit.launching.store_host import clear_worker_keys
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination"]
@@ -240,9 +241,11 @@ class NodeCoordination:
             return []
         return [node for node in range(self.nnodes) if self._read(f"{name}/{node}", attempt) is not None]
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str | Callable[..., Any], *args: Any) -> Any:
+        """The store's ``method`` (or a function of the store, given it in ``args``) called; a store that
+        does not answer or is gone is ``NodeContactLostError``."""
         try:
-            return getattr(self._store, method)(*args)
+            return method(*args) if callable(method) else getattr(self._store, method)(*args)
         except StoreRequestTimeout:
             raise NodeContactLostError(
                 f"node {self.node_rank}'s launcher got no answer from the job's store at {self._where}: it did not "
@@ -337,13 +340,14 @@ class NodeCoordination:
             time.sleep(poll)
         return True
 
-    def meet(self, attempt: int, timeout_seconds: float, open_attempt: Callable[[], object] | None = None) -> None:
+    def meet(self, attempt: int, timeout_seconds: float) -> None:
         """Wait until every node's launcher is ready to start ``attempt`` (a restart), then make it
         the current one. Raises ``TimeoutError`` naming the nodes that did not come.
 
-        The launcher that hosts the store then runs ``open_attempt`` (it clears the workers' keys
-        of the attempts before: a plain torch script's ``env://`` connection keeps no keys per
-        attempt) and says the attempt is open; the others wait for that before they start workers."""
+        Node 0's launcher then clears the workers' keys of the attempts before through its client
+        (a plain torch script's ``env://`` connection keeps no keys per attempt; the store may be
+        any launcher's, or outside the nodes: ``ddpkit store``) and says the attempt is open; the
+        others wait for that before they start workers."""
         self._put(f"arrived/{self.node_rank}", "1", attempt)
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -362,13 +366,12 @@ class NodeCoordination:
                     "says why they ended.")
             self._check_give_up()
             time.sleep(_POLL_SECONDS)
-        if self.hosts_store:
-            if open_attempt is not None:
-                open_attempt()
+        if self.node_rank == 0:
+            self._call(clear_worker_keys, self._store)
             self._put("open", "1", attempt)
         while not self._has("open", attempt):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"restart {attempt}: the launcher that hosts the job's store did not open it within "
+                raise TimeoutError(f"restart {attempt}: node 0's launcher did not open it within "
                                    f"{timeout_seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}); its output says why.")
             self._check_give_up()
             time.sleep(_POLL_SECONDS)

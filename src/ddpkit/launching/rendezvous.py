@@ -4,7 +4,8 @@
                --rdzv-id job7 train.py          # the same command on every node, no --node-rank
 
 The launcher on HOST (the one whose bind of the endpoint succeeds: ``claim_endpoint``) hosts the
-job's store there (``launching.store_host``, handed the listening socket, so two launchers on
+job's store there, unless ``ddpkit store`` holds it already (a store outside the training nodes:
+``launching.store_host``; then every launcher is a client) (``launching.store_host``, handed the listening socket, so two launchers on
 one host cannot both host it); every launcher, that one included, joins through the store
 (``join``): the n-th to arrive is node n - 1, one endpoint serves one rendezvous id, and nobody
 starts a worker before all ``--nnodes`` launchers arrived (within ``join_timeout``, torchrun's
@@ -163,8 +164,8 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
     except StoreUnreachableError as error:
         raise RendezvousError(
             f"could not reach the rendezvous store at {endpoint} within {join_timeout:g} s ({error}). The launcher "
-            f"on the endpoint's host hosts it: start `ddpkit run` there with the same --rdzv-endpoint, and check that "
-            "this host can reach it.") from None
+            f"on the endpoint's host hosts it, or `ddpkit store --port {endpoint.port}` there: start one of them on "
+            "that host, and check that this host can reach it.") from None
     try:
         return _arrive(store, endpoint, run_id, nnodes, join_timeout, give_up), store
     except StoreRequestTimeout as unanswered:

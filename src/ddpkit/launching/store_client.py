@@ -146,6 +146,12 @@ class BoundedStore:
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         return bytes(self._ask("compare_set", key, expected, desired))
 
+    def list_keys(self) -> list[str]:
+        return list(self._ask("list_keys"))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._ask("delete_key", key))
+
 
 def never_give_up() -> str | None:
     return None

@@ -1,5 +1,6 @@
-"""The store a launcher hosts for its job: the process (``python -m ddpkit.launching.store_host
-ADDRESS PORT``) and the launcher's handle on it (``StoreHost``).
+"""The job's store in a process of its own: the one a launcher hosts (``python -m
+ddpkit.launching.store_host ADDRESS PORT``) with the launcher's handle on it (``StoreHost``), and
+the one a user runs outside the training nodes (``ddpkit store``: ``serve_outside_nodes``).
 
 ``ddpkit run --recovery in-place`` starts this process beside the workers so that the store (a
 ``torch.distributed.TCPStore``) outlives any one of them: without it, the store lives in rank 0,
@@ -19,6 +20,13 @@ The process reads one command per line on its standard input (``clear``: answere
 standard output with ``cleared N``) and ends when that pipe closes, on SIGTERM, or with the
 launcher (``PR_SET_PDEATHSIG``). Its standard error goes to a file, whose last line names the
 cause when it ends early (``StoreHost.failure``: a port taken, say).
+
+``ddpkit store [--host ADDRESS] [--port PORT]`` keeps the store on a machine that trains nothing
+(a head node), for a c10d rendezvous at that address: every training launcher is then its client
+(none can claim the endpoint), so that losing any training node, node 0 included, leaves the
+meeting point. It serves one job (one ``--rdzv-id``) until it is stopped (SIGINT or SIGTERM);
+the launchers clear the workers' keys through their clients between attempts
+(``clear_worker_keys``), as they do with a launcher's store across nodes.
 """
 
 from __future__ import annotations
@@ -27,19 +35,22 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import IO, Any
 
+from ddpkit._network import listen_on
 from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.processes import describe_exit
 from ddpkit.variables import DDPKIT_LAUNCHER_PID
 
-__all__ = ["StoreHost", "StoreHostError", "launcher_key_prefixes", "main"]
+__all__ = ["StoreHost", "StoreHostError", "clear_worker_keys", "launcher_key_prefixes", "main", "serve_outside_nodes"]
 
 _CLEAR = "clear"
 # How long the launcher waits for the host to clear the keys; a host that takes longer is stuck.
@@ -152,6 +163,36 @@ def clear_worker_keys(store: Any) -> int:
         if not key.startswith(kept) and store.delete_key(key):
             deleted += 1
     return deleted
+
+
+def serve_outside_nodes(host: str, port: int) -> int:
+    """``ddpkit store``: keep a job's store on ``host`` ("" for every interface) and ``port`` until
+    SIGINT or SIGTERM; the exit code (2 when it cannot listen there)."""
+    from ddpkit.launching.store_client import import_distributed  # torch's C++ logging quiet: this process is a server
+
+    try:
+        listener = listen_on(host, port)
+    except OSError as error:
+        where = host or "every interface"
+        print(f"ddpkit store: cannot listen on {where} port {port} ({error.strerror or error}): give --port a free "
+              "port, and --host an address of this machine (or leave it out for every interface).", file=sys.stderr)
+        return 2
+    dist = import_distributed()
+    # The store listens on this socket (bound here so that --host is honoured: torch's own bind is on every interface).
+    store = dist.TCPStore(host or "0.0.0.0", port, is_master=True, timeout=timedelta(minutes=10),
+                          wait_for_workers=False, master_listen_fd=listener.fileno())
+    where = f"{host or socket.gethostname()}:{port}"
+    print(f"ddpkit store: serving a job's store on {host or 'every interface'} port {port}. Start each node with "
+          f"`ddpkit run --rdzv-backend c10d --rdzv-endpoint {where} --rdzv-id ID ...`; stop this with Ctrl-C once "
+          "the job ended (it serves one --rdzv-id).", flush=True)
+    stopped = threading.Event()
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda *_: stopped.set())
+    while not stopped.wait(1.0):
+        pass
+    print(f"ddpkit store: stopped ({store.num_keys()} keys were held)", flush=True)
+    listener.close()
+    return 0
 
 
 def main(argv: list[str]) -> None:
