@@ -113,10 +113,22 @@ def test_standalone_across_nodes_is_refused(
 
 
 @pytest.mark.parametrize("value", ["1:2", "2:4"])
-def test_a_range_of_node_counts_is_refused_with_the_way_to_go(
+def test_a_range_of_node_counts_without_c10d_and_in_place_is_refused_with_the_way_to_go(
         folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str) -> None:
     message = refused(folder, monkeypatch, capsys, "--nnodes", value, "report.py")
-    assert f"--nnodes={value!r}: a range of node counts" in message and "--max-restarts" in message
+    assert f"--nnodes={value}: a range of node counts needs --rdzv-backend c10d" in message
+    assert "--recovery in-place" in message and "--max-restarts" in message
+    c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29999", "--rdzv-id", "j"]
+    message = refused(folder, monkeypatch, capsys, "--nnodes", value, *c10d, "report.py")
+    assert "a range of node counts needs" in message
+
+
+@pytest.mark.parametrize("value", ["2:1", "3:2"])
+def test_a_range_of_node_counts_out_of_order_is_refused(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    message = refused(folder, monkeypatch, capsys, "--nnodes", value, "--recovery", "in-place", "--max-restarts", "1",
+                      "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29999", "--rdzv-id", "j", "report.py")
+    assert f"--nnodes={value}: MIN:MAX needs 1 <= MIN < MAX" in message
 
 
 def test_tee_writes_log_files_and_prefixes_each_console_line_with_the_rank(folder: Path) -> None:

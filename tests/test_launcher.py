@@ -180,7 +180,7 @@ def test_workers_exit_when_the_launcher_is_killed(scripts: Path) -> None:
         (["--nnodes", "2", "ok.py"], "--master-port is required with --nnodes > 1"),
         (["--max-restarts", "-1", "ok.py"], "--max-restarts=-1: give 0 (no restart) or more"),
         (["--recovery", "in-place", "--max-restarts", "1", "--nnodes", "2", "--master-port", "29999", "ok.py"],
-         "--recovery in-place with --nnodes=2: in-place recovery replaces ranks on one node so far"),
+         "--recovery in-place with --nnodes=2 and static node ranks: across nodes in-place recovery needs --rdzv-backend c10d"),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(scripts: Path, args: list[str], message: str) -> None:

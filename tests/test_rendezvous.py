@@ -180,7 +180,8 @@ def test_endpoints_and_settings_are_read_as_torchrun_reads_them() -> None:
     assert parse_endpoint("node0:1234") == Endpoint("node0", 1234)
     assert parse_endpoint("[::1]:1234") == Endpoint("::1", 1234) and str(Endpoint("::1", 5)) == "[::1]:5"
     assert parse_rdzv_conf("") == StoreWaits(join_timeout=600, read_timeout=30)
-    assert parse_rdzv_conf("read_timeout=60, join_timeout=30,last_call_timeout=5") == StoreWaits(30, 60)
+    assert parse_rdzv_conf("read_timeout=60, join_timeout=30,last_call_timeout=5") == StoreWaits(30, 60, 5)
+    assert parse_rdzv_conf("rdzv_timeout=9") == StoreWaits()  # torchrun's own tuning: ignored
 
 
 def test_the_checks_of_the_script_hold_under_a_rendezvous_too(

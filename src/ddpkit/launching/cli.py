@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="start and watch the workers of this node", allow_abbrev=False)
     _flag(run, "nproc-per-node", default="1", help="processes on this node: a number, or 'auto'")
-    _flag(run, "nnodes", default="1", help="number of nodes")
+    _flag(run, "nnodes", default="1", help="number of nodes, or MIN:MAX with --rdzv-backend c10d and --recovery "
+                                           "in-place (launchers beyond the world wait as spare nodes)")
     _flag(run, "node-rank", default="0", help="this node's rank, 0..nnodes-1")
     _flag(run, "master-addr", default="127.0.0.1", help="address of the node with rank 0")
     _flag(run, "master-port", default=None, help="port on the master node (default: a free one, single node only)")
@@ -167,18 +168,13 @@ def _nproc(value: str, argv: Sequence[str]) -> int:
     return count
 
 
-def _nnodes(value: str, argv: Sequence[str]) -> int:
-    """``--nnodes N``; torchrun's elastic ``MIN:MAX`` only where both are the same."""
+def _nnodes(value: str, argv: Sequence[str]) -> tuple[int, int | None]:
+    """``--nnodes N``, or torchrun's elastic ``MIN:MAX`` (then MAX, else None)."""
     if ":" in str(value):
         low, _, high = str(value).partition(":")
-        if low.strip() == high.strip():
-            return _integer("nnodes", low.strip(), argv)
-        raise LaunchError(
-            f"{_origin('nnodes', argv)}={value!r}: a range of node counts (torchrun's elastic MIN:MAX) is not supported: "
-            "every restart waits for all nodes. Give one number, e.g. --nnodes "
-            f"{high.strip() or low.strip()}, and --max-restarts for failures."
-        )
-    return _integer("nnodes", value, argv)
+        least, most = _integer("nnodes", low.strip(), argv), _integer("nnodes", high.strip(), argv)
+        return least, (None if least == most else most)
+    return _integer("nnodes", value, argv), None
 
 
 def _standalone(nnodes: int, node_rank: int, master_port: str | None, argv: Sequence[str]) -> tuple[str, None]:
@@ -327,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execvp(command[0], command)
     try:
         nproc_per_node = _nproc(args.nproc_per_node, launcher_argv)
-        nnodes = _nnodes(args.nnodes, launcher_argv)
+        nnodes, max_nodes = _nnodes(args.nnodes, launcher_argv)
         node_rank = _integer("node-rank", args.node_rank, launcher_argv)
         master_addr, master_port = args.master_addr, args.master_port
         rendezvous = None
@@ -340,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = LaunchConfig(
             nproc_per_node=nproc_per_node,
             nnodes=nnodes,
+            max_nodes=max_nodes,
             node_rank=node_rank,
             master_addr=master_addr,
             master_port=None if master_port in (None, "") else _integer("master-port", master_port, launcher_argv),

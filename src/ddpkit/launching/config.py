@@ -42,7 +42,7 @@ class LaunchConfig:
     """Where this node's workers sit in the job, how they run the script and where their output goes."""
 
     nproc_per_node: int
-    nnodes: int = 1
+    nnodes: int = 1  # with ``max_nodes``, the least (MIN of torchrun's MIN:MAX); after a rendezvous, the world's
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (single node only)
@@ -60,6 +60,9 @@ class LaunchConfig:
     # read for static nodes): a node not heard from by then, or a store that does not answer, ends
     # the others' wait (``launching.nodes``).
     store_waits: StoreWaits = field(default_factory=StoreWaits)
+    # ``--nnodes MIN:MAX``'s MAX (None: a fixed number): the rendezvous may close with up to MAX
+    # nodes, and launchers beyond the world wait as spare nodes (``launching.rendezvous``).
+    max_nodes: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -77,7 +80,8 @@ class LaunchConfig:
         """Whether the launchers of several nodes agree on the job's end (``launching.nodes``): when
         they restart together, and under a c10d rendezvous, where the launcher that hosts the
         store must outlive the others."""
-        return self.nnodes > 1 and (self.max_restarts > 0 or self.rendezvous is not None)
+        several = self.nnodes > 1 or self.max_nodes is not None  # spare nodes wait beside one node too
+        return several and (self.max_restarts > 0 or self.rendezvous is not None)
 
 
 def validate(config: LaunchConfig, script: str) -> None:
@@ -88,11 +92,21 @@ def validate(config: LaunchConfig, script: str) -> None:
         raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
     if config.max_restarts < 0:
         raise LaunchError(f"--max-restarts={config.max_restarts}: give 0 (no restart) or more.")
-    if config.recovery is Recovery.IN_PLACE and config.nnodes > 1:
+    if config.max_nodes is not None:
+        given = f"--nnodes={config.nnodes}:{config.max_nodes}"
+        if not 1 <= config.nnodes < config.max_nodes:
+            raise LaunchError(f"{given}: MIN:MAX needs 1 <= MIN < MAX (e.g. --nnodes 2:3).")
+        if config.rendezvous is None or config.recovery is not Recovery.IN_PLACE:
+            raise LaunchError(
+                f"{given}: a range of node counts needs --rdzv-backend c10d (nodes get their rank as they arrive, and "
+                "launchers beyond the world wait as spare nodes) and --recovery in-place (a spare node takes a lost "
+                "node's ranks while the others go on). Otherwise give one number, e.g. --nnodes "
+                f"{config.max_nodes}, and --max-restarts for failures.")
+    if config.recovery is Recovery.IN_PLACE and config.nnodes > 1 and config.rendezvous is None:
         raise LaunchError(
-            f"--recovery in-place with --nnodes={config.nnodes}: in-place recovery replaces ranks on one node so far. "
-            "Across nodes use --recovery fail-fast (the default) with --max-restarts: every node's workers restart "
-            "together and resume from the last checkpoint."
+            f"--recovery in-place with --nnodes={config.nnodes} and static node ranks: across nodes in-place recovery "
+            "needs --rdzv-backend c10d (a spare node takes a lost node's rank at the rendezvous). Use c10d, or "
+            "--recovery fail-fast (the default) with --max-restarts: every node's workers restart together."
         )
     if config.recovery is Recovery.IN_PLACE:
         if config.max_restarts < 1:

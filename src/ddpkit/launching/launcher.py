@@ -56,6 +56,7 @@ from ddpkit.launching.replacement import (
     Replacements,
     ready_file,
 )
+from ddpkit.launching.spare_node import Takeover, wait_as_spare
 from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, connect
 from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.launching.watch import Signals, agree_across_nodes, failure_of, watch
@@ -63,6 +64,7 @@ from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.variables import (
     DDPKIT_BACKEND,
+    DDPKIT_GENERATION,
     DDPKIT_HOSTED_STORE,
     DDPKIT_JOB_SECRET,
     DDPKIT_JOB_SECRET_FILE,
@@ -230,10 +232,12 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
 
     try:
         restart_count = 0
+        spare_node = False
         if config.rendezvous is not None:
             store_host = _host_rendezvous(config.rendezvous, {**defaults, **os.environ})
             try:
-                config, nodes = _join_rendezvous(config, config.rendezvous, store_host is not None, stop_waiting)
+                config, nodes, spare_node = _join_rendezvous(config, config.rendezvous, store_host is not None,
+                                                             stop_waiting)
             except RendezvousError as error:
                 _log.error(f"ddpkit run: {error}")
                 return 1
@@ -244,25 +248,46 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             store_host = _host_store(config.master_addr, port, config.nnodes > 1, {**defaults, **os.environ})
         output = config.output.with_log_dir()
         command = worker_command(config.run_as, script, script_args)
+        spare_command = [*command[:3], SPARE, *command[3:]]
+        takeover: Takeover | None = None
         while True:
             if not config.hosts_store and restart_count and config.master_port is None:
                 port = find_free_port(config.master_addr)
             log_folder = output.attempt_folder(config.node_rank, restart_count) if output.writes_files() else None
-            if log_folder is not None:
+            if log_folder is not None and not spare_node:
                 shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt, replaced
             workers = WorkerProcesses("run", None if output.is_default() else output, log_folder)
             try:
+                if spare_node and nodes is not None:
+                    spare_node = False
+                    takeover = wait_as_spare(
+                        nodes, functools.partial(workers.start_spare, spare_command, {**defaults, **os.environ}),
+                        config.nproc_per_node, stop_waiting)
+                    if takeover is None:
+                        _log.warning("ddpkit run: every node's launcher left the job: this spare node was not needed")
+                        return 0
+                    config = dataclasses.replace(config, node_rank=takeover.node_rank)
+                    restart_count = takeover.attempt
+                    nodes.beat_through(connect(config.master_addr, port, config.store_waits.read_timeout))
+                generation = takeover.generation if takeover is not None else 0
                 for local_rank in range(config.nproc_per_node):
                     variables = rank_variables(config, port, local_rank, restart_count)
+                    rank = int(variables["RANK"])
                     if config.recovery is Recovery.IN_PLACE:
-                        variables[DDPKIT_READY_FILE] = ready_file(workers.folder, 0, int(variables["RANK"]))
-                    workers.start(command, {**defaults, **os.environ, **variables}, int(variables["RANK"]), local_rank)
+                        variables[DDPKIT_READY_FILE] = ready_file(workers.folder, generation, rank)
+                    if takeover is not None:
+                        variables[DDPKIT_GENERATION] = str(generation)
+                        workers.assign(takeover.spares[local_rank], variables, rank, local_rank)
+                    else:
+                        workers.start(command, {**defaults, **os.environ, **variables}, rank, local_rank)
+                takeover = None
                 replacements: Replacements | NoReplacements = NO_REPLACEMENTS
                 if config.recovery is Recovery.IN_PLACE:
                     replacements = Replacements(
-                        workers, [*command[:3], SPARE, *command[3:]], {**defaults, **os.environ},
+                        workers, spare_command, {**defaults, **os.environ},
                         functools.partial(rank_variables, config, port, restart_count=restart_count),
-                        budget=config.max_restarts - restart_count)
+                        budget=config.max_restarts - restart_count, generation=generation,
+                        next_generation=nodes.next_generation if nodes is not None and nodes.in_place else None)
                 if config.coordinates_nodes and nodes is None:
                     nodes = _connect_nodes(config, port, workers, stop_waiting)
                 outcome = watch(workers, signals, grace, poll_interval, replacements, nodes, store_host)
@@ -394,20 +419,25 @@ def _host_rendezvous(rendezvous: RendezvousSettings, environment: Mapping[str, s
 
 
 def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_store: bool,
-                     stop_waiting: GiveUp) -> tuple[LaunchConfig, NodeCoordination | None]:
+                     stop_waiting: GiveUp) -> tuple[LaunchConfig, NodeCoordination | None, bool]:
     """Meet the other nodes' launchers at the endpoint: the job as a static one with this node's
-    rank, and the agreement between the launchers (several nodes). ``stop_waiting`` ends the wait
-    with ``GaveUpWaiting``."""
+    rank and the world's number of nodes, the agreement between the launchers (several nodes, or
+    spare nodes), and whether this launcher is a spare node (``launching.spare_node``: it has no
+    node rank yet). ``stop_waiting`` ends the wait with ``GaveUpWaiting``."""
     endpoint = rendezvous.endpoint
     waits = config.store_waits
-    node_rank, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting)
-    config = dataclasses.replace(config, node_rank=node_rank, master_addr=endpoint.host, master_port=endpoint.port)
+    place, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting, config.max_nodes)
+    spare = place.node_rank is None
+    config = dataclasses.replace(config, node_rank=place.node_rank or 0, nnodes=place.nnodes,
+                                 master_addr=endpoint.host, master_port=endpoint.port)
     nodes = None
     if config.coordinates_nodes:
-        nodes = NodeCoordination(store, node_rank, config.nnodes, endpoint.host, endpoint.port,
-                                 hosts_store=hosts_store, give_up=stop_waiting, join_seconds=waits.join_timeout)
-        nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
-    return config, nodes
+        nodes = NodeCoordination(store, -1 if place.node_rank is None else place.node_rank, config.nnodes,
+                                 endpoint.host, endpoint.port, hosts_store=hosts_store, give_up=stop_waiting,
+                                 join_seconds=waits.join_timeout, in_place=config.recovery is Recovery.IN_PLACE)
+        if not spare:  # a spare says it is alive once it took a node's place
+            nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
+    return config, nodes, spare
 
 
 # How long the launcher that hosts the store keeps it for the others after it was told to stop.

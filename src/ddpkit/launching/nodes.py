@@ -45,6 +45,7 @@ Every wait here also ends, with ``GaveUpWaiting``, when the launcher's ``give_up
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,14 @@ _POLL_SECONDS = 0.02
 # ranks waiting for the lost node's (in a collective, or while the group forms) until torch's timeout.
 _BEAT_SECONDS = 1.0
 _SILENT_SECONDS = 10.0
+# Under in-place recovery across nodes a lost node is taken over by a spare node while the others'
+# workers wait for it, so it is noticed sooner: beats four times a second, lost after 2 s of silence.
+_IN_PLACE_BEAT_SECONDS = 0.25
+_IN_PLACE_SILENT_SECONDS = 2.0
+# How long the others wait for a spare node to claim a silent node before taking it for lost, and
+# then for the spare's launcher to say it is alive as that node.
+_CLAIM_SECONDS = 2.0
+_TAKEOVER_SECONDS = 15.0
 
 
 class NodeContactLostError(RuntimeError):
@@ -102,7 +111,7 @@ class NodeCoordination:
 
     def __init__(self, store: BoundedStore, node_rank: int, nnodes: int, address: str, port: int,
                  hosts_store: bool | None = None, give_up: GiveUp = never_give_up,
-                 join_seconds: float = StoreWaits.join_timeout) -> None:
+                 join_seconds: float = StoreWaits.join_timeout, in_place: bool = False) -> None:
         self._store = store
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.node_rank = node_rank
@@ -119,10 +128,16 @@ class NodeCoordination:
         self._next_look = 0.0
         self._lost: tuple[int, str] | None = None  # another node's launcher taken for lost, and why
         self._beating = threading.Event()  # set: stop beating
+        # Under in-place recovery (``launching.spare_node``): a silent node may be taken over by a spare.
+        self.in_place = in_place
+        self._beat_seconds = _IN_PLACE_BEAT_SECONDS if in_place else _BEAT_SECONDS
+        self._silent_seconds = _IN_PLACE_SILENT_SECONDS if in_place else _SILENT_SECONDS
+        self._launcher_id = os.urandom(6).hex()  # tells this launcher's beats from a former one's of the same node
+        self._silent_since: dict[int, float] = {}  # node -> when it was seen silent (waiting for a claim)
 
     def beat_through(self, store: Any) -> None:
-        """Say this launcher is alive every ``_BEAT_SECONDS``, through ``store`` (a client for this
-        alone), from a daemon thread, until ``leave``."""
+        """Say this launcher is alive every beat (``_BEAT_SECONDS``), through ``store`` (a client for
+        this alone), from a daemon thread, until ``leave``. A beat is this launcher's id and a count."""
         key = self._key(f"beat/{self.node_rank}", -1)
 
         def beat() -> None:
@@ -130,20 +145,21 @@ class NodeCoordination:
             while not self._beating.is_set():
                 count += 1
                 try:
-                    store.set(key, self._signer.sign(key, str(count)))
+                    store.set(key, self._signer.sign(key, f"{self._launcher_id}:{count}"))
                 except Exception:  # the store is gone: the main thread finds out at its next request
                     return
-                self._beating.wait(_BEAT_SECONDS)
+                self._beating.wait(self._beat_seconds)
 
         threading.Thread(target=beat, name="ddpkit-launcher-beat", daemon=True).start()
 
     def silent_node(self) -> str | None:
-        """Why another node's launcher is taken for lost (no beat for ``_SILENT_SECONDS`` and no
-        word that it left), or None; looked at once a second, and once lost, always lost."""
+        """Why another node's launcher is taken for lost (no beat for the silent time and no word that
+        it left, nor, under in-place recovery, a spare node that claimed its place), or None;
+        looked at once a second (in place: ten times), and once lost, always lost."""
         now = time.monotonic()
         if self._lost is not None or now < self._next_look:
             return None if self._lost is None else self._lost[1]
-        self._next_look = now + 1.0
+        self._next_look = now + (0.1 if self.in_place else 1.0)
         left = set(self._nodes_that_said("left", -1))
         for node in range(self.nnodes):
             if node == self.node_rank or node in left:
@@ -158,10 +174,78 @@ class NodeCoordination:
             last = self._heard.get(node)
             if last is None or last[0] != beat:
                 self._heard[node] = (beat, now)
-            elif now - last[1] > _SILENT_SECONDS:
-                self._lost = (node, f"node {node}'s launcher went silent: no word from it for {_SILENT_SECONDS:g} s "
-                                    "(killed with its workers, or its host lost)")
+                self._silent_since.pop(node, None)
+            elif now - last[1] > self._silent_seconds and not self._taken_over(node, beat, now):
+                self._lost = (node, f"node {node}'s launcher went silent: no word from it for "
+                                    f"{self._silent_seconds:g} s (killed with its workers, or its host lost)")
         return None if self._lost is None else self._lost[1]
+
+    def _taken_over(self, node: int, beat: str, now: float) -> bool:
+        """Under in-place recovery, whether the silent ``node`` (whose last beat was ``beat``) is being
+        taken over by a spare node: claimed within ``_CLAIM_SECONDS``, the claimant then given
+        ``_TAKEOVER_SECONDS`` to beat as that node."""
+        if not self.in_place:
+            return False
+        since = self._silent_since.setdefault(node, now)
+        if self.claimant(node, beat) is None:
+            return now - since < _CLAIM_SECONDS
+        if now - since < _TAKEOVER_SECONDS:
+            return True
+        return False
+
+    # -- spare nodes (``launching.spare_node``) -------------------------------------------------------
+
+    def silent_launcher(self, node: int) -> str | None:
+        """The last beat of ``node``'s launcher when it has been silent for the silent time (read now
+        and compared with what this launcher heard before), else None."""
+        beat = self._read(f"beat/{node}", -1)
+        now = time.monotonic()
+        if beat is None:
+            return None
+        last = self._heard.get(node)
+        if last is None or last[0] != beat:
+            self._heard[node] = (beat, now)
+            return None
+        return beat if now - last[1] > self._silent_seconds else None
+
+    def claim(self, node: int, beat: str, claimant: str) -> bool:
+        """Claim the place of ``node``, whose launcher's last beat was ``beat``: True for the one
+        spare whose claim was written first."""
+        key = self._key(f"takeover/{node}/{beat.partition(':')[0]}", -1)
+        signed = self._signer.sign(key, claimant)
+        return bool(self._call("compare_set", key, "", signed) == signed.encode())
+
+    def claimant(self, node: int, beat: str) -> str | None:
+        """Who claimed the place of ``node`` after its launcher went silent at ``beat``, if anyone."""
+        return self._read(f"takeover/{node}/{beat.partition(':')[0]}", -1)
+
+    def take_place_of(self, node: int) -> None:
+        """This spare launcher is node ``node`` from now on (its claim won)."""
+        self.node_rank = node
+        self._heard.pop(node, None)
+        self._silent_since.pop(node, None)
+
+    def said_left(self, node: int) -> bool:
+        """Whether ``node``'s launcher said it left the job."""
+        return self._has(f"left/{node}", -1)
+
+    def job_over(self) -> bool:
+        """Whether every node's launcher left the job (a spare then has nothing to wait for)."""
+        return len(self._nodes_that_said("left", -1)) >= self.nnodes
+
+    def latest_attempt(self) -> int:
+        """The attempt the nodes run now: the last one opened (``meet``)."""
+        attempt = 0
+        while self._has("open", attempt + 1):
+            attempt += 1
+        return attempt
+
+    def next_generation(self) -> int:
+        """Count one more formation of the workers' group across the job (an in-place recovery on any
+        node, or a spare node's takeover) and return its number: every node's workers agree on it."""
+        generation = int(self._read("generation", -1) or 0) + 1
+        self._put("generation", str(generation), -1)
+        return generation
 
     @classmethod
     def connect(cls, address: str, port: int, node_rank: int, nnodes: int, waits: StoreWaits,

@@ -126,21 +126,30 @@ class WorkerProcesses:
     def replace(self, lost: WorkerProcess, spare: WorkerProcess, variables: Mapping[str, str]) -> None:
         """Give ``lost``'s rank to ``spare``, which then runs the script with ``variables`` added to its
         environment; what is left of ``lost`` (its children) is killed."""
-        assert spare.process.stdin is not None  # start_spare made the pipe
-        routing = None if self._output is None else self._output.routing(lost.local_rank)
-        if routing is not None:
-            variables = {**variables, **routing.variables()}
-        spare.process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
-        spare.process.stdin.close()
-        spare.rank, spare.local_rank = lost.rank, lost.local_rank
-        if spare.output is not None and routing is not None:
-            spare.output.assign(routing, f"rank{lost.rank}")
-        self.spares.remove(spare)
-        self.workers[self.workers.index(lost)] = spare
+        self.assign(spare, variables, lost.rank, lost.local_rank, instead_of=lost)
         _signal_group(lost.process, signal.SIGKILL)
         lost.process.wait()
         lost.reaped = True
         self.retired.append(lost)
+
+    def assign(self, spare: WorkerProcess, variables: Mapping[str, str], rank: int, local_rank: int,
+               instead_of: WorkerProcess | None = None) -> None:
+        """Make ``spare`` the worker of ``rank`` (in ``instead_of``'s place when given): it runs the
+        script with ``variables`` added to its environment."""
+        assert spare.process.stdin is not None  # start_spare made the pipe
+        routing = None if self._output is None else self._output.routing(local_rank)
+        if routing is not None:
+            variables = {**variables, **routing.variables()}
+        spare.process.stdin.write(json.dumps(dict(variables)).encode() + b"\n")
+        spare.process.stdin.close()
+        spare.rank, spare.local_rank = rank, local_rank
+        if spare.output is not None and routing is not None:
+            spare.output.assign(routing, f"rank{rank}")
+        self.spares.remove(spare)
+        if instead_of is None:
+            self.workers.append(spare)
+        else:
+            self.workers[self.workers.index(instead_of)] = spare
 
     def failed(self, also_fine: Sequence[int] = ()) -> list[WorkerProcess]:
         """The workers that have ended with a non-zero code or a signal, other than

@@ -4,15 +4,20 @@
                --rdzv-id job7 train.py          # the same command on every node, no --node-rank
 
 The launcher on HOST (the one whose bind of the endpoint succeeds: ``claim_endpoint``) hosts the
-job's store there, unless ``ddpkit store`` holds it already (a store outside the training nodes:
-``launching.store_host``; then every launcher is a client) (``launching.store_host``, handed the listening socket, so two launchers on
-one host cannot both host it); every launcher, that one included, joins through the store
-(``join``): the n-th to arrive is node n - 1, one endpoint serves one rendezvous id, and nobody
-starts a worker before all ``--nnodes`` launchers arrived (within ``join_timeout``, torchrun's
-``--rdzv-conf`` key, 600 s by default). From then on the job is a static one whose master
-address and port are the endpoint's, and whose store is the launchers' (the workers meet there,
-one key prefix per attempt, as under restarts across nodes: ``launching.nodes``); node ranks stay
-the same across restarts.
+job's store there (``launching.store_host``, handed the listening socket, so two launchers on
+one host cannot both host it), unless ``ddpkit store`` holds the endpoint already (a store outside
+the training nodes; then every launcher is a client); every launcher, that one included, joins
+through the store (``join``): the n-th to arrive is node n - 1, one endpoint serves one rendezvous
+id, and nobody starts a worker before all ``--nnodes`` launchers arrived (within ``join_timeout``,
+torchrun's ``--rdzv-conf`` key, 600 s by default). From then on the job is a static one whose
+master address and port are the endpoint's, and whose store is the launchers' (the workers meet
+there, one key prefix per attempt, as under restarts across nodes: ``launching.nodes``); node
+ranks stay the same across restarts.
+
+With ``--nnodes MIN:MAX`` (under in-place recovery) the rendezvous closes with MAX nodes, or with
+at least MIN once ``last_call_timeout`` (torchrun's key, 30 s) passed since MIN arrived; the first
+launcher to see it close writes the world's size, and everyone reads that one. Launchers that
+arrive after it closed, up to MAX in all, wait as spare nodes (``launching.spare_node``).
 
 Arrivals are tickets: a launcher draws the next number from a count and writes its ticket under
 it, signed with the job secret when there is one (``ddpkit.job_secret``); node ranks are the
@@ -43,8 +48,8 @@ from ddpkit.launching.store_client import (
 )
 from ddpkit.logs import get_logger
 
-__all__ = ["DEFAULT_PORT", "Endpoint", "RendezvousError", "RendezvousSettings", "StoreWaits", "claim_endpoint", "join",
-           "parse_endpoint", "parse_rdzv_conf"]
+__all__ = ["DEFAULT_PORT", "Endpoint", "Place", "RendezvousError", "RendezvousSettings", "StoreWaits", "claim_endpoint",
+           "join", "parse_endpoint", "parse_rdzv_conf"]
 
 _log = get_logger("launching")
 
@@ -87,6 +92,9 @@ class StoreWaits:
     # How long one request to the store may go unanswered once connected (torchrun's is 60 s):
     # a store whose host froze must not hold the other nodes longer.
     read_timeout: float = 30.0
+    # With ``--nnodes MIN:MAX``: how long the rendezvous stays open for more nodes once MIN arrived
+    # (torchrun's default); launchers that come later wait as spare nodes.
+    last_call_timeout: float = 30.0
 
 
 def parse_endpoint(value: str) -> Endpoint:
@@ -116,9 +124,9 @@ def parse_rdzv_conf(conf: str) -> StoreWaits:
         key, sep, value = (part.strip() for part in pair.partition("="))
         if not sep:
             raise ValueError(f"--rdzv-conf={conf!r}: {pair!r} is not key=value (e.g. join_timeout=120).")
-        if key not in ("join_timeout", "read_timeout"):
-            _log.info(f"ddpkit run: --rdzv-conf {key} is not used by ddpkit's rendezvous (only join_timeout and "
-                      "read_timeout).")
+        if key not in ("join_timeout", "read_timeout", "last_call_timeout"):
+            _log.info(f"ddpkit run: --rdzv-conf {key} is not used by ddpkit's rendezvous (only join_timeout, "
+                      "read_timeout and last_call_timeout).")
             continue
         try:
             read[key] = float(value)
@@ -153,11 +161,23 @@ def _keys(name: str) -> str:
     return f"ddpkit/rendezvous/{name}"
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a launcher stands once the rendezvous closed: its node rank in a world of ``nnodes``
+    nodes, or None for a spare node (``--nnodes MIN:MAX``: a launcher beyond the world, waiting to
+    take a lost node's place)."""
+
+    node_rank: int | None
+    nnodes: int
+
+
 def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
-         give_up: GiveUp = never_give_up) -> tuple[int, BoundedStore]:
-    """Join the rendezvous ``run_id`` at ``endpoint`` and wait for all ``nnodes`` launchers: this
-    node's rank (the order of arrival) and the store's client (kept for ``launching.nodes``).
-    ``give_up`` ends the wait with ``GaveUpWaiting`` (a stop signal, the store host gone)."""
+         give_up: GiveUp = never_give_up, max_nodes: int | None = None) -> tuple[Place, BoundedStore]:
+    """Join the rendezvous ``run_id`` at ``endpoint`` and wait until it closes: with ``nnodes`` launchers,
+    or with ``max_nodes`` given (``--nnodes MIN:MAX``, MIN being ``nnodes``), with MAX, or with at least
+    MIN once ``waits.last_call_timeout`` passed since MIN arrived. This launcher's place (its node rank
+    is its order of arrival) and the store's client (kept for ``launching.nodes``). ``give_up`` ends
+    the wait with ``GaveUpWaiting`` (a stop signal, the store host gone)."""
     join_timeout = waits.join_timeout
     try:
         store = BoundedStore(connect(endpoint.host, endpoint.port, join_timeout, give_up), waits.read_timeout)
@@ -166,51 +186,95 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
             f"could not reach the rendezvous store at {endpoint} within {join_timeout:g} s ({error}). The launcher "
             f"on the endpoint's host hosts it, or `ddpkit store --port {endpoint.port}` there: start one of them on "
             "that host, and check that this host can reach it.") from None
+    bounds = _Bounds(nnodes, nnodes if max_nodes is None else max_nodes, waits.last_call_timeout)
     try:
-        return _arrive(store, endpoint, run_id, nnodes, join_timeout, give_up), store
+        return _arrive(store, endpoint, run_id, bounds, join_timeout, give_up), store
     except StoreRequestTimeout as unanswered:
         raise RendezvousError(
             f"the rendezvous store at {endpoint} stopped answering ({unanswered}; --rdzv-conf read_timeout): the "
             "launcher on the endpoint's host is frozen, or its host unreachable.") from None
 
 
-def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, nnodes: int, join_timeout: float,
-            give_up: GiveUp) -> int:
-    """This node's rank once all ``nnodes`` launchers arrived at the rendezvous."""
+@dataclass(frozen=True)
+class _Bounds:
+    least: int
+    most: int
+    last_call: float
+
+    def __str__(self) -> str:
+        return f"--nnodes={self.least}" if self.least == self.most else f"--nnodes={self.least}:{self.most}"
+
+
+def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, bounds: _Bounds, join_timeout: float,
+            give_up: GiveUp) -> Place:
+    """This launcher's place once the rendezvous closed (see ``join``)."""
     # One endpoint, one job: the first launcher names the rendezvous id; any other id is refused.
     served = store.compare_set(_keys("id"), "", run_id).decode()
     if served != run_id:
         raise RendezvousError(
             f"the rendezvous at {endpoint} serves --rdzv-id={served!r}, not {run_id!r}: another job uses this endpoint. "
             "Give each job its own --rdzv-endpoint port, or the same --rdzv-id to join that job.")
-    tickets = _Tickets(store, RecordSigner(job_secret(), f"rendezvous {run_id}"), nnodes)
+    signer = RecordSigner(job_secret(), f"rendezvous {run_id}")
+    tickets = _Tickets(store, signer, bounds.most)
+    closing = _Closing(store, signer)
     mine = tickets.draw()
     deadline = time.monotonic() + join_timeout
+    enough_since: float | None = None  # when this launcher first saw the least number of nodes arrived
     told = False
     while True:
         arrived = tickets.signed()
-        if mine in arrived[:nnodes] and len(arrived) >= nnodes:
-            break
-        if len(arrived) >= nnodes:
+        if mine in arrived and arrived.index(mine) >= bounds.most:
             raise RendezvousError(
-                f"rendezvous {run_id!r} at {endpoint} already has its --nnodes={nnodes} nodes; this launcher arrived "
+                f"rendezvous {run_id!r} at {endpoint} already has its {bounds} nodes; this launcher arrived "
                 f"as number {mine}. Start exactly --nnodes launchers (a node that is started again joins a new job: give it "
                 "a new --rdzv-id or endpoint).")
+        closed = closing.world()
+        if closed is None and len(arrived) >= bounds.least:
+            enough_since = time.monotonic() if enough_since is None else enough_since
+            if len(arrived) >= bounds.most or time.monotonic() - enough_since >= bounds.last_call:
+                closed = closing.close(min(len(arrived), bounds.most))
+        if closed is not None and mine in arrived:
+            break
         if (reason := give_up()) is not None:
             raise GaveUpWaiting(reason)
         if time.monotonic() > deadline:
             raise RendezvousError(
-                f"rendezvous {run_id!r} at {endpoint}: {len(arrived)} of --nnodes={nnodes} launchers arrived within "
+                f"rendezvous {run_id!r} at {endpoint}: {len(arrived)} of {bounds} launchers arrived within "
                 f"{join_timeout:g} s (--rdzv-conf join_timeout). Start `ddpkit run` with the same --rdzv-endpoint, "
                 "--rdzv-id, --nnodes and job secret on every node.")
         if not told:
             _log.info(f"ddpkit run: arrived at rendezvous {run_id!r} at {endpoint}; waiting for "
-                      f"{nnodes - len(arrived)} more node(s)")
+                      f"{max(1, bounds.least - len(arrived))} more node(s)")
             told = True
         time.sleep(_POLL_SECONDS)
-    node_rank = arrived.index(mine)
-    _log.info(f"ddpkit run: rendezvous {run_id!r} at {endpoint} complete: this is node {node_rank} of {nnodes}")
-    return node_rank
+    position = arrived.index(mine)
+    if position >= closed:
+        _log.info(f"ddpkit run: rendezvous {run_id!r} at {endpoint} closed with {closed} nodes; this launcher waits "
+                  "as a spare node, to take the place of a node that is lost")
+        return Place(None, closed)
+    _log.info(f"ddpkit run: rendezvous {run_id!r} at {endpoint} complete: this is node {position} of {closed}")
+    return Place(position, closed)
+
+
+class _Closing:
+    """How many nodes the world has, decided once by the first launcher that sees the rendezvous
+    close (``compare_set``: the first value written is everyone's), signed like the tickets."""
+
+    def __init__(self, store: BoundedStore, signer: RecordSigner) -> None:
+        self._store, self._signer = store, signer
+        self._key = signer.key("rendezvous/closed")
+
+    def world(self) -> int | None:
+        if not self._store.check([self._key]):
+            return None
+        return self._read(self._store.get(self._key))
+
+    def close(self, nodes: int) -> int | None:
+        return self._read(self._store.compare_set(self._key, "", self._signer.sign(self._key, str(nodes))))
+
+    def _read(self, value: bytes) -> int | None:
+        text = self._signer.verify(self._key, value)
+        return None if text is None or not text.isdigit() else int(text)
 
 
 class _Tickets:

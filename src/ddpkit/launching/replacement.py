@@ -81,16 +81,22 @@ class Replacements:
     in_place = True
 
     def __init__(self, workers: WorkerProcesses, command: Sequence[str], environment: Mapping[str, str],
-                 rank_variables: Callable[..., dict[str, str]], budget: int) -> None:
+                 rank_variables: Callable[..., dict[str, str]], budget: int, generation: int = 0,
+                 next_generation: Callable[[], int] | None = None) -> None:
+        """``generation``: the one the workers were started in (a spare node's take a lost node's
+        place in a later one); ``next_generation``: where the next generation's number comes from
+        when other nodes form generations too (``NodeCoordination.next_generation``), else counted here."""
         self._workers, self._command, self._environment = workers, list(command), dict(environment)
         self._rank_variables = rank_variables  # local rank -> the variables of that worker
         self.budget = budget
         self.used = 0
-        self.generation = 0
+        self.generation = generation
+        self._next_generation = next_generation or (lambda: self.generation + 1)
         self._pending: _Recovery | None = None
         self._timeout = recovery_timeout_seconds() + _MARGIN_SECONDS
         # The ready file of the worker that holds each rank now (a replacement's is of its generation).
-        self._ready_files = {worker.rank: ready_file(workers.folder, 0, worker.rank) for worker in workers.workers}
+        self._ready_files = {worker.rank: ready_file(workers.folder, generation, worker.rank)
+                             for worker in workers.workers}
         self._spare = workers.start_spare(self._command, self._environment)
         self._spares_started = 0  # spares started again after one ended between recoveries
 
@@ -115,7 +121,7 @@ class Replacements:
                 "script does not. The loss ends every worker instead (restarted while --max-restarts allows).")
             return False
         self.used += 1
-        self.generation += 1
+        self.generation = self._next_generation()
         started: list[tuple[WorkerProcess, str]] = []
         for number, lost in enumerate(failed):
             spare = self._spare if number == 0 else self._workers.start_spare(self._command, self._environment)

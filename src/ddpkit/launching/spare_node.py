@@ -1,0 +1,76 @@
+"""A launcher that waits as a spare node (``ddpkit run --nnodes MIN:MAX --rdzv-backend c10d
+--recovery in-place``), and takes a lost node's place while the other nodes' workers go on.
+
+The rendezvous closes with the world's nodes (``launching.rendezvous``); a launcher that arrives
+later, up to MAX, is a spare. It starts one warm spare worker per local rank (torch and ddpkit
+imported, waiting for a rank: ``launching.worker --spare``) and watches the world's launchers
+say they are alive (``NodeCoordination``: beats four times a second under in-place recovery).
+When one goes silent (its launcher and workers killed, its host lost), the spare claims its place
+(the first claim written wins, so two spares never take one node), becomes that node, and hands
+its warm spares the lost node's ranks in the next generation of the group
+(``NodeCoordination.next_generation``). The survivors' workers, whose collectives failed when the
+lost ranks' connections closed, are meanwhile forming that generation (``ddpkit.group``); they
+meet the new ranks there and hand them the state (``ddpkit.recovery``), as on one node. The other
+launchers see the claim and do not end their workers.
+
+When every node's launcher has left (the job finished or ended) the spare ends too: exit 0, and
+its warm spares are stopped. torch-free, as the launcher is (the store's client comes from
+``launching.store_client`` through ``NodeCoordination``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ddpkit.launching.nodes import NodeCoordination
+from ddpkit.launching.processes import WorkerProcess
+from ddpkit.launching.store_client import GaveUpWaiting, GiveUp
+from ddpkit.logs import get_logger
+
+__all__ = ["Takeover", "wait_as_spare"]
+
+_log = get_logger("launching")
+
+_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """A lost node's place, taken: its node rank, the generation of the group its ranks join, the
+    attempt (``DDPKIT_RESTART_COUNT``) the nodes run, and the warm spares that take its ranks."""
+
+    node_rank: int
+    generation: int
+    attempt: int
+    spares: list[WorkerProcess]
+
+
+def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProcess], count: int,
+                  give_up: GiveUp) -> Takeover | None:
+    """Start ``count`` warm spares (``start_spare``), then wait until a node of the world is lost and
+    this spare's claim on its place wins (the place taken), or every node's launcher left (None).
+    ``GaveUpWaiting`` when ``give_up`` gives a reason."""
+    spares = [start_spare() for _ in range(count)]
+    claimant = f"spare launcher pid {os.getpid()}"
+    while True:
+        if nodes.job_over():
+            return None
+        for node in range(nodes.nnodes):
+            beat = nodes.silent_launcher(node)
+            if beat is None or nodes.said_left(node):
+                continue
+            if nodes.claim(node, beat, claimant):
+                nodes.take_place_of(node)
+                generation, attempt = nodes.next_generation(), nodes.latest_attempt()
+                _log.warning(f"ddpkit run: node {node}'s launcher went silent; this spare node takes its place and "
+                             f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
+                return Takeover(node, generation, attempt, spares)
+        for number, spare in enumerate(spares):
+            if spare.process.poll() is not None:  # a takeover needs one warm spare per local rank
+                spares[number] = start_spare()
+        if (reason := give_up()) is not None:
+            raise GaveUpWaiting(reason)
+        time.sleep(_POLL_SECONDS)

@@ -1,0 +1,240 @@
+"""A lost node taken over in place by a spare node (issue 32, item 1): `ddpkit run --nnodes 2:3
+--rdzv-backend c10d --recovery in-place` on three launchers, the store outside the nodes
+(`ddpkit store`); the rendezvous closes with two nodes and the third launcher waits as a spare.
+Node 1's launcher and workers are killed with SIGKILL together (a node lost) in the middle of
+training; the spare takes its ranks while node 0's workers keep their processes, and the run ends
+with the parameters of the run without the fault. Real launchers and workers on Gloo, loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import descendants
+from torch.distributed import TCPStore
+
+from ddpkit.environments import find_free_port
+from ddpkit.launching import nodes as nodes_module
+from ddpkit.launching.nodes import NodeCoordination
+from ddpkit.launching.store_client import BoundedStore, connect
+
+# Two ranks a node; rank 0 marks each step it finished, and every step takes a moment, so that the
+# test can kill a node in the middle of training.
+JOB = textwrap.dedent(
+    """
+    import os, time, torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import ddpkit
+
+    STEPS, BATCH = int(os.environ.get("STEPS", "24")), 4
+    strategy = ddpkit.DDPStrategy()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    generator = torch.Generator().manual_seed(1)
+    samples = STEPS * BATCH * 4
+    data = TensorDataset(torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator))
+    loader = strategy.setup_dataloader(DataLoader(data, batch_size=BATCH))
+    for _ in strategy.epochs(1):
+        for x, y in strategy.batches(loader):
+            with strategy.step():
+                optimizer.zero_grad()
+                strategy.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+            if strategy.global_rank == 0:
+                open(f"step{strategy.progress.steps}", "w").close()
+            time.sleep(float(os.environ.get("STEP_SECONDS", "0.15")))
+    if strategy.global_rank == 0:
+        torch.save([p.detach().clone() for p in model.parameters()], "final.pt")
+    print(f"rank {strategy.global_rank} of {strategy.world_size} done, recovered {strategy.recovered_in_place}",
+          flush=True)
+    strategy.teardown()
+    """
+)
+
+
+def start_store(port: int) -> subprocess.Popen[str]:
+    store = subprocess.Popen([sys.executable, "-m", "ddpkit", "store", "--host", "127.0.0.1", "--port", str(port)],
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert store.stdout is not None and "serving" in store.stdout.readline()
+    return store
+
+
+# Across nodes the launchers ask for a job secret: the records in the store are then signed.
+SECRET = {"DDPKIT_JOB_SECRET": "a-secret-for-the-spare-node-tests-0123456789"}
+
+
+def start_launcher(folder: Path, port: int, name: str, nnodes: str, **variables: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "spare",
+               "--rdzv-conf", "last_call_timeout=1", "--recovery", "in-place", "--max-restarts", "1", "job.py"]
+    with open(folder / f"{name}.out", "wb") as out, open(folder / f"{name}.err", "wb") as err:
+        return subprocess.Popen(command, cwd=folder, stdout=out, stderr=err, env={**os.environ, **SECRET, **variables})
+
+
+def wait_for(condition: object, what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def text(folder: Path, name: str) -> str:
+    return (folder / name).read_text(errors="replace")
+
+
+def end_all(processes: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [process.wait(timeout=max(1.0, deadline - time.monotonic())) for process in processes]
+    finally:
+        for process in processes:
+            for pid in [process.pid, *descendants(process.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+
+
+def start_world_and_spare(folder: Path, port: int, **variables: str) -> list[subprocess.Popen[bytes]]:
+    """Two launchers that form the world, then a third that waits as a spare (launcher0..2)."""
+    folder.mkdir()
+    (folder / "job.py").write_text(JOB)
+    launchers = [start_launcher(folder, port, f"launcher{n}", "2:3", **variables) for n in range(2)]
+    wait_for(lambda: all("complete: this is node" in text(folder, f"launcher{n}.err") for n in range(2)),
+             "the rendezvous to close with two nodes")
+    launchers.append(start_launcher(folder, port, "launcher2", "2:3", **variables))
+    wait_for(lambda: "waits as a spare node" in text(folder, "launcher2.err"), "the third launcher to wait as a spare")
+    return launchers
+
+
+def fault_free(folder: Path) -> list[torch.Tensor]:
+    """The run without a fault; its spare node ends with the job, not needed."""
+    store = start_store(port := find_free_port())
+    try:
+        codes = end_all(start_world_and_spare(folder, port, STEP_SECONDS="0"), timeout=120)
+        assert codes == [0, 0, 0], "\n".join(text(folder, f"launcher{n}.err")[-3000:] for n in range(3))
+        assert "this spare node was not needed" in text(folder, "launcher2.err")
+    finally:
+        store.kill()
+        store.wait()
+    parameters: list[torch.Tensor] = torch.load(folder / "final.pt")
+    return parameters
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_is_taken_over_by_a_spare_node_and_the_run_ends_as_without_the_fault(tmp_path: Path) -> None:
+    expected = fault_free(tmp_path / "fault_free")
+    folder = tmp_path / "lost"
+    store = start_store(port := find_free_port())
+    try:
+        *first, spare = start_world_and_spare(folder, port)
+        wait_for(lambda: (folder / "step6").exists(), "six steps")
+        node1 = next(n for n in range(2) if "this is node 1 of 2" in text(folder, f"launcher{n}.err"))
+        lost = first[node1]
+        for pid in [lost.pid, *descendants(lost.pid)]:  # the node: its launcher and everything it started
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        done = max(int(path.name[4:]) for path in folder.glob("step*"))
+        wait_for(lambda: (folder / f"step{done + 1}").exists(), "the next step after the loss", timeout=60)
+        print(f"node 1 killed after step {done}: step {done + 1} completed {time.monotonic() - killed:.2f} s later")
+        survivor = first[1 - node1]
+        codes = end_all([survivor, spare], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(folder, f'launcher{n}.err')[-4000:]}" for n in range(3))
+        assert codes == [0, 0], errors
+        assert lost.wait() == -signal.SIGKILL
+        assert "node 1's launcher went silent; this spare node takes its place" in text(folder, "launcher2.err"), errors
+        out = text(folder, f"launcher{1 - node1}.out") + text(folder, "launcher2.out")
+        assert sorted(re.findall(r"rank (\d) of 4 done", out)) == ["0", "1", "2", "3"], out
+        assert "rank 0 of 4 done, recovered True" in out  # the survivor kept its process and recovered
+        parameters: list[torch.Tensor] = torch.load(folder / "final.pt")
+        difference = max((a - b).abs().max().item() for a, b in zip(parameters, expected, strict=True))
+        assert difference <= 1e-6, f"{difference:.3e} from the run without the fault\n{errors}"
+    finally:
+        store.kill()
+        store.wait()
+
+
+def _coordinations(port: int, *node_ranks: int) -> list[NodeCoordination]:
+    def client() -> BoundedStore:
+        return BoundedStore(connect("127.0.0.1", port, 10), 10)
+
+    return [NodeCoordination(client(), rank, 2, "127.0.0.1", port, in_place=True) for rank in node_ranks]
+
+
+def _silent_node_within(coordination: NodeCoordination, seconds: float) -> str | None:
+    deadline = time.monotonic() + seconds
+    while (why := coordination.silent_node()) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return why
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_node_is_lost_for_the_others_unless_a_spare_claims_its_place_and_beats_as_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launchers' side, with a real store: node 1's launcher stops beating (killed); node 0's
+    takes it for lost after the silence and the wait for a claim; when a spare claims its place
+    (one spare only: the first claim written wins) and beats as node 1, node 0 never does."""
+    monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(nodes_module, "_CLAIM_SECONDS", 1.0)
+    monkeypatch.setattr(nodes_module, "_TAKEOVER_SECONDS", 2.0)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    zero, one = _coordinations(store.port, 0, 1)
+    one.beat_through(connect("127.0.0.1", store.port, 10))
+    assert _silent_node_within(zero, 1.0) is None
+    one.leave(0.0)  # stops beating; its word that it left is taken back, as a killed launcher says nothing
+    store.delete_key(next(key for key in store.list_keys() if key.endswith("launchers/left/1")))
+    started = time.monotonic()
+    assert "node 1's launcher went silent" in str(_silent_node_within(zero, 5.0))
+    assert time.monotonic() - started >= 1.0  # the silence (less the last beat's age), then the wait for a claim
+
+    second_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store2 = second_store.port
+    zero, one = _coordinations(store2, 0, 1)
+    one.beat_through(connect("127.0.0.1", store2, 10))
+    spare, other_spare = _coordinations(store2, -1, -1)
+    assert _silent_node_within(zero, 0.3) is None and spare.silent_launcher(1) is None
+    one._beating.set()  # node 1's launcher killed: no more beats, no word
+    deadline = time.monotonic() + 5
+    while (beat := spare.silent_launcher(1)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert beat is not None
+    assert spare.claim(1, beat, "spare A") and not other_spare.claim(1, beat, "spare B")
+    assert zero.claimant(1, beat) == "spare A"
+    assert _silent_node_within(zero, 1.5) is None  # claimed: waited for
+    spare.take_place_of(1)
+    spare.beat_through(connect("127.0.0.1", store2, 10))
+    assert _silent_node_within(zero, 3.0) is None  # past the takeover's bound: the spare beats as node 1
+    spare.leave(0.0)
+
+
+@pytest.mark.timeout(200)
+def test_without_a_spare_node_a_lost_node_ends_the_other_within_seconds_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(JOB)
+    store = start_store(port := find_free_port())
+    try:
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "2:3") for n in range(2)]
+        wait_for(lambda: (tmp_path / "step3").exists(), "three steps")
+        node1 = next(n for n in range(2) if "this is node 1 of 2" in text(tmp_path, f"launcher{n}.err"))
+        for pid in [launchers[node1].pid, *descendants(launchers[node1].pid)]:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = end_all([launchers[1 - node1]], timeout=60)[0]
+        took = time.monotonic() - killed
+        err = text(tmp_path, f"launcher{1 - node1}.err")
+        assert code == 1 and "node 1's launcher went silent" in err, err[-3000:]
+        assert took < 20, f"{took:.1f} s"
+    finally:
+        store.kill()
+        store.wait()
