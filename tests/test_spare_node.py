@@ -107,25 +107,32 @@ def end_all(processes: list[subprocess.Popen[bytes]], timeout: float) -> list[in
             process.wait()
 
 
-def start_world_and_spare(folder: Path, port: int, **variables: str) -> list[subprocess.Popen[bytes]]:
-    """Two launchers that form the world, then a third that waits as a spare (launcher0..2)."""
+def start_world_and_spares(folder: Path, port: int, spares: int = 1, **variables: str) -> list[subprocess.Popen[bytes]]:
+    """Two launchers that form the world, then ``spares`` more that wait as spare nodes (launcher0, 1, ...)."""
     folder.mkdir()
     (folder / "job.py").write_text(JOB)
-    launchers = [start_launcher(folder, port, f"launcher{n}", "2:3", **variables) for n in range(2)]
+    nnodes = f"2:{2 + spares}"
+    launchers = [start_launcher(folder, port, f"launcher{n}", nnodes, **variables) for n in range(2)]
     wait_for(lambda: all("complete: this is node" in text(folder, f"launcher{n}.err") for n in range(2)),
              "the rendezvous to close with two nodes")
-    launchers.append(start_launcher(folder, port, "launcher2", "2:3", **variables))
-    wait_for(lambda: "waits as a spare node" in text(folder, "launcher2.err"), "the third launcher to wait as a spare")
+    for n in range(2, 2 + spares):
+        launchers.append(start_launcher(folder, port, f"launcher{n}", nnodes, **variables))
+        wait_for(lambda n=n: "waits as a spare node" in text(folder, f"launcher{n}.err"), f"launcher {n} to wait as a spare")
     return launchers
 
 
 def fault_free(folder: Path) -> list[torch.Tensor]:
-    """The run without a fault; its spare node ends with the job, not needed."""
+    """The run without a fault, with two spare nodes: one stopped by SIGTERM while it waits, which
+    ends it alone, and one that ends with the job, not needed."""
     store = start_store(port := find_free_port())
     try:
-        codes = end_all(start_world_and_spare(folder, port, STEP_SECONDS="0"), timeout=120)
-        assert codes == [0, 0, 0], "\n".join(text(folder, f"launcher{n}.err")[-3000:] for n in range(3))
+        launchers = start_world_and_spares(folder, port, spares=2, STEP_SECONDS="0")
+        launchers[3].send_signal(signal.SIGTERM)
+        codes = end_all(launchers, timeout=120)
+        assert codes == [0, 0, 0, 128 + signal.SIGTERM], "\n".join(text(folder, f"launcher{n}.err")[-3000:]
+                                                                   for n in range(4))
         assert "this spare node was not needed" in text(folder, "launcher2.err")
+        assert "received SIGTERM while waiting as a spare node: stopping (the job goes on" in text(folder, "launcher3.err")
     finally:
         store.kill()
         store.wait()
@@ -139,7 +146,7 @@ def test_a_lost_node_is_taken_over_by_a_spare_node_and_the_run_ends_as_without_t
     folder = tmp_path / "lost"
     store = start_store(port := find_free_port())
     try:
-        *first, spare = start_world_and_spare(folder, port)
+        *first, spare = start_world_and_spares(folder, port)
         wait_for(lambda: (folder / "step6").exists(), "six steps")
         node1 = next(n for n in range(2) if "this is node 1 of 2" in text(folder, f"launcher{n}.err"))
         lost = first[node1]
@@ -158,6 +165,8 @@ def test_a_lost_node_is_taken_over_by_a_spare_node_and_the_run_ends_as_without_t
         out = text(folder, f"launcher{1 - node1}.out") + text(folder, "launcher2.out")
         assert sorted(re.findall(r"rank (\d) of 4 done", out)) == ["0", "1", "2", "3"], out
         assert "rank 0 of 4 done, recovered True" in out  # the survivor kept its process and recovered
+        assert "node 1's launcher went silent; a spare node (spare launcher pid" in text(
+            folder, f"launcher{1 - node1}.err"), errors  # and its launcher says why it went on
         parameters: list[torch.Tensor] = torch.load(folder / "final.pt")
         difference = max((a - b).abs().max().item() for a, b in zip(parameters, expected, strict=True))
         assert difference <= 1e-6, f"{difference:.3e} from the run without the fault\n{errors}"

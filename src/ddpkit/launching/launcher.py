@@ -260,9 +260,14 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
             try:
                 if spare_node and nodes is not None:
                     spare_node = False
-                    takeover = wait_as_spare(
-                        nodes, functools.partial(workers.start_spare, spare_command, {**defaults, **os.environ}),
-                        config.nproc_per_node, stop_waiting)
+                    try:
+                        takeover = wait_as_spare(
+                            nodes, functools.partial(workers.start_spare, spare_command, {**defaults, **os.environ}),
+                            config.nproc_per_node, stop_waiting)
+                    except GaveUpWaiting as stopped:  # a spare that stops takes nothing from the job
+                        _log.warning(f"ddpkit run: {stopped.reason} while waiting as a spare node: stopping (the job "
+                                     "goes on without this spare)")
+                        return 128 + received[0] if received else 1
                     if takeover is None:
                         _log.warning("ddpkit run: every node's launcher left the job: this spare node was not needed")
                         return 0
@@ -333,7 +338,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     except GaveUpWaiting as stopped:  # in the rendezvous: no worker started yet
         return _gave_up(stopped, received, "no worker was started")
     finally:
-        if nodes is not None:
+        if nodes is not None and nodes.node_rank >= 0:  # (a spare that took no node's place was never in the job)
             # After a stop signal here the others only need a moment to read it (announced at once).
             nodes.leave(wait_seconds=_LEAVE_AFTER_SIGNAL_SECONDS if received else grace + 5.0)
         if store_host is not None:

@@ -64,9 +64,12 @@ from ddpkit.launching.store_client import (
     never_give_up,
 )
 from ddpkit.launching.store_host import clear_worker_keys
+from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination"]
+
+_log = get_logger("launching")
 
 # How long a launcher whose workers failed before it reached the store still tries to, to tell the
 # other nodes (which would otherwise wait for this node's ranks): a network that flapped as the job
@@ -87,6 +90,11 @@ _IN_PLACE_SILENT_SECONDS = 2.0
 # then for the spare's launcher to say it is alive as that node.
 _CLAIM_SECONDS = 2.0
 _TAKEOVER_SECONDS = 15.0
+
+
+def _launcher_of(beat: str) -> str:
+    """The id of the launcher that wrote ``beat`` (``launcher id:count``)."""
+    return beat.partition(":")[0]
 
 
 class NodeContactLostError(RuntimeError):
@@ -173,6 +181,10 @@ class NodeCoordination:
                 continue
             last = self._heard.get(node)
             if last is None or last[0] != beat:
+                if last is not None and _launcher_of(last[0]) != _launcher_of(beat):
+                    _log.warning(f"ddpkit run: node {node}'s launcher went silent; a spare node "
+                                 f"({self.claimant(node, last[0]) or 'unnamed'}) took its place, and this node's "
+                                 "workers go on")
                 self._heard[node] = (beat, now)
                 self._silent_since.pop(node, None)
             elif now - last[1] > self._silent_seconds and not self._taken_over(node, beat, now):
@@ -189,9 +201,7 @@ class NodeCoordination:
         since = self._silent_since.setdefault(node, now)
         if self.claimant(node, beat) is None:
             return now - since < _CLAIM_SECONDS
-        if now - since < _TAKEOVER_SECONDS:
-            return True
-        return False
+        return now - since < _TAKEOVER_SECONDS
 
     # -- spare nodes (``launching.spare_node``) -------------------------------------------------------
 
@@ -211,13 +221,13 @@ class NodeCoordination:
     def claim(self, node: int, beat: str, claimant: str) -> bool:
         """Claim the place of ``node``, whose launcher's last beat was ``beat``: True for the one
         spare whose claim was written first."""
-        key = self._key(f"takeover/{node}/{beat.partition(':')[0]}", -1)
+        key = self._key(f"takeover/{node}/{_launcher_of(beat)}", -1)
         signed = self._signer.sign(key, claimant)
         return bool(self._call("compare_set", key, "", signed) == signed.encode())
 
     def claimant(self, node: int, beat: str) -> str | None:
         """Who claimed the place of ``node`` after its launcher went silent at ``beat``, if anyone."""
-        return self._read(f"takeover/{node}/{beat.partition(':')[0]}", -1)
+        return self._read(f"takeover/{node}/{_launcher_of(beat)}", -1)
 
     def take_place_of(self, node: int) -> None:
         """This spare launcher is node ``node`` from now on (its claim won)."""
