@@ -179,18 +179,24 @@ class NodeCoordination:
                                         f"{self._join_seconds:g} s of this one's (--rdzv-conf join_timeout): it ended or "
                                         "was lost before it did")
                 continue
-            last = self._heard.get(node)
-            if last is None or last[0] != beat:
-                if last is not None and _launcher_of(last[0]) != _launcher_of(beat):
-                    _log.warning(f"ddpkit run: node {node}'s launcher went silent; a spare node "
-                                 f"({self.claimant(node, last[0]) or 'unnamed'}) took its place, and this node's "
-                                 "workers go on")
-                self._heard[node] = (beat, now)
-                self._silent_since.pop(node, None)
-            elif now - last[1] > self._silent_seconds and not self._taken_over(node, beat, now):
+            if self._silent_for(node, beat, now) > self._silent_seconds and not self._taken_over(node, beat, now):
                 self._lost = (node, f"node {node}'s launcher went silent: no word from it for "
                                     f"{self._silent_seconds:g} s (killed with its workers, or its host lost)")
         return None if self._lost is None else self._lost[1]
+
+    def _silent_for(self, node: int, beat: str, now: float) -> float:
+        """How long ``node``'s launcher has been silent as this launcher heard it, ``beat`` being its
+        beat read ``now`` (0 when it changed since the last read: then remembered). A beat from a
+        new launcher of the node is a spare that took its place, said once."""
+        last = self._heard.get(node)
+        if last is not None and last[0] == beat:
+            return now - last[1]
+        if last is not None and _launcher_of(last[0]) != _launcher_of(beat):
+            _log.warning(f"ddpkit run: node {node}'s launcher went silent; a spare node "
+                         f"({self.claimant(node, last[0]) or 'unnamed'}) took its place, and this node's workers go on")
+        self._heard[node] = (beat, now)
+        self._silent_since.pop(node, None)
+        return 0.0
 
     def _taken_over(self, node: int, beat: str, now: float) -> bool:
         """Under in-place recovery, whether the silent ``node`` (whose last beat was ``beat``) is being
@@ -209,14 +215,9 @@ class NodeCoordination:
         """The last beat of ``node``'s launcher when it has been silent for the silent time (read now
         and compared with what this launcher heard before), else None."""
         beat = self._read(f"beat/{node}", -1)
-        now = time.monotonic()
         if beat is None:
             return None
-        last = self._heard.get(node)
-        if last is None or last[0] != beat:
-            self._heard[node] = (beat, now)
-            return None
-        return beat if now - last[1] > self._silent_seconds else None
+        return beat if self._silent_for(node, beat, time.monotonic()) > self._silent_seconds else None
 
     def claim(self, node: int, beat: str, claimant: str) -> bool:
         """Claim the place of ``node``, whose launcher's last beat was ``beat``: True for the one

@@ -165,6 +165,15 @@ def clear_worker_keys(store: Any) -> int:
     return deleted
 
 
+def _serve(address: str, port: int, listen_fd: int | None) -> Any:
+    """The job's store, served from this process (on the listening socket ``listen_fd`` when given).
+    wait_for_workers=False: the clients connect when they are ready; the store just listens."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(address, port, is_master=True, timeout=timedelta(minutes=10),  # type: ignore[attr-defined]
+                         wait_for_workers=False, master_listen_fd=listen_fd)
+
+
 def serve_outside_nodes(host: str, port: int) -> int:
     """``ddpkit store``: keep a job's store on ``host`` ("" for every interface) and ``port`` until
     SIGINT or SIGTERM; the exit code (2 when it cannot listen there)."""
@@ -177,10 +186,9 @@ def serve_outside_nodes(host: str, port: int) -> int:
         print(f"ddpkit store: cannot listen on {where} port {port} ({error.strerror or error}): give --port a free "
               "port, and --host an address of this machine (or leave it out for every interface).", file=sys.stderr)
         return 2
-    dist = import_distributed()
+    import_distributed()
     # The store listens on this socket (bound here so that --host is honoured: torch's own bind is on every interface).
-    store = dist.TCPStore(host or "0.0.0.0", port, is_master=True, timeout=timedelta(minutes=10),
-                          wait_for_workers=False, master_listen_fd=listener.fileno())
+    store = _serve(host or "0.0.0.0", port, listener.fileno())
     where = f"{host or socket.gethostname()}:{port}"
     print(f"ddpkit store: serving a job's store on {host or 'every interface'} port {port}. Start each node with "
           f"`ddpkit run --rdzv-backend c10d --rdzv-endpoint {where} --rdzv-id ID ...`; stop this with Ctrl-C once "
@@ -204,11 +212,7 @@ def main(argv: list[str]) -> None:
     from ddpkit.launching.worker import die_with_launcher  # imports torch: only in this process, not the launcher
 
     die_with_launcher()
-    import torch.distributed as dist
-
-    # wait_for_workers=False: the workers connect when they are ready; the store just listens.
-    store = dist.TCPStore(argv[0], int(argv[1]), is_master=True, timeout=timedelta(minutes=10),  # type: ignore[attr-defined]
-                          wait_for_workers=False, master_listen_fd=listen_fd)
+    store = _serve(argv[0], int(argv[1]), listen_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     for line in sys.stdin:  # the launcher's commands; the pipe closes when the launcher ends
         if line.strip() == _CLEAR:
