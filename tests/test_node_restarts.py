@@ -16,8 +16,13 @@ from pathlib import Path
 
 import pytest
 from helpers import command_line, descendants, example_summary, parent_pid
+from torch.distributed import TCPStore
 
 from ddpkit._network import find_free_port
+from ddpkit.launching import watch as watch_module
+from ddpkit.launching.nodes import NodeCoordination
+from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
+from ddpkit.launching.store_client import BoundedStore, connect
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 TRAINING = ("--epochs", "2", "--samples", "1024")  # 8 steps per epoch on 2 ranks
@@ -287,3 +292,28 @@ def test_a_node_that_never_arrives_ends_the_others_after_the_join_timeout(tmp_pa
     code, _, err = finish([launcher], timeout=60)[0]
     assert time.monotonic() - start < 30, err[-3000:]
     assert code == 1 and "node 1's launcher did not reach the job's store within 8 s" in err, err[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_died_before_its_slow_launcher_looked_is_still_named_as_the_cause(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launchers' side with a real store: node 1 announces a failure (its rank's collective broke
+    because node 0's rank was killed); node 0's launcher, starved on a loaded machine, looks for a
+    failure of its own only after the settle went by. Its killed worker is still its own failure,
+    the root cause it publishes, not "ended because of another node"."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    zero, one = (NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), node, 2, "127.0.0.1",
+                                  store.port) for node in (0, 1))
+    one.announce_failure()
+    with WorkerProcesses("test") as workers:
+        worker = workers.start([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), 0, 0)
+
+        def starved(*_: object) -> list[WorkerProcess]:
+            os.kill(worker.process.pid, signal.SIGKILL)  # dies while the launcher is not looking
+            os.waitid(os.P_PID, worker.process.pid, os.WEXITED | os.WNOWAIT)
+            return []
+
+        monkeypatch.setattr(watch_module, "_failures_within", starved)
+        outcome = watch_module.watch(workers, watch_module.Signals([], [], signal.SIGUSR2), 1.0, 0.05, nodes=zero)
+    assert not outcome.elsewhere and outcome.recorded_at is None, outcome
+    assert re.search(r"rank 0 \(local rank 0, pid \d+\) was killed by signal SIGKILL", str(outcome.cause)), outcome

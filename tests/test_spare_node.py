@@ -24,7 +24,8 @@ from torch.distributed import TCPStore
 from ddpkit.environments import find_free_port
 from ddpkit.launching import nodes as nodes_module
 from ddpkit.launching.nodes import NodeCoordination
-from ddpkit.launching.store_client import BoundedStore, connect
+from ddpkit.launching.spare_node import wait_as_spare
+from ddpkit.launching.store_client import BoundedStore, GaveUpWaiting, connect
 
 # Two ranks a node; rank 0 marks each step it finished, and every step takes a moment, so that the
 # test can kill a node in the middle of training.
@@ -44,6 +45,8 @@ JOB = textwrap.dedent(
     samples = STEPS * BATCH * 4
     data = TensorDataset(torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator))
     loader = strategy.setup_dataloader(DataLoader(data, batch_size=BATCH))
+    while os.environ.get("GATE") and not os.path.exists("go"):  # the test opens it once the spares wait
+        time.sleep(0.05)
     for _ in strategy.epochs(1):
         for x, y in strategy.batches(loader):
             with strategy.step():
@@ -126,8 +129,10 @@ def fault_free(folder: Path) -> list[torch.Tensor]:
     ends it alone, and one that ends with the job, not needed."""
     store = start_store(port := find_free_port())
     try:
-        launchers = start_world_and_spares(folder, port, spares=2, STEP_SECONDS="0")
+        launchers = start_world_and_spares(folder, port, spares=2, STEP_SECONDS="0", GATE="1")
         launchers[3].send_signal(signal.SIGTERM)
+        launchers[3].wait(timeout=30)  # before the job ends: stopped while it waits
+        (folder / "go").touch()
         codes = end_all(launchers, timeout=120)
         assert codes == [0, 0, 0, 128 + signal.SIGTERM], "\n".join(text(folder, f"launcher{n}.err")[-3000:]
                                                                    for n in range(4))
@@ -146,7 +151,8 @@ def test_a_lost_node_is_taken_over_by_a_spare_node_and_the_run_ends_as_without_t
     folder = tmp_path / "lost"
     store = start_store(port := find_free_port())
     try:
-        *first, spare = start_world_and_spares(folder, port)
+        *first, spare = start_world_and_spares(folder, port, GATE="1")
+        (folder / "go").touch()
         wait_for(lambda: (folder / "step6").exists(), "six steps")
         node1 = next(n for n in range(2) if "this is node 1 of 2" in text(folder, f"launcher{n}.err"))
         lost = first[node1]
@@ -247,3 +253,16 @@ def test_without_a_spare_node_a_lost_node_ends_the_other_within_seconds_naming_i
     finally:
         store.kill()
         store.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_stopped_as_the_job_ends_says_it_was_stopped() -> None:
+    """A signal that reaches a waiting spare when every node's launcher has just left is still a stop
+    (128 + the signal, from the launcher), not "this spare node was not needed" (0)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    zero, one, spare = _coordinations(store.port, 0, 1, -1)
+    zero.leave(0.0)
+    one.leave(0.0)
+    assert spare.job_over()
+    with pytest.raises(GaveUpWaiting, match="received SIGTERM"):
+        wait_as_spare(spare, lambda: pytest.fail("no warm spare is needed"), 0, lambda: "received SIGTERM")

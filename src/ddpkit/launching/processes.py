@@ -151,10 +151,10 @@ class WorkerProcesses:
         else:
             self.workers[self.workers.index(instead_of)] = spare
 
-    def failed(self, also_fine: Sequence[int] = ()) -> list[WorkerProcess]:
-        """The workers that have ended with a non-zero code or a signal, other than
-        ``PREEMPTED_EXIT_CODE`` (it saved and stopped with the others) and ``also_fine``."""
-        return [worker for worker in self.workers
+    def failed(self, also_fine: Sequence[int] = (), among: Sequence[WorkerProcess] | None = None) -> list[WorkerProcess]:
+        """The workers (of ``among``, when given) that have ended with a non-zero code or a signal,
+        other than ``PREEMPTED_EXIT_CODE`` (it saved and stopped with the others) and ``also_fine``."""
+        return [worker for worker in (self.workers if among is None else among)
                 if worker.process.poll() not in (None, 0, PREEMPTED_EXIT_CODE, *also_fine)]
 
     def exit_codes(self) -> list[int | None]:
@@ -233,22 +233,27 @@ class WorkerProcesses:
             stacks.append((worker, written or "(nothing written)"))
         return stacks
 
-    def end(self, grace: float) -> None:
+    def end(self, grace: float) -> list[WorkerProcess]:
         """SIGTERM (and SIGCONT) to each live worker's process group, SIGKILL after ``grace`` seconds, reap every worker.
 
         The SIGKILL goes to every group, finished or not: it also reaches grandchildren left behind.
+        Returns the workers (not the spares) that had ended by themselves before it signalled them:
+        a launcher slow to poll still learns which ends were not its own doing.
         """
         for spare in self.spares:
             if spare.process.stdin is not None and not spare.process.stdin.closed:
                 with contextlib.suppress(OSError):
                     spare.process.stdin.close()  # the spare leaves by itself when its pipe closes
         pending = [worker for worker in [*self.workers, *self.spares] if not worker.reaped]
+        ended_before = []
         for worker in pending:
             if worker.process.poll() is None:
                 _signal_group(worker.process, signal.SIGTERM)
                 # A stopped worker (SIGSTOP, a debugger) acts on SIGTERM only once continued, as
                 # systemd and a shell's kill also know: without this it would wait out the grace.
                 _signal_group(worker.process, signal.SIGCONT)
+            elif worker in self.workers:
+                ended_before.append(worker)
         deadline = time.monotonic() + grace
         while any(worker.process.poll() is None for worker in pending) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -259,6 +264,7 @@ class WorkerProcesses:
         for worker in pending:
             if worker.output is not None:
                 worker.output.close()  # the last lines it wrote reach the console and its files
+        return ended_before
 
     def close(self, grace: float) -> None:
         """``end`` the workers and remove their folder."""

@@ -56,6 +56,9 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
     spares = [start_spare() for _ in range(count)]
     claimant = f"spare launcher pid {os.getpid()}"
     while True:
+        # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
+        if (reason := give_up()) is not None:
+            raise GaveUpWaiting(reason)
         if nodes.job_over():
             return None
         for node in range(nodes.nnodes):
@@ -71,6 +74,4 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
         for number, spare in enumerate(spares):
             if spare.process.poll() is not None:  # a takeover needs one warm spare per local rank
                 spares[number] = start_spare()
-        if (reason := give_up()) is not None:
-            raise GaveUpWaiting(reason)
         time.sleep(_POLL_SECONDS)

@@ -109,8 +109,12 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
             # other nodes noticed: its own failure, not theirs, is then the root cause.
             failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval, also_fine)
             if not failed:
-                workers.end(grace)
-                return Outcome(1, "another node's launcher ended the workers", elsewhere=True)
+                # A launcher slow to poll (a loaded machine) can pass that settle without seeing it:
+                # a worker that had ended before the launcher signalled it still failed by itself.
+                failed = workers.failed(also_fine, among=workers.end(grace))
+                if not failed:
+                    return Outcome(1, "another node's launcher ended the workers", elsewhere=True)
+                return Outcome(1, *workers.root_cause_summary(failed))
         if failed:
             if nodes is not None:
                 nodes.announce_failure()  # the other nodes end their workers meanwhile
