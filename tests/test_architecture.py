@@ -46,6 +46,7 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
 @pytest.mark.parametrize(("part", "forbidden"), [
     ("diagnostics/", ("ddpkit.",)),  # imports nothing else of ddpkit but the loggers, the variables and the secret
     ("job_secret.py", ("ddpkit.",)),  # the launcher and the diagnostics read it: no torch, nothing that imports it
+    ("generations.py", ("ddpkit.",)),  # the launcher and the group share it: no torch, only the secret
     ("variables.py", ("ddpkit.",)),  # names only: every part may import it
     ("environments/", ("ddpkit.connection", "ddpkit.collectives", "ddpkit.parallel", "ddpkit.strategy",
                        "ddpkit.launching", "ddpkit.diagnostics")),

@@ -22,6 +22,8 @@ from helpers import descendants
 from torch.distributed import TCPStore
 
 from ddpkit.environments import find_free_port
+from ddpkit.generations import announce_node_lost, claim_rank, generation_prefix, node_lost
+from ddpkit.job_secret import JobSecret
 from ddpkit.launching import nodes as nodes_module
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.spare_node import wait_as_spare
@@ -65,8 +67,9 @@ JOB = textwrap.dedent(
 )
 
 
-def start_store(port: int) -> subprocess.Popen[str]:
-    store = subprocess.Popen([sys.executable, "-m", "ddpkit", "store", "--host", "127.0.0.1", "--port", str(port)],
+def start_store(port: int, namespace: str | None = None, address: str = "127.0.0.1") -> subprocess.Popen[str]:
+    store = subprocess.Popen([*(["ip", "netns", "exec", namespace] if namespace else []),
+                              sys.executable, "-m", "ddpkit", "store", "--host", address, "--port", str(port)],
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert store.stdout is not None and "serving" in store.stdout.readline()
     return store
@@ -76,9 +79,11 @@ def start_store(port: int) -> subprocess.Popen[str]:
 SECRET = {"DDPKIT_JOB_SECRET": "a-secret-for-the-spare-node-tests-0123456789"}
 
 
-def start_launcher(folder: Path, port: int, name: str, nnodes: str, **variables: str) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "spare",
+def start_launcher(folder: Path, port: int, name: str, nnodes: str, namespace: str | None = None,
+                   address: str = "127.0.0.1", **variables: str) -> subprocess.Popen[bytes]:
+    command = [*(["ip", "netns", "exec", namespace] if namespace else []),
+               sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{port}", "--rdzv-id", "spare",
                "--rdzv-conf", "last_call_timeout=1", "--recovery", "in-place", "--max-restarts", "1", "job.py"]
     with open(folder / f"{name}.out", "wb") as out, open(folder / f"{name}.err", "wb") as err:
         return subprocess.Popen(command, cwd=folder, stdout=out, stderr=err, env={**os.environ, **SECRET, **variables})
@@ -145,9 +150,20 @@ def fault_free(folder: Path) -> list[torch.Tensor]:
     return parameters
 
 
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """The final parameters of the run without a fault (``fault_free``), for every test here."""
+    return fault_free(tmp_path_factory.mktemp("spare") / "fault_free")
+
+
+def compare(parameters: list[torch.Tensor], expected: list[torch.Tensor], errors: str) -> None:
+    difference = max((a - b).abs().max().item() for a, b in zip(parameters, expected, strict=True))
+    assert difference <= 1e-6, f"{difference:.3e} from the run without the fault\n{errors}"
+
+
 @pytest.mark.timeout(300)
-def test_a_lost_node_is_taken_over_by_a_spare_node_and_the_run_ends_as_without_the_fault(tmp_path: Path) -> None:
-    expected = fault_free(tmp_path / "fault_free")
+def test_a_lost_node_is_taken_over_by_a_spare_node_and_the_run_ends_as_without_the_fault(
+        tmp_path: Path, expected: list[torch.Tensor]) -> None:
     folder = tmp_path / "lost"
     store = start_store(port := find_free_port())
     try:
@@ -173,9 +189,56 @@ def test_a_lost_node_is_taken_over_by_a_spare_node_and_the_run_ends_as_without_t
         assert "rank 0 of 4 done, recovered True" in out  # the survivor kept its process and recovered
         assert "node 1's launcher went silent; a spare node (spare launcher pid" in text(
             folder, f"launcher{1 - node1}.err"), errors  # and its launcher says why it went on
-        parameters: list[torch.Tensor] = torch.load(folder / "final.pt")
-        difference = max((a - b).abs().max().item() for a, b in zip(parameters, expected, strict=True))
-        assert difference <= 1e-6, f"{difference:.3e} from the run without the fault\n{errors}"
+        compare(torch.load(folder / "final.pt"), expected, errors)
+    finally:
+        store.kill()
+        store.wait()
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_link_went_down_is_taken_over_and_fenced_when_the_link_comes_back(
+        two_namespaces: list[tuple[str, str]], tmp_path: Path, expected: list[torch.Tensor]) -> None:
+    """Node 1's network goes down in the middle of training (its processes live on, and no
+    connection to them is closed): the spare node takes its place and the other node's workers,
+    blocked in a collective with node 1's ranks, are told by the spare and go on. When the link
+    comes back seconds later, node 1's launcher finds its place taken: it ends its workers (which
+    never meet the job's group again) and exits 1 saying so; the run ends as without the fault."""
+    (namespace0, address0), (namespace1, _) = two_namespaces
+    link1 = subprocess.run(["ip", "-n", namespace1, "-o", "link", "show", "type", "veth"], capture_output=True,
+                           text=True, check=True).stdout.split(":")[1].strip().split("@")[0]
+    folder = tmp_path / "link_down"
+    folder.mkdir()
+    (folder / "job.py").write_text(JOB)
+    port = find_free_port()
+    store = start_store(port, namespace0, address0)
+    node = {"address": address0, "GATE": "1"}
+    try:
+        launchers = [start_launcher(folder, port, "launcher0", "2:3", namespace0, **node)]
+        wait_for(lambda: "waiting for 1 more node" in text(folder, "launcher0.err"), "node 0 to arrive")
+        launchers.append(start_launcher(folder, port, "launcher1", "2:3", namespace1, **node))
+        wait_for(lambda: "this is node 1 of 2" in text(folder, "launcher1.err"), "the rendezvous to close")
+        launchers.append(start_launcher(folder, port, "launcher2", "2:3", namespace0, **node))
+        wait_for(lambda: "waits as a spare node" in text(folder, "launcher2.err"), "the spare node to wait")
+        (folder / "go").touch()
+        wait_for(lambda: (folder / "step6").exists(), "six steps")
+        subprocess.run(["ip", "-n", namespace1, "link", "set", link1, "down"], check=True)
+        down = time.monotonic()
+        try:
+            done = max(int(path.name[4:]) for path in folder.glob("step*"))
+            wait_for(lambda: (folder / f"step{done + 1}").exists(), "the next step after the link went down", 60)
+            print(f"node 1's link down after step {done}: step {done + 1} completed {time.monotonic() - down:.2f} s later")
+        finally:
+            subprocess.run(["ip", "-n", namespace1, "link", "set", link1, "up"], check=True)
+        codes = end_all(launchers, timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(folder, f'launcher{n}.err')[-4000:]}" for n in range(3))
+        assert codes == [0, 1, 0], errors
+        assert "a spare node (spare launcher pid" in text(folder, "launcher1.err"), errors
+        assert "took its place and its ranks: this node's workers are ended" in text(folder, "launcher1.err"), errors
+        out = text(folder, "launcher0.out") + text(folder, "launcher2.out")
+        assert sorted(re.findall(r"rank (\d) of 4 done", out)) == ["0", "1", "2", "3"], out
+        assert "rank 0 of 4 done, recovered True" in out
+        assert "done" not in text(folder, "launcher1.out")  # node 1's workers never trained on
+        compare(torch.load(folder / "final.pt"), expected, errors)
     finally:
         store.kill()
         store.wait()
@@ -266,3 +329,22 @@ def test_a_spare_stopped_as_the_job_ends_says_it_was_stopped() -> None:
     assert spare.job_over()
     with pytest.raises(GaveUpWaiting, match="received SIGTERM"):
         wait_as_spare(spare, lambda: pytest.fail("no warm spare is needed"), 0, lambda: "received SIGTERM")
+
+
+def test_a_rank_of_the_next_generation_is_held_by_the_first_process_of_the_job_that_claims_it() -> None:
+    """What fences a lost node's workers out (``ddpkit.generations``): the spare's launcher holds the
+    lost ranks for its workers before it says the node was lost; a claim by any other process then
+    returns the holder, and a stranger's value (without the job secret) holds nothing."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    secret = JobSecret(SECRET["DDPKIT_JOB_SECRET"].encode(), "a test")
+    assert node_lost(store, secret, 0, 3) is None
+    prefix = generation_prefix(secret, 0, 4)
+    store.set(f"{prefix}member/2", "stranger:1")
+    assert claim_rank(store, secret, 0, 4, 2, "spare:10") == "spare:10"  # the stranger's value replaced
+    assert claim_rank(store, secret, 0, 4, 2, "lost:20") == "spare:10"
+    assert claim_rank(store, secret, 0, 4, 3, "lost:21") == "lost:21"  # each rank on its own
+    store.set(f"{generation_prefix(secret, 0, 3)}node_lost", "node 0's launcher went silent")  # forged
+    assert node_lost(store, secret, 0, 3) is None
+    announce_node_lost(store, secret, 0, 3, "node 1's launcher went silent")
+    assert node_lost(store, secret, 0, 3) == "node 1's launcher went silent"
+    assert node_lost(store, secret, 0, 4) is None and node_lost(store, secret, 1, 3) is None

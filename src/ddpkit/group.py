@@ -50,7 +50,8 @@ from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
-from ddpkit.job_secret import JobSecret, RecordSigner, member_proof, unsigned_namespace
+from ddpkit.generations import RankTakenError, claim_rank, generation_prefix, generation_scope, member_identity, node_lost
+from ddpkit.job_secret import JobSecret, RecordSigner, member_proof
 from ddpkit.signed_store import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
@@ -166,7 +167,9 @@ class Group:
         start_hang_watch()
         watch_peers()
         if self._in_place:
-            expect_lost_peers()
+            attempt, generation = self._attempt, self.generation
+            # A node lost behind a link that went down closes no connection: its spare's launcher says so.
+            expect_lost_peers(lambda: node_lost(self._launcher_store, self._secret, attempt, generation))
 
     def abort(self) -> None:
         """Leave torch's default group (a rank of it vanished): destroyed, but kept referenced."""
@@ -204,7 +207,15 @@ class Group:
         return self._membership
 
     def meet(self, generation: int) -> None:
-        """Count this rank in ``generation`` and wait until every member is counted."""
+        """Claim this rank in ``generation``, count it in and wait until every member is counted.
+        ``RankTakenError`` when another process holds the rank there: a spare node took this
+        process's node's place while it could not be reached (``ddpkit.generations``)."""
+        holder = claim_rank(self._launcher_store, self._secret, self._attempt, generation, self.rank, member_identity())
+        if holder != member_identity():
+            raise RankTakenError(
+                f"in-place recovery: rank {self.rank} of generation {generation} of the group is held by process "
+                f"{holder}, not this one ({member_identity()}): this node was taken for lost (its launcher could not be "
+                "reached) and a spare node took its ranks. This process ends; the job goes on without it.")
         seconds = recovery_timeout_seconds()
         size = self.world_size
         key = f"{self._prefix(generation)}arrived"
@@ -255,11 +266,10 @@ class Group:
         return [bytes(part.tolist()) for part in parts]
 
     def _scope(self, generation: int) -> str:
-        return f"attempt {self._attempt} generation {generation}"
+        return generation_scope(self._attempt, generation)
 
     def _prefix(self, generation: int) -> str:
-        namespace = self._secret.namespace() if self._secret is not None else unsigned_namespace()
-        return f"{namespace}attempt/{self._attempt}/generation/{generation}/"
+        return generation_prefix(self._secret, self._attempt, generation)
 
 
 # Torch groups abandoned by ``Group.abort``: a collective of theirs may still be pending in a Gloo

@@ -37,6 +37,7 @@ import secrets
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_JOB_SECRET, DDPKIT_JOB_SECRET_FILE
@@ -187,6 +188,23 @@ class RecordSigner:
                          f"({self.secret.source}): a process outside the job wrote it. Its first bytes: "
                          f"{text[:80]!r}. Check who can reach the job's store port.")
 
+    def write_first(self, store: Any, key: str, payload: str) -> str:
+        """Write ``payload`` under ``key`` unless the job wrote a value there already (the first
+        written wins); return the payload that holds the key now. A value that does not carry the
+        job secret (a stranger's) is replaced, up to ``_REPLACE_ATTEMPTS`` times."""
+        value, expected = self.sign(key, payload), ""
+        for _ in range(_REPLACE_ATTEMPTS):
+            current = bytes(store.compare_set(key, expected, value)).decode("utf-8", "surrogateescape")
+            if current == value:
+                return payload
+            held = self.verify(key, current)
+            if held is not None:
+                return held
+            expected = current
+        raise JobSecretError(f"could not write {key!r} in the job's store: a value without this job's secret replaced "
+                             f"it {_REPLACE_ATTEMPTS} times (a process outside the job rewrites it). Check who can "
+                             "reach the job's store port.")
+
     def sign_bytes(self, key: str, payload: bytes) -> bytes:
         """``sign`` for a binary value (torch's own, e.g. a Gloo address)."""
         if self.secret is None:
@@ -206,6 +224,10 @@ class RecordSigner:
         return None
 
 
+
+# How many forged values ``write_first`` replaces before it gives up (a stranger rewriting the key
+# as fast as it is replaced: a denial of service the store allows, see the module docstring).
+_REPLACE_ATTEMPTS = 8
 
 # The keys under which this process ignored a forged value: each is said once per process, however
 # often a watch thread reads it.

@@ -10,7 +10,8 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
                 ...forward, strategy.backward(loss), optimizer.step()...
 
 - **Survivors.** A collective of the step fails (the killed rank closed its connections; the
-  first rank to see it tells the others through the store: ``PeerLostError``). ``step()`` catches
+  first rank to see it tells the others through the store: ``PeerLostError``), or a spare node's
+  launcher says that a node was lost (its link down: nothing was closed; ``ddpkit.generations``). ``step()`` catches
   it, abandons the group and forms the next generation with the same ranks
   (``ddpkit.group.Group.reconfigure``), then ``InPlaceRecovery.recover`` runs the exchange below and
   ``batches()`` hands out again the batches after the last optimizer step.

@@ -39,7 +39,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
-from ddpkit.job_secret import RecordSigner, job_secret
+from ddpkit.job_secret import JobSecretError, RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "expect_lost_peers",
@@ -63,9 +63,6 @@ FAILURE = "failure"
 LOST = "peer_lost"
 # A counter, which cannot be signed: a stranger who adds to it only shortens the failed rank 0's linger.
 _SEEN = "failure_seen"
-# How many forged values publish_first replaces before it gives up (a stranger rewriting the key
-# as fast as it is replaced: a denial of service the store allows, see ddpkit.job_secret).
-_REPLACE_ATTEMPTS = 8
 # How long the rank that hosts the store stays up after publishing its own failure, at most,
 # waiting for every other rank to have read it.
 _LINGER_SECONDS = 3.0
@@ -184,14 +181,8 @@ def _default_scope() -> str:
 def publish_first(store: Any, signer: RecordSigner, name: str, payload: str) -> None:
     """Write record ``name`` unless the job wrote one already: the first of the job's records wins.
     A value under its key that does not carry the job's secret (a stranger's) is replaced."""
-    key = signer.key(name)
-    value = signer.sign(key, payload)
-    expected = ""
-    for _ in range(_REPLACE_ATTEMPTS):
-        current = bytes(store.compare_set(key, expected, value)).decode("utf-8", "surrogateescape")
-        if current == value or signer.verify(key, current) is not None:
-            return
-        expected = current
+    with contextlib.suppress(JobSecretError):  # a stranger rewriting it: a denial of service the store allows
+        signer.write_first(store, signer.key(name), payload)
 
 
 def _this_rank() -> int:
@@ -248,10 +239,13 @@ def _published_failure(store: Any) -> PeerFailedError | None:
     return PeerFailedError.from_record(record)
 
 
-def expect_lost_peers() -> None:
+def expect_lost_peers(node_lost: Callable[[], str | None] = lambda: None) -> None:
     """From now on (in-place recovery), a collective that fails without any record means a rank
-    vanished: ``note_lost_peer`` tells the others, and ``peer_failure`` answers ``PeerLostError``."""
+    vanished: ``note_lost_peer`` tells the others, and ``peer_failure`` answers ``PeerLostError``;
+    so does ``node_lost`` saying why a node of the group was lost (``ddpkit.generations``: its
+    ranks may be alive behind a link that went down, and no collective fails)."""
     _state.expect_lost = True
+    _state.node_lost = node_lost
 
 
 def lost_peers_expected() -> bool:
@@ -275,9 +269,9 @@ def _lost_peer(store: Any) -> PeerLostError | None:
     signer = record_signer()
     key = signer.key(LOST)
     try:
-        if not store.check([key]):
-            return None
-        note = signer.verify(key, store.get(key))
+        note = signer.verify(key, store.get(key)) if store.check([key]) else None
+        if note is None and (node := _state.node_lost()) is not None:
+            return PeerLostError(f"a node of the group was lost ({node}); in-place recovery replaces its ranks")
     except RuntimeError:
         return None
     if note is None:
@@ -363,6 +357,7 @@ class _State:
         self.seen = False  # this process has counted itself among the readers of the record
         self.raised = threading.Event()
         self.expect_lost = False  # in-place recovery: a collective failing without a record means a rank vanished
+        self.node_lost: Callable[[], str | None] = lambda: None  # why a node of the group was lost (expect_lost_peers)
         self.scope: str | None = None  # what this process's records are bound to (sign_records_in)
         # (id of the store, its address, why, who hosted it) once its host is gone
         self.gone: tuple[int, tuple[str, int], str, str] | None = None

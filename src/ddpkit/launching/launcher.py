@@ -44,6 +44,7 @@ from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port, gloo_interface_towards, listen_on, store_bind_address
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
+from ddpkit.generations import member_identity
 from ddpkit.job_secret import job_secret, new_job_secret
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
 from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
@@ -285,6 +286,10 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                         workers.assign(takeover.spares[local_rank], variables, rank, local_rank)
                     else:
                         workers.start(command, {**defaults, **os.environ, **variables}, rank, local_rank)
+                if takeover is not None and nodes is not None:
+                    nodes.hand_over(restart_count, generation,
+                                    {worker.rank: member_identity(worker.process.pid) for worker in workers.workers},
+                                    takeover.why)
                 takeover = None
                 replacements: Replacements | NoReplacements = NO_REPLACEMENTS
                 if config.recovery is Recovery.IN_PLACE:

@@ -28,7 +28,11 @@ one may be there to read:
 - each launcher says it is alive once a second from a thread of its own (``beat_through``): one
   silent for ``_SILENT_SECONDS``, or never heard from within the join timeout, is taken for lost
   (``silent_node``), which ends the others' workers as its failure would have, since nothing else
-  may tell them (a rank killed before the group formed breaks no connection);
+  may tell them (a rank killed before the group formed breaks no connection). Under in-place
+  recovery a spare node may claim a silent node's place (``launching.spare_node``) and beat as it;
+  the lost launcher, if it answers again, finds the spare's beat where its own was (a beat
+  replaces only its own last one) and ends its workers without announcing anything
+  (``NodeReplacedError``);
 - a launcher that passes a preemption on says so (``announce_preemption``); one whose workers
   stopped for a preemption no signal brought it names its source (``preemption_source``): another
   launcher's signal, or a lost launcher, whose workers the kernel sent SIGTERM.
@@ -48,10 +52,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit.generations import announce_node_lost, claim_rank
 from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.rendezvous import StoreWaits
 from ddpkit.launching.store_client import (
@@ -67,7 +72,7 @@ from ddpkit.launching.store_host import clear_worker_keys
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination"]
+__all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError"]
 
 _log = get_logger("launching")
 
@@ -114,6 +119,10 @@ class FailureCause:
         return (0 if self.recorded_at is None else 1, self.recorded_at or 0.0, self.node)
 
 
+class NodeReplacedError(NodeContactLostError):
+    """A spare node took this node's place while its launcher could not reach the job's store."""
+
+
 class NodeCoordination:
     """One launcher's side of the agreement between the launchers of a multi-node job."""
 
@@ -142,6 +151,7 @@ class NodeCoordination:
         self._silent_seconds = _IN_PLACE_SILENT_SECONDS if in_place else _SILENT_SECONDS
         self._launcher_id = os.urandom(6).hex()  # tells this launcher's beats from a former one's of the same node
         self._silent_since: dict[int, float] = {}  # node -> when it was seen silent (waiting for a claim)
+        self._replaced = threading.Event()  # set: a spare node beats as this node (``replaced_by``)
 
     def beat_through(self, store: Any) -> None:
         """Say this launcher is alive every beat (``_BEAT_SECONDS``), through ``store`` (a client for
@@ -149,13 +159,21 @@ class NodeCoordination:
         key = self._key(f"beat/{self.node_rank}", -1)
 
         def beat() -> None:
-            count = 0
+            count, last = 0, None
             while not self._beating.is_set():
                 count += 1
+                value = self._signer.sign(key, f"{self._launcher_id}:{count}")
                 try:
-                    store.set(key, self._signer.sign(key, f"{self._launcher_id}:{count}"))
+                    # After the first, a beat replaces only this launcher's last: one that finds another
+                    # launcher's beat there was taken for lost, and a spare node beats as this node now.
+                    if last is not None and bytes(store.compare_set(key, last, value)) != value.encode():
+                        self._replaced.set()
+                        return
+                    if last is None:
+                        store.set(key, value)
                 except Exception:  # the store is gone: the main thread finds out at its next request
                     return
+                last = value
                 self._beating.wait(self._beat_seconds)
 
         threading.Thread(target=beat, name="ddpkit-launcher-beat", daemon=True).start()
@@ -230,6 +248,31 @@ class NodeCoordination:
         """Who claimed the place of ``node`` after its launcher went silent at ``beat``, if anyone."""
         return self._read(f"takeover/{node}/{_launcher_of(beat)}", -1)
 
+    def _check_not_replaced(self, ask_store: bool) -> None:
+        """``NodeReplacedError`` when a spare node took this node's place: known from a beat that found
+        the spare's there, or (``ask_store``) read from its claim. A replaced launcher must neither
+        announce a failure nor count a generation: the node it was is the spare's now."""
+        if self._replaced.is_set() or (ask_store and self.in_place and self.replaced_by() is not None):
+            raise NodeReplacedError(
+                f"node {self.node_rank}'s launcher could not reach the job's store for more than {self._silent_seconds:g} s, "
+                f"so the other nodes took this node for lost, and a spare node ({self.replaced_by() or 'unnamed'}) took its "
+                "place and its ranks: this node's workers are ended (they must not meet the job's group again) and this "
+                "launcher leaves the job, which goes on without it. Check this host's network.")
+
+    def replaced_by(self) -> str | None:
+        """The spare node that claimed this launcher's place after the others took it for lost, if one did."""
+        return self._read(f"takeover/{self.node_rank}/{self._launcher_id}", -1)
+
+    def hand_over(self, attempt: int, generation: int, holders: Mapping[int, str], why: str) -> None:
+        """As the spare node that took a lost node's place: hold its ranks in ``generation`` of the
+        workers' group for this node's warm spares (``holders``: rank -> ``member_identity``), then
+        tell the workers of the generation before that a node was lost (``why``; ``ddpkit.generations``).
+        In this order: the lost node's workers, if its link comes back, find their ranks held and end."""
+        secret = job_secret()
+        for rank, holder in holders.items():
+            self._call(claim_rank, self._store, secret, attempt, generation, rank, holder)
+        self._call(announce_node_lost, self._store, secret, attempt, generation - 1, why)
+
     def take_place_of(self, node: int) -> None:
         """This spare launcher is node ``node`` from now on (its claim won)."""
         self.node_rank = node
@@ -253,7 +296,9 @@ class NodeCoordination:
 
     def next_generation(self) -> int:
         """Count one more formation of the workers' group across the job (an in-place recovery on any
-        node, or a spare node's takeover) and return its number: every node's workers agree on it."""
+        node, or a spare node's takeover) and return its number: every node's workers agree on it.
+        ``NodeReplacedError`` when a spare node took this node's place (its count is the spare's)."""
+        self._check_not_replaced(ask_store=True)
         generation = int(self._read("generation", -1) or 0) + 1
         self._put("generation", str(generation), -1)
         return generation
@@ -357,7 +402,9 @@ class NodeCoordination:
         return self._read(name, attempt) is not None
 
     def announce_failure(self) -> None:
-        """Tell the other launchers that this node's workers failed in the current attempt."""
+        """Tell the other launchers that this node's workers failed in the current attempt
+        (``NodeReplacedError`` instead when a spare node took this node's place)."""
+        self._check_not_replaced(ask_store=True)
         self._say("failed")
 
     def announce_stop(self, reason: str) -> None:
@@ -366,7 +413,9 @@ class NodeCoordination:
 
     def ended_elsewhere(self) -> bool:
         """Whether another node's launcher announced a failure or a stop in the current attempt, left
-        the job, or went silent (``silent_node``): its workers are gone, and this node's would wait."""
+        the job, or went silent (``silent_node``): its workers are gone, and this node's would wait.
+        ``NodeReplacedError`` when a spare node took this node's place (``replaced_by``)."""
+        self._check_not_replaced(ask_store=False)
         return (bool(self._nodes_that_said("failed")) or self._has("stop") or bool(self._nodes_that_said("left", -1))
                 or self.silent_node() is not None)
 
@@ -478,9 +527,12 @@ class NodeCoordination:
 
     def leave(self, wait_seconds: float) -> None:
         """Count this launcher out; the one that hosts the store waits for the others first, up to
-        ``wait_seconds``, so that none loses the store while it still reads it."""
+        ``wait_seconds``, so that none loses the store while it still reads it. A launcher whose place
+        a spare node took says nothing: the node it was is the spare's now."""
         self._beating.set()
         try:
+            if self._replaced.is_set() or self.replaced_by() is not None:
+                return
             self._say("left", attempt=-1)
             deadline = time.monotonic() + wait_seconds
             # A launcher taken for lost (``silent_node``) never says it left: not waited for.

@@ -8,10 +8,14 @@ say they are alive (``NodeCoordination``: beats four times a second under in-pla
 When one goes silent (its launcher and workers killed, its host lost), the spare claims its place
 (the first claim written wins, so two spares never take one node), becomes that node, and hands
 its warm spares the lost node's ranks in the next generation of the group
-(``NodeCoordination.next_generation``). The survivors' workers, whose collectives failed when the
-lost ranks' connections closed, are meanwhile forming that generation (``ddpkit.group``); they
-meet the new ranks there and hand them the state (``ddpkit.recovery``), as on one node. The other
-launchers see the claim and do not end their workers.
+(``NodeCoordination.next_generation``). It holds those ranks of that generation for its warm
+spares, then tells the survivors' generation that a node was lost (``NodeCoordination.hand_over``,
+``ddpkit.generations``): a node whose link went down closed no connection, and its ranks, alive
+behind it, must find their places taken should the link come back. The survivors' workers, whose
+collectives failed (or were told), form that generation (``ddpkit.group``); they meet the new
+ranks there and hand them the state (``ddpkit.recovery``), as on one node. The other launchers see
+the claim and do not end their workers; the lost node's launcher, if it answers again, finds
+that it was replaced and ends its own (``NodeReplacedError``).
 
 When every node's launcher has left (the job finished or ended) the spare ends too: exit 0, and
 its warm spares are stopped. torch-free, as the launcher is (the store's client comes from
@@ -46,6 +50,7 @@ class Takeover:
     generation: int
     attempt: int
     spares: list[WorkerProcess]
+    why: str  # what became of the lost node, for the survivors' workers (``NodeCoordination.hand_over``)
 
 
 def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProcess], count: int,
@@ -70,7 +75,8 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
                 generation, attempt = nodes.next_generation(), nodes.latest_attempt()
                 _log.warning(f"ddpkit run: node {node}'s launcher went silent; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
-                return Takeover(node, generation, attempt, spares)
+                why = f"node {node}'s launcher went silent; {claimant} took its place"
+                return Takeover(node, generation, attempt, spares, why)
         for number, spare in enumerate(spares):
             if spare.process.poll() is not None:  # a takeover needs one warm spare per local rank
                 spares[number] = start_spare()
