@@ -36,6 +36,15 @@ def processes_per_node(kind: str, mode: Mode) -> int:
     return 1 if mode.nnodes > 1 and kind in _FRAMEWORKS else 2
 
 
+def torchrun_beside(kind: str, mode: Mode) -> bool:
+    """Whether the cell runs torchrun too: where that run checks ddpkit, the ddpkit script (under
+    torchrun it connects through torchrun's environment and store), and the plain script where the
+    ddpkit one is not run (``-m``, ``--no-python``). The plain, Lightning and Accelerate scripts under
+    torchrun would test torch and the frameworks, at 5-10 s a cell; under ``ddpkit run`` every cell
+    is checked against one process trained on the concatenated batches."""
+    return kind == "ddpkit" or (kind == "plain" and mode.run_as != "script")
+
+
 def check(run: Run, world: int, launcher: str) -> None:
     assert run.codes == [0] * len(run.codes), f"{launcher}: {run.describe()}"
     reports = run.reports()
@@ -59,7 +68,7 @@ def test_a_torchrun_command_line_with_ddpkit_run_in_its_place(kind: str, mode_na
     world = nproc * mode.nnodes
     ours = run_cell("ddpkit run", mode, kind, tmp_path, find_free_port(), nproc)
     check(ours, world, "ddpkit run")
-    if mode.no_torchrun is None:
+    if mode.no_torchrun is None and torchrun_beside(kind, mode):
         theirs = run_cell("torchrun", mode, kind, tmp_path, find_free_port(), nproc)
         check(theirs, world, "torchrun")
         assert ours.final is not None and theirs.final is not None
