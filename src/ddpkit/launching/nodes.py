@@ -164,13 +164,13 @@ class NodeCoordination:
                 count += 1
                 value = self._signer.sign(key, f"{self._launcher_id}:{count}")
                 try:
-                    # After the first, a beat replaces only this launcher's last: one that finds another
-                    # launcher's beat there was taken for lost, and a spare node beats as this node now.
-                    if last is not None and bytes(store.compare_set(key, last, value)) != value.encode():
+                    # Under in-place recovery a beat after the first replaces only this launcher's last: one
+                    # that finds another launcher's there was taken for lost, and a spare node beats as this node.
+                    if last is None or not self.in_place:
+                        store.set(key, value)
+                    elif bytes(store.compare_set(key, last, value)) != value.encode():
                         self._replaced.set()
                         return
-                    if last is None:
-                        store.set(key, value)
                 except Exception:  # the store is gone: the main thread finds out at its next request
                     return
                 last = value
