@@ -60,15 +60,18 @@ def claim_rank(store: Any, secret: JobSecret | None, attempt: int, generation: i
 
 def announce_node_lost(store: Any, secret: JobSecret | None, attempt: int, generation: int, why: str) -> None:
     """Tell the workers of ``generation`` that a node of theirs was lost (``why``)."""
-    signer = RecordSigner(secret, generation_scope(attempt, generation))
-    key = f"{generation_prefix(secret, attempt, generation)}{_NODE_LOST}"
+    signer, key = _node_lost_record(secret, attempt, generation)
     store.set(key, signer.sign(key, why))
 
 
 def node_lost(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> str | None:
     """Why a node of ``generation`` was lost, when a spare node's launcher said so; else None."""
-    signer = RecordSigner(secret, generation_scope(attempt, generation))
-    key = f"{generation_prefix(secret, attempt, generation)}{_NODE_LOST}"
+    signer, key = _node_lost_record(secret, attempt, generation)
     if not store.check([key]):
         return None
     return signer.verify(key, store.get(key))
+
+
+def _node_lost_record(secret: JobSecret | None, attempt: int, generation: int) -> tuple[RecordSigner, str]:
+    return (RecordSigner(secret, generation_scope(attempt, generation)),
+            f"{generation_prefix(secret, attempt, generation)}{_NODE_LOST}")

@@ -210,11 +210,12 @@ class Group:
         """Claim this rank in ``generation``, count it in and wait until every member is counted.
         ``RankTakenError`` when another process holds the rank there: a spare node took this
         process's node's place while it could not be reached (``ddpkit.generations``)."""
-        holder = claim_rank(self._launcher_store, self._secret, self._attempt, generation, self.rank, member_identity())
-        if holder != member_identity():
+        this_process = member_identity()
+        holder = claim_rank(self._launcher_store, self._secret, self._attempt, generation, self.rank, this_process)
+        if holder != this_process:
             raise RankTakenError(
                 f"in-place recovery: rank {self.rank} of generation {generation} of the group is held by process "
-                f"{holder}, not this one ({member_identity()}): this node was taken for lost (its launcher could not be "
+                f"{holder}, not this one ({this_process}): this node was taken for lost (its launcher could not be "
                 "reached) and a spare node took its ranks. This process ends; the job goes on without it.")
         seconds = recovery_timeout_seconds()
         size = self.world_size

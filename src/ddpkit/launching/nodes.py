@@ -252,12 +252,17 @@ class NodeCoordination:
         """``NodeReplacedError`` when a spare node took this node's place: known from a beat that found
         the spare's there, or (``ask_store``) read from its claim. A replaced launcher must neither
         announce a failure nor count a generation: the node it was is the spare's now."""
-        if self._replaced.is_set() or (ask_store and self.in_place and self.replaced_by() is not None):
+        if self._was_replaced(ask_store):
             raise NodeReplacedError(
                 f"node {self.node_rank}'s launcher could not reach the job's store for more than {self._silent_seconds:g} s, "
                 f"so the other nodes took this node for lost, and a spare node ({self.replaced_by() or 'unnamed'}) took its "
                 "place and its ranks: this node's workers are ended (they must not meet the job's group again) and this "
                 "launcher leaves the job, which goes on without it. Check this host's network.")
+
+    def _was_replaced(self, ask_store: bool) -> bool:
+        """Whether a spare node took this node's place: a beat found the spare's, or (``ask_store``,
+        under in-place recovery, where spares exist) its claim on this launcher's place is written."""
+        return self._replaced.is_set() or (ask_store and self.in_place and self.replaced_by() is not None)
 
     def replaced_by(self) -> str | None:
         """The spare node that claimed this launcher's place after the others took it for lost, if one did."""
@@ -531,7 +536,7 @@ class NodeCoordination:
         a spare node took says nothing: the node it was is the spare's now."""
         self._beating.set()
         try:
-            if self._replaced.is_set() or self.replaced_by() is not None:
+            if self._was_replaced(ask_store=True):
                 return
             self._say("left", attempt=-1)
             deadline = time.monotonic() + wait_seconds

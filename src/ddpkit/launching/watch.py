@@ -114,7 +114,6 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
                 failed = workers.failed(also_fine, among=workers.end(grace))
                 if not failed:
                     return Outcome(1, "another node's launcher ended the workers", elsewhere=True)
-                return Outcome(1, *workers.root_cause_summary(failed))
         if failed:
             if nodes is not None:
                 nodes.announce_failure()  # the other nodes end their workers meanwhile
