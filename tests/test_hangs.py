@@ -187,6 +187,13 @@ def test_hang_abort_ends_the_job_naming_the_stuck_rank(tmp_path: Path) -> None:
     # the abort 1 s after it (checked once a second), then the next slice of the waits.
     assert all(float(seconds) < 9 for _, seconds in raised), raised
     assert elapsed < 30, (elapsed, output)
+    # Ranks 0 and 2 both wait for rank 1 and report at about the same time: each answers the other's
+    # request (never described as silent, and so never signalled for its stack while its Python runs).
+    sections = re.findall(r"\[rank (\d)\] --- rank (\d): last entered [^;]*; now (.*)", output)
+    assert {(reporter, about) for reporter, about, _ in sections} >= {("0", "2"), ("2", "0")}, output
+    for reporter, about, now in sections:
+        if about != "1":
+            assert now.startswith("in #2 sync_ddp at script.py:"), (reporter, about, now)
 
 
 def every_rank_is_in_the_slow_collective() -> tuple[str, bool]:

@@ -48,6 +48,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -136,7 +137,7 @@ class HangWatch:
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
             request = self.store.add(self.signer.key(_REQUESTS), 1)
-            self._post_stack(request)
+            self._answer_requests(request)
             self.report, self.missing = self._build_report(current, request)
             self.reported_at = time.monotonic()
             _log.warning(self.report.rstrip("\n"))
@@ -146,17 +147,31 @@ class HangWatch:
             self.ended_sequence = current[0]
             self._end_the_job(current)
             return
-        request = self.store.add(self.signer.key(_REQUESTS), 0)
-        if request > self.requests_answered:
-            self._post_stack(request)
+        self._answer_requests()
 
-    def _post_stack(self, request: int) -> None:
+    def _answer_requests(self, latest: int | None = None) -> None:
+        """Post this rank's stack for every request it has not answered, up to ``latest`` (None: the
+        store's count).
+
+        Every one, not only the latest: ranks that wait for the same missing rank report at about
+        the same time, and one whose own request came after another's must still answer the
+        earlier one. It also runs while this watch gathers a report or waits for a signalled stack:
+        a rank whose Python runs must never look silent, or a peer would describe it as stuck in a
+        C extension and signal it (faulthandler's dump of threads that run can crash the process).
+        """
+        if latest is None:
+            latest = self.store.add(self.signer.key(_REQUESTS), 0)
+        if latest <= self.requests_answered:
+            return
         frame = sys._current_frames().get(self.main_thread) if self.main_thread is not None else None
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no main thread)\n"
         current = self.current
         where = f"in #{current[0]} {current[1]} at {current[2]}" if current else f"in no collective (entered {self.entered})"
-        self._write(f"hang/stack/{request}/{self.rank}", f"{where}\n{stack}")
-        self.requests_answered = request
+        # At most one request per rank comes from one hang; a stranger can raise the count (it is not
+        # signed), so no more than that many are answered at once.
+        for request in range(max(self.requests_answered + 1, latest - self.world_size + 1), latest + 1):
+            self._write(f"hang/stack/{request}/{self.rank}", f"{where}\n{stack}")
+        self.requests_answered = latest
 
     def _end_the_job(self, current: tuple[int, str, str, float]) -> None:
         """Publish the first missing rank's hang as the job's failure (DDPKIT_HANG_ABORT_SECONDS).
@@ -183,6 +198,7 @@ class HangWatch:
         deadline = time.monotonic() + _GATHER_SECONDS
         while time.monotonic() < deadline and not self.store.check([self.signer.key(key) for key in keys]):
             time.sleep(0.05)
+            self._answer_requests()
         lines = [f"\nddpkit: rank {self.rank} has waited {time.monotonic() - started:.1f} s in collective "
                  f"#{sequence} {operation} at {call_site}."]
         missing, sections = [], []
@@ -191,13 +207,13 @@ class HangWatch:
             entered = int(progress[1:].split()[0]) if progress.startswith("#") else 0
             if entered < sequence:
                 missing.append(rank)
-            stack = self._read(key) or self._describe_silent_rank(rank)
+            stack = self._read(key) or self._describe_silent_rank(rank, key)
             sections.append(f"--- rank {rank}: last entered {progress}; now {stack}")
         lines.append(f"Ranks that have not arrived: {missing or 'none (they are in it: a slow peer or the network)'}.")
         return "\n".join(lines) + "\n" + "".join(sections), missing
 
-    def _describe_silent_rank(self, rank: int) -> str:
-        """What can be said of a rank whose watch thread did not post its stack."""
+    def _describe_silent_rank(self, rank: int, stack_key: str) -> str:
+        """What can be said of a rank whose watch thread did not post its stack under ``stack_key``."""
         process = json.loads(self._read(f"hang/process/{rank}") or "{}")
         host, pid, stack_file = process.get("host"), process.get("pid"), process.get("stack_file")
         where = f"pid {pid} on {host}"
@@ -212,7 +228,10 @@ class HangWatch:
                     f"cannot be read. `kill -CONT {pid}` resumes it.\n")
         description = (f"no answer ({where}, state {state}): the process runs but its Python threads cannot, so it is "
                        "most likely inside a C extension that holds the GIL.")
-        stack = _signalled_stack(pid, stack_file)
+        late_answer = self._read(stack_key)  # posted while the ranks before it were described
+        if late_answer:
+            return late_answer
+        stack = _signalled_stack(pid, stack_file, self._answer_requests)
         if stack:
             return f"{description} Its threads' stacks (faulthandler):\n{stack}"
         return f"{description} `py-spy dump --pid {pid}` shows where.\n"
@@ -240,9 +259,10 @@ def _process_state(pid: int) -> str | None:
     return None if state in "ZX" else state
 
 
-def _signalled_stack(pid: int, stack_file: str | None) -> str:
+def _signalled_stack(pid: int, stack_file: str | None, between_reads: Callable[[], None]) -> str:
     """The stacks a process under ddpkit's worker bootstrap writes to its stack file on SIGUSR1
-    (``launching.worker``; from a signal handler, so without the GIL); '' when it has none."""
+    (``launching.worker``; from a signal handler, so without the GIL); '' when it has none.
+    ``between_reads`` runs while it waits (this watch answers its peers' requests meanwhile)."""
     if not stack_file:
         return ""
     try:
@@ -257,6 +277,7 @@ def _signalled_stack(pid: int, stack_file: str | None) -> str:
     written = ""
     while time.monotonic() < deadline:
         time.sleep(0.05)
+        between_reads()
         try:
             with open(stack_file, encoding="utf-8", errors="replace") as handle:
                 handle.seek(offset)
