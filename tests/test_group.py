@@ -50,14 +50,9 @@ HOOK_CONTRACT = textwrap.dedent(
     del dropped
     gc.collect()
     first = group.reconfigure()
-    second = group.reconfigure([0])
-    try:
-        group.reconfigure([0, 1])
-        refused = ""
-    except ValueError as error:
-        refused = str(error)
+    second = group.reconfigure()
     print("RESULT " + json.dumps({"calls": calls, "generations": [first.generation, second.generation],
-                                  "refused": refused, "same_world": dist.get_world_size()}), flush=True)
+                                  "same_world": dist.get_world_size()}), flush=True)
     """
 )
 
@@ -75,8 +70,58 @@ def test_reactions_run_in_order_once_per_generation_and_a_dropped_or_stopped_fol
     result = _result(run.stdout)
     assert result["generations"] == [1, 2]
     assert result["calls"] == [["kept", 1, 0, 1], ["function", 1, 0, 1], ["kept", 2, 0, 1], ["function", 2, 0, 1]]
-    assert "changing the members of the group (now [0]) is not supported yet" in result["refused"]
-    assert "reconfigure(members=[0, 1])" in result["refused"]
+    assert result["same_world"] == 1
+
+
+# Rank 2 of three (as the launcher started it) waits for generation 1 of the group while ranks 0 and 1
+# are lost; a second later the launcher that shrinks the world lays generation 1 out without them, as
+# the only member, training every share. It forms the group alone, and a rank the world shrank without
+# that comes back finds its place held.
+SHRINK = textwrap.dedent(
+    """
+    import json, threading, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ddpkit.generations import REMOVED, Layout, RankTakenError, claim_rank, write_layout
+    from ddpkit.group import Group, Membership
+
+    store = dist.HashStore()
+    group = Group(Membership(0, 2, 3), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    layout = Layout.initial(3).shrunk({0, 1})
+
+    def launcher_shrinks():
+        time.sleep(1.0)
+        for rank in (0, 1):
+            claim_rank(store, None, 0, 1, rank, REMOVED)
+        write_layout(store, None, 0, 1, layout)
+
+    threading.Thread(target=launcher_shrinks).start()
+    started = time.monotonic()
+    membership = group.reconfigure()
+    waited = time.monotonic() - started
+    lost = Group(Membership(0, 1, 3), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    try:
+        lost.meet(1)
+        came_back = "met"
+    except RankTakenError as error:
+        came_back = str(error)
+    print("RESULT " + json.dumps({"membership": [membership.generation, membership.rank, membership.world_size,
+                                                 list(membership.shares), membership.data_world_size],
+                                  "weight": membership.weight, "torch": [dist.get_rank(), dist.get_world_size()],
+                                  "waited": waited, "came_back": came_back}), flush=True)
+    """
+)
+
+
+def test_a_rank_waiting_for_the_next_generation_forms_it_as_the_layout_written_meanwhile_says() -> None:
+    run = subprocess.run([sys.executable, "-c", SHRINK], capture_output=True, text=True, timeout=BOUND_SECONDS,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = _result(run.stdout)
+    assert result["membership"] == [1, 0, 1, [0, 1, 2], 3]  # the only member, every share of the data world of 3
+    assert result["weight"] == 1.0 and result["torch"] == [0, 1]
+    assert 0.9 < result["waited"] < 10  # it waited for the layout, not for the lost ranks until the timeout
+    assert "held by 'removed: the world shrank without this rank'" in result["came_back"]
 
 
 # Two ranks; the test process hosts the store, as ddpkit run's store host does under in-place recovery.

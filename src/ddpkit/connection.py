@@ -151,8 +151,9 @@ def init_dist_connection(
         generation = cluster_environment.generation if in_place else 0
     group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, attempt, in_place, secret)
     if launcher_store is not None:
-        if generation > 0:  # a replacement, completing that generation
-            group.meet(generation)
+        if generation > 0:  # a replacement, completing that generation (its place there from the generation's layout)
+            group.enter(generation)
+            generation, rank, size = group.generation, group.rank, group.world_size
         kwargs["store"] = group.store_of(generation)
     elif (isinstance(cluster_environment, TorchElasticEnvironment) and cluster_environment.store_attempt is not None
           and size > 1 and "init_method" not in kwargs and "store" not in kwargs):

@@ -14,20 +14,109 @@ things there before its warm spares join:
 - **that the generation the survivors are in lost a node** (``announce_node_lost``): a node whose
   link went down closed no connection, so the survivors' collectives would wait on it; their waits
   read this between slices (``ddpkit.diagnostics.failures``) and they form the next generation.
+
+When no spare node waits and enough nodes remain (``--nnodes MIN:MAX``), a survivor's launcher
+shrinks the world instead (``launching.nodes``): it writes the next generation's **layout**
+(``Layout``, ``write_layout``) before it says the node was lost, and holds the lost ranks there for
+no process (``REMOVED``), which fences them out as a spare's claim would. A layout says which of
+the job's ranks (``RANK`` as the launchers started them) are the group's members, in group-rank
+order, and which shares of the data each trains: the world the job started with is kept as the
+*data world* of ``data_world_size`` shares, so that the global batch, and with it the result, stay
+those of the run without the loss. A generation without a layout record keeps the one before it
+(``layout_at``); generation 0's is ``Layout.initial``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
-__all__ = ["RankTakenError", "announce_node_lost", "claim_rank", "generation_prefix", "generation_scope",
-           "member_identity", "node_lost"]
+__all__ = ["REMOVED", "Layout", "RankTakenError", "announce_growth", "announce_node_lost", "claim_rank",
+           "generation_prefix", "generation_scope", "growth_requested", "layout_at", "member_identity", "node_lost",
+           "write_layout"]
 
 _NODE_LOST = "node_lost"
+_LAYOUT = "layout"
+_GROW = "grow"
+
+#: The holder of a rank that the world shrank without (``claim_rank``): no process is it, so a lost
+#: node's worker that comes back finds its rank held and ends.
+REMOVED = "removed: the world shrank without this rank"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who the group's members are in a generation, and which shares of the data each trains.
+
+    ``members``: the job's ranks present, by group rank (the order they were started in);
+    ``shares``: for each member, the shares of the data world it trains, each one the batch that
+    rank of the starting world trained. Every share is trained by exactly one member."""
+
+    members: tuple[int, ...]
+    shares: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def initial(cls, world_size: int) -> Layout:
+        """The world as the job started: every rank trains its own share."""
+        return cls(tuple(range(world_size)), tuple((rank,) for rank in range(world_size)))
+
+    @property
+    def data_world_size(self) -> int:
+        return sum(len(held) for held in self.shares)
+
+    def shrunk(self, lost: set[int]) -> Layout:
+        """This layout without the job's ranks ``lost``: the survivors keep their order, and each lost
+        share goes to the survivor that trains the fewest then (the lowest group rank among equals),
+        so that no survivor trains more than one share beyond another. ``ValueError`` when no member
+        would remain."""
+        kept = [index for index, member in enumerate(self.members) if member not in lost]
+        if not kept:
+            raise ValueError(f"every member of the group ({list(self.members)}) would be lost: nothing to shrink to")
+        shares = {index: list(self.shares[index]) for index in kept}
+        orphaned = sorted(share for index, member in enumerate(self.members) if member in lost
+                          for share in self.shares[index])
+        for share in orphaned:
+            taker = min(kept, key=lambda index: (len(shares[index]), index))
+            shares[taker].append(share)
+        return Layout(tuple(self.members[index] for index in kept), tuple(tuple(sorted(shares[index])) for index in kept))
+
+    def grown(self, joining: set[int]) -> Layout:
+        """This layout with the job's ranks ``joining`` back (a node that joins after a shrink): each
+        takes its own share back from the member that trained it meanwhile; the members stay in the
+        order the launchers started them. ``ValueError`` for a rank that is a member already, or
+        beyond the data world."""
+        if clash := sorted(joining & set(self.members)):
+            raise ValueError(f"rank(s) {clash} (as the job started them) are members of the group already")
+        if beyond := sorted(rank for rank in joining if not 0 <= rank < self.data_world_size):
+            raise ValueError(f"rank(s) {beyond} are not ranks of the world of {self.data_world_size} the job started with")
+        held = {member: [share for share in shares if share not in joining]
+                for member, shares in zip(self.members, self.shares, strict=True)}
+        held.update({rank: [rank] for rank in joining})
+        members = sorted(held)
+        return Layout(tuple(members), tuple(tuple(held[member]) for member in members))
+
+    def place_of(self, job_rank: int) -> tuple[int, tuple[int, ...]]:
+        """The group rank of the job's rank ``job_rank`` and the shares it trains; ``ValueError``
+        when it is not a member."""
+        if job_rank not in self.members:
+            raise ValueError(f"rank {job_rank} (as the job started it) is not a member of the group now "
+                             f"(members: {list(self.members)})")
+        index = self.members.index(job_rank)
+        return index, self.shares[index]
+
+    def to_json(self) -> str:
+        return json.dumps({"members": list(self.members), "shares": [list(held) for held in self.shares]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Layout:
+        value = json.loads(text)
+        return cls(tuple(int(member) for member in value["members"]),
+                   tuple(tuple(int(share) for share in held) for held in value["shares"]))
 
 
 class RankTakenError(RuntimeError):
@@ -72,6 +161,41 @@ def node_lost(store: Any, secret: JobSecret | None, attempt: int, generation: in
     return signer.verify(key, store.get(key))
 
 
-def _node_lost_record(secret: JobSecret | None, attempt: int, generation: int) -> tuple[RecordSigner, str]:
+def write_layout(store: Any, secret: JobSecret | None, attempt: int, generation: int, layout: Layout) -> None:
+    """Lay ``generation`` of the workers' group out as ``layout`` (a launcher that shrinks the world)."""
+    signer, key = _record(secret, attempt, generation, _LAYOUT)
+    store.set(key, signer.sign(key, layout.to_json()))
+
+
+def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: int, world_size: int) -> Layout:
+    """The layout of ``generation``: the latest written for it or a generation before it, else the
+    world of ``world_size`` ranks as the job started (a forged record counts as none)."""
+    for earlier in range(generation, 0, -1):
+        signer, key = _record(secret, attempt, earlier, _LAYOUT)
+        if store.check([key]) and (text := signer.verify(key, store.get(key))) is not None:
+            return Layout.from_json(text)
+    return Layout.initial(world_size)
+
+
+def announce_growth(store: Any, secret: JobSecret | None, attempt: int, generation: int, why: str) -> None:
+    """Ask the workers of ``generation`` to form the next one, laid out with more members (``why``:
+    who joins), at their next step boundary."""
+    signer, key = _record(secret, attempt, generation, _GROW)
+    store.set(key, signer.sign(key, why))
+
+
+def growth_requested(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> str | None:
+    """Who waits to join, when a launcher asked the workers of ``generation`` to grow; else None."""
+    signer, key = _record(secret, attempt, generation, _GROW)
+    if not store.check([key]):
+        return None
+    return signer.verify(key, store.get(key))
+
+
+def _record(secret: JobSecret | None, attempt: int, generation: int, name: str) -> tuple[RecordSigner, str]:
     return (RecordSigner(secret, generation_scope(attempt, generation)),
-            f"{generation_prefix(secret, attempt, generation)}{_NODE_LOST}")
+            f"{generation_prefix(secret, attempt, generation)}{name}")
+
+
+def _node_lost_record(secret: JobSecret | None, attempt: int, generation: int) -> tuple[RecordSigner, str]:
+    return _record(secret, attempt, generation, _NODE_LOST)

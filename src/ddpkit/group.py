@@ -10,7 +10,9 @@ torch's default process group does not say about itself:
 - the **membership**: generation, rank and world size (``Membership``);
 - ``abort()``: leave torch's group (a rank of it vanished), keeping the object referenced, since a
   collective of it may still be pending in a Gloo thread;
-- ``reconfigure(members)``: form the next generation, once every member has arrived;
+- ``reconfigure()``: form the next generation, laid out as the launchers said (``ddpkit.generations``:
+  the same members, a replacement taking a lost rank's place, or fewer when the world shrank),
+  once every member has arrived;
 - ``on_reconfigure(callback)``: **the one hook** through which whatever caches membership learns
   of a new generation. Called in registration order, after the new torch group exists and
   before anything else runs on it. Who registers: the diagnostics (the hang watch and the peer
@@ -26,9 +28,11 @@ connections that it holds the secret, before anything is sent to it or unpickled
 process outside the job that wrote itself into the store as a member is named, and the ranks
 stop).
 
-Today ``reconfigure`` re-forms the group with the same members (a lost rank's replacement takes
-its place); a change of members (shrinking, growing) is refused with a message until the launcher
-can drive one.
+The membership knows two worlds. The **group**'s (rank, world size) is torch's: who sends to whom.
+The **data world** is the one the job started with (``ddpkit.generations.Layout``): each of its
+ranks trained one share of every global batch, and when the world shrinks a survivor trains the
+lost ranks' shares as well as its own (``Membership.shares``), so the global batch stays the same.
+A process is known across generations by its **job rank**, ``RANK`` as the launcher started it.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -50,12 +54,25 @@ from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
-from ddpkit.generations import RankTakenError, claim_rank, generation_prefix, generation_scope, member_identity, node_lost
+from ddpkit.generations import (
+    Layout,
+    RankTakenError,
+    claim_rank,
+    generation_prefix,
+    generation_scope,
+    growth_requested,
+    layout_at,
+    member_identity,
+    node_lost,
+)
 from ddpkit.job_secret import JobSecret, RecordSigner, member_proof
 from ddpkit.signed_store import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["Group", "MemberProofError", "Membership", "current_group"]
+
+# How often a rank waiting for a generation's members looks for its layout (a shrink's comes late).
+_LAYOUT_LOOK_SECONDS = 0.05
 
 # Bytes each member draws for a formation's proofs (so a proof seen once proves nothing later).
 _NONCE_BYTES = 16
@@ -72,11 +89,31 @@ class Membership:
     generation: int  # 0 at connection; each ``reconfigure`` forms the next
     rank: int
     world_size: int
+    # The shares of the data world this rank trains, and that world's size (see the module
+    # docstring); empty and 0: its own share of a world that never shrank.
+    held_shares: tuple[int, ...] = ()
+    data_world: int = 0
 
     @property
     def members(self) -> list[int]:
         """The ranks of the group (global ranks: the group is the default one)."""
         return list(range(self.world_size))
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """The shares of every global batch this rank trains, as ranks of the data world."""
+        return self.held_shares or (self.rank,)
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares each global batch has: the world size the job started with."""
+        return self.data_world or self.world_size
+
+    @property
+    def weight(self) -> float | None:
+        """This rank's part of the global batch, what its gradient counts for in the average, in a
+        world that shrank; None otherwise (every rank counts for 1/world_size)."""
+        return len(self.shares) / self.data_world_size if self.data_world_size != self.world_size else None
 
 
 Reaction = Callable[[Membership], None]
@@ -92,6 +129,9 @@ class Group:
             raise ValueError("A group that can be formed again needs the launcher's store: the group's own store "
                              "may die with the rank that hosts it.")
         self._membership = membership
+        # How the launcher started this process (``RANK``): its name in every generation's layout.
+        self.job_rank = membership.rank
+        self._started_world = membership.world_size  # the data world: WORLD_SIZE as the launcher started it
         self._backend = backend
         self._timeout = timeout
         self._launcher_store = launcher_store
@@ -177,25 +217,19 @@ class Group:
             _left_behind.append(dist.distributed_c10d._get_default_group())
             dist.destroy_process_group()
 
-    def reconfigure(self, members: Sequence[int] | None = None) -> Membership:
-        """Abandon the current torch group and form the next generation with ``members`` (the
-        current ones when None) once every one of them has arrived, the replacement of a lost rank
-        included; then tell every reaction. ``TimeoutError`` when not all arrive within
-        ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
+    def reconfigure(self) -> Membership:
+        """Abandon the current torch group and form the next generation as the launchers laid it out
+        (``ddpkit.generations.layout_at``: the same members, a replacement taking a lost rank's place,
+        or the survivors of a world that shrank) once every member has arrived; then tell every
+        reaction. ``TimeoutError`` when not all arrive within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
         if not self._in_place:
             raise RuntimeError("Forming the group again needs in-place recovery (ddpkit run --recovery in-place): "
                                "this process's store is its group's own and may have died with the lost rank.")
-        current = self._membership.members
-        if members is not None and list(members) != current:
-            raise ValueError(f"Group.reconfigure(members={list(members)}): changing the members of the group "
-                             f"(now {current}) is not supported yet; in-place recovery forms the group again with "
-                             "the same ranks, a replacement taking a lost rank's place.")
         self.abort()
-        generation = self._membership.generation + 1
-        self.meet(generation)
-        dist.init_process_group(self._backend, store=self.store_of(generation), rank=self.rank,
-                                world_size=self.world_size, timeout=self._timeout)
-        self._membership = replace(self._membership, generation=generation)
+        membership = self.meet(self._membership.generation + 1)  # or a later one (``meet``)
+        dist.init_process_group(self._backend, store=self.store_of(membership.generation), rank=membership.rank,
+                                world_size=membership.world_size, timeout=self._timeout)
+        self._membership = membership
         self.prove_members()
         self.install_diagnostics()
         for key, reference in list(self._reactions.items()):
@@ -206,30 +240,72 @@ class Group:
                 reaction(self._membership)
         return self._membership
 
-    def meet(self, generation: int) -> None:
-        """Claim this rank in ``generation``, count it in and wait until every member is counted.
-        ``RankTakenError`` when another process holds the rank there: a spare node took this
-        process's node's place while it could not be reached (``ddpkit.generations``)."""
+    def enter(self, generation: int) -> None:
+        """As a replacement, before connecting: meet ``generation`` and take this process's place in it."""
+        self._membership = self.meet(generation)
+
+    def meet(self, generation: int) -> Membership:
+        """Claim this process's rank in ``generation``, count it in and wait until every member of
+        the generation's layout is counted (the layout may come while it waits: a launcher that
+        shrinks the world writes it seconds after the loss); return this process's membership there.
+        A node of the generation lost before it formed (a joining node that died, a second node lost
+        while the world shrinks: a launcher says so, ``ddpkit.generations.node_lost``) moves the wait
+        on to the generation after it, which that launcher lays out. ``RankTakenError`` when another
+        process holds the rank there (a spare node took this process's node's place while it could
+        not be reached), or when the world shrank without it."""
+        seconds = recovery_timeout_seconds()
+        deadline = time.monotonic() + seconds
+        while True:
+            arrived, layout = self._count_in(generation)
+            next_look = time.monotonic() + _LAYOUT_LOOK_SECONDS
+            while arrived < len(layout.members):
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(
+                        f"in-place recovery: only {arrived} of the {len(layout.members)} ranks arrived for generation "
+                        f"{generation} of the group within {seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}); the "
+                        "replacement of the lost rank did not start, or another rank failed meanwhile. The launcher's "
+                        "output names the failures.")
+                if now > next_look:
+                    if (node_lost(self._launcher_store, self._secret, self._attempt, generation) is not None
+                            and self._launcher_store.add(f"{self._prefix(generation)}arrived", 0) < len(layout.members)):
+                        break  # it will never form: on to the next one
+                    layout, next_look = self._layout(generation), now + _LAYOUT_LOOK_SECONDS
+                time.sleep(0.005)
+                arrived = self._launcher_store.add(f"{self._prefix(generation)}arrived", 0)
+            else:
+                break
+            generation += 1
+        layout = self._layout(generation)
+        if self.job_rank not in layout.members:
+            raise RankTakenError(f"in-place recovery: the world shrank without rank {self.job_rank} in generation "
+                                 f"{generation} of the group (its members: {list(layout.members)}). This process ends; "
+                                 "the job goes on without it.")
+        rank, shares = layout.place_of(self.job_rank)
+        return Membership(generation, rank, len(layout.members), shares, layout.data_world_size)
+
+    def _count_in(self, generation: int) -> tuple[int, Layout]:
+        """Claim this process's rank in ``generation`` and count it in: how many have arrived, and
+        the generation's layout as known now. ``RankTakenError`` when another process holds the rank."""
         this_process = member_identity()
-        holder = claim_rank(self._launcher_store, self._secret, self._attempt, generation, self.rank, this_process)
+        holder = claim_rank(self._launcher_store, self._secret, self._attempt, generation, self.job_rank, this_process)
         if holder != this_process:
             raise RankTakenError(
-                f"in-place recovery: rank {self.rank} of generation {generation} of the group is held by process "
-                f"{holder}, not this one ({this_process}): this node was taken for lost (its launcher could not be "
-                "reached) and a spare node took its ranks. This process ends; the job goes on without it.")
-        seconds = recovery_timeout_seconds()
-        size = self.world_size
-        key = f"{self._prefix(generation)}arrived"
-        arrived = self._launcher_store.add(key, 1)
-        deadline = time.monotonic() + seconds
-        while arrived < size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"in-place recovery: only {arrived} of the {size} ranks arrived for generation {generation} of the "
-                    f"group within {seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}); the replacement of the lost rank "
-                    "did not start, or another rank failed meanwhile. The launcher's output names the failures.")
-            time.sleep(0.005)
-            arrived = self._launcher_store.add(key, 0)
+                f"in-place recovery: rank {self.job_rank} of generation {generation} of the group is held by {holder!r}, "
+                f"not by this process ({this_process}): this node was taken for lost (its launcher could not be "
+                "reached), and a spare node took its ranks or the world shrank without them. This process ends; the "
+                "job goes on without it.")
+        return self._launcher_store.add(f"{self._prefix(generation)}arrived", 1), self._layout(generation)
+
+    def growth_requested(self) -> str | None:
+        """Who waits to join the group, when a launcher asked this generation to grow (a node that
+        joins after a shrink: ``launching.spare_node``); else None."""
+        if not self._in_place:
+            return None
+        return growth_requested(self._launcher_store, self._secret, self._attempt, self.generation)
+
+    def _layout(self, generation: int) -> Layout:
+        return layout_at(self._launcher_store, self._secret, self._attempt, generation, self._started_world)
 
     def prove_members(self) -> None:
         """With a job secret, have every member of the torch group just formed prove that it holds

@@ -12,9 +12,11 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
 - **Survivors.** A collective of the step fails (the killed rank closed its connections; the
   first rank to see it tells the others through the store: ``PeerLostError``), or a spare node's
   launcher says that a node was lost (its link down: nothing was closed; ``ddpkit.generations``). ``step()`` catches
-  it, abandons the group and forms the next generation with the same ranks
-  (``ddpkit.group.Group.reconfigure``), then ``InPlaceRecovery.recover`` runs the exchange below and
-  ``batches()`` hands out again the batches after the last optimizer step.
+  it, abandons the group and forms the next generation (``ddpkit.group.Group.reconfigure``): with the
+  same ranks, replacements taking the lost ones' places, or, when the world shrank, without them.
+  Then ``InPlaceRecovery.recover`` runs the exchange below and ``batches()`` hands out again the
+  batches after the last optimizer step; a survivor that now trains lost ranks' shares of the data
+  too reads them from its loader anew, from that batch on (``ddpkit.data``).
 - **Between steps**, a rank lost during ``DDPStrategy.save_checkpoint`` is handled the same
   way by the survivors waiting in the save (see there); the replacement starts at the next
   batch, or at the next epoch once the loop has left ``batches()``. Any other collective
@@ -42,6 +44,7 @@ import contextlib
 import io
 import os
 import pickle
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,12 +53,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddpkit.agreement import StepAgreement
 from ddpkit.collectives import all_gather_object, broadcast_object
-from ddpkit.data import set_epoch
+from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import ClusterEnvironment, Recovery
-from ddpkit.group import current_group
+from ddpkit.group import Group, current_group
 from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.variables import DDPKIT_READY_FILE
@@ -85,6 +89,9 @@ class InPlaceRecovery:
         self._resume = (0, 0)
         # Set by ``recover``: the loop hands out the batches from ``_resume`` again instead of reading on.
         self._rewind = False
+        # Set by ``recover`` when this rank's shares of the data changed (the world shrank): the loop
+        # reads the loader anew from ``_resume`` instead of handing out the batches it kept.
+        self._reshard = False
         self._joined = False
         self._recoveries = 0
         self._replaced: list[int] = []
@@ -92,6 +99,7 @@ class InPlaceRecovery:
         self._optimizer: torch.optim.Optimizer | None = None
         self._buffers: list[torch.Tensor] = []
         self._rng = torch.get_rng_state()
+        self._growth: _GrowthWatch | None = None  # in a world that shrank: whether a node waits to join
 
     @property
     def joined(self) -> bool:
@@ -138,6 +146,12 @@ class InPlaceRecovery:
                 f"in-place recovery: the ranks continue in epoch {resume_epoch}, but this rank iterates epoch "
                 f"{epoch}. Keep collectives between epochs outside the steps, or restart from a checkpoint.")
         return resume_batch
+
+    def take_reshard(self) -> bool:
+        """Whether this rank's shares of the data changed in the last recovery (asked once, after
+        ``replay_from``): the batches kept since the last optimizer step are not its batches now."""
+        reshard, self._reshard = self._reshard, False
+        return reshard
 
     def committed(self, epoch: int) -> int:
         """How many of ``epoch``'s batches an optimizer step has committed (0 in a later epoch's terms)."""
@@ -190,6 +204,23 @@ class InPlaceRecovery:
     def recover(self) -> None:
         """In a survivor: form the next generation with the replacement and bring every rank to
         the latest step any rank completed."""
+        self._form_next_generation(_LOST)
+
+    def at_step_boundary(self) -> None:
+        """Between two optimizer steps (the loop calls it after each committed batch, on every rank):
+        in a world that shrank, agree with the other ranks whether a node waits to join, and when one
+        does, form the next generation with it at this same boundary on every rank."""
+        group = current_group()
+        if group is None or group.membership.weight is None or self._model is None:
+            self._growth = None  # the world is whole: nothing can join
+            return
+        if self._growth is None:
+            self._growth = _GrowthWatch()
+        if self._growth.decide(group):
+            self._growth = None
+            self._form_next_generation("a node joins")
+
+    def _form_next_generation(self, why: str) -> None:
         model, optimizer = self._model, self._optimizer
         if model is None or optimizer is None:
             raise RuntimeError("in-place recovery: the model and optimizer were never set up (DDPStrategy.setup).")
@@ -197,15 +228,20 @@ class InPlaceRecovery:
         if group is None:  # (Group.reconfigure refuses a group formed without in-place recovery)
             raise RuntimeError("in-place recovery: this process's group was not formed by ddpkit's connection under "
                                "`ddpkit run --recovery in-place`, so it cannot be formed again.")
-        generation = group.generation + 1
-        _log.warning(f"ddpkit: a rank was lost; forming generation {generation} of the group with its replacement")
-        group.reconfigure()
+        generation, before = group.generation + 1, group.membership
+        _log.warning(f"ddpkit: {why}; forming generation {generation} of the group")
+        after = group.reconfigure()
+        if (after.shares, after.data_world_size) != (before.shares, before.data_world_size):
+            self._reshard = True
+            _log.warning(f"ddpkit: the group has {after.world_size} ranks now; this rank (now rank {after.rank}) "
+                         f"trains the shares {list(after.shares)} of each global batch of {after.data_world_size}")
         state = self._exchange(model.module, optimizer, replacement=False)
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
         optimizer.zero_grad(set_to_none=True)  # the redo starts a fresh accumulation window
         self._rewind = True
         self._recoveries += 1
-        _log.warning(f"ddpkit: recovered in place: generation {generation}, continuing at epoch {self._resume[0]} "
+        done = "recovered in place" if why == _LOST else "grew in place"
+        _log.warning(f"ddpkit: {done}: generation {after.generation}, continuing at epoch {self._resume[0]} "
                      f"batch {self._resume[1]} (optimizer step {self.progress.steps})")
 
     def _exchange(self, module: nn.Module, optimizer: torch.optim.Optimizer, replacement: bool) -> dict[str, Any]:
@@ -252,6 +288,30 @@ class InPlaceRecovery:
         self._keep_buffers(module)  # nothing yet in a replacement: attach() takes them after this
 
 
+_LOST = "a rank was lost"
+
+
+class _GrowthWatch:
+    """In a world that shrank: whether a node waits to join, decided by every rank at the same step
+    boundary (a ``StepAgreement``, whose rounds cost a tiny all-reduce now and then). Only the group's
+    rank 0 reads the store, at most every ``_LOOK_SECONDS``."""
+
+    _LOOK_SECONDS = 0.5
+
+    def __init__(self) -> None:
+        self._agreement = StepAgreement()
+        self._requested = False
+        self._next_look = 0.0
+
+    def decide(self, group: Group) -> bool:
+        if group.rank == 0 and not self._requested and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + self._LOOK_SECONDS
+            if (who := group.growth_requested()) is not None:
+                self._requested = True
+                _log.warning(f"ddpkit: {who}; the group grows at the next step boundary every rank agrees on")
+        return self._agreement.decide(self._requested)
+
+
 class ResumableLoop:
     """``DDPStrategy``'s ``epochs()`` / ``batches()`` / ``step()``: where training is (``progress``)
     and, under in-place recovery, the replay of the batches since the last optimizer step after a
@@ -261,6 +321,9 @@ class ResumableLoop:
         self.progress = Progress()
         self.recovery: InPlaceRecovery | None = None  # set by ``start_recovery``
         self._in_step = False  # inside step(): a lost rank is its to recover from
+        # The last step() ended in a recovery, and no step began since: the code after the step block
+        # runs before the step is trained again, where a replacement (which starts at that step) is not.
+        self.step_recovered = False
 
     def start_recovery(self, environment: ClusterEnvironment, wanted: Recovery | None,
                        optimizer: torch.optim.Optimizer | None, comm_state: object | None) -> InPlaceRecovery | None:
@@ -311,13 +374,21 @@ class ResumableLoop:
 
     def _batches_of_epoch(self, loader: Iterable[Any], epoch: int, skip: int,
                           recovery: InPlaceRecovery | None) -> Iterator[Any]:
-        iterator = iter(loader)
-        next_index = 0
+        iterator, next_index = _read_from(loader, epoch, skip)
         uncommitted: list[tuple[int, Any]] = []  # batches since the last optimizer step (in-place recovery)
         again: list[tuple[int, Any]] = []
         while True:
             replay = recovery.replay_from(epoch) if recovery is not None else None
-            if replay is not None:
+            if replay is not None and recovery is not None and recovery.take_reshard():
+                if not (isinstance(loader, EpochDataLoader) and isinstance(loader.sampler, ShareSampler)):
+                    raise RuntimeError(
+                        "in-place recovery: the world shrank and this rank now trains lost ranks' shares of the data "
+                        f"too, but the loader given to DDPStrategy.batches() ({type(loader).__name__}) was not sharded "
+                        "by DDPStrategy.setup_dataloader, so it cannot read them. Pass the loader through "
+                        "setup_dataloader, or start the job without --nnodes MIN:MAX.")
+                iterator, next_index = _read_from(loader, epoch, replay)
+                uncommitted, again, skip = [], [], replay
+            elif replay is not None:
                 again = [(index, batch) for index, batch in uncommitted if index >= replay]
                 uncommitted = list(again)
                 skip = max(skip, replay)
@@ -338,16 +409,20 @@ class ResumableLoop:
             if recovery is not None and uncommitted:
                 done = recovery.committed(epoch)
                 uncommitted = [(i, b) for i, b in uncommitted if i >= done]
+                if not uncommitted:  # an optimizer step committed every batch so far: a step boundary
+                    recovery.at_step_boundary()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         self._in_step = True
+        self.step_recovered = False
         try:
             yield
         except PeerLostError:
             if self.recovery is None:
                 raise
             self.recovery.recover()
+            self.step_recovered = True
         finally:
             self._in_step = False
 
@@ -359,6 +434,15 @@ class ResumableLoop:
             raise lost
         self.recovery.recover()
         return self.recovery.replaced
+
+
+def _read_from(loader: Iterable[Any], epoch: int, batch: int) -> tuple[Iterator[Any], int]:
+    """An iterator over ``loader``'s batches of ``epoch``, and the index of the first it gives:
+    ``batch`` when the loader's sampler can start there (``ddpkit.data.shard``'s), else 0 (the
+    caller skips the batches before)."""
+    if batch > 0 and isinstance(loader, EpochDataLoader) and loader.start_at(epoch, batch):
+        return iter(loader), batch
+    return iter(loader), 0
 
 
 # -- the state transfer --------------------------------------------------------------------------

@@ -119,7 +119,10 @@ class DDPStrategy(LightningPluginHooks):
 
     @property
     def global_rank(self) -> int:
-        return self.cluster_environment.global_rank()
+        """This process's rank in the group: the environment's, or the group's since the world shrank
+        (``ddpkit.group``; the launcher's ``RANK`` stays as it started the process)."""
+        group = current_group()
+        return group.rank if group is not None else self.cluster_environment.global_rank()
 
     @property
     def local_rank(self) -> int:
@@ -127,7 +130,9 @@ class DDPStrategy(LightningPluginHooks):
 
     @property
     def world_size(self) -> int:
-        return self.cluster_environment.world_size()
+        """How many processes train: the environment's, or the group's since the world shrank."""
+        group = current_group()
+        return group.world_size if group is not None else self.cluster_environment.world_size()
 
     @property
     def is_global_zero(self) -> bool:
@@ -207,7 +212,11 @@ class DDPStrategy(LightningPluginHooks):
     def setup_dataloader(self, loader: DataLoader[Any]) -> DataLoader[Any]:
         """``loader`` sharded over the data-parallel group, a new shuffle each pass (``ddpkit.data.shard``)."""
         follows = current_group() if self.data_parallel_group is None else None
-        return shard(loader, **self.distributed_sampler_kwargs, group=follows)
+        if follows is None:
+            kwargs = self.distributed_sampler_kwargs
+            return shard(loader, kwargs["num_replicas"], kwargs["rank"])
+        membership = follows.membership  # in a world that shrank, a replacement trains several shares
+        return shard(loader, membership.data_world_size, membership.shares[0], group=follows, shares=membership.shares)
 
     # -- during training -------------------------------------------------------------------------
 
@@ -278,16 +287,26 @@ class DDPStrategy(LightningPluginHooks):
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
         """Rank 0 writes ``state`` atomically (``ddpkit.checkpoints``); all ranks wait. A rank lost in
         a save between steps is replaced in place, and when it was rank 0 the lowest survivor
-        writes the file; a save inside ``step()`` is ``step()``'s to recover, and is not redone."""
+        writes the file (the new rank 0, when the world shrank); a save inside ``step()`` is
+        ``step()``'s to recover, and is not redone. Called after a step that was recovered (the code
+        after ``with strategy.step():``, before that step is trained again), it is skipped: the
+        state is the one of the step before, saved then if it was to be saved, and a replacement,
+        which starts at the step trained again, does not call it."""
+        if self._loop.step_recovered:
+            _log.info(f"ddpkit: the save of {os.fspath(path)} after a step that is trained again is skipped")
+            return
         path = os.fspath(path)
+        was_zero = self.is_global_zero
         with guard():  # rank 0 failing to write (disk full, ...) is named on the ranks waiting below
-            if self.is_global_zero:
+            if was_zero:
                 write_atomically(path, state)
         try:
             self.barrier("save_checkpoint")
         except PeerLostError as lost:
             replaced = self._loop.recover_between_steps(lost)
-            if 0 in replaced and self.global_rank == min(set(range(self.world_size)) - set(replaced)):
+            # The writer was lost: rank 0 replaced, or (the world shrank) renumbered away.
+            writer_lost = 0 in replaced or (self.is_global_zero and not was_zero)
+            if writer_lost and self.global_rank == min(set(range(self.world_size)) - set(replaced)):
                 _log.warning(f"ddpkit: rank 0 was lost during the save of {path}; rank {self.global_rank} writes it")
                 write_atomically(path, state)
 

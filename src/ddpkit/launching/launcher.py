@@ -47,7 +47,7 @@ from ddpkit.environments import Recovery
 from ddpkit.generations import member_identity
 from ddpkit.job_secret import job_secret, new_job_secret
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
-from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
+from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination, Shrinking, world_shrank
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousError, RendezvousSettings, claim_endpoint, join
@@ -287,9 +287,11 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                     else:
                         workers.start(command, {**defaults, **os.environ, **variables}, rank, local_rank)
                 if takeover is not None and nodes is not None:
-                    nodes.hand_over(restart_count, generation,
-                                    {worker.rank: member_identity(worker.process.pid) for worker in workers.workers},
-                                    takeover.why)
+                    holders = {worker.rank: member_identity(worker.process.pid) for worker in workers.workers}
+                    if takeover.returns:
+                        nodes.bring_back(restart_count, generation, holders, takeover.why)
+                    else:
+                        nodes.hand_over(restart_count, generation, holders, takeover.why)
                 takeover = None
                 replacements: Replacements | NoReplacements = NO_REPLACEMENTS
                 if config.recovery is Recovery.IN_PLACE:
@@ -436,15 +438,20 @@ def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts
     node rank yet). ``stop_waiting`` ends the wait with ``GaveUpWaiting``."""
     endpoint = rendezvous.endpoint
     waits = config.store_waits
-    place, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting, config.max_nodes)
+    place, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting, config.max_nodes,
+                        beyond_max=world_shrank if config.max_nodes is not None else None)
     spare = place.node_rank is None
+    # With --nnodes MIN:MAX under in-place recovery the world may shrink to MIN nodes (``launching.nodes``).
+    shrinking = None if config.max_nodes is None else Shrinking(
+        min_nodes=config.nnodes, nproc_per_node=config.nproc_per_node, spares_possible=place.nnodes < config.max_nodes)
     config = dataclasses.replace(config, node_rank=place.node_rank or 0, nnodes=place.nnodes,
                                  master_addr=endpoint.host, master_port=endpoint.port)
     nodes = None
     if config.coordinates_nodes:
         nodes = NodeCoordination(store, -1 if place.node_rank is None else place.node_rank, config.nnodes,
                                  endpoint.host, endpoint.port, hosts_store=hosts_store, give_up=stop_waiting,
-                                 join_seconds=waits.join_timeout, in_place=config.recovery is Recovery.IN_PLACE)
+                                 join_seconds=waits.join_timeout, in_place=config.recovery is Recovery.IN_PLACE,
+                                 shrinking=shrinking)
         if not spare:  # a spare says it is alive once it took a node's place
             nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
     return config, nodes, spare

@@ -33,6 +33,16 @@ one may be there to read:
   the lost launcher, if it answers again, finds the spare's beat where its own was (a beat
   replaces only its own last one) and ends its workers without announcing anything
   (``NodeReplacedError``);
+- under in-place recovery with ``--nnodes MIN:MAX`` (``Shrinking``), a silent node that no spare
+  node takes over while at least MIN nodes would remain is left out instead: the first survivor's
+  launcher whose claim on its place wins lays the next generation of the workers' group out
+  without its ranks (``ddpkit.generations.Layout``: the survivors train the lost ranks' shares of
+  the data too, so the global batch stays), holds those ranks for no process, and tells the
+  survivors' workers, which form that generation in place (``ddpkit.recovery``). The node is
+  *removed*: no launcher waits for it, counts it, or restarts it. A launcher that arrives later
+  (``world_shrank`` admits it beyond MAX) waits as a spare node and brings a removed node back
+  (``bring_back``): the next generation laid out with its ranks again, each taking its own share
+  back, which the survivors' workers form at a step boundary they agree on;
 - a launcher that passes a preemption on says so (``announce_preemption``); one whose workers
   stopped for a preemption no signal brought it names its source (``preemption_source``): another
   launcher's signal, or a lost launcher, whose workers the kernel sent SIGTERM.
@@ -56,7 +66,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.generations import announce_node_lost, claim_rank
+from ddpkit.generations import (
+    REMOVED,
+    announce_growth,
+    announce_node_lost,
+    claim_rank,
+    layout_at,
+    write_layout,
+)
 from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.rendezvous import StoreWaits
 from ddpkit.launching.store_client import (
@@ -72,7 +89,7 @@ from ddpkit.launching.store_host import clear_worker_keys
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError"]
+__all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "world_shrank"]
 
 _log = get_logger("launching")
 
@@ -95,6 +112,17 @@ _IN_PLACE_SILENT_SECONDS = 2.0
 # then for the spare's launcher to say it is alive as that node.
 _CLAIM_SECONDS = 2.0
 _TAKEOVER_SECONDS = 15.0
+# How a survivor's launcher signs its claim on a silent node's place when it shrinks the world
+# without it (a spare node's claim names the spare's launcher).
+_SHRINK_CLAIM = "the world shrank without it"
+# What a removed node's record starts with while it is out of the world.
+_OUT = "out"
+
+
+def world_shrank(store: Any) -> bool:
+    """Whether a launcher of the job ever shrank the world (``Shrinking``): then a launcher that
+    arrives at the rendezvous beyond MAX may wait as a spare node, to bring a removed node back."""
+    return bool(store.add(RecordSigner(job_secret(), "launchers").key("launchers/removed/count"), 0) > 0)
 
 
 def _launcher_of(beat: str) -> str:
@@ -123,12 +151,23 @@ class NodeReplacedError(NodeContactLostError):
     """A spare node took this node's place while its launcher could not reach the job's store."""
 
 
+@dataclass(frozen=True)
+class Shrinking:
+    """Under in-place recovery with ``--nnodes MIN:MAX``: how far the world may shrink, and what a
+    launcher needs to lay the next generation out without a lost node's ranks."""
+
+    min_nodes: int  # MIN: the world never shrinks below it
+    nproc_per_node: int  # node N's workers are the job's ranks N * nproc_per_node and on
+    spares_possible: bool  # the rendezvous closed with fewer than MAX nodes: a spare node may take a lost one's place
+
+
 class NodeCoordination:
     """One launcher's side of the agreement between the launchers of a multi-node job."""
 
     def __init__(self, store: BoundedStore, node_rank: int, nnodes: int, address: str, port: int,
                  hosts_store: bool | None = None, give_up: GiveUp = never_give_up,
-                 join_seconds: float = StoreWaits.join_timeout, in_place: bool = False) -> None:
+                 join_seconds: float = StoreWaits.join_timeout, in_place: bool = False,
+                 shrinking: Shrinking | None = None) -> None:
         self._store = store
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.node_rank = node_rank
@@ -152,6 +191,9 @@ class NodeCoordination:
         self._launcher_id = os.urandom(6).hex()  # tells this launcher's beats from a former one's of the same node
         self._silent_since: dict[int, float] = {}  # node -> when it was seen silent (waiting for a claim)
         self._replaced = threading.Event()  # set: a spare node beats as this node (``replaced_by``)
+        self.shrinking = shrinking if in_place else None
+        self._removed: set[int] = set()  # nodes the world shrank without (and not brought back), as read so far
+        self._removed_hint = 0  # the count of removals and returns when ``_removed`` was read
 
     def beat_through(self, store: Any) -> None:
         """Say this launcher is alive every beat (``_BEAT_SECONDS``), through ``store`` (a client for
@@ -187,7 +229,7 @@ class NodeCoordination:
             return None if self._lost is None else self._lost[1]
         self._next_look = now + (0.1 if self.in_place else 1.0)
         left = set(self._nodes_that_said("left", -1))
-        for node in range(self.nnodes):
+        for node in self.world():
             if node == self.node_rank or node in left:
                 continue
             beat = self._read(f"beat/{node}", -1)
@@ -198,6 +240,8 @@ class NodeCoordination:
                                         "was lost before it did")
                 continue
             if self._silent_for(node, beat, now) > self._silent_seconds and not self._taken_over(node, beat, now):
+                if self._shrinks_without(node, beat):
+                    continue
                 self._lost = (node, f"node {node}'s launcher went silent: no word from it for "
                                     f"{self._silent_seconds:g} s (killed with its workers, or its host lost)")
         return None if self._lost is None else self._lost[1]
@@ -210,8 +254,12 @@ class NodeCoordination:
         if last is not None and last[0] == beat:
             return now - last[1]
         if last is not None and _launcher_of(last[0]) != _launcher_of(beat):
-            _log.warning(f"ddpkit run: node {node}'s launcher went silent; a spare node "
-                         f"({self.claimant(node, last[0]) or 'unnamed'}) took its place, and this node's workers go on")
+            claimant = self.claimant(node, last[0]) or "unnamed"
+            if claimant.startswith(_SHRINK_CLAIM):
+                _log.warning(f"ddpkit run: node {node} is back in the world: a spare node's launcher took its place")
+            else:
+                _log.warning(f"ddpkit run: node {node}'s launcher went silent; a spare node ({claimant}) took its "
+                             "place, and this node's workers go on")
         self._heard[node] = (beat, now)
         self._silent_since.pop(node, None)
         return 0.0
@@ -223,9 +271,63 @@ class NodeCoordination:
         if not self.in_place:
             return False
         since = self._silent_since.setdefault(node, now)
-        if self.claimant(node, beat) is None:
-            return now - since < _CLAIM_SECONDS
-        return now - since < _TAKEOVER_SECONDS
+        claimant = self.claimant(node, beat)
+        if claimant is None:
+            # Once the world shrank, a launcher that arrives later waits as a spare, whatever MAX.
+            spares_possible = self.shrinking is None or self.shrinking.spares_possible or self._removed_hint > 0
+            return spares_possible and now - since < _CLAIM_SECONDS
+        return not claimant.startswith(_SHRINK_CLAIM) and now - since < _TAKEOVER_SECONDS
+
+    # -- shrinking the world (``Shrinking``) --------------------------------------------------------
+
+    def world(self) -> list[int]:
+        """The nodes of the world now: every node the rendezvous closed with, but those it shrank without."""
+        if self.shrinking is not None and (hint := self._hint("removed", -1)) != self._removed_hint:
+            self._removed_hint = hint
+            self._removed = {node for node in range(self.nnodes)
+                             if (self._read(f"removed/{node}", -1) or "").startswith(_OUT)}
+        return [node for node in range(self.nnodes) if node not in self._removed]
+
+    def removed(self) -> list[int]:
+        """The nodes the world shrank without and no spare node brought back yet."""
+        world = self.world()
+        return [node for node in range(self.nnodes) if node not in world]
+
+    def _shrinks_without(self, node: int, beat: str) -> bool:
+        """Whether the world goes on without the silent ``node`` (whose last beat was ``beat``): at
+        least MIN nodes remain, and this launcher's claim on its place won (it then lays the next
+        generation out, ``_remove``) or another survivor's did."""
+        if self.shrinking is None or len(self.world()) - 1 < self.shrinking.min_nodes:
+            return False
+        claim = f"{_SHRINK_CLAIM} (node {self.node_rank}'s launcher {self._launcher_id} shrank it)"
+        if self.claim(node, beat, claim):
+            self._remove(node)
+            return True
+        claimant = self.claimant(node, beat)
+        return claimant is not None and claimant.startswith(_SHRINK_CLAIM)
+
+    def _remove(self, node: int) -> None:
+        """Shrink the world without ``node``: lay the next generation out without its ranks (their
+        shares of the data go to the survivors), hold those ranks there for no process (its workers,
+        should its link come back, end), say it is removed, then tell the survivors' workers."""
+        assert self.shrinking is not None
+        count = self.shrinking.nproc_per_node
+        lost = set(range(node * count, (node + 1) * count))
+        generation = self.next_generation()
+        secret = job_secret()
+        before = self._call(layout_at, self._store, secret, self.attempt, generation - 1, self.nnodes * count)
+        layout = before.shrunk(lost)
+        for rank in sorted(lost):
+            self._call(claim_rank, self._store, secret, self.attempt, generation, rank, REMOVED)
+        self._call(write_layout, self._store, secret, self.attempt, generation, layout)
+        self._say_of(node, "removed", f"{_OUT} {generation}", -1)
+        self._removed.add(node)
+        why = (f"node {node}'s launcher went silent and no spare node took its place: the world shrank to "
+               f"{len(layout.members)} ranks")
+        self._call(announce_node_lost, self._store, secret, self.attempt, generation - 1, why)
+        _log.warning(f"ddpkit run: {why} on {len(self.world())} node(s) in generation {generation} of the group; "
+                     f"the survivors train the lost ranks' shares of each global batch too (the global batch stays "
+                     f"{layout.data_world_size} shares)")
 
     # -- spare nodes (``launching.spare_node``) -------------------------------------------------------
 
@@ -253,11 +355,13 @@ class NodeCoordination:
         the spare's there, or (``ask_store``) read from its claim. A replaced launcher must neither
         announce a failure nor count a generation: the node it was is the spare's now."""
         if self._was_replaced(ask_store):
+            by = self.replaced_by() or "unnamed"
+            what = (f"{by}" if by.startswith(_SHRINK_CLAIM) else f"a spare node ({by}) took its place and its ranks")
             raise NodeReplacedError(
                 f"node {self.node_rank}'s launcher could not reach the job's store for more than {self._silent_seconds:g} s, "
-                f"so the other nodes took this node for lost, and a spare node ({self.replaced_by() or 'unnamed'}) took its "
-                "place and its ranks: this node's workers are ended (they must not meet the job's group again) and this "
-                "launcher leaves the job, which goes on without it. Check this host's network.")
+                f"so the other nodes took this node for lost, and {what}: this node's workers are ended (they must not "
+                "meet the job's group again) and this launcher leaves the job, which goes on without it. Check this "
+                "host's network.")
 
     def _was_replaced(self, ask_store: bool) -> bool:
         """Whether a spare node took this node's place: a beat found the spare's, or (``ask_store``,
@@ -278,6 +382,32 @@ class NodeCoordination:
             self._call(claim_rank, self._store, secret, attempt, generation, rank, holder)
         self._call(announce_node_lost, self._store, secret, attempt, generation - 1, why)
 
+    def claim_return(self, node: int, claimant: str) -> bool:
+        """Claim the place of ``node``, which the world shrank without, to bring it back: True for the
+        one spare whose claim was written first."""
+        removal = self._read(f"removed/{node}", -1) or ""
+        key = self._key(f"return/{node}/{removal.partition(' ')[2]}", -1)
+        signed = self._signer.sign(key, claimant)
+        return bool(self._call("compare_set", key, "", signed) == signed.encode())
+
+    def bring_back(self, attempt: int, generation: int, holders: Mapping[int, str], why: str) -> None:
+        """As the spare node whose claim on a removed node's place won (``claim_return``): lay
+        ``generation`` out with that node's ranks again (each takes its own share of the data back),
+        hold them there for this node's warm spares (``holders``), count the node in the world
+        again, then ask the survivors' workers to form ``generation`` at their next step boundary."""
+        assert self.shrinking is not None
+        secret = job_secret()
+        before = self._call(layout_at, self._store, secret, attempt, generation - 1,
+                            self.nnodes * self.shrinking.nproc_per_node)
+        layout = before.grown(set(holders))
+        for rank, holder in holders.items():
+            self._call(claim_rank, self._store, secret, attempt, generation, rank, holder)
+        self._call(write_layout, self._store, secret, attempt, generation, layout)
+        self._say_of(self.node_rank, "removed", f"back {generation}", -1)
+        self._call(announce_growth, self._store, secret, attempt, generation - 1, why)
+        _log.warning(f"ddpkit run: this node (node {self.node_rank}) joins the world again in generation {generation} "
+                     f"of the group, at the survivors' next step boundary: {len(layout.members)} ranks")
+
     def take_place_of(self, node: int) -> None:
         """This spare launcher is node ``node`` from now on (its claim won)."""
         self.node_rank = node
@@ -290,7 +420,7 @@ class NodeCoordination:
 
     def job_over(self) -> bool:
         """Whether every node's launcher left the job (a spare then has nothing to wait for)."""
-        return len(self._nodes_that_said("left", -1)) >= self.nnodes
+        return len(self._nodes_that_said("left", -1)) >= len(self.world())
 
     def latest_attempt(self) -> int:
         """The attempt the nodes run now: the last one opened (``meet``)."""
@@ -378,13 +508,19 @@ class NodeCoordination:
 
     def _say(self, name: str, value: str = "1", attempt: int | None = None) -> None:
         """This node's signed ``name/<node>``, and its count raised."""
-        self._put(f"{name}/{self.node_rank}", value, attempt)
+        self._say_of(self.node_rank, name, value, attempt)
+
+    def _say_of(self, node: int, name: str, value: str = "1", attempt: int | None = None) -> None:
+        """The signed ``name/<node>`` of ``node`` (this node's, or one the world shrank without), and its count raised."""
+        self._put(f"{name}/{node}", value, attempt)
         self._call("add", self._key(f"{name}/count", attempt), 1)
 
-    def _nodes_that_said(self, name: str, attempt: int | None = None) -> list[int]:
+    def _nodes_that_said(self, name: str, attempt: int | None = None, every_node: bool = False) -> list[int]:
+        """The nodes of the world (``every_node``: of the rendezvous) that said ``name``."""
         if self._hint(name, attempt) == 0:
             return []
-        return [node for node in range(self.nnodes) if self._read(f"{name}/{node}", attempt) is not None]
+        nodes = range(self.nnodes) if every_node else self.world()
+        return [node for node in nodes if self._read(f"{name}/{node}", attempt) is not None]
 
     def _call(self, method: str | Callable[..., Any], *args: Any) -> Any:
         """The store's ``method`` (or a function of the store, given it in ``args``) called; a store that
@@ -436,7 +572,7 @@ class NodeCoordination:
         ``_SILENT_SECONDS`` and a little for either."""
         deadline = time.monotonic() + _SILENT_SECONDS + 2.0
         while True:
-            said = [text for node in range(self.nnodes) if (text := self._read(f"preempted/{node}")) is not None]
+            said = [text for node in self.world() if (text := self._read(f"preempted/{node}")) is not None]
             if said:
                 return "; ".join(said)
             if (silent := self.silent_node()) is not None:
@@ -464,10 +600,10 @@ class NodeCoordination:
         workers may fail first while its launcher notices last."""
         deadline = time.monotonic() + wait_seconds
         while True:
-            views = {node: self._view(node, view) for node in range(self.nnodes)
-                     if (view := self._read(f"cause/{node}")) is not None}
+            world = self.world()
+            views = {node: self._view(node, view) for node in world if (view := self._read(f"cause/{node}")) is not None}
             # A launcher taken for lost publishes nothing: not waited for.
-            if len(views) == self.nnodes - (self._lost is not None) or time.monotonic() > deadline:
+            if len(views) == len(world) - (self._lost is not None) or time.monotonic() > deadline:
                 causes = [cause for cause in views.values() if cause is not None]
                 return min(causes, key=FailureCause.rank_key) if causes else None
             time.sleep(_POLL_SECONDS)
@@ -481,7 +617,7 @@ class NodeCoordination:
         """Count this node's workers as done and wait until every node's are (True), or another
         launcher announces a failure or a stop in this attempt (False)."""
         self._say("succeeded")
-        while len(succeeded := self._nodes_that_said("succeeded")) < self.nnodes:
+        while len(succeeded := self._nodes_that_said("succeeded")) < len(self.world()):
             # A node that finished too may leave between the two reads: its success counts first.
             if self.ended_elsewhere() and self._nodes_that_said("succeeded") == succeeded:
                 return False
@@ -497,6 +633,11 @@ class NodeCoordination:
         (a plain torch script's ``env://`` connection keeps no keys per attempt; the store may be
         any launcher's, or outside the nodes: ``ddpkit store``) and says the attempt is open; the
         others wait for that before they start workers."""
+        if removed := self.removed():
+            raise TimeoutError(
+                f"restart {attempt}: the world shrank without node(s) {', '.join(map(str, removed))} (in-place recovery "
+                "with --nnodes MIN:MAX), and a restart starts every node's workers as the rendezvous formed them. Run "
+                "the job again to restart it (with --checkpoint ... --resume in the example).")
         self._put(f"arrived/{self.node_rank}", "1", attempt)
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -541,7 +682,7 @@ class NodeCoordination:
             self._say("left", attempt=-1)
             deadline = time.monotonic() + wait_seconds
             # A launcher taken for lost (``silent_node``) never says it left: not waited for.
-            expected = self.nnodes - (self._lost is not None)
+            expected = len(self.world()) - (self._lost is not None)
             while self.hosts_store and time.monotonic() < deadline and len(self._nodes_that_said("left", -1)) < expected:
                 time.sleep(_POLL_SECONDS)
         except NodeContactLostError:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddpkit.job_secret import RecordSigner, job_secret
@@ -172,12 +173,15 @@ class Place:
 
 
 def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
-         give_up: GiveUp = never_give_up, max_nodes: int | None = None) -> tuple[Place, BoundedStore]:
+         give_up: GiveUp = never_give_up, max_nodes: int | None = None,
+         beyond_max: Callable[[BoundedStore], bool] | None = None) -> tuple[Place, BoundedStore]:
     """Join the rendezvous ``run_id`` at ``endpoint`` and wait until it closes: with ``nnodes`` launchers,
     or with ``max_nodes`` given (``--nnodes MIN:MAX``, MIN being ``nnodes``), with MAX, or with at least
     MIN once ``waits.last_call_timeout`` passed since MIN arrived. This launcher's place (its node rank
     is its order of arrival) and the store's client (kept for ``launching.nodes``). ``give_up`` ends
-    the wait with ``GaveUpWaiting`` (a stop signal, the store host gone)."""
+    the wait with ``GaveUpWaiting`` (a stop signal, the store host gone). A launcher that arrives
+    beyond MAX is refused, unless the rendezvous closed and ``beyond_max(store)`` says it may wait as
+    a spare node (the world shrank since: ``launching.nodes.world_shrank``)."""
     join_timeout = waits.join_timeout
     try:
         store = BoundedStore(connect(endpoint.host, endpoint.port, join_timeout, give_up), waits.read_timeout)
@@ -188,7 +192,7 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
             "that host, and check that this host can reach it.") from None
     bounds = _Bounds(nnodes, nnodes if max_nodes is None else max_nodes, waits.last_call_timeout)
     try:
-        return _arrive(store, endpoint, run_id, bounds, join_timeout, give_up), store
+        return _arrive(store, endpoint, run_id, bounds, join_timeout, give_up, beyond_max), store
     except StoreRequestTimeout as unanswered:
         raise RendezvousError(
             f"the rendezvous store at {endpoint} stopped answering ({unanswered}; --rdzv-conf read_timeout): the "
@@ -206,7 +210,7 @@ class _Bounds:
 
 
 def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, bounds: _Bounds, join_timeout: float,
-            give_up: GiveUp) -> Place:
+            give_up: GiveUp, beyond_max: Callable[[BoundedStore], bool] | None = None) -> Place:
     """This launcher's place once the rendezvous closed (see ``join``)."""
     # One endpoint, one job: the first launcher names the rendezvous id; any other id is refused.
     served = store.compare_set(_keys("id"), "", run_id).decode()
@@ -223,12 +227,13 @@ def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, bounds: _Bound
     told = False
     while True:
         arrived = tickets.signed()
-        if mine in arrived and arrived.index(mine) >= bounds.most:
+        closed = closing.world()
+        if (mine in arrived and arrived.index(mine) >= bounds.most
+                and not (closed is not None and beyond_max is not None and beyond_max(store))):
             raise RendezvousError(
                 f"rendezvous {run_id!r} at {endpoint} already has its {bounds} nodes; this launcher arrived "
                 f"as number {mine}. Start exactly --nnodes launchers (a node that is started again joins a new job: give it "
                 "a new --rdzv-id or endpoint).")
-        closed = closing.world()
         if closed is None and len(arrived) >= bounds.least:
             enough_since = time.monotonic() if enough_since is None else enough_since
             if len(arrived) >= bounds.most or time.monotonic() - enough_since >= bounds.last_call:

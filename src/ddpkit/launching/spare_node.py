@@ -17,6 +17,12 @@ ranks there and hand them the state (``ddpkit.recovery``), as on one node. The o
 the claim and do not end their workers; the lost node's launcher, if it answers again, finds
 that it was replaced and ends its own (``NodeReplacedError``).
 
+When the world shrank without a node instead (no spare was waiting then: ``launching.nodes``), a
+spare that waits later brings it back: its claim on the removed node's place (the first written
+wins) makes it that node, its warm spares take the node's ranks and shares of the data again in
+the group's next generation, and the survivors' workers form it at a step boundary they agree on
+(``NodeCoordination.bring_back``, ``ddpkit.recovery``).
+
 When every node's launcher has left (the job finished or ended) the spare ends too: exit 0, and
 its warm spares are stopped. torch-free, as the launcher is (the store's client comes from
 ``launching.store_client`` through ``NodeCoordination``).
@@ -51,13 +57,14 @@ class Takeover:
     attempt: int
     spares: list[WorkerProcess]
     why: str  # what became of the lost node, for the survivors' workers (``NodeCoordination.hand_over``)
+    returns: bool = False  # the node was removed from the world (it shrank): it joins again (``bring_back``)
 
 
 def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProcess], count: int,
                   give_up: GiveUp) -> Takeover | None:
-    """Start ``count`` warm spares (``start_spare``), then wait until a node of the world is lost and
-    this spare's claim on its place wins (the place taken), or every node's launcher left (None).
-    ``GaveUpWaiting`` when ``give_up`` gives a reason."""
+    """Start ``count`` warm spares (``start_spare``), then wait until a node of the world is lost, or
+    was removed when the world shrank, and this spare's claim on its place wins (the place taken), or
+    every node's launcher left (None). ``GaveUpWaiting`` when ``give_up`` gives a reason."""
     spares = [start_spare() for _ in range(count)]
     claimant = f"spare launcher pid {os.getpid()}"
     while True:
@@ -66,7 +73,15 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
             raise GaveUpWaiting(reason)
         if nodes.job_over():
             return None
-        for node in range(nodes.nnodes):
+        for node in nodes.removed():
+            if nodes.claim_return(node, claimant):
+                nodes.take_place_of(node)
+                generation, attempt = nodes.next_generation(), nodes.latest_attempt()
+                why = f"node {node} joins the world again ({claimant})"
+                _log.warning(f"ddpkit run: the world shrank without node {node}; this spare node takes its place and "
+                             f"its ranks in generation {generation} of the group, at the other nodes' next step boundary")
+                return Takeover(node, generation, attempt, spares, why, returns=True)
+        for node in nodes.world():
             beat = nodes.silent_launcher(node)
             if beat is None or nodes.said_left(node):
                 continue

@@ -11,7 +11,12 @@ computes the same thing with plain collectives:
 - backward: the per-channel sums of the output gradient and of its product with the normalised
   input are all-reduced, so each rank's input gradient is the one-process input gradient of its
   rows. ``weight`` and ``bias`` get this rank's share (the sum over its own rows), which DDP
-  then averages like any gradient, as with torch's SyncBatchNorm.
+  then averages like any gradient, as with torch's SyncBatchNorm;
+- in a world that shrank (``ddpkit.group``) a rank that trains several shares of each global
+  batch has its loss averaged over all their rows, so its output gradient is that much smaller
+  than a rank's with one share: its sums count that many times in the all-reduce, and it divides
+  the result back, so every rank's input gradient is still the one-process one (the DDP module
+  then weights each rank's gradients by its shares).
 
 Statistics are computed in at least float32 (bf16/fp16 inputs are normalised in float32 and the
 output cast back). In evaluation with running statistics, and without a process group of more
@@ -30,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddpkit.diagnostics.waits import run_collective
+from ddpkit.group import current_group
 
 __all__ = ["SyncBatchNorm"]
 
@@ -102,6 +108,14 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return converted
 
 
+def _shares_held(group: Any) -> int:
+    """How many shares of each global batch this rank trains in ``group``: more than one only in the
+    default group of a world that shrank (``ddpkit.group``)."""
+    if group is not dist.group.WORLD or (current := current_group()) is None:
+        return 1
+    return len(current.membership.shares)
+
+
 def _reduced_dims(input: Tensor) -> list[int]:
     return [0, *range(2, input.dim())]
 
@@ -156,6 +170,7 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
             output = output + _per_channel(bias.to(compute_dtype), values)
         ctx.save_for_backward(normalised, invstd, weight)
         ctx.total, ctx.group, ctx.input_dtype = total, group, input.dtype
+        ctx.shares = _shares_held(group)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return output.to(input.dtype)
 
@@ -165,9 +180,10 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
         dims = _reduced_dims(grad_output)
         grad = grad_output.to(normalised.dtype)
         local_sums = torch.stack([grad.sum(dims), (grad * normalised).sum(dims)])  # zeros for a rank without rows
-        global_sums = local_sums.clone()
+        # In the scale of a rank that trains one share (the module docstring says why).
+        global_sums = local_sums * ctx.shares if ctx.shares != 1 else local_sums.clone()
         run_collective(dist.all_reduce, global_sums, group=ctx.group)
-        mean_grad, mean_grad_normalised = (global_sums / ctx.total).unbind(0)
+        mean_grad, mean_grad_normalised = (global_sums / (ctx.total * ctx.shares)).unbind(0)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         grad_input = (grad - _per_channel(mean_grad, grad)
                       - normalised * _per_channel(mean_grad_normalised, grad)) * _per_channel(scale, grad)

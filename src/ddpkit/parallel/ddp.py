@@ -159,6 +159,8 @@ class DistributedDataParallel(nn.Module):
         group = current_group() if process_group is None else None
         if group is not None:  # the default group, which in-place recovery forms again
             group.on_reconfigure(self._follow_membership)
+            if group.membership.weight is not None:  # a replacement in a world that shrank
+                self._reducer.follow(self._rank, self._world_size, group.membership.weight)
         # (submodule, name) of every buffer: read afresh each sync, so reassigned buffers are seen,
         # without walking the module tree every step.
         self._buffer_slots = [(owner, name) for _, owner in module.named_modules()
@@ -340,7 +342,8 @@ class DistributedDataParallel(nn.Module):
     def _follow_membership(self, membership: Membership) -> None:
         """A new generation of the default group (``ddpkit.group``): this rank's place in it."""
         self._rank, self._world_size = membership.rank, membership.world_size
-        self._reducer.follow(membership.rank, membership.world_size)
+        # A rank that trains lost ranks' shares too counts for them (``ddpkit.group``).
+        self._reducer.follow(membership.rank, membership.world_size, membership.weight)
 
     def bucket_order(self) -> tuple[list[str], bool]:
         """The launch order of the buckets, and whether it may still change after the next

@@ -64,7 +64,7 @@ class Reducer:
     def __init__(self, owner: ReducedModule, sync_buffers: Callable[[], None], trainable: dict[str, nn.Parameter],
                  sparse: list[nn.Parameter], launch_order: list[str], bucket_cap: int, process_group: ProcessGroup,
                  rank: int, world_size: int, gradient_as_bucket_view: bool,
-                 reduce_function: TensorsFunction | None) -> None:
+                 reduce_function: TensorsFunction | None, weight: float | None = None) -> None:
         self._owner = owner
         self._sync_buffers = sync_buffers
         self._trainable = trainable
@@ -73,7 +73,7 @@ class Reducer:
         self._group = process_group
         self._as_view = gradient_as_bucket_view
         self._reduce_function = reduce_function
-        self.follow(rank, world_size)
+        self.follow(rank, world_size, weight)
         # The bucket all-reduce calls the group directly with options made once: dist.all_reduce
         # re-checks its arguments on every call, a cost the hot path need not pay.
         self._allreduce_options = dist.AllreduceOptions()
@@ -102,10 +102,16 @@ class Reducer:
         # Their hook only makes sure the end of backward runs, also when no dense gradient arrives.
         self._sparse_hook_handles = [p.register_post_accumulate_grad_hook(self._on_sparse_gradient) for p in sparse]
 
-    def follow(self, rank: int, world_size: int) -> None:
-        """This rank's place in the group (at construction, and when the group is formed again)."""
+    def follow(self, rank: int, world_size: int, weight: float | None = None) -> None:
+        """This rank's place in the group (at construction, and when the group is formed again), and
+        its ``weight``: its part of the global batch, what its gradient counts for in the average
+        (1/world_size by default; more on a rank that trains a lost rank's share: ``ddpkit.group``)."""
         self._rank, self._world_size = rank, world_size
-        self._scale = 1.0 / world_size
+        self._scale = 1.0 / world_size if weight is None else weight
+        # What a gradient is multiplied by before a reduction that averages over the group itself
+        # (a comm hook that is not an elementwise average, reduce_function, sparse gradients), so
+        # that the average comes out weighted: 1.0 unless the ranks' weights differ.
+        self._weighting = 1.0 if weight is None else weight * world_size
 
     @property
     def sparse_count(self) -> int:
@@ -216,6 +222,8 @@ class Reducer:
         group = self._group if self._group is not None else dist.group.WORLD
         if group is None:
             raise RuntimeError("ddpkit DistributedDataParallel: backward after the default process group was destroyed.")
+        if self._weighting != 1.0:
+            grad = grad * self._weighting
         # grad / world, as torch's Python reducer: the form inductor's DDP fusion recognises.
         grad.copy_(functional.all_reduce(grad / self._world_size, "sum", group))
 
@@ -274,12 +282,18 @@ class Reducer:
         elif grad is view:
             if self.step.elementwise:
                 view.mul_(self._scale)
+            elif self._weighting != 1.0:
+                view.mul_(self._weighting)
         elif grad.layout != torch.strided:  # sparse, from a module ddpkit did not recognise: densified
             view.copy_(grad.to_dense())
             if self.step.elementwise:
                 view.mul_(self._scale)
+            elif self._weighting != 1.0:
+                view.mul_(self._weighting)
         elif self.step.elementwise:
             torch.mul(grad, self._scale, out=view)  # copy and divide in one pass, as torch's Reducer
+        elif self._weighting != 1.0:
+            torch.mul(grad, self._weighting, out=view)
         else:
             view.copy_(grad)
         if self._as_view and grad is not None and grad is not view:
@@ -307,11 +321,12 @@ class Reducer:
             # Sparse gradients from a module ddpkit did not recognise: densified one by one.
             for view, grad in zip(views, grads):
                 view.copy_(grad.to_dense())  # type: ignore[union-attr]
-        if self.step.elementwise:  # g * (1/world): the same arithmetic as mul(out=)
+        factor = self._scale if self.step.elementwise else self._weighting
+        if self.step.elementwise or factor != 1.0:  # g * (1/world): the same arithmetic as mul(out=)
             if every_one:
-                bucket.batched_region.mul_(self._scale)  # they lie contiguous: one pass, not one call each
+                bucket.batched_region.mul_(factor)  # they lie contiguous: one pass, not one call each
             else:
-                torch._foreach_mul_(views, self._scale)
+                torch._foreach_mul_(views, factor)
         if self._as_view:
             for parameter, view in zip(parameters, views):
                 parameter.grad = view
@@ -390,7 +405,11 @@ class Reducer:
             self._launch_complete_buckets()
         self._await_and_copy_back(self._negotiation_needed())
         if self._sparse and self._world_size > 1:
-            average_sparse_gradients(self._sparse, self._group, self._scale)
+            if self._weighting != 1.0:
+                for parameter in self._sparse:
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(self._weighting)
+            average_sparse_gradients(self._sparse, self._group, 1.0 / self._world_size)
         if self._owner.broadcast_buffers:
             self._sync_buffers()
         if self.step.observed is not None:

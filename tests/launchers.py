@@ -1,0 +1,165 @@
+"""Helpers for tests that run real `ddpkit run` launchers as the nodes of one job (c10d rendezvous,
+in-place recovery, the store outside the nodes: `ddpkit store`): start them, wait for what they
+write, kill a node (its launcher and everything it started), and end them all within a bound; and
+a job whose node 1 can be killed in a chosen phase of a step, with its single-process reference."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from helpers import descendants
+from torch import nn
+
+# Across nodes the launchers ask for a job secret: the records in the store are then signed.
+SECRET = {"DDPKIT_JOB_SECRET": "a-secret-for-the-spare-node-tests-0123456789"}
+
+
+def start_store(port: int, namespace: str | None = None, address: str = "127.0.0.1") -> subprocess.Popen[str]:
+    """`ddpkit store` on ``port`` (in ``namespace``), once it serves."""
+    store = subprocess.Popen([*(["ip", "netns", "exec", namespace] if namespace else []),
+                              sys.executable, "-m", "ddpkit", "store", "--host", address, "--port", str(port)],
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert store.stdout is not None and "serving" in store.stdout.readline()
+    return store
+
+
+def start_launcher(folder: Path, port: int, name: str, nnodes: str, namespace: str | None = None,
+                   address: str = "127.0.0.1", rdzv_id: str = "spare", **variables: str) -> subprocess.Popen[bytes]:
+    """A launcher of two ranks running ``folder``/job.py, its output in ``folder``/``name``.out and .err."""
+    command = [*(["ip", "netns", "exec", namespace] if namespace else []),
+               sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{port}", "--rdzv-id", rdzv_id,
+               "--rdzv-conf", "last_call_timeout=1", "--recovery", "in-place", "--max-restarts", "1", "job.py"]
+    with open(folder / f"{name}.out", "wb") as out, open(folder / f"{name}.err", "wb") as err:
+        return subprocess.Popen(command, cwd=folder, stdout=out, stderr=err, env={**os.environ, **SECRET, **variables})
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def text(folder: Path, name: str) -> str:
+    return (folder / name).read_text(errors="replace")
+
+
+def node_of(folder: Path, node: int, launchers: int = 2) -> int:
+    """Which launcher (by the number in its file names) the rendezvous made node ``node``."""
+    return next(n for n in range(launchers) if f"this is node {node} of" in text(folder, f"launcher{n}.err"))
+
+
+def kill_node(launcher: subprocess.Popen[bytes]) -> None:
+    """A node lost: its launcher and everything it started, killed with SIGKILL."""
+    for pid in [launcher.pid, *descendants(launcher.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def end_all(processes: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+    """The exit codes of ``processes`` once all ended within ``timeout``; whatever is left is killed."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [process.wait(timeout=max(1.0, deadline - time.monotonic())) for process in processes]
+    finally:
+        for process in processes:
+            kill_node(process)
+            process.wait()
+
+
+STEPS, BATCH, WORLD, PAUSE_AT = 12, 4, 4, 5
+
+# A job of two nodes of two ranks, with momentum SGD on an MLP, the data in order (no shuffle, so that
+# ``one_process_reference`` knows every rank's batches) and a checkpoint saved every PAUSE_AT steps.
+# The rank PAUSED_RANK (as the launcher started it: node 1's first is 2) stops where PHASE says (forward,
+# allreduce, optimizer, save) in optimizer step PAUSE_AT + 1 and writes the file "paused": the test then
+# kills its node. With GATES (optimizer steps, "7,9"), every rank waits after each of those steps S until the
+# file "go-on<S>" exists.
+PHASE_JOB = textwrap.dedent(
+    f"""
+    import os, time, torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import ddpkit
+    from ddpkit.hooks import allreduce_hook, elementwise_average
+
+    PHASE = os.environ["PHASE"]
+
+    def pause(where):  # once: a spare that takes the rank redoes the step
+        if (PHASE == where and os.environ["RANK"] == os.environ["PAUSED_RANK"]
+                and strategy.progress.steps == {PAUSE_AT} and not os.path.exists("paused")):
+            open("paused", "w").write(where)
+            time.sleep(600)  # until node 1 is killed
+
+    @elementwise_average
+    def pausing_allreduce(state, bucket):
+        pause("allreduce")  # every other rank waits in this bucket's all-reduce
+        return allreduce_hook(state, bucket)
+
+    strategy = ddpkit.DDPStrategy(ddp_comm_hook=pausing_allreduce)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    model.register_forward_pre_hook(lambda *_: pause("forward"))
+    model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    optimizer.register_step_pre_hook(lambda *_: pause("optimizer"))
+    generator = torch.Generator().manual_seed(1)
+    samples = {STEPS * BATCH * WORLD}
+    data = TensorDataset(torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator))
+    loader = strategy.setup_dataloader(DataLoader(data, batch_size={BATCH}))
+    for _ in strategy.epochs(1):
+        for x, y in strategy.batches(loader):
+            with strategy.step():
+                optimizer.zero_grad()
+                strategy.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+            if strategy.global_rank == 0:
+                open(f"step{{strategy.progress.steps}}", "w").close()
+            gates = os.environ.get("GATES", "").split(",")
+            while str(strategy.progress.steps) in gates and not os.path.exists(f"go-on{{strategy.progress.steps}}"):
+                time.sleep(0.05)  # held until the test lets the job go on
+            if strategy.progress.steps % {PAUSE_AT} == 0:
+                pause("save")
+                strategy.save_checkpoint("checkpoint.pt", {{"model": model.state_dict(), "steps": strategy.progress.steps}})
+    if strategy.global_rank == 0:
+        torch.save([p.detach().clone() for p in model.parameters()], "final.pt")
+    print(f"rank {{os.environ['RANK']}}: rank {{strategy.global_rank}} of {{strategy.world_size}} done, recovered "
+          f"{{strategy.recovered_in_place}}", flush=True)
+    strategy.teardown()
+    """
+)
+
+
+def one_process_reference() -> list[torch.Tensor]:
+    """One process on the concatenated global batches: DistributedSampler without shuffling gives
+    rank r the samples r, r + 4, ...; each global batch is every rank's next BATCH of those."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    samples = STEPS * BATCH * WORLD
+    x, y = torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator)
+    for step in range(STEPS):
+        rows = [rank + WORLD * (step * BATCH + i) for rank in range(WORLD) for i in range(BATCH)]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_as_one_process(folder: Path, errors: str) -> None:
+    """The job's final parameters (``folder``/final.pt) are within 1e-6 of ``one_process_reference``."""
+    parameters = torch.load(folder / "final.pt")
+    difference = max((a - b).abs().max().item() for a, b in zip(parameters, one_process_reference(), strict=True))
+    assert difference <= 1e-6, f"{difference:.3e} from one process on the concatenated batches\n{errors}"

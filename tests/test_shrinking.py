@@ -1,0 +1,267 @@
+"""A lost node without a spare: the world shrinks at the same global batch (issue 32, item 1).
+
+`ddpkit run --nnodes 1:2 --rdzv-backend c10d --recovery in-place` on two launchers of two ranks,
+the store outside the nodes (`ddpkit store`). Node 1's first rank stops at one point of a step
+(forward, the gradients' all-reduce, the optimizer step, or a checkpoint save) and says so; the
+test then kills node 1 (its launcher and workers, SIGKILL). Node 0's two ranks keep their
+processes, form the next generation alone and train node 1's shares of each global batch too:
+the run ends with the parameters of one process trained on the concatenated global batches.
+Real launchers and workers on Gloo, loopback."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from launchers import (
+    PHASE_JOB,
+    assert_as_one_process,
+    end_all,
+    kill_node,
+    node_of,
+    start_launcher,
+    start_store,
+    text,
+    wait_for,
+)
+from torch import nn
+from torch.distributed import TCPStore
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddpkit.data import EpochDataLoader, shard
+from ddpkit.environments import find_free_port
+from ddpkit.generations import Layout
+from ddpkit.group import Group, Membership, set_current_group
+from ddpkit.launching.nodes import NodeCoordination, Shrinking
+from ddpkit.launching.store_client import BoundedStore, connect
+from ddpkit.parallel.batchnorm import SyncBatchNorm
+from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.recovery import InPlaceRecovery, ResumableLoop
+from ddpkit.testing import WorkerPool
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("phase", "lost"), [("forward", 0), ("optimizer", 1), ("save", 0)])
+def test_without_a_spare_node_the_world_shrinks_at_the_same_global_batch_and_ends_as_one_process(
+        tmp_path: Path, phase: str, lost: int) -> None:
+    """Node ``lost`` killed while its first rank is in ``phase``: the other node's ranks go on as
+    ranks 0 and 1 of two (node 0's loss renumbers node 1's), and the run ends as one process. Node 0
+    lost before its rank 0 wrote the checkpoint of step 5: the new rank 0 writes it. (Node 1 lost in
+    the all-reduce: the test below.)"""
+    (tmp_path / "job.py").write_text(PHASE_JOB)
+    store = start_store(port := find_free_port())
+    try:
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", rdzv_id="shrink", PHASE=phase,
+                                    PAUSED_RANK=str(2 * lost), GATES="7") for n in range(2)]
+        wait_for(lambda: (tmp_path / "paused").exists(), f"node {lost}'s first rank to stop in {phase}")
+        lost_launcher = node_of(tmp_path, lost)
+        kill_node(launchers[lost_launcher])
+        killed = time.monotonic()
+        done = max(int(path.name[4:]) for path in tmp_path.glob("step*"))
+        wait_for(lambda: (tmp_path / f"step{done + 1}").exists(), "the next step after the loss", timeout=60)
+        print(f"node {lost} killed in {phase} after step {done}: step {done + 1} completed "
+              f"{time.monotonic() - killed:.2f} s later")
+        wait_for(lambda: (tmp_path / "step7").exists(), "step 7")  # held there: the save of step 10 comes later
+        assert torch.load(tmp_path / "checkpoint.pt")["steps"] == 5  # written once, whoever was rank 0
+        (tmp_path / "go-on7").touch()
+        survivor = 1 - lost_launcher
+        code = end_all([launchers[survivor]], timeout=120)[0]
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(2))
+        assert code == 0, errors
+        err = text(tmp_path, f"launcher{survivor}.err")
+        assert (f"node {lost}'s launcher went silent and no spare node took its place: the world shrank to 2 ranks"
+                in err), errors
+        out = text(tmp_path, f"launcher{survivor}.out")
+        kept = [2 - 2 * lost, 3 - 2 * lost]  # the survivors' ranks as the launcher started them
+        assert re.findall(r"rank (\d): rank (\d) of 2 done, recovered True", out) in (
+            [(str(kept[0]), "0"), (str(kept[1]), "1")], [(str(kept[1]), "1"), (str(kept[0]), "0")]), out
+        assert_as_one_process(tmp_path, errors)
+    finally:
+        store.kill()
+        store.wait()
+
+
+# -- what batch-dependent layers see -------------------------------------------------------------------
+# The world of three ranks shrank to two: rank 0 trains the shares 0 and 2 of each global batch, rank 1
+# the share 1 (a Membership as ddpkit.group forms it). Each survivor's batch is its shares' rows together.
+SHARES, SHARE_ROWS, SHRUNK_STEPS = [(0, 2), (1,)], 4, 4
+
+
+def batchnorm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(50 + step)
+    rows = SHARE_ROWS * 3
+    return torch.randn(rows, 8, generator=generator) * 2 + 1, torch.randn(rows, 2, generator=generator)
+
+
+def rows_of(shares: tuple[int, ...]) -> list[int]:
+    return [share * SHARE_ROWS + i for share in shares for i in range(SHARE_ROWS)]
+
+
+def shrunk_run(synchronised: bool) -> list[torch.Tensor]:
+    """In a pool of two ranks: DDP that follows the shrunk membership, each rank trained on its shares."""
+    rank = dist.get_rank()
+    # The group as Group.reconfigure forms it after the loss (the pool's connection has none of ddpkit's).
+    set_current_group(Group(Membership(1, rank, 2, SHARES[rank], 3), "gloo", timedelta(seconds=60)))
+    try:
+        model = batchnorm_model()
+        if synchronised:
+            model = SyncBatchNorm.convert_sync_batchnorm(model)
+        ddp = DistributedDataParallel(model)  # as a replacement's: it reads the group's membership
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(SHRUNK_STEPS):
+            x, y = global_batch(step)
+            mine = rows_of(SHARES[rank])
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+            optimizer.step()
+    finally:
+        set_current_group(None)
+    return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+
+
+def one_process(batches: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """One process: each step, one forward per group of shares in ``batches`` (BatchNorm's statistics
+    over that group's rows), the gradients weighted by the rows each group holds."""
+    model = batchnorm_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(SHRUNK_STEPS):
+        x, y = global_batch(step)
+        optimizer.zero_grad()
+        sum(len(shares) / 3 * nn.functional.mse_loss(model(x[rows_of(shares)]), y[rows_of(shares)])
+            for shares in batches).backward()  # type: ignore[union-attr]
+        optimizer.step()
+    return [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+
+
+def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_after_a_shrink_synchronised_batchnorm_is_exact_and_plain_batchnorm_normalises_each_survivors_batch(
+        pool2: WorkerPool) -> None:
+    """What the README says of batch-dependent layers in a shrunk world. SyncBatchNorm's statistics are
+    over the whole global batch, wherever its rows are: parameters and running statistics equal one
+    process on the concatenated batch. Plain BatchNorm's are over each forward's rows, and a survivor's
+    forward holds its shares together: the result is that of one process normalising each survivor's
+    rows, not each starting rank's (the run without the loss), from which it differs."""
+    synchronised = pool2.run(shrunk_run, True, timeout=60)
+    everything = one_process([(0, 1, 2)])
+    for result in synchronised:
+        assert largest_difference(result, everything) <= 1e-6
+    plain = pool2.run(shrunk_run, False, timeout=60)
+    parameters = len(list(batchnorm_model().parameters()))
+    survivors, starting_ranks = one_process(SHARES), one_process([(0,), (1,), (2,)])
+    for result in plain:
+        assert largest_difference(result[:parameters], survivors[:parameters]) <= 1e-6
+        assert largest_difference(result[:parameters], starting_ranks[:parameters]) > 1e-3
+
+
+# -- the loop's side ---------------------------------------------------------------------------------------
+
+
+def shrink_after_two_steps(loader: object) -> list[list[int]]:
+    """The batches ``DDPStrategy.batches`` hands out when, after two optimizer steps, the world of four
+    shrinks in the third and this rank (rank 0 of four) trains the shares 0 and 2 from then on."""
+    loop = ResumableLoop()
+    recovery = loop.recovery = InPlaceRecovery(loop.progress)
+    seen = []
+    for number, batch in enumerate(loop.batches(loader)):  # type: ignore[arg-type]
+        seen.append(batch[0].tolist())
+        if number < 2:
+            recovery._commit()  # the optimizer stepped on it
+        elif number == 2:  # the step's all-reduce failed: recover() formed the shrunk group
+            if isinstance(loader, EpochDataLoader):
+                loader.follow_membership(Membership(1, 0, 2, (0, 2), 4))
+            recovery._rewind = recovery._reshard = True
+        else:
+            recovery._commit()
+    return seen
+
+
+def test_after_a_shrink_the_loop_reads_the_new_shares_from_the_last_step_and_refuses_a_loader_ddpkit_did_not_shard(
+) -> None:
+    data = TensorDataset(torch.arange(32))
+    seen = shrink_after_two_steps(shard(DataLoader(data, batch_size=2), num_replicas=4, rank=0))
+    # Rank 0 of 4 reads the rows 0, 4, 8, ...; rank 2 the rows 2, 6, 10, ...: two rows each per step.
+    assert seen == [[0, 4], [8, 12], [16, 20], [16, 20, 18, 22], [24, 28, 26, 30]]
+    with pytest.raises(RuntimeError, match="was not sharded by DDPStrategy.setup_dataloader"):
+        shrink_after_two_steps(DataLoader(data, batch_size=2))
+
+
+@pytest.mark.timeout(60)
+def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() -> None:
+    """A restart starts every node's workers as the rendezvous formed them: after a shrink the launchers
+    end the job instead of waiting for a node that is gone."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    shrinking = Shrinking(min_nodes=1, nproc_per_node=2, spares_possible=False)
+    zero, one = (NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), rank, 2, "127.0.0.1",
+                                  store.port, in_place=True, shrinking=shrinking) for rank in (0, 1))
+    one._remove(0)  # node 1's launcher shrank the world without node 0
+    assert zero.world() == [1] and one.world() == [1]
+    with pytest.raises(TimeoutError, match="the world shrank without node\\(s\\) 0"):
+        one.meet(1, 5.0)
+    layout_key = next(key for key in store.list_keys() if key.endswith("generation/1/layout"))
+    # What the workers read: node 1's ranks are the members, each with its own share and one of node 0's.
+    assert Layout.from_json(store.get(layout_key).decode()) == Layout((2, 3), ((0, 2), (1, 3)))
+
+
+@pytest.mark.timeout(300)
+def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and_the_next_one_joins(
+        tmp_path: Path) -> None:
+    """Node 1 is lost in the gradients' all-reduce and the world shrinks. The job is held after step 7
+    while a launcher started later for the same job arrives (beyond MAX: admitted since the world
+    shrank) and takes node 1's place; it is killed once it has asked the survivors to grow. Let go, the
+    survivors wait for its ranks at the step boundary, are told it was lost, and form the generation
+    after without it (well before the recovery timeout). Held again after step 9, a second late
+    launcher takes node 1's place; let go, the survivors agree on a step boundary and form the next
+    generation with its ranks, which take their shares of the data back. The run ends with four ranks
+    and one process's parameters on the concatenated batches."""
+    (tmp_path / "job.py").write_text(PHASE_JOB)
+    store = start_store(port := find_free_port())
+    job = {"rdzv_id": "grow", "PHASE": "allreduce", "PAUSED_RANK": "2", "GATES": "7,9"}
+    try:
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", **job) for n in range(2)]
+        wait_for(lambda: (tmp_path / "paused").exists(), "node 1's first rank to stop in the all-reduce")
+        lost = node_of(tmp_path, 1)
+        survivor = launchers[1 - lost]
+        kill_node(launchers[lost])
+        killed = time.monotonic()
+        wait_for(lambda: (tmp_path / "step6").exists(), "the next step after the loss", timeout=60)
+        print(f"node 1 killed in the all-reduce: the next step completed {time.monotonic() - killed:.2f} s later")
+        wait_for(lambda: (tmp_path / "step7").exists(), "the shrunk world to train up to the first gate")
+
+        doomed = start_launcher(tmp_path, port, "launcher2", "1:2", **job)
+        wait_for(lambda: "joins the world again" in text(tmp_path, "launcher2.err"), "the first joiner's request")
+        kill_node(doomed)
+        (tmp_path / "go-on7").touch()
+        let_go = time.monotonic()
+        wait_for(lambda: (tmp_path / "step9").exists(), "the world to shrink again and train up to the second gate")
+        assert time.monotonic() - let_go < 30  # not the 60 s recovery timeout
+
+        joiner = start_launcher(tmp_path, port, "launcher3", "1:2", **job)
+        wait_for(lambda: "joins the world again" in text(tmp_path, "launcher3.err"), "the second joiner's request")
+        (tmp_path / "go-on9").touch()
+        codes = end_all([survivor, joiner], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(4))
+        assert codes == [0, 0], errors
+        err = text(tmp_path, f"launcher{1 - lost}.err")
+        assert err.count("node 1's launcher went silent and no spare node took its place: the world shrank") == 2, errors
+        assert "the world shrank without node 1; this spare node takes its place" in text(tmp_path, "launcher3.err")
+        assert "a node joins; forming generation" in err and "grew in place" in err, errors
+        out = text(tmp_path, f"launcher{1 - lost}.out") + text(tmp_path, "launcher3.out")
+        assert sorted(re.findall(r"rank (\d): rank \1 of 4 done", out)) == ["0", "1", "2", "3"], out
+        assert_as_one_process(tmp_path, errors)
+    finally:
+        store.kill()
+        store.wait()
