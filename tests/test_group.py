@@ -76,13 +76,13 @@ def test_reactions_run_in_order_once_per_generation_and_a_dropped_or_stopped_fol
 # Rank 2 of three (as the launcher started it) waits for generation 1 of the group while ranks 0 and 1
 # are lost; a second later the launcher that shrinks the world lays generation 1 out without them, as
 # the only member, training every share. It forms the group alone, and a rank the world shrank without
-# that comes back finds its place held.
+# that comes back finds its place held, and ranks that wait to join when the training ends are told so.
 SHRINK = textwrap.dedent(
     """
     import json, threading, time
     from datetime import timedelta
     import torch.distributed as dist
-    from ddpkit.generations import REMOVED, Layout, RankTakenError, claim_rank, write_layout
+    from ddpkit.generations import REMOVED, Layout, RankTakenError, announce_growth, claim_rank, write_layout
     from ddpkit.group import Group, Membership
 
     store = dist.HashStore()
@@ -105,10 +105,20 @@ SHRINK = textwrap.dedent(
         came_back = "met"
     except RankTakenError as error:
         came_back = str(error)
+    # A node that asked to join the next generation, whose ranks wait for it, when the training ends first.
+    write_layout(store, None, 0, 2, layout.grown({1}))
+    announce_growth(store, None, 0, 1, "node 0 joins again")
+    group.finish()
+    joiner = Group(Membership(0, 1, 3), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    try:
+        joiner.meet(2)
+        finished = "met"
+    except SystemExit as end:
+        finished = f"exit {end.code}"
     print("RESULT " + json.dumps({"membership": [membership.generation, membership.rank, membership.world_size,
                                                  list(membership.shares), membership.data_world_size],
                                   "weight": membership.weight, "torch": [dist.get_rank(), dist.get_world_size()],
-                                  "waited": waited, "came_back": came_back}), flush=True)
+                                  "waited": waited, "came_back": came_back, "finished": finished}), flush=True)
     """
 )
 
@@ -122,6 +132,8 @@ def test_a_rank_waiting_for_the_next_generation_forms_it_as_the_layout_written_m
     assert result["weight"] == 1.0 and result["torch"] == [0, 1]
     assert 0.9 < result["waited"] < 10  # it waited for the layout, not for the lost ranks until the timeout
     assert "held by 'removed: the world shrank without this rank'" in result["came_back"]
+    # Ranks waiting to join a generation that the training ended before end with 0, not the recovery timeout.
+    assert result["finished"] == "exit 0"
 
 
 # Two ranks; the test process hosts the store, as ddpkit run's store host does under in-place recovery.

@@ -41,7 +41,7 @@ from ddpkit.environments import (
     TorchElasticEnvironment,
     check_place,
 )
-from ddpkit.group import Group, Membership, set_current_group
+from ddpkit.group import Group, Membership, current_group, set_current_group
 from ddpkit.job_secret import job_secret
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_JOB_SECRET, DDPKIT_LAUNCHED
@@ -266,6 +266,8 @@ def destroy_dist_connection() -> None:
             run_collective(dist.barrier)
         except PeerFailedError:
             pass  # a rank failed (and said so): there is no clean exit to wait for
+    if (group := current_group()) is not None:
+        group.finish()  # a node waiting to join finds no step left: it is told so
     dist.destroy_process_group()
     set_current_group(None)
     time.sleep(_TEARDOWN_GIL_RELEASE_S)

@@ -36,13 +36,14 @@ from typing import Any
 
 from ddpkit.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
-__all__ = ["REMOVED", "Layout", "RankTakenError", "announce_growth", "announce_node_lost", "claim_rank",
-           "generation_prefix", "generation_scope", "growth_requested", "layout_at", "member_identity", "node_lost",
-           "write_layout"]
+__all__ = ["REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth", "announce_node_lost",
+           "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished", "layout_at",
+           "member_identity", "node_lost", "write_layout"]
 
 _NODE_LOST = "node_lost"
 _LAYOUT = "layout"
 _GROW = "grow"
+_FINISHED = "finished"
 
 #: The holder of a rank that the world shrank without (``claim_rank``): no process is it, so a lost
 #: node's worker that comes back finds its rank held and ends.
@@ -190,6 +191,19 @@ def growth_requested(store: Any, secret: JobSecret | None, attempt: int, generat
     if not store.check([key]):
         return None
     return signer.verify(key, store.get(key))
+
+
+def announce_finished(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> None:
+    """Tell the ranks waiting to form ``generation`` (a node that asked to join) that the training
+    ended before it formed: there is nothing left for them to train."""
+    signer, key = _record(secret, attempt, generation, _FINISHED)
+    store.set(key, signer.sign(key, "finished"))
+
+
+def job_finished(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> bool:
+    """Whether the training ended before ``generation`` formed (``announce_finished``)."""
+    signer, key = _record(secret, attempt, generation, _FINISHED)
+    return bool(store.check([key])) and signer.verify(key, store.get(key)) is not None
 
 
 def _record(secret: JobSecret | None, attempt: int, generation: int, name: str) -> tuple[RecordSigner, str]:

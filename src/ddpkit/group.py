@@ -57,19 +57,24 @@ from ddpkit.diagnostics.waits import wait_for
 from ddpkit.generations import (
     Layout,
     RankTakenError,
+    announce_finished,
     claim_rank,
     generation_prefix,
     generation_scope,
     growth_requested,
+    job_finished,
     layout_at,
     member_identity,
     node_lost,
 )
 from ddpkit.job_secret import JobSecret, RecordSigner, member_proof
+from ddpkit.logs import get_logger
 from ddpkit.signed_store import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["Group", "MemberProofError", "Membership", "current_group"]
+
+_log = get_logger("recovery")
 
 # How often a rank waiting for a generation's members looks for its layout (a shrink's comes late).
 _LAYOUT_LOOK_SECONDS = 0.05
@@ -267,6 +272,10 @@ class Group:
                         "replacement of the lost rank did not start, or another rank failed meanwhile. The launcher's "
                         "output names the failures.")
                 if now > next_look:
+                    if job_finished(self._launcher_store, self._secret, self._attempt, generation):
+                        _log.warning(f"ddpkit: the training ended before generation {generation} of the group formed "
+                                     f"with this rank ({self.job_rank}, which was to join it): nothing is left to train")
+                        raise SystemExit(0)
                     if (node_lost(self._launcher_store, self._secret, self._attempt, generation) is not None
                             and self._launcher_store.add(f"{self._prefix(generation)}arrived", 0) < len(layout.members)):
                         break  # it will never form: on to the next one
@@ -296,6 +305,13 @@ class Group:
                 "reached), and a spare node took its ranks or the world shrank without them. This process ends; the "
                 "job goes on without it.")
         return self._launcher_store.add(f"{self._prefix(generation)}arrived", 1), self._layout(generation)
+
+    def finish(self) -> None:
+        """The training ended in this generation (every rank passed the last barrier): when a node
+        asked to join it, whose ranks wait for the next generation and will find no step boundary,
+        tell them that nothing is left to train (they end with 0)."""
+        if self._in_place and self.rank == 0 and self.growth_requested() is not None:
+            announce_finished(self._launcher_store, self._secret, self._attempt, self.generation + 1)
 
     def growth_requested(self) -> str | None:
         """Who waits to join the group, when a launcher asked this generation to grow (a node that

@@ -216,7 +216,13 @@ class InPlaceRecovery:
             return
         if self._growth is None:
             self._growth = _GrowthWatch()
-        if self._growth.decide(group):
+        try:
+            grow = self._growth.decide(group)
+        except PeerLostError:  # lost in the agreement's round: at a step boundary, nothing to train again
+            self._growth = None
+            self.recover()
+            return
+        if grow:
             self._growth = None
             self._form_next_generation("a node joins")
 

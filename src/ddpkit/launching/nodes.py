@@ -382,6 +382,11 @@ class NodeCoordination:
             self._call(claim_rank, self._store, secret, attempt, generation, rank, holder)
         self._call(announce_node_lost, self._store, secret, attempt, generation - 1, why)
 
+    def training_ends(self) -> bool:
+        """Whether a node's workers all finished in the attempt the nodes run: a node brought back
+        now would find no step left to join at."""
+        return bool(self._nodes_that_said("succeeded", self.latest_attempt()))
+
     def claim_return(self, node: int, claimant: str) -> bool:
         """Claim the place of ``node``, which the world shrank without, to bring it back: True for the
         one spare whose claim was written first."""

@@ -74,6 +74,8 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
         if nodes.job_over():
             return None
         for node in nodes.removed():
+            if nodes.training_ends():
+                break  # no step boundary is left to join at
             if nodes.claim_return(node, claimant):
                 nodes.take_place_of(node)
                 generation, attempt = nodes.next_generation(), nodes.latest_attempt()
