@@ -141,8 +141,8 @@ def main() -> None:
         skip = first_batch if epoch == first_epoch else 0
         if not skip:
             totals = torch.zeros(3)
-        # The sampler gives the epoch's order again; the batches trained before the preemption are
-        # read and passed over (cheap here; a large dataset would skip indices in its sampler).
+        # The sampler gives the epoch's order again and starts after the batches trained before the
+        # preemption (the loader setup_dataloader made skips them without reading them).
         for x, y in progress(strategy.batches(loader, skip), len(loader) - skip,  # ddpkit
                              strategy.is_global_zero, f"epoch {epoch + 1}"):
             with strategy.step():                                               # ddpkit

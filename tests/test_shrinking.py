@@ -265,3 +265,20 @@ def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and
     finally:
         store.kill()
         store.wait()
+
+
+def test_a_loader_ddpkit_sharded_starts_at_the_batch_asked_for_without_reading_the_ones_before() -> None:
+    """``batches(loader, skip)`` (a resumed run, a replacement, a survivor reading new shares): the
+    sampler starts there, so a large dataset is not read up to that point."""
+
+    class Counting(TensorDataset):
+        read: list[int] = []
+
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+            Counting.read.append(index)
+            return super().__getitem__(index)
+
+    loader = shard(DataLoader(Counting(torch.arange(16)), batch_size=2), num_replicas=2, rank=1)
+    seen = [batch[0].tolist() for batch in ResumableLoop().batches(loader, skip=3)]
+    assert seen == [[13, 15]]  # rank 1 of 2 reads rows 1, 3, 5, ...: its fourth batch is its last
+    assert Counting.read == [13, 15]
