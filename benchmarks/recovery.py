@@ -1,6 +1,8 @@
-"""What a rank killed with SIGKILL costs: in-place recovery beside a full restart and torchrun.
+"""What a rank killed with SIGKILL costs: in-place recovery beside a full restart and torchrun; and
+with ``--nodes``, what a whole node killed costs.
 
     python benchmarks/recovery.py [--ranks 2 4] [--runs 3] [--modes in-place restart torchrun] [--steps 40]
+    python benchmarks/recovery.py --nodes 2 3 [--runs 20] [--node-modes shrink spare-node torchrun] [--netns]
 
 The 8x1024 MLP of ``ddp_step.py`` (batch 64 per rank, one thread per rank), trained with
 ``DDPStrategy``'s loop (``epochs``/``batches``/``step``) by a script this benchmark writes to a
@@ -19,11 +21,29 @@ completed (a step completes on every rank together: it has an all-reduce), the s
 twice (since the checkpoint), runs that finished, and the largest difference of the final
 parameters to a run without the fault (the same command, nothing killed). Figures, with the
 command, in benchmarks/README.md.
+
+Node modes (``--nodes N ...``): N launchers of 2 ranks each, the c10d rendezvous, the same MLP
+(``--width``, 512 by default there) fed by a dataset of deterministic samples through
+``DDPStrategy.setup_dataloader``; each run kills one whole node (its launcher and every process it
+started, SIGKILL) right after a random step, as above:
+
+- ``shrink``: ``ddpkit run --nnodes N-1:N --recovery in-place``, the store outside the nodes
+  (``ddpkit store``), no spare: the survivors go on with the lost node's shares of each global batch;
+- ``spare-node``: ``ddpkit run --nnodes N:N+1 --recovery in-place``, one more launcher waiting as a
+  spare node, which takes the lost node's ranks;
+- ``torchrun``: ``torchrun --nnodes 1:N --max-restarts 1`` (its c10d rendezvous, hosted by node 0's
+  agent, so a node other than 0 is killed): the survivors' workers start again in a smaller world
+  and resume from the checkpoint, with another global batch (its final parameters differ).
+
+ddpkit's own restart needs the lost node back (a static world), so it is not a node mode. With
+``--netns`` every node runs in a network namespace of its own, on one bridge (``netns.Nodes``).
+The difference is to the fault-free ``shrink`` run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -38,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from netns import Nodes
 
 from ddpkit.environments import find_free_port
 
@@ -101,7 +122,7 @@ def completed(folder: Path, rank: int) -> list[tuple[int, float]]:
     rows = []
     for line in path.read_text().splitlines():
         parts = line.split()
-        if len(parts) == 2:
+        if len(parts) >= 2:  # (node modes add the pid)
             rows.append((int(parts[0]), float(parts[1])))
     return rows
 
@@ -151,6 +172,289 @@ def difference(path: str, reference: dict[str, torch.Tensor]) -> float:
     return max((final[name] - reference[name]).abs().max().item() for name in reference)
 
 
+# -- node modes ---------------------------------------------------------------------------------------
+
+NODE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+    import ddpkit
+    from ddpkit.group import current_group
+
+    steps, width, data_world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+
+    class Samples(Dataset):  # deterministic: sample i is the same whichever rank reads it
+        def __len__(self):
+            return steps * 64 * data_world
+        def __getitem__(self, index):
+            return torch.randn(width, generator=torch.Generator().manual_seed(index))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(width, width), nn.ReLU())])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    strategy = ddpkit.DDPStrategy()
+    model, optimizer = strategy.setup(model, optimizer)
+    loader = strategy.setup_dataloader(DataLoader(Samples(), batch_size=64))
+    first = 0
+    state = strategy.load_checkpoint("checkpoint.pt") if strategy.restart_count > 0 else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        first = state["batch"]
+    with open(f"pid.{os.environ['RANK']}", "w") as handle:
+        handle.write(str(os.getpid()))
+    log = open(f"steps.{os.environ['RANK']}", "a", buffering=1)
+    for epoch in strategy.epochs(1):
+        for x in strategy.batches(loader, skip=first):
+            with strategy.step():
+                optimizer.zero_grad()
+                strategy.backward(model(x).square().mean())
+                optimizer.step()
+                done = strategy.progress.batch + 1
+            generation = group.generation if (group := current_group()) is not None else 0
+            log.write(f"{done} {time.time()} {os.getpid()} {generation}\\n")
+            if done % 10 == 0 and done < steps:
+                strategy.save_checkpoint("checkpoint.pt", {"model": model.state_dict(),
+                                                           "optimizer": optimizer.state_dict(), "batch": done})
+    if strategy.is_global_zero:
+        torch.save(model.state_dict(), "final.pt")
+    strategy.teardown()
+    """
+)
+
+_NODE_SECRET = {"DDPKIT_JOB_SECRET": "the-node-recovery-benchmark-0123456789abcdef"}
+
+
+class NodeJob:
+    """One run of a node mode: its launchers (node i's output in launcher{i}.err), its store."""
+
+    def __init__(self, mode: str, nodes: int, steps: int, width: int, namespaces: Nodes | None) -> None:
+        self.mode, self.nodes, self.namespaces = mode, nodes, namespaces
+        self.folder = Path(tempfile.mkdtemp(prefix=f"ddpkit-node-recovery-{mode}-"))
+        (self.folder / "train.py").write_text(NODE_SCRIPT)
+        self.arguments = ["train.py", str(steps), str(width), str(2 * nodes)]
+        self.address = namespaces.addresses[0] if namespaces else "127.0.0.1"
+        self.port = find_free_port()
+        self.store: subprocess.Popen[str] | None = None
+        self.launchers: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        if self.mode != "torchrun":  # the store outside the nodes: any node can be lost
+            self.store = subprocess.Popen([*self._prefix(0), sys.executable, "-m", "ddpkit", "store", "--host",
+                                           self.address, "--port", str(self.port)],
+                                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert self.store.stdout is not None and "serving" in self.store.stdout.readline()
+        for node in range(self.nodes):
+            self.launchers.append(self._launcher(node))
+            if node == 0 and self.mode == "torchrun":  # node 0's agent binds the endpoint and hosts the rendezvous
+                self._wait(self._endpoint_listens, "rendezvous endpoint")
+        if self.mode == "spare-node":
+            self._wait(lambda: all("this is node" in self._err(node) for node in range(self.nodes)), "the rendezvous")
+            self.launchers.append(self._launcher(self.nodes))
+            self._wait(lambda: "waits as a spare node" in self._err(self.nodes), "the spare node")
+
+    def _launcher(self, number: int) -> subprocess.Popen[bytes]:
+        node = min(number, self.nodes - 1)  # the spare lives beside the last node
+        if self.mode == "torchrun":
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"1:{self.nodes}",
+                       "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                       f"{self.address}:{self.port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=5",
+                       "--max-restarts", "1", "--local-addr", self._local_address(node)]
+        else:
+            nnodes = f"{self.nodes - 1}:{self.nodes}" if self.mode == "shrink" else f"{self.nodes}:{self.nodes + 1}"
+            command = [sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address}:{self.port}", "--rdzv-id", "bench",
+                       "--rdzv-conf", "last_call_timeout=1", "--recovery", "in-place", "--max-restarts", "1"]
+        env = {**os.environ, **_NODE_SECRET, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        if self.namespaces and self.mode == "torchrun":  # ddpkit run chooses the interface towards the endpoint itself
+            env["GLOO_SOCKET_IFNAME"] = self.namespaces.links[node]
+        with open(self.folder / f"launcher{number}.err", "wb") as err:
+            return subprocess.Popen([*self._prefix(node), *command, *self.arguments], cwd=self.folder, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=err)
+
+    def _endpoint_listens(self) -> bool:
+        try:
+            subprocess.run([*self._prefix(0), sys.executable, "-c", "import socket, sys; socket.create_connection("
+                            f"({self.address!r}, {self.port}), timeout=1)"], check=True, capture_output=True, timeout=10)
+            return True
+        except subprocess.CalledProcessError:
+            return False
+
+    def _prefix(self, node: int) -> list[str]:
+        return self.namespaces.prefix(node) if self.namespaces else []
+
+    def _local_address(self, node: int) -> str:
+        return self.namespaces.addresses[node] if self.namespaces else "127.0.0.1"
+
+    def _err(self, number: int) -> str:
+        return (self.folder / f"launcher{number}.err").read_text(errors="replace")
+
+    def _wait(self, condition: Any, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline or any(launcher.poll() is not None for launcher in self.launchers):
+                raise RuntimeError(f"{self.mode}: waited in vain for {what}:\n" + "\n".join(self._err(n)[-1500:]
+                                                                            for n in range(len(self.launchers))))
+            time.sleep(0.05)
+
+    def first_rank_of(self, number: int) -> int:
+        """The lowest job rank (``RANK``) among launcher ``number``'s workers, once they wrote their pids."""
+        def ranks() -> list[int]:
+            mine = set(descendants(self.launchers[number].pid))
+            found = []
+            for path in self.folder.glob("pid.*"):
+                text = path.read_text().strip()
+                if text and int(text) in mine:
+                    found.append(int(path.name[4:]))
+            return found
+
+        self._wait(lambda: len(ranks()) == 2, f"the workers of launcher {number}")
+        return min(ranks())
+
+    def kill(self, number: int) -> None:
+        """The node of launcher ``number``: its launcher and every process it started, SIGKILL."""
+        for pid in [self.launchers[number].pid, *descendants(self.launchers[number].pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def finish(self, lost: int | None) -> bool:
+        """Whether every launcher but the one lost ended with 0 and the final parameters were written."""
+        codes = []
+        for number, launcher in enumerate(self.launchers):
+            try:
+                codes.append(launcher.wait(timeout=600) if number != lost else 0)
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        if any(code != 0 for code in codes) or not (self.folder / "final.pt").exists():
+            print(f"  {self.mode}: exit codes {codes}\n" + "\n".join(self._err(n)[-1500:]
+                                                                 for n in range(len(self.launchers))), file=sys.stderr)
+            return False
+        return True
+
+    def close(self) -> None:
+        for number, launcher in enumerate(self.launchers):
+            self.kill(number)
+            launcher.wait()
+        if self.store is not None:
+            self.store.kill()
+            self.store.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def run_nodes(mode: str, nodes: int, steps: int, width: int, kill: bool, seed: int,
+              namespaces: Nodes | None) -> dict[str, Any] | None:
+    """One run of a node mode; None when it did not finish."""
+    job = NodeJob(mode, nodes, steps, width, namespaces)
+    chooser = random.Random(seed)
+    kill_after = chooser.randrange(5, steps - 9)
+    # torchrun's rendezvous lives in node 0's agent (the first started): losing it ends the job.
+    lost = chooser.randrange(1 if mode == "torchrun" else 0, nodes)
+    result: dict[str, Any] = {}
+    try:
+        job.start()
+        if kill:
+            watched = job.first_rank_of(lost)
+            old_world = {int(path.read_text()) for path in job.folder.glob("pid.*") if path.read_text().strip()}
+            while not any(step >= kill_after for step, _ in completed(job.folder, watched)):
+                if any(launcher.poll() is not None for launcher in job.launchers):
+                    job.finish(None)
+                    return None
+                time.sleep(0.002)
+            killed_at_step = max(step for step, _ in completed(job.folder, watched))
+            job.kill(lost)
+            killed = time.time()
+        if not job.finish(lost if kill else None):
+            return None
+        if kill:
+            # Every step completes on every rank together (it has an all-reduce): the first one any rank
+            # trained after the loss is the next completed step, whoever trains it.
+            after = sorted((moment, step) for rank in range(2 * nodes)
+                           for step, moment in steps_after_the_loss(job.folder, rank, old_world))
+            result["seconds"] = after[0][0] - killed
+            result["trained_twice"] = killed_at_step + 1 - after[0][1]
+        kept = job.folder.parent / f"{job.folder.name}.final.pt"
+        shutil.copy(job.folder / "final.pt", kept)
+        result["final_file"] = str(kept)
+        return result
+    finally:
+        job.close()
+
+
+def steps_after_the_loss(folder: Path, rank: int, old_world: set[int]) -> list[tuple[int, float]]:
+    """(step, wall time) of each step of rank ``rank``'s log trained after the loss: by a process
+    started since (a spare, a restarted worker), or in a later generation of ddpkit's group. A
+    step the old world completes right after the kill (the lost rank had sent its part) is not."""
+    path = folder / f"steps.{rank}"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = line.split()
+        if len(parts) == 4 and (int(parts[2]) not in old_world or int(parts[3]) > 0):
+            rows.append((int(parts[0]), float(parts[1])))
+    return rows
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process started by ``pid``, by its children and so on (from /proc)."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as handle:
+                    parents[int(name)] = int(handle.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def main_nodes(args: argparse.Namespace) -> None:
+    if args.netns and (why := Nodes.unavailable()) is not None:
+        print(f"--netns: {why}; nothing measured")
+        return
+    for nodes in args.nodes:
+        with contextlib.ExitStack() as stack:
+            namespaces = stack.enter_context(Nodes(nodes)) if args.netns else None
+            where = "network namespaces on a bridge" if args.netns else "loopback"
+            clean = run_nodes("shrink", nodes, args.steps, args.width, kill=False, seed=0, namespaces=namespaces)
+            if clean is None:
+                raise SystemExit(f"the fault-free run of {nodes} nodes did not finish")
+            reference = torch.load(str(clean["final_file"]), weights_only=True)
+            os.remove(str(clean["final_file"]))
+            print(f"{nodes} nodes x 2 ranks ({where}), 8x{args.width} MLP, {args.steps} steps, kill -9 of a random "
+                  f"node after a random step, {args.runs} runs per mode (interleaved)", flush=True)
+            outcomes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.node_modes}
+            failures = dict.fromkeys(args.node_modes, 0)
+            for index in range(args.runs):
+                for mode in random.Random(index).sample(args.node_modes, len(args.node_modes)):
+                    outcome = run_nodes(mode, nodes, args.steps, args.width, kill=True, seed=1000 * nodes + index,
+                                        namespaces=namespaces)
+                    if outcome is None:
+                        failures[mode] += 1
+                        continue
+                    outcome["difference"] = difference(str(outcome.pop("final_file")), reference)
+                    outcomes[mode].append(outcome)
+            report(outcomes, failures, "the fault-free run")
+
+
+def report(outcomes: dict[str, list[dict[str, Any]]], failures: dict[str, int], reference: str) -> None:
+    for mode, done in outcomes.items():
+        if not done:
+            print(f"  {mode:10s} no run finished ({failures[mode]} failed)")
+            continue
+        seconds = [o["seconds"] for o in done]
+        twice = statistics.median(o["trained_twice"] for o in done)
+        print(f"  {mode:10s} kill -> next step: median {statistics.median(seconds):.2f} s (min {min(seconds):.2f}, "
+              f"max {max(seconds):.2f}); steps trained twice: median {twice:g}; "
+              f"finished {len(done)}/{len(done) + failures[mode]}; max |difference| to {reference} "
+              f"{max(o['difference'] for o in done):.2e}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -158,7 +462,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--modes", nargs="+", default=["in-place", "restart", "torchrun"],
                         choices=["in-place", "restart", "torchrun"])
+    parser.add_argument("--nodes", type=int, nargs="+", help="node modes: kill a whole node of N (2 ranks each)")
+    parser.add_argument("--node-modes", nargs="+", default=["shrink", "spare-node", "torchrun"],
+                        choices=["shrink", "spare-node", "torchrun"])
+    parser.add_argument("--netns", action="store_true", help="node modes: each node in a network namespace")
+    parser.add_argument("--width", type=int, default=512, help="node modes: the MLP's width")
     args = parser.parse_args()
+    if args.nodes:
+        main_nodes(args)
+        return
     for ranks in args.ranks:
         clean = run("fault-free", ranks, args.steps, kill=False, seed=0)
         if clean is None:
@@ -177,17 +489,7 @@ def main() -> None:
                     continue
                 outcome["difference"] = difference(str(outcome.pop("final_file")), reference)
                 outcomes[mode].append(outcome)
-        for mode in args.modes:
-            done = outcomes[mode]
-            if not done:
-                print(f"  {mode:9s} no run finished ({failures[mode]} failed)")
-                continue
-            seconds = [o["seconds"] for o in done]
-            twice = statistics.median(o["trained_twice"] for o in done)
-            print(f"  {mode:9s} kill -> next step: median {statistics.median(seconds):.2f} s (min {min(seconds):.2f}, "
-                  f"max {max(seconds):.2f}); steps trained twice: median {twice:g}; "
-                  f"finished {len(done)}/{len(done) + failures[mode]}; max |difference| to the fault-free run "
-                  f"{max(o['difference'] for o in done):.2e}", flush=True)
+        report(outcomes, failures, "the fault-free run")
 
 
 if __name__ == "__main__":
