@@ -86,7 +86,10 @@ STEPS, BATCH, WORLD, PAUSE_AT = 12, 4, 4, 5
 # The rank PAUSED_RANK (as the launcher started it: node 1's first is 2) stops where PHASE says (forward,
 # allreduce, optimizer, save) in optimizer step PAUSE_AT + 1 and writes the file "paused": the test then
 # kills its node. With GATES (optimizer steps, "7,9"), every rank waits after each of those steps S until the
-# file "go-on<S>" exists.
+# file "go-on<S>" exists. With JOINER_PAUSE, the first process that takes PAUSED_RANK's place in a later
+# generation (a node joining) stops once, after it was counted in, where that says ("connecting": before it
+# forms torch's group, so before it writes its address; "receiving": in the first collective of the state
+# transfer) and writes the file "joiner-paused".
 PHASE_JOB = textwrap.dedent(
     f"""
     import os, time, torch
@@ -102,6 +105,17 @@ PHASE_JOB = textwrap.dedent(
                 and strategy.progress.steps == {PAUSE_AT} and not os.path.exists("paused")):
             open("paused", "w").write(where)
             time.sleep(600)  # until node 1 is killed
+
+    def pause_joiner(where):
+        if (os.environ.get("JOINER_PAUSE") == where and os.environ["RANK"] == os.environ["PAUSED_RANK"]
+                and int(os.environ.get("DDPKIT_GENERATION", "0")) > 0 and not os.path.exists("joiner-paused")):
+            open("joiner-paused", "w").write(where)
+            time.sleep(600)  # until its node is killed
+
+    import torch.distributed, ddpkit.recovery
+    connect, gather = torch.distributed.init_process_group, ddpkit.recovery.all_gather_object
+    torch.distributed.init_process_group = lambda *args, **kwargs: (pause_joiner("connecting"), connect(*args, **kwargs))[1]
+    ddpkit.recovery.all_gather_object = lambda *args: (pause_joiner("receiving"), gather(*args))[1]
 
     @elementwise_average
     def pausing_allreduce(state, bucket):

@@ -12,14 +12,16 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddpkit.environments import find_free_port
-from ddpkit.variables import DDPKIT_RECOVERY
+from ddpkit.variables import DDPKIT_RECOVERY, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 BOUND_SECONDS = 90
 
@@ -251,3 +253,93 @@ def test_a_sharded_loader_takes_its_share_anew_when_the_membership_changes() -> 
     assert len(before) == 5 and sorted(after) == list(range(10))
     assert loader.sampler.epoch == 3  # type: ignore[attr-defined]
     assert set(before) <= set(after)
+
+
+# A member that died after it was counted into a generation, while the others form it (a joining node
+# killed in its takeover): before it wrote its address, or after (then the others' connections to it are
+# refused, or they wait for it to connect to them, for the recovery timeout at most: 5 s here). The test
+# process hosts the store and plays the launcher that shrinks the world again.
+SURVIVOR = textwrap.dedent(
+    """
+    import json, sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ddpkit.group import Group, Membership
+
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+    group = Group(Membership(0, 0, 2), "gloo", timedelta(minutes=30), launcher_store=store, in_place=True)
+    started = time.monotonic()
+    membership = group.reconfigure()
+    print("RESULT " + json.dumps({"membership": [membership.generation, membership.rank, membership.world_size,
+                                                 list(membership.shares)],
+                                  "seconds": time.monotonic() - started, "torch": dist.get_world_size()}), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+# The joining member: counted in, then it writes its address and dies before it connects.
+DYING_JOINER = textwrap.dedent(
+    """
+    import os, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ddpkit.generations import claim_rank, generation_prefix, member_identity
+    from ddpkit.group import Group, Membership
+
+    class DiesOnceItsAddressIsOut(dist.Store):
+        def __init__(self, store):
+            super().__init__()
+            self.store = store
+        def set(self, key, value):
+            self.store.set(key, value)
+        def wait(self, keys, timeout=None):
+            os._exit(9)
+
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+    group = Group(Membership(0, 1, 2), "gloo", timedelta(minutes=30), launcher_store=store, in_place=True)
+    claim_rank(store, None, 0, 1, 1, member_identity())  # counted in, as ``Group.meet`` does
+    store.add(f"{generation_prefix(None, 0, 1)}arrived", 1)
+    dist.init_process_group("gloo", store=DiesOnceItsAddressIsOut(group.store_of(1)), rank=1, world_size=2)
+    """
+)
+
+
+@pytest.mark.parametrize("died", ["before its address", "after its address"])
+def test_a_member_that_died_while_its_generation_formed_leaves_it_to_the_next_one(died: str) -> None:
+    from ddpkit.generations import REMOVED, Layout, announce_node_lost, claim_rank, generation_prefix, write_layout
+
+    port = find_free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True,  # type: ignore[attr-defined]
+                          timeout=timedelta(seconds=BOUND_SECONDS), wait_for_workers=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if died == "after its address":  # dead before the survivor forms the group (not while it connects to it)
+        env[DDPKIT_RECOVERY_TIMEOUT_SECONDS] = "5"
+        joiner = subprocess.run([sys.executable, "-c", DYING_JOINER, str(port)], env=env, capture_output=True,
+                                text=True, timeout=BOUND_SECONDS)
+        assert joiner.returncode == 9, joiner.stdout + joiner.stderr
+    else:
+        claim_rank(store, None, 0, 1, 1, "joiner:1")
+        store.add(f"{generation_prefix(None, 0, 1)}arrived", 1)
+    survivor = subprocess.Popen([sys.executable, "-c", SURVIVOR, str(port)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + BOUND_SECONDS
+        while store.add(f"{generation_prefix(None, 0, 1)}arrived", 0) < 2:  # the survivor counted in too
+            assert time.monotonic() < deadline and survivor.poll() is None, survivor.stdout.read()  # type: ignore[union-attr]
+            time.sleep(0.05)
+        time.sleep(1.0)  # the survivor is forming the group now, or failed to connect
+        # The launchers find the joining node silent and shrink the world again (``NodeCoordination._remove``).
+        claim_rank(store, None, 0, 2, 1, REMOVED)
+        write_layout(store, None, 0, 2, Layout.initial(2).shrunk({1}))
+        announce_node_lost(store, None, 0, 1, "node 1's launcher went silent")
+        announced = time.monotonic()
+        output = survivor.communicate(timeout=BOUND_SECONDS)[0]
+        formed_after = time.monotonic() - announced
+    finally:
+        survivor.kill()
+        del store
+    assert survivor.returncode == 0, output
+    result = _result(output)
+    assert result["membership"] == [2, 0, 1, [0, 1]] and result["torch"] == 1, output
+    assert formed_after < 10, output  # not the group's timeout (30 minutes), nor (before) the recovery timeout (60 s)
+    assert "generation 1 of the group was given up while it formed (node 1's launcher went silent)" in output, output

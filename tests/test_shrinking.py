@@ -217,19 +217,22 @@ def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() 
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("moment", ["asking", "connecting", "receiving"])
 def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and_the_next_one_joins(
-        tmp_path: Path) -> None:
+        tmp_path: Path, moment: str) -> None:
     """Node 1 is lost in the gradients' all-reduce and the world shrinks. The job is held after step 7
     while a launcher started later for the same job arrives (beyond MAX: admitted since the world
-    shrank) and takes node 1's place; it is killed once it has asked the survivors to grow. Let go, the
-    survivors wait for its ranks at the step boundary, are told it was lost, and form the generation
-    after without it (well before the recovery timeout). Held again after step 9, a second late
-    launcher takes node 1's place; let go, the survivors agree on a step boundary and form the next
-    generation with its ranks, which take their shares of the data back. The run ends with four ranks
-    and one process's parameters on the concatenated batches."""
+    shrank) and takes node 1's place; it is killed at ``moment``: once it has asked the survivors to
+    grow (they then wait for its ranks at the step boundary), or once the survivors let go and its
+    first rank, counted into the new generation, is connecting to them or receiving the training
+    state. The survivors are told it was lost and form the generation after without it (well before
+    the recovery timeout). After the first of these, a second late launcher takes node 1's place while
+    the job is held after step 9; let go, the survivors agree on a step boundary and form the next
+    generation with its ranks, which take their shares of the data back. Each run ends with one
+    process's parameters on the concatenated batches."""
     (tmp_path / "job.py").write_text(PHASE_JOB)
     store = start_store(port := find_free_port())
-    job = {"rdzv_id": "grow", "PHASE": "allreduce", "PAUSED_RANK": "2", "GATES": "7,9"}
+    job = {"rdzv_id": "grow", "PHASE": "allreduce", "PAUSED_RANK": "2", "GATES": "7,9", "JOINER_PAUSE": moment}
     try:
         launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", **job) for n in range(2)]
         wait_for(lambda: (tmp_path / "paused").exists(), "node 1's first rank to stop in the all-reduce")
@@ -243,24 +246,36 @@ def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and
 
         doomed = start_launcher(tmp_path, port, "launcher2", "1:2", **job)
         wait_for(lambda: "joins the world again" in text(tmp_path, "launcher2.err"), "the first joiner's request")
+        if moment != "asking":
+            (tmp_path / "go-on7").touch()
+            wait_for(lambda: (tmp_path / "joiner-paused").exists(), f"the joiner's first rank to stop {moment}")
         kill_node(doomed)
         (tmp_path / "go-on7").touch()
         let_go = time.monotonic()
         wait_for(lambda: (tmp_path / "step9").exists(), "the world to shrink again and train up to the second gate")
         assert time.monotonic() - let_go < 30  # not the 60 s recovery timeout
-
-        joiner = start_launcher(tmp_path, port, "launcher3", "1:2", **job)
-        wait_for(lambda: "joins the world again" in text(tmp_path, "launcher3.err"), "the second joiner's request")
+        if moment == "asking":
+            joiner = start_launcher(tmp_path, port, "launcher3", "1:2", **job)
+            wait_for(lambda: "joins the world again" in text(tmp_path, "launcher3.err"), "the second joiner's request")
         (tmp_path / "go-on9").touch()
-        codes = end_all([survivor, joiner], timeout=150)
-        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(4))
-        assert codes == [0, 0], errors
+        ending = [survivor, joiner] if moment == "asking" else [survivor]
+        codes = end_all(ending, timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}"
+                           for n in range(4 if moment == "asking" else 3))
+        assert codes == [0] * len(ending), errors
         err = text(tmp_path, f"launcher{1 - lost}.err")
-        assert err.count("node 1's launcher went silent and no spare node took its place: the world shrank") == 2, errors
-        assert "the world shrank without node 1; this spare node takes its place" in text(tmp_path, "launcher3.err")
-        assert "a node joins; forming generation" in err and "grew in place" in err, errors
-        out = text(tmp_path, f"launcher{1 - lost}.out") + text(tmp_path, "launcher3.out")
-        assert sorted(re.findall(r"rank (\d): rank \1 of 4 done", out)) == ["0", "1", "2", "3"], out
+        assert err.count("ddpkit run: node 1's launcher went silent and no spare node took its place: the world shrank"
+                         ) == 2, errors
+        out = text(tmp_path, f"launcher{1 - lost}.out")
+        if moment == "asking":
+            assert "the world shrank without node 1; this spare node takes its place" in text(tmp_path, "launcher3.err")
+            assert "a node joins; forming generation" in err and "grew in place" in err, errors
+            out += text(tmp_path, "launcher3.out")
+            assert sorted(re.findall(r"rank (\d): rank \1 of 4 done", out)) == ["0", "1", "2", "3"], out
+        else:
+            said = {"connecting": "was given up while it formed", "receiving": "was lost while the training state was sent"}
+            assert said[moment] in err, errors
+            assert len(re.findall(r"rank \d: rank \d of 2 done, recovered True", out)) == 2, out
         assert_as_one_process(tmp_path, errors)
     finally:
         store.kill()

@@ -150,10 +150,13 @@ def init_dist_connection(
         in_place = cluster_environment.recovery is Recovery.IN_PLACE
         generation = cluster_environment.generation if in_place else 0
     group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, attempt, in_place, secret)
+    if in_place and generation > 0:
+        # A replacement, completing that generation (its place there from the generation's layout),
+        # or a later one should that one be given up while it forms.
+        set_current_group(group)
+        group.form(generation, **kwargs)
+        return
     if launcher_store is not None:
-        if generation > 0:  # a replacement, completing that generation (its place there from the generation's layout)
-            group.enter(generation)
-            generation, rank, size = group.generation, group.rank, group.world_size
         kwargs["store"] = group.store_of(generation)
     elif (isinstance(cluster_environment, TorchElasticEnvironment) and cluster_environment.store_attempt is not None
           and size > 1 and "init_method" not in kwargs and "store" not in kwargs):

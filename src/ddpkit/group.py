@@ -54,6 +54,7 @@ from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
+from ddpkit.forming_store import GenerationAbandonedError, forming
 from ddpkit.generations import (
     Layout,
     RankTakenError,
@@ -78,6 +79,10 @@ _log = get_logger("recovery")
 
 # How often a rank waiting for a generation's members looks for its layout (a shrink's comes late).
 _LAYOUT_LOOK_SECONDS = 0.05
+
+# Gloo waits for a member to connect to this one for several times the timeout it is given (five
+# times with torch 2.13's), so forming a group is given a share of the recovery timeout.
+_GLOO_CONNECT_WAITS = 5
 
 # Bytes each member draws for a formation's proofs (so a proof seen once proves nothing later).
 _NONCE_BYTES = 16
@@ -225,18 +230,13 @@ class Group:
     def reconfigure(self) -> Membership:
         """Abandon the current torch group and form the next generation as the launchers laid it out
         (``ddpkit.generations.layout_at``: the same members, a replacement taking a lost rank's place,
-        or the survivors of a world that shrank) once every member has arrived; then tell every
-        reaction. ``TimeoutError`` when not all arrive within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
+        or the survivors of a world that shrank) once every member has arrived (``form``); then tell
+        every reaction. ``TimeoutError`` when not all arrive within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
         if not self._in_place:
             raise RuntimeError("Forming the group again needs in-place recovery (ddpkit run --recovery in-place): "
                                "this process's store is its group's own and may have died with the lost rank.")
         self.abort()
-        membership = self.meet(self._membership.generation + 1)  # or a later one (``meet``)
-        dist.init_process_group(self._backend, store=self.store_of(membership.generation), rank=membership.rank,
-                                world_size=membership.world_size, timeout=self._timeout)
-        self._membership = membership
-        self.prove_members()
-        self.install_diagnostics()
+        self.form(self._membership.generation + 1)  # or a later one
         for key, reference in list(self._reactions.items()):
             reaction = reference()
             if reaction is None:
@@ -245,17 +245,69 @@ class Group:
                 reaction(self._membership)
         return self._membership
 
-    def enter(self, generation: int) -> None:
-        """As a replacement, before connecting: meet ``generation`` and take this process's place in it."""
-        self._membership = self.meet(generation)
+    def form(self, generation: int, **init_options: Any) -> Membership:
+        """Meet ``generation`` (``meet``), form torch's default group there (``init_options``: more
+        of ``init_process_group``'s arguments), have its members prove the job secret and start the
+        diagnostics. A generation given up while it forms (a member died after it was counted in, as
+        a joining node killed in its takeover: ``_given_up``) is left for the one after it, which
+        the launchers lay out, instead of waiting for the dead member until the group's timeout."""
+        membership = self.meet(generation)
+        while True:
+            try:
+                self._connect(membership, init_options)
+                self._membership = membership
+                self.prove_members()
+                break
+            except MemberProofError:
+                raise
+            except Exception as failure:
+                # Gloo's connection to a member that died fails at once, before its launcher says so.
+                why = self._given_up(membership.generation, wait=not isinstance(failure, GenerationAbandonedError))
+                if why is None:
+                    raise
+                _log.warning(f"ddpkit: generation {membership.generation} of the group was given up while it formed "
+                             f"({why}); forming the next one")
+                self.abort()
+                membership = self.meet(membership.generation + 1)
+        self.install_diagnostics()
+        return membership
+
+    def _connect(self, membership: Membership, init_options: dict[str, Any]) -> None:
+        """``init_process_group`` for ``membership``, through a store whose waits end when the
+        generation is given up (``ddpkit.forming_store``). Connecting is bounded by the recovery
+        timeout too (a member that died once its address was out, or whose link went down, never
+        connects); the group's own timeout is set once it is formed."""
+        generation = membership.generation
+        seconds = recovery_timeout_seconds()
+        connect_within = min(self._timeout, timedelta(seconds=seconds / _GLOO_CONNECT_WAITS))
+        store = forming(self.store_of(generation), lambda: self._given_up(generation), seconds)
+        dist.init_process_group(self._backend, store=store, rank=membership.rank, world_size=membership.world_size,
+                                timeout=connect_within, **init_options)
+        if connect_within < self._timeout:
+            dist.distributed_c10d._set_pg_timeout(self._timeout)
+
+    def _given_up(self, generation: int, wait: bool = False) -> str | None:
+        """Why ``generation`` will not form, or None: a launcher said a node of it was lost (and laid
+        the next one out), or a process already waits for the next one (a launcher replaced a member
+        that died after it was counted in). ``wait``: look until the recovery timeout before None."""
+        deadline = time.monotonic() + (recovery_timeout_seconds() if wait else 0.0)
+        while True:
+            why = node_lost(self._launcher_store, self._secret, self._attempt, generation)
+            if why is not None:
+                return why
+            if self._launcher_store.add(f"{self._prefix(generation + 1)}arrived", 0) > 0:
+                return f"a process waits for generation {generation + 1} already: a member of {generation} was replaced"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(_LAYOUT_LOOK_SECONDS)
 
     def meet(self, generation: int) -> Membership:
         """Claim this process's rank in ``generation``, count it in and wait until every member of
         the generation's layout is counted (the layout may come while it waits: a launcher that
         shrinks the world writes it seconds after the loss); return this process's membership there.
-        A node of the generation lost before it formed (a joining node that died, a second node lost
-        while the world shrinks: a launcher says so, ``ddpkit.generations.node_lost``) moves the wait
-        on to the generation after it, which that launcher lays out. ``RankTakenError`` when another
+        A generation given up before it formed (``_given_up``: a joining node that died, a second node
+        lost while the world shrinks, a member replaced) moves the wait on to the generation after it,
+        which the launchers lay out. ``RankTakenError`` when another
         process holds the rank there (a spare node took this process's node's place while it could
         not be reached), or when the world shrank without it."""
         seconds = recovery_timeout_seconds()
@@ -276,7 +328,7 @@ class Group:
                         _log.warning(f"ddpkit: the training ended before generation {generation} of the group formed "
                                      f"with this rank ({self.job_rank}, which was to join it): nothing is left to train")
                         raise SystemExit(0)
-                    if (node_lost(self._launcher_store, self._secret, self._attempt, generation) is not None
+                    if (self._given_up(generation) is not None
                             and self._launcher_store.add(f"{self._prefix(generation)}arrived", 0) < len(layout.members)):
                         break  # it will never form: on to the next one
                     layout, next_look = self._layout(generation), now + _LAYOUT_LOOK_SECONDS

@@ -236,17 +236,23 @@ class InPlaceRecovery:
                                "`ddpkit run --recovery in-place`, so it cannot be formed again.")
         generation, before = group.generation + 1, group.membership
         _log.warning(f"ddpkit: {why}; forming generation {generation} of the group")
-        after = group.reconfigure()
+        while True:
+            after = group.reconfigure()
+            try:
+                state = self._exchange(model.module, optimizer, replacement=False)
+                break
+            except PeerLostError:  # a member of the new generation lost before it held the state: the next one
+                _log.warning(f"ddpkit: a rank of generation {after.generation} of the group was lost while the "
+                             f"training state was sent; forming generation {after.generation + 1}")
         if (after.shares, after.data_world_size) != (before.shares, before.data_world_size):
             self._reshard = True
             _log.warning(f"ddpkit: the group has {after.world_size} ranks now; this rank (now rank {after.rank}) "
                          f"trains the shares {list(after.shares)} of each global batch of {after.data_world_size}")
-        state = self._exchange(model.module, optimizer, replacement=False)
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
         optimizer.zero_grad(set_to_none=True)  # the redo starts a fresh accumulation window
         self._rewind = True
         self._recoveries += 1
-        done = "recovered in place" if why == _LOST else "grew in place"
+        done = "grew in place" if after.world_size > before.world_size else "recovered in place"
         _log.warning(f"ddpkit: {done}: generation {after.generation}, continuing at epoch {self._resume[0]} "
                      f"batch {self._resume[1]} (optimizer step {self.progress.steps})")
 
