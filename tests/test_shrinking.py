@@ -37,6 +37,7 @@ from ddpkit.data import EpochDataLoader, shard
 from ddpkit.environments import find_free_port
 from ddpkit.generations import Layout
 from ddpkit.group import Group, Membership, set_current_group
+from ddpkit.launching import nodes as nodes_module
 from ddpkit.launching.nodes import NodeCoordination, Shrinking
 from ddpkit.launching.store_client import BoundedStore, connect
 from ddpkit.parallel.batchnorm import SyncBatchNorm
@@ -216,6 +217,43 @@ def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() 
     assert Layout.from_json(store.get(layout_key).decode()) == Layout((2, 3), ((0, 2), (1, 3)))
 
 
+@pytest.mark.timeout(60)
+def test_each_lost_node_spends_one_restart_and_once_none_is_left_the_next_loss_ends_the_job_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three launchers, ``--nnodes 1:3 --max-restarts 1``: node 1 goes silent and the world shrinks
+    without it (one node loss spent); node 2 goes silent next, and node 0's launcher takes it for lost,
+    saying that the budget is spent, instead of shrinking again (no claim waited for either)."""
+    monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    shrinking = Shrinking(min_nodes=1, nproc_per_node=1, spares_possible=True)
+
+    def client() -> BoundedStore:
+        return BoundedStore(connect("127.0.0.1", store.port, 10), 10)
+
+    zero, one, two = (NodeCoordination(client(), rank, 3, "127.0.0.1", store.port, in_place=True, shrinking=shrinking,
+                                       node_losses_allowed=1) for rank in range(3))
+    for coordination in (zero, one, two):
+        coordination.beat_through(client())
+    time.sleep(0.5)
+    assert zero.silent_node() is None
+    one._beating.set()  # node 1's launcher killed
+    deadline = time.monotonic() + 10
+    while zero.world() != [0, 2] and time.monotonic() < deadline:
+        assert zero.silent_node() is None
+        time.sleep(0.05)
+    assert zero.world() == [0, 2] and not zero.node_losses_left()
+    two._beating.set()  # node 2's, next
+    lost_at = time.monotonic()
+    while (why := zero.silent_node()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert why is not None and why.startswith("node 2's launcher went silent"), why
+    assert "recovered from 1 lost node(s) already, all that --max-restarts=1 allows, so it ends" in why
+    assert time.monotonic() - lost_at < 1.5  # the silence alone: no spare's claim is waited for
+    assert zero.world() == [0, 2]
+    zero._beating.set()
+    time.sleep(0.3)  # the last beat done before the store goes
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("moment", ["asking", "connecting", "receiving"])
 def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and_the_next_one_joins(
@@ -232,7 +270,8 @@ def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and
     process's parameters on the concatenated batches."""
     (tmp_path / "job.py").write_text(PHASE_JOB)
     store = start_store(port := find_free_port())
-    job = {"rdzv_id": "grow", "PHASE": "allreduce", "PAUSED_RANK": "2", "GATES": "7,9", "JOINER_PAUSE": moment}
+    job = {"rdzv_id": "grow", "max_restarts": 2,  # two node losses
+           "PHASE": "allreduce", "PAUSED_RANK": "2", "GATES": "7,9", "JOINER_PAUSE": moment}
     try:
         launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", **job) for n in range(2)]
         wait_for(lambda: (tmp_path / "paused").exists(), "node 1's first rank to stop in the all-reduce")

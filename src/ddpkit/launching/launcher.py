@@ -451,7 +451,7 @@ def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts
         nodes = NodeCoordination(store, -1 if place.node_rank is None else place.node_rank, config.nnodes,
                                  endpoint.host, endpoint.port, hosts_store=hosts_store, give_up=stop_waiting,
                                  join_seconds=waits.join_timeout, in_place=config.recovery is Recovery.IN_PLACE,
-                                 shrinking=shrinking)
+                                 shrinking=shrinking, node_losses_allowed=config.max_restarts)
         if not spare:  # a spare says it is alive once it took a node's place
             nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
     return config, nodes, spare

@@ -43,6 +43,10 @@ one may be there to read:
   (``world_shrank`` admits it beyond MAX) waits as a spare node and brings a removed node back
   (``bring_back``): the next generation laid out with its ranks again, each taking its own share
   back, which the survivors' workers form at a step boundary they agree on;
+- under in-place recovery each node lost and recovered from (taken over by a spare node, or left
+  out when the world shrinks) spends one of the job's ``--max-restarts`` (``node_losses_allowed``,
+  counted in the store for the whole job; a rank replaced on its own node spends its node's, as
+  on one node). Once none is left, a silent node is lost for every launcher, naming the budget;
 - a launcher that passes a preemption on says so (``announce_preemption``); one whose workers
   stopped for a preemption no signal brought it names its source (``preemption_source``): another
   launcher's signal, or a lost launcher, whose workers the kernel sent SIGTERM.
@@ -115,6 +119,9 @@ _TAKEOVER_SECONDS = 15.0
 # How a survivor's launcher signs its claim on a silent node's place when it shrinks the world
 # without it (a spare node's claim names the spare's launcher).
 _SHRINK_CLAIM = "the world shrank without it"
+# How a survivor's launcher signs its claim on a silent node's place when the job may lose no more
+# nodes (``NodeCoordination.node_losses_allowed``): the node is lost for every launcher.
+_SPENT_CLAIM = "no node loss left to recover from"
 # What a removed node's record starts with while it is out of the world.
 _OUT = "out"
 
@@ -167,7 +174,7 @@ class NodeCoordination:
     def __init__(self, store: BoundedStore, node_rank: int, nnodes: int, address: str, port: int,
                  hosts_store: bool | None = None, give_up: GiveUp = never_give_up,
                  join_seconds: float = StoreWaits.join_timeout, in_place: bool = False,
-                 shrinking: Shrinking | None = None) -> None:
+                 shrinking: Shrinking | None = None, node_losses_allowed: int | None = None) -> None:
         self._store = store
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.node_rank = node_rank
@@ -194,6 +201,8 @@ class NodeCoordination:
         self.shrinking = shrinking if in_place else None
         self._removed: set[int] = set()  # nodes the world shrank without (and not brought back), as read so far
         self._removed_hint = 0  # the count of removals and returns when ``_removed`` was read
+        # Under in-place recovery, how many lost nodes the job recovers from (``--max-restarts``; None: any).
+        self.node_losses_allowed = node_losses_allowed if in_place else None
 
     def beat_through(self, store: Any) -> None:
         """Say this launcher is alive every beat (``_BEAT_SECONDS``), through ``store`` (a client for
@@ -242,8 +251,12 @@ class NodeCoordination:
             if self._silent_for(node, beat, now) > self._silent_seconds and not self._taken_over(node, beat, now):
                 if self._shrinks_without(node, beat):
                     continue
+                spent = ""
+                if not self.node_losses_left():
+                    spent = (f"; the job recovered from {self.node_losses_allowed} lost node(s) already, all that "
+                             f"--max-restarts={self.node_losses_allowed} allows, so it ends")
                 self._lost = (node, f"node {node}'s launcher went silent: no word from it for "
-                                    f"{self._silent_seconds:g} s (killed with its workers, or its host lost)")
+                                    f"{self._silent_seconds:g} s (killed with its workers, or its host lost){spent}")
         return None if self._lost is None else self._lost[1]
 
     def _silent_for(self, node: int, beat: str, now: float) -> float:
@@ -275,8 +288,8 @@ class NodeCoordination:
         if claimant is None:
             # Once the world shrank, a launcher that arrives later waits as a spare, whatever MAX.
             spares_possible = self.shrinking is None or self.shrinking.spares_possible or self._removed_hint > 0
-            return spares_possible and now - since < _CLAIM_SECONDS
-        return not claimant.startswith(_SHRINK_CLAIM) and now - since < _TAKEOVER_SECONDS
+            return spares_possible and now - since < _CLAIM_SECONDS and self.node_losses_left()
+        return not claimant.startswith((_SHRINK_CLAIM, _SPENT_CLAIM)) and now - since < _TAKEOVER_SECONDS
 
     # -- shrinking the world (``Shrinking``) --------------------------------------------------------
 
@@ -299,12 +312,25 @@ class NodeCoordination:
         generation out, ``_remove``) or another survivor's did."""
         if self.shrinking is None or len(self.world()) - 1 < self.shrinking.min_nodes:
             return False
-        claim = f"{_SHRINK_CLAIM} (node {self.node_rank}'s launcher {self._launcher_id} shrank it)"
-        if self.claim(node, beat, claim):
+        spent = not self.node_losses_left()
+        who = f"node {self.node_rank}'s launcher {self._launcher_id}"
+        if self.claim(node, beat, f"{_SPENT_CLAIM} ({who} found it lost)" if spent else f"{_SHRINK_CLAIM} ({who} shrank it)"):
+            if spent:
+                return False
+            self.spend_node_loss()
             self._remove(node)
             return True
         claimant = self.claimant(node, beat)
         return claimant is not None and claimant.startswith(_SHRINK_CLAIM)
+
+    def node_losses_left(self) -> bool:
+        """Whether the job may still recover from a lost node (``node_losses_allowed``)."""
+        allowed = self.node_losses_allowed
+        return allowed is None or int(self._call("add", self._key("node-losses", -1), 0)) < allowed
+
+    def spend_node_loss(self) -> None:
+        """Count one lost node recovered from (by the launcher whose claim on its place won)."""
+        self._call("add", self._key("node-losses", -1), 1)
 
     def _remove(self, node: int) -> None:
         """Shrink the world without ``node``: lay the next generation out without its ranks (their
@@ -366,7 +392,10 @@ class NodeCoordination:
     def _was_replaced(self, ask_store: bool) -> bool:
         """Whether a spare node took this node's place: a beat found the spare's, or (``ask_store``,
         under in-place recovery, where spares exist) its claim on this launcher's place is written."""
-        return self._replaced.is_set() or (ask_store and self.in_place and self.replaced_by() is not None)
+        if self._replaced.is_set():
+            return True
+        # A claim that found no node loss left replaces nothing: the others end the job instead.
+        return ask_store and self.in_place and not (self.replaced_by() or _SPENT_CLAIM).startswith(_SPENT_CLAIM)
 
     def replaced_by(self) -> str | None:
         """The spare node that claimed this launcher's place after the others took it for lost, if one did."""

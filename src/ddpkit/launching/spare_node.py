@@ -85,9 +85,10 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
                 return Takeover(node, generation, attempt, spares, why, returns=True)
         for node in nodes.world():
             beat = nodes.silent_launcher(node)
-            if beat is None or nodes.said_left(node):
-                continue
+            if beat is None or nodes.said_left(node) or not nodes.node_losses_left():
+                continue  # (with no node loss left, the others end the job: this spare leaves with it)
             if nodes.claim(node, beat, claimant):
+                nodes.spend_node_loss()
                 nodes.take_place_of(node)
                 generation, attempt = nodes.next_generation(), nodes.latest_attempt()
                 _log.warning(f"ddpkit run: node {node}'s launcher went silent; this spare node takes its place and "
