@@ -32,12 +32,12 @@ def start_store(port: int, namespace: str | None = None, address: str = "127.0.0
 
 
 def start_launcher(folder: Path, port: int, name: str, nnodes: str, namespace: str | None = None,
-                   address: str = "127.0.0.1", rdzv_id: str = "spare", max_restarts: int = 1,
+                   address: str = "127.0.0.1", rdzv_id: str = "spare", max_restarts: int = 1, nproc_per_node: int = 2,
                    **variables: str) -> subprocess.Popen[bytes]:
     """A launcher of two ranks running ``folder``/job.py, its output in ``folder``/``name``.out and .err
     (``max_restarts``: the lost nodes the job recovers from, and the ranks each node replaces)."""
     command = [*(["ip", "netns", "exec", namespace] if namespace else []),
-               sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
+               sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{port}", "--rdzv-id", rdzv_id,
                "--rdzv-conf", "last_call_timeout=1", "--recovery", "in-place", "--max-restarts", str(max_restarts), "job.py"]
     with open(folder / f"{name}.out", "wb") as out, open(folder / f"{name}.err", "wb") as err:

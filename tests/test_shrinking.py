@@ -87,6 +87,44 @@ def test_without_a_spare_node_the_world_shrinks_at_the_same_global_batch_and_end
         store.wait()
 
 
+@pytest.mark.timeout(240)
+def test_a_second_node_lost_while_the_world_shrinks_is_left_out_too_and_the_run_ends_as_one_process(
+        tmp_path: Path) -> None:
+    """Four nodes of one rank, ``--nnodes 2:4 --max-restarts 2``: node 2 killed while its rank is in the
+    all-reduce, node 3 a second later, while the survivors' launchers are still taking node 2 for
+    lost. The survivors' ranks wait for the first shrunk generation's members, are told node 3 was
+    lost too, and form the one after without either: nodes 0 and 1 train every share, and the run
+    ends as one process."""
+    (tmp_path / "job.py").write_text(PHASE_JOB)
+    store = start_store(port := find_free_port())
+    job = {"rdzv_id": "two-lost", "max_restarts": 2, "nproc_per_node": 1, "PHASE": "allreduce", "PAUSED_RANK": "2"}
+    try:
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "2:4", **job) for n in range(4)]
+        wait_for(lambda: (tmp_path / "paused").exists(), "node 2's rank to stop in the all-reduce")
+        two, three = node_of(tmp_path, 2, 4), node_of(tmp_path, 3, 4)
+        kill_node(launchers[two])
+        killed = time.monotonic()
+        time.sleep(1.0)
+        kill_node(launchers[three])
+        done = max(int(path.name[4:]) for path in tmp_path.glob("step*"))
+        wait_for(lambda: (tmp_path / f"step{done + 1}").exists(), "the next step after the losses", timeout=60)
+        print(f"nodes 2 and 3 killed in the all-reduce: the next step completed {time.monotonic() - killed:.2f} s "
+              "after the first kill")
+        survivors = [n for n in range(4) if n not in (two, three)]
+        codes = end_all([launchers[n] for n in survivors], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(4))
+        assert codes == [0, 0], errors
+        err = "".join(text(tmp_path, f"launcher{n}.err") for n in survivors)  # each says the removal it made
+        for lost in (2, 3):
+            assert f"ddpkit run: node {lost}'s launcher went silent and no spare node took its place" in err, errors
+        out = "".join(text(tmp_path, f"launcher{n}.out") for n in survivors)
+        assert sorted(re.findall(r"rank (\d): rank \1 of 2 done, recovered True", out)) == ["0", "1"], out
+        assert_as_one_process(tmp_path, errors)
+    finally:
+        store.kill()
+        store.wait()
+
+
 # -- what batch-dependent layers see -------------------------------------------------------------------
 # The world of three ranks shrank to two: rank 0 trains the shares 0 and 2 of each global batch, rank 1
 # the share 1 (a Membership as ddpkit.group forms it). Each survivor's batch is its shares' rows together.
