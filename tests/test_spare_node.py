@@ -125,11 +125,11 @@ def compare(parameters: list[torch.Tensor], expected: list[torch.Tensor], errors
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["allreduce", "optimizer", "save"])
+@pytest.mark.parametrize("phase", ["forward", "allreduce", "optimizer", "save"])
 def test_a_node_lost_in_a_step_or_a_save_is_taken_over_by_a_spare_node_and_the_run_ends_as_one_process(
         tmp_path: Path, phase: str) -> None:
-    """Node 1 killed while its first rank is in the gradients' all-reduce (the others wait in it),
-    its optimizer step (they are a step ahead) or before a checkpoint save (they wait in the save):
+    """Node 1 killed while its first rank is in the forward or the gradients' all-reduce (the others
+    wait in the all-reduce), its optimizer step (they are a step ahead) or before a checkpoint save (they wait in the save):
     the spare node takes its ranks, and the run ends with one process's parameters on the
     concatenated batches. (Lost while its link is down, between steps: the test after.)"""
     (tmp_path / "job.py").write_text(PHASE_JOB)
