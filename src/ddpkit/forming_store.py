@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
+from ddpkit.pass_through_store import PassThroughStore, kept
 
 __all__ = ["FormingStore", "GenerationAbandonedError", "forming"]
 
@@ -30,17 +30,15 @@ class GenerationAbandonedError(RuntimeError):
     """A generation of the group was given up while it formed (``FormingStore``)."""
 
 
-class FormingStore(dist.Store):  # type: ignore[misc,name-defined]  # a pybind11 class torch does not declare
+class FormingStore(PassThroughStore):
     """``store``, whose ``wait`` ends with ``GenerationAbandonedError`` as soon as ``abandoned()``
     says why the generation will not form (see the module docstring), and with a ``RuntimeError``
     after ``within_seconds`` (the members were all counted in: their addresses come at once)."""
 
     def __init__(self, store: Any, abandoned: Callable[[], str | None], within_seconds: float) -> None:
-        super().__init__()
-        self._store = store
+        super().__init__(store)
         self._abandoned = abandoned
         self._within_seconds = within_seconds
-        super().set_timeout(store.timeout)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         deadline = time.monotonic() + self._within_seconds
@@ -53,38 +51,7 @@ class FormingStore(dist.Store):  # type: ignore[misc,name-defined]  # a pybind11
                                    f"{self._within_seconds:g} s of the others")
             time.sleep(_LOOK_SECONDS)
 
-    def set(self, key: str, value: bytes | str) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._store.get(key))
-
-    def add(self, key: str, value: int) -> int:
-        return int(self._store.add(key, value))
-
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return bytes(self._store.compare_set(key, expected, desired))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._store.check(keys))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._store.delete_key(key))
-
-    def num_keys(self) -> int:
-        return int(self._store.num_keys())
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        super().set_timeout(timeout)
-        self._store.set_timeout(timeout)
-
 
 def forming(store: Any, abandoned: Callable[[], str | None], within_seconds: float) -> FormingStore:
-    """``store`` as a ``FormingStore``, kept until the process ends: a torch group keeps only the
-    C++ half of a store written in Python, whose methods fail once the Python half is freed."""
-    wrapped = FormingStore(store, abandoned, within_seconds)
-    _kept.append(wrapped)
-    return wrapped
-
-
-_kept: list[FormingStore] = []
+    """``store`` as a ``FormingStore``, kept until the process ends (``pass_through_store.kept``)."""
+    return kept(FormingStore(store, abandoned, within_seconds))

@@ -17,12 +17,10 @@ ddpkit's own records (under the job's key prefix) carry their own signature
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from ddpkit.job_secret import RecordSigner
+from ddpkit.pass_through_store import PassThroughStore, kept
 
 __all__ = ["SignedStore", "signed"]
 
@@ -30,19 +28,12 @@ __all__ = ["SignedStore", "signed"]
 _RETRY_SECONDS = 0.01
 
 
-class SignedStore(dist.Store):  # type: ignore[misc,name-defined]  # a pybind11 class torch does not declare
+class SignedStore(PassThroughStore):
     """``store`` with torch's values signed by ``signer`` (see the module docstring)."""
 
     def __init__(self, store: Any, signer: RecordSigner) -> None:
-        super().__init__()
-        self._store = store
+        super().__init__(store)
         self._signer = signer
-        super().set_timeout(store.timeout)
-
-    @property
-    def underlying_store(self) -> Any:
-        """The store under this one (as ``PrefixStore`` says it), for whoever needs its address."""
-        return self._store
 
     def _torchs(self, key: str) -> bool:
         # torch puts its group's prefix ("0/") before ddpkit's record keys, and never the job's prefix in its own.
@@ -66,46 +57,10 @@ class SignedStore(dist.Store):  # type: ignore[misc,name-defined]  # a pybind11 
                                    "the job keeps writing it. Check who can reach the job's store port.")
             time.sleep(_RETRY_SECONDS)
 
-    def add(self, key: str, value: int) -> int:
-        return int(self._store.add(key, value))
-
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return bytes(self._store.compare_set(key, expected, desired))
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._store.check(keys))
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        if timeout is None:
-            self._store.wait(keys)
-        else:
-            self._store.wait(keys, timeout)
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._store.delete_key(key))
-
-    def num_keys(self) -> int:
-        return int(self._store.num_keys())
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        super().set_timeout(timeout)
-        self._store.set_timeout(timeout)
-
-    def list_keys(self) -> list[str]:
-        return list(self._store.list_keys())
-
 
 def signed(store: Any, signer: RecordSigner) -> Any:
     """``store`` as the group should be formed through: a ``SignedStore`` when ``signer`` has a
     secret, ``store`` itself otherwise."""
     if signer.secret is None:
         return store
-    wrapped = SignedStore(store, signer)
-    _kept.append(wrapped)
-    return wrapped
-
-
-# Every SignedStore made, until the process ends: a torch group keeps only the C++ half of a store
-# written in Python, whose methods fail ("Not implemented") once the Python half is freed, and a
-# group may outlive ddpkit's account of it (an abandoned one: ``group._left_behind``).
-_kept: list[SignedStore] = []
+    return kept(SignedStore(store, signer))
