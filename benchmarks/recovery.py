@@ -357,12 +357,13 @@ def run_nodes(mode: str, nodes: int, steps: int, width: int, kill: bool, seed: i
         job.start()
         if kill:
             watched = job.first_rank_of(lost)
-            old_world = {int(path.read_text()) for path in job.folder.glob("pid.*") if path.read_text().strip()}
             while not any(step >= kill_after for step, _ in completed(job.folder, watched)):
                 if any(launcher.poll() is not None for launcher in job.launchers):
                     job.finish(None)
                     return None
                 time.sleep(0.002)
+            # Read once every rank trained steps (so wrote its pid): a rank missing here would count as new.
+            old_world = {int(path.read_text()) for path in job.folder.glob("pid.*") if path.read_text().strip()}
             killed_at_step = max(step for step, _ in completed(job.folder, watched))
             job.kill(lost)
             killed = time.time()

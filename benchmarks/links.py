@@ -1,0 +1,207 @@
+"""Overlap and compression where the wire costs: ranks in network namespaces over shaped links.
+
+    python benchmarks/links.py [--rates 1 5 10] [--ranks-per-node 1 2] [--models mlp big] [--rounds 15]
+
+Two nodes, each a network namespace on one bridge (``netns.Nodes``), each node's link shaped
+with ``tc qdisc ... tbf rate R`` in both directions (``netem`` is not available here); 1 or 2
+Gloo ranks per node, one thread each. Per model and link rate, in one run with the methods
+interleaved in a shuffled order each round (noise hits all alike):
+
+- ``C``: the step without synchronisation, each rank training its own copy (the slowest rank's
+  time in the round: a synchronised step waits for it);
+- ``A``: a raw all-reduce of one flat buffer of every gradient byte, over the link;
+- ``torch DDP``, ``ddpkit``: each DDP's step, defaults;
+- ``ddpkit fp16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook`` and ``powerSGD_hook``
+  (rank 1, compressing from the first timed step).
+
+Printed per rate and model: medians (ms); for torch DDP and ddpkit, round by round, the overlap
+efficiency ``(C + A - T) / min(C, A)`` (1.0: the smaller of compute and communication fully
+hidden, 0: none) and the step over ``max(C, A)`` (1.0: nothing but the larger of the two); for
+the compressing hooks (which send fewer bytes than ``A``), how many times faster their step is
+than ddpkit's without a hook.
+Models: those of ``ddp_step.py`` (``mlp``, ``lenet``, ``many``) and ``big``, 6 x Linear(2048,
+2048) (25.2M parameters, batch 64). Needs root, Linux and iproute2's ``ip`` and ``tc``: without
+them it says so and exits 0. The namespaces it makes are removed when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import interleaved_samples  # noqa: E402
+from ddp_step import build as build_step_model  # noqa: E402
+from netns import Nodes  # noqa: E402
+
+from ddpkit.distributed import register_ddp_comm_hook  # noqa: E402
+from ddpkit.environments import find_free_port  # noqa: E402
+from ddpkit.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook  # noqa: E402
+from ddpkit.parallel.ddp import DistributedDataParallel  # noqa: E402
+
+DDPS = ["torch DDP", "ddpkit", "ddpkit fp16", "ddpkit PowerSGD"]
+
+
+def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
+    if name == "big":
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(6):
+            layers += [nn.Linear(2048, 2048), nn.ReLU()]
+        return nn.Sequential(*layers), lambda step: (torch.randn(64, 2048), torch.randn(64, 2048)), nn.functional.mse_loss
+    return build_step_model(name)
+
+
+def measure(model_name: str, rounds: int) -> dict[str, list[float]]:
+    """In every rank: the samples of each method (ms per round); C is this rank's own."""
+    base, batch, loss_fn = build(model_name)
+    x, y = batch(0)
+
+    def copy() -> nn.Module:
+        clone, _, _ = build(model_name)
+        clone.load_state_dict(base.state_dict())
+        return clone
+
+    def trainer(model: nn.Module) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        return step
+
+    def ddpkit(hook: Callable[..., object] | None = None, state: object = None) -> nn.Module:
+        model = DistributedDataParallel(copy())
+        if hook is not None:
+            register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=hook)
+        return model
+
+    flat = torch.zeros(sum(p.numel() for p in base.parameters()))
+    methods: dict[str, Callable[[], object]] = {
+        "C": trainer(copy()),
+        "A": lambda: dist.all_reduce(flat),
+        "torch DDP": trainer(nn.parallel.DistributedDataParallel(copy())),
+        "ddpkit": trainer(ddpkit()),
+        "ddpkit fp16": trainer(ddpkit(fp16_compress_hook)),
+        "ddpkit PowerSGD": trainer(ddpkit(powerSGD_hook, PowerSGDState(None, matrix_approximation_rank=1,
+                                                                        start_powerSGD_iter=1))),
+    }
+    return interleaved_samples(methods, rounds)
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank, inside its node's namespace: every model measured, rank 0 writes the samples."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {}
+    for model_name in args.models:
+        samples = measure(model_name, args.rounds)
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, samples["C"])
+        samples["C"] = [max(times) for times in zip(*every_rank)]  # type: ignore[call-overload]
+        results[model_name] = samples
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def shape(nodes: Nodes, gigabits: float) -> None:
+    """Each node's link at ``gigabits`` per second in both directions: the node's end and the switch's."""
+    rate, burst = f"{gigabits:g}gbit", f"{max(256, int(512 * gigabits))}kb"
+    for name, link in zip(nodes.names, nodes.links, strict=True):
+        for namespace, device in ((name, link), (nodes.switch, f"{link}s")):
+            subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst",
+                            burst, "latency", "50ms"], check=True, capture_output=True, timeout=30)
+
+
+def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Start ``per_node`` ranks in each node's namespace and return rank 0's samples by model."""
+    folder = Path(tempfile.mkdtemp(prefix="ddpkit-links-"))
+    out = folder / "samples.json"
+    port = find_free_port()
+    world = per_node * len(nodes.names)
+    processes = []
+    try:
+        for rank in range(world):
+            node = rank // per_node
+            env = {**os.environ, "MASTER_ADDR": nodes.addresses[0], "MASTER_PORT": str(port), "RANK": str(rank),
+                   "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": nodes.links[node], "OMP_NUM_THREADS": "1"}
+            processes.append(subprocess.Popen(
+                [*nodes.prefix(node), sys.executable, __file__, "--rank-of-nodes", "--out", str(out), "--rounds",
+                 str(rounds), "--models", *models], env=env, stderr=subprocess.PIPE, text=True))
+        for process in processes:
+            _, err = process.communicate(timeout=3600)
+            if process.returncode != 0:
+                raise RuntimeError(f"a rank exited {process.returncode}:\n{err[-3000:]}")
+        return dict(json.loads(out.read_text()))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def per_round(samples: dict[str, list[float]], name: str) -> tuple[float, float]:
+    """Median over rounds of the overlap efficiency and of step / max(C, A) for DDP ``name``."""
+    efficiency, over_larger = [], []
+    for c, a, t in zip(samples["C"], samples["A"], samples[name], strict=True):
+        efficiency.append((c + a - t) / min(c, a))
+        over_larger.append(t / max(c, a))
+    return statistics.median(efficiency), statistics.median(over_larger)
+
+
+def report(rate: float, per_node: int, results: dict[str, dict[str, list[float]]]) -> None:
+    print(f"{rate:g} Gbit/s, 2 nodes x {per_node} rank(s):", flush=True)
+    for model_name, samples in results.items():
+        medians = "  ".join(f"{name} {statistics.median(values):.1f}" for name, values in samples.items())
+        print(f"  {model_name:6s} ms: {medians}")
+        for name in ("torch DDP", "ddpkit"):
+            efficiency, over_larger = per_round(samples, name)
+            print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}")
+        # A compressing hook sends fewer bytes than A: its gain is measured against ddpkit without one.
+        for name in ("ddpkit fp16", "ddpkit PowerSGD"):
+            faster = statistics.median(plain / hooked for plain, hooked in zip(samples["ddpkit"], samples[name]))
+            print(f"  {'':6s} {name:16s} {faster:5.2f}x faster than ddpkit without a hook")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 5, 10], help="link rates, Gbit/s")
+    parser.add_argument("--ranks-per-node", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--models", nargs="+", default=["mlp", "big"], choices=["mlp", "lenet", "many", "big"])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rank-of-nodes", action="store_true", help=argparse.SUPPRESS)  # one rank, in its namespace
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_of_nodes:
+        rank_main(args)
+        return
+    if (why := Nodes.unavailable()) is not None or shutil.which("tc") is None:
+        print(f"links.py: {why or 'shaping a link needs iproute2`s `tc`'}; nothing measured")
+        return
+    print(f"torch {torch.__version__}, Gloo, 1 thread per rank, {args.rounds} rounds, methods interleaved")
+    for per_node in args.ranks_per_node:
+        for rate in random.Random(per_node).sample(args.rates, len(args.rates)):
+            with Nodes(2) as nodes:
+                shape(nodes, rate)
+                report(rate, per_node, run_ranks(nodes, per_node, args.models, args.rounds))
+
+
+if __name__ == "__main__":
+    main()
