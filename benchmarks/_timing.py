@@ -7,9 +7,24 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 WARMUP_ROUNDS = 3
+
+
+def sgd_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+             lr: float = 1e-4) -> Callable[[], None]:
+    """One training step of ``model`` on the batch ``x``, ``y`` with plain SGD: the step every
+    method of a benchmark times."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    return step
 
 
 def interleaved_medians(

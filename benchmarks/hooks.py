@@ -30,7 +30,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
@@ -49,7 +48,7 @@ from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import interleaved_medians  # noqa: E402
+from _timing import interleaved_medians, sgd_step  # noqa: E402
 from ddp_step import build  # noqa: E402  (the same models as the step benchmark)
 
 
@@ -111,13 +110,7 @@ def measure(steps: int) -> dict[str, tuple[float, int | None]]:
     last_bytes: dict[str, int] = {}
 
     def step_of(model: nn.Module) -> Callable[[], None]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-        def step() -> None:
-            optimizer.zero_grad()
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-        return step
+        return sgd_step(model, loss_fn, x, y)
 
     def reset_bytes(name: str) -> None:
         counter.step_bytes = 0

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import interleaved_samples  # noqa: E402
+from _timing import interleaved_samples, sgd_step  # noqa: E402
 from ddp_step import build as build_step_model  # noqa: E402
 from netns import Nodes  # noqa: E402
 
@@ -76,13 +76,7 @@ def measure(model_name: str, rounds: int) -> dict[str, list[float]]:
         return clone
 
     def trainer(model: nn.Module) -> Callable[[], None]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-        def step() -> None:
-            optimizer.zero_grad()
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-        return step
+        return sgd_step(model, loss_fn, x, y)
 
     def ddpkit(hook: Callable[..., object] | None = None, state: object = None) -> nn.Module:
         model = DistributedDataParallel(copy())
