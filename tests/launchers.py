@@ -81,17 +81,17 @@ def end_all(processes: list[subprocess.Popen[bytes]], timeout: float) -> list[in
             process.wait()
 
 
-STEPS, BATCH, WORLD, PAUSE_AT = 12, 4, 4, 5
+STEPS, BATCH, WORLD, PAUSE_AT = 16, 4, 4, 5
 
 # A job of two nodes of two ranks, with momentum SGD on an MLP, the data in order (no shuffle, so that
 # ``one_process_reference`` knows every rank's batches) and a checkpoint saved every PAUSE_AT steps.
 # The rank PAUSED_RANK (as the launcher started it: node 1's first is 2) stops where PHASE says (forward,
 # allreduce, optimizer, save) in optimizer step PAUSE_AT + 1 and writes the file "paused": the test then
 # kills its node. With GATES (optimizer steps, "7,9"), every rank waits after each of those steps S until the
-# file "go-on<S>" exists. With JOINER_PAUSE, the first process that takes PAUSED_RANK's place in a later
-# generation (a node joining) stops once, after it was counted in, where that says ("connecting": before it
-# forms torch's group, so before it writes its address; "receiving": in the first collective of the state
-# transfer) and writes the file "joiner-paused".
+# file "go-on<S>" exists. With JOINER_PAUSE (set for one joining launcher), its process that takes
+# PAUSED_RANK's place in a later generation (a node joining) stops once, after it was counted in, where that
+# says ("connecting": before it forms torch's group, so before it writes its address; "receiving": in the
+# first collective of the state transfer) and writes the file "joiner-paused-<where>".
 PHASE_JOB = textwrap.dedent(
     f"""
     import os, time, torch
@@ -110,8 +110,8 @@ PHASE_JOB = textwrap.dedent(
 
     def pause_joiner(where):
         if (os.environ.get("JOINER_PAUSE") == where and os.environ["RANK"] == os.environ["PAUSED_RANK"]
-                and int(os.environ.get("DDPKIT_GENERATION", "0")) > 0 and not os.path.exists("joiner-paused")):
-            open("joiner-paused", "w").write(where)
+                and int(os.environ.get("DDPKIT_GENERATION", "0")) > 0 and not os.path.exists(f"joiner-paused-{{where}}")):
+            open(f"joiner-paused-{{where}}", "w").write(where)
             time.sleep(600)  # until its node is killed
 
     import torch.distributed, ddpkit.recovery

@@ -1,4 +1,4 @@
-"""The chaos soak in CI (issue 33, item 4): ten runs of ``benchmarks/chaos.py`` with a fixed draw
+"""The chaos soak in CI (issue 33, item 4): eight runs of ``benchmarks/chaos.py`` with a fixed draw
 of faults, which covers every kind this machine can inject (without root: no disk-full, and two
 nodes on loopback without link-down). None may hang, end wrong or leave a process behind."""
 
@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 CHAOS = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
-# A draw whose ten runs have every kind of fault at least once, in each set-up.
+# A draw whose first eight runs have every kind of fault at least once and each set-up (the ninth
+# and tenth only fill the disk again: a run costs 10-50 s of CI on two cores).
 SEED = "46"
 
 
 @pytest.mark.timeout(900)
-def test_ten_runs_of_the_chaos_soak_end_exact_or_naming_the_cause(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(CHAOS), "--runs", "10", "--seed", SEED, "--epochs", "2",
+def test_eight_runs_of_the_chaos_soak_end_exact_or_naming_the_cause(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(CHAOS), "--runs", "8", "--seed", SEED, "--epochs", "2",
                              "--samples", "4096"], cwd=tmp_path, capture_output=True, text=True, timeout=850)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     last = result.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"chaos: 10 runs: \d+ exact, \d+ ended naming the root cause, 0 hung, 0 wrong, "
+    assert re.fullmatch(r"chaos: 8 runs: \d+ exact, \d+ ended naming the root cause, 0 hung, 0 wrong, "
                         r"0 left behind", last), output[-6000:]

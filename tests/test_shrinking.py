@@ -293,23 +293,26 @@ def test_each_lost_node_spends_one_restart_and_once_none_is_left_the_next_loss_e
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("moment", ["asking", "connecting", "receiving"])
-def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and_the_next_one_joins(
-        tmp_path: Path, moment: str) -> None:
-    """Node 1 is lost in the gradients' all-reduce and the world shrinks. The job is held after step 7
-    while a launcher started later for the same job arrives (beyond MAX: admitted since the world
-    shrank) and takes node 1's place; it is killed at ``moment``: once it has asked the survivors to
-    grow (they then wait for its ranks at the step boundary), or once the survivors let go and its
-    first rank, counted into the new generation, is connecting to them or receiving the training
-    state. The survivors are told it was lost and form the generation after without it (well before
-    the recovery timeout). After the first of these, a second late launcher takes node 1's place while
-    the job is held after step 9; let go, the survivors agree on a step boundary and form the next
-    generation with its ranks, which take their shares of the data back. Each run ends with one
-    process's parameters on the concatenated batches."""
+def test_after_a_shrink_joining_nodes_lost_in_their_takeover_shrink_it_again_and_the_next_one_joins(
+        tmp_path: Path) -> None:
+    """Node 1 is lost in the gradients' all-reduce and the world shrinks. Then, the job held at each
+    gate (after steps 7, 9 and 11), a launcher started later for the same job arrives (beyond MAX:
+    admitted since the world shrank) to take node 1's place and is killed: once it has asked the
+    survivors to grow (they then wait for its ranks at the step boundary); once the survivors let go
+    and its first rank, counted into the new generation, is connecting to them; and once that rank is
+    receiving the training state. Each time the survivors are told it was lost and form the generation
+    after without it (well before the recovery timeout). Held after step 13, a fourth late launcher
+    takes node 1's place; let go, the survivors agree on a step boundary and form the next generation
+    with its ranks, which take their shares of the data back. The run ends with one process's
+    parameters on the concatenated batches. (One job for the three moments: each job of launchers
+    costs seconds of start-up on two cores.)"""
     (tmp_path / "job.py").write_text(PHASE_JOB)
     store = start_store(port := find_free_port())
-    job = {"rdzv_id": "grow", "max_restarts": 2,  # two node losses
-           "PHASE": "allreduce", "PAUSED_RANK": "2", "GATES": "7,9", "JOINER_PAUSE": moment}
+    job = {"rdzv_id": "grow", "max_restarts": 4,  # node 1 and the three joiners
+           "PHASE": "allreduce", "PAUSED_RANK": "2", "GATES": "7,9,11,13"}
+    # Two steps from one gate to the next: the survivors form the generation without a lost joiner
+    # at the step boundary after its gate, so a gate right after it could be passed in that step.
+    moments = {7: "asking", 9: "connecting", 11: "receiving"}
     try:
         launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", **job) for n in range(2)]
         wait_for(lambda: (tmp_path / "paused").exists(), "node 1's first rank to stop in the all-reduce")
@@ -319,40 +322,37 @@ def test_after_a_shrink_a_joining_node_lost_in_its_takeover_shrinks_it_again_and
         killed = time.monotonic()
         wait_for(lambda: (tmp_path / "step6").exists(), "the next step after the loss", timeout=60)
         print(f"node 1 killed in the all-reduce: the next step completed {time.monotonic() - killed:.2f} s later")
-        wait_for(lambda: (tmp_path / "step7").exists(), "the shrunk world to train up to the first gate")
-
-        doomed = start_launcher(tmp_path, port, "launcher2", "1:2", **job)
-        wait_for(lambda: "joins the world again" in text(tmp_path, "launcher2.err"), "the first joiner's request")
-        if moment != "asking":
-            (tmp_path / "go-on7").touch()
-            wait_for(lambda: (tmp_path / "joiner-paused").exists(), f"the joiner's first rank to stop {moment}")
-        kill_node(doomed)
-        (tmp_path / "go-on7").touch()
-        let_go = time.monotonic()
-        wait_for(lambda: (tmp_path / "step9").exists(), "the world to shrink again and train up to the second gate")
-        assert time.monotonic() - let_go < 30  # not the 60 s recovery timeout
-        if moment == "asking":
-            joiner = start_launcher(tmp_path, port, "launcher3", "1:2", **job)
-            wait_for(lambda: "joins the world again" in text(tmp_path, "launcher3.err"), "the second joiner's request")
-        (tmp_path / "go-on9").touch()
-        ending = [survivor, joiner] if moment == "asking" else [survivor]
-        codes = end_all(ending, timeout=150)
-        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}"
-                           for n in range(4 if moment == "asking" else 3))
-        assert codes == [0] * len(ending), errors
+        for gate, moment in moments.items():
+            wait_for(lambda gate=gate: (tmp_path / f"step{gate}").exists(), f"the shrunk world to train up to gate {gate}")
+            name = f"launcher{2 + list(moments).index(gate)}"
+            pause = {} if moment == "asking" else {"JOINER_PAUSE": moment}
+            doomed = start_launcher(tmp_path, port, name, "1:2", **job, **pause)
+            wait_for(lambda name=name: "joins the world again" in text(tmp_path, f"{name}.err"),
+                     f"the joiner's request at gate {gate}")
+            if moment != "asking":
+                (tmp_path / f"go-on{gate}").touch()
+                wait_for(lambda moment=moment: (tmp_path / f"joiner-paused-{moment}").exists(),
+                         f"the joiner's first rank to stop {moment}")
+            kill_node(doomed)
+            (tmp_path / f"go-on{gate}").touch()
+            let_go = time.monotonic()
+            wait_for(lambda gate=gate: (tmp_path / f"step{gate + 2}").exists(),
+                     f"the world to shrink again after the joiner lost {moment} and train on")
+            assert time.monotonic() - let_go < 30, moment  # not the 60 s recovery timeout
+        joiner = start_launcher(tmp_path, port, "launcher5", "1:2", **job)
+        wait_for(lambda: "joins the world again" in text(tmp_path, "launcher5.err"), "the last joiner's request")
+        (tmp_path / "go-on13").touch()
+        codes = end_all([survivor, joiner], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(6))
+        assert codes == [0, 0], errors
         err = text(tmp_path, f"launcher{1 - lost}.err")
         assert err.count("ddpkit run: node 1's launcher went silent and no spare node took its place: the world shrank"
-                         ) == 2, errors
-        out = text(tmp_path, f"launcher{1 - lost}.out")
-        if moment == "asking":
-            assert "the world shrank without node 1; this spare node takes its place" in text(tmp_path, "launcher3.err")
-            assert "a node joins; forming generation" in err and "grew in place" in err, errors
-            out += text(tmp_path, "launcher3.out")
-            assert sorted(re.findall(r"rank (\d): rank \1 of 4 done", out)) == ["0", "1", "2", "3"], out
-        else:
-            said = {"connecting": "was given up while it formed", "receiving": "was lost while the training state was sent"}
-            assert said[moment] in err, errors
-            assert len(re.findall(r"rank \d: rank \d of 2 done, recovered True", out)) == 2, out
+                         ) == 4, errors
+        assert "was given up while it formed" in err and "was lost while the training state was sent" in err, errors
+        assert "the world shrank without node 1; this spare node takes its place" in text(tmp_path, "launcher5.err")
+        assert "a node joins; forming generation" in err and "grew in place" in err, errors
+        out = text(tmp_path, f"launcher{1 - lost}.out") + text(tmp_path, "launcher5.out")
+        assert sorted(re.findall(r"rank (\d): rank \1 of 4 done", out)) == ["0", "1", "2", "3"], out
         assert_as_one_process(tmp_path, errors)
     finally:
         store.kill()

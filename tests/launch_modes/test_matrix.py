@@ -36,13 +36,22 @@ def processes_per_node(kind: str, mode: Mode) -> int:
     return 1 if mode.nnodes > 1 and kind in _FRAMEWORKS else 2
 
 
+# Modes whose torchrun gives the ddpkit script the environment and store of another mode run beside
+# it: ``--max-restarts 1`` without a failure changes only TORCHELASTIC_MAX_RESTARTS, and
+# ``--standalone`` is a c10d rendezvous on this host (the agent's store, as in "c10d").
+_TORCHRUN_AS_ANOTHER = {"standalone", "static nodes, restarts", "c10d, restarts"}
+
+
 def torchrun_beside(kind: str, mode: Mode) -> bool:
     """Whether the cell runs torchrun too: where that run checks ddpkit, the ddpkit script (under
-    torchrun it connects through torchrun's environment and store), and the plain script where the
-    ddpkit one is not run (``-m``, ``--no-python``). The plain, Lightning and Accelerate scripts under
-    torchrun would test torch and the frameworks, at 5-10 s a cell; under ``ddpkit run`` every cell
-    is checked against one process trained on the concatenated batches."""
-    return kind == "ddpkit" or (kind == "plain" and mode.run_as != "script")
+    torchrun it connects through torchrun's environment and store) in each environment torchrun
+    gives it, and the plain script where the ddpkit one is not run (``-m``, ``--no-python``). The
+    plain, Lightning and Accelerate scripts under torchrun would test torch and the frameworks, at
+    5-10 s a cell on two cores, as would torchrun's same environment again; under ``ddpkit run``
+    every cell is checked against one process trained on the concatenated batches."""
+    if kind == "ddpkit":
+        return mode.name not in _TORCHRUN_AS_ANOTHER
+    return kind == "plain" and mode.run_as != "script"
 
 
 def check(run: Run, world: int, launcher: str) -> None:
