@@ -1,8 +1,9 @@
 """Overlap and compression where the wire costs: ranks in network namespaces over shaped links.
 
-    python benchmarks/links.py [--rates 1 5 10] [--ranks-per-node 1 2] [--models mlp big] [--rounds 15]
+    python benchmarks/links.py [--rates 1 5 10] [--ranks-per-node 1 2] [--nodes 2] [--models mlp big]
+                               [--rounds 15] [--plot scaling.png]
 
-Two nodes, each a network namespace on one bridge (``netns.Nodes``), each node's link shaped
+Two nodes (``--nodes``: any counts), each a network namespace on one bridge (``netns.Nodes``), each node's link shaped
 with ``tc qdisc ... tbf rate R`` in both directions (``netem`` is not available here); 1 or 2
 Gloo ranks per node, one thread each. Per model and link rate, in one run with the methods
 interleaved in a shuffled order each round (noise hits all alike):
@@ -10,6 +11,7 @@ interleaved in a shuffled order each round (noise hits all alike):
 - ``C``: the step without synchronisation, each rank training its own copy (the slowest rank's
   time in the round: a synchronised step waits for it);
 - ``A``: a raw all-reduce of one flat buffer of every gradient byte, over the link;
+- ``F``: the forward alone (the loss, its graph built and dropped), the slowest rank's;
 - ``torch DDP``, ``ddpkit``: each DDP's step, defaults;
 - ``ddpkit fp16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook`` and ``powerSGD_hook``
   (rank 1, compressing from the first timed step).
@@ -18,7 +20,11 @@ Printed per rate and model: medians (ms); for torch DDP and ddpkit, round by rou
 efficiency ``(C + A - T) / min(C, A)`` (1.0: the smaller of compute and communication fully
 hidden, 0: none) and the step over ``max(C, A)`` (1.0: nothing but the larger of the two); for
 the compressing hooks (which send fewer bytes than ``A``), how many times faster their step is
-than ddpkit's without a hook.
+than ddpkit's without a hook. Where the time goes, per DDP: the step over ``F + A``, the floor of a
+step that sends every gradient byte, since no gradient exists before the forward ends (the
+backward and the optimizer step can hide under the all-reduce, the forward cannot): 1.0 is
+everything else hidden; what lies above it is the backward before the first bucket is ready,
+the optimizer step after the last, and the DDP's own work.
 Models: those of ``ddp_step.py`` (``mlp``, ``lenet``, ``many``) and ``big``, 6 x Linear(2048,
 2048) (25.2M parameters, batch 64). Needs root, Linux and iproute2's ``ip`` and ``tc``: without
 them it says so and exits 0. The namespaces it makes are removed when it ends.
@@ -85,9 +91,11 @@ def measure(model_name: str, rounds: int) -> dict[str, list[float]]:
         return model
 
     flat = torch.zeros(sum(p.numel() for p in base.parameters()))
+    forward_only = copy()
     methods: dict[str, Callable[[], object]] = {
         "C": trainer(copy()),
         "A": lambda: dist.all_reduce(flat),
+        "F": lambda: loss_fn(forward_only(x), y),
         "torch DDP": trainer(nn.parallel.DistributedDataParallel(copy())),
         "ddpkit": trainer(ddpkit()),
         "ddpkit fp16": trainer(ddpkit(fp16_compress_hook)),
@@ -104,9 +112,10 @@ def rank_main(args: argparse.Namespace) -> None:
     results = {}
     for model_name in args.models:
         samples = measure(model_name, args.rounds)
-        every_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, samples["C"])
-        samples["C"] = [max(times) for times in zip(*every_rank)]  # type: ignore[call-overload]
+        for local in ("C", "F"):  # a synchronised step waits for the slowest rank
+            every_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(every_rank, samples[local])
+            samples[local] = [max(times) for times in zip(*every_rank)]  # type: ignore[call-overload]
         results[model_name] = samples
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
@@ -150,23 +159,25 @@ def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int) -> di
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def per_round(samples: dict[str, list[float]], name: str) -> tuple[float, float]:
-    """Median over rounds of the overlap efficiency and of step / max(C, A) for DDP ``name``."""
-    efficiency, over_larger = [], []
-    for c, a, t in zip(samples["C"], samples["A"], samples[name], strict=True):
+def per_round(samples: dict[str, list[float]], name: str) -> tuple[float, float, float]:
+    """Medians over rounds, for DDP ``name``: the overlap efficiency, step / max(C, A) and step / (F + A)."""
+    efficiency, over_larger, over_floor = [], [], []
+    for c, a, f, t in zip(samples["C"], samples["A"], samples["F"], samples[name], strict=True):
         efficiency.append((c + a - t) / min(c, a))
         over_larger.append(t / max(c, a))
-    return statistics.median(efficiency), statistics.median(over_larger)
+        over_floor.append(t / (f + a))
+    return statistics.median(efficiency), statistics.median(over_larger), statistics.median(over_floor)
 
 
-def report(rate: float, per_node: int, results: dict[str, dict[str, list[float]]]) -> None:
-    print(f"{rate:g} Gbit/s, 2 nodes x {per_node} rank(s):", flush=True)
+def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, list[float]]]) -> None:
+    print(f"{rate:g} Gbit/s, {nodes} nodes x {per_node} rank(s):", flush=True)
     for model_name, samples in results.items():
         medians = "  ".join(f"{name} {statistics.median(values):.1f}" for name, values in samples.items())
         print(f"  {model_name:6s} ms: {medians}")
         for name in ("torch DDP", "ddpkit"):
-            efficiency, over_larger = per_round(samples, name)
-            print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}")
+            efficiency, over_larger, over_floor = per_round(samples, name)
+            print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
+                  f"   step/(F + A) {over_floor:5.3f}")
         # A compressing hook sends fewer bytes than A: its gain is measured against ddpkit without one.
         for name in ("ddpkit fp16", "ddpkit PowerSGD"):
             faster = statistics.median(plain / hooked for plain, hooked in zip(samples["ddpkit"], samples[name]))
@@ -174,10 +185,58 @@ def report(rate: float, per_node: int, results: dict[str, dict[str, list[float]]
     sys.stdout.flush()
 
 
+def print_scaling(scaling: dict[tuple[float, str, int, int], dict[str, list[float]]]) -> None:
+    """How the step grows with the ranks: per rate and model, each world's medians of C and A, and
+    each DDP's step over max(C, A) and over F + A (a DDP that scales keeps both flat while A grows
+    with the ranks and C with what the ranks share of the CPU)."""
+    print("how the step grows with the ranks (medians; step/max(C, A) and step/(F + A) per round):")
+    for rate, model_name in sorted({(rate, model_name) for rate, model_name, *_ in scaling}):
+        print(f"  {rate:g} Gbit/s, {model_name}:")
+        print(f"    {'ranks':>12s} {'C ms':>7s} {'F ms':>6s} {'A ms':>7s}   {'torch DDP':>19s}   {'ddpkit':>19s}")
+        worlds = sorted((count, per_node) for r, m, count, per_node in scaling if (r, m) == (rate, model_name))
+        for count, per_node in worlds:
+            samples = scaling[(rate, model_name, count, per_node)]
+            ratios = [per_round(samples, name)[1:] for name in ("torch DDP", "ddpkit")]
+            cells = "   ".join(f"{larger:9.3f} {floor:9.3f}" for larger, floor in ratios)
+            medians = [statistics.median(samples[key]) for key in ("C", "F", "A")]
+            print(f"    {count * per_node:3d} ({count}x{per_node:<2d})  {medians[0]:7.1f} {medians[1]:6.1f} "
+                  f"{medians[2]:7.1f}   {cells}")
+    sys.stdout.flush()
+
+
+def plot_scaling(scaling: dict[tuple[float, str, int, int], dict[str, list[float]]], path: str) -> None:
+    """Step over max(C, A) against the ranks, a line per DDP, rate and model."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("links.py: --plot needs matplotlib (pip install -e '.[plot]'); the table above has the figures")
+        return
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for rate, model_name in sorted({(rate, model_name) for rate, model_name, *_ in scaling}):
+        worlds = sorted((count * per_node, count, per_node) for r, m, count, per_node in scaling
+                        if (r, m) == (rate, model_name))
+        for name in ("torch DDP", "ddpkit"):
+            ratios = [per_round(scaling[(rate, model_name, count, per_node)], name)[1] for _, count, per_node in worlds]
+            axes.plot([ranks for ranks, *_ in worlds], ratios, marker="o", label=f"{name}, {model_name}, {rate:g} Gbit/s")
+    axes.set_xticks(sorted({count * per_node for *_, count, per_node in scaling}))
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xlabel("ranks (nodes x ranks per node)")
+    axes.set_ylabel("step / max(C, A)")
+    axes.set_title("links.py: how the step grows with the ranks")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"links.py: the plot is in {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[1, 5, 10], help="link rates, Gbit/s")
     parser.add_argument("--ranks-per-node", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2], help="node counts (a namespace each)")
+    parser.add_argument("--plot", metavar="PNG", help="draw how the step grows with the ranks (needs matplotlib)")
     parser.add_argument("--models", nargs="+", default=["mlp", "big"], choices=["mlp", "lenet", "many", "big"])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--rank-of-nodes", action="store_true", help=argparse.SUPPRESS)  # one rank, in its namespace
@@ -190,11 +249,20 @@ def main() -> None:
         print(f"links.py: {why or 'shaping a link needs iproute2`s `tc`'}; nothing measured")
         return
     print(f"torch {torch.__version__}, Gloo, 1 thread per rank, {args.rounds} rounds, methods interleaved")
-    for per_node in args.ranks_per_node:
-        for rate in random.Random(per_node).sample(args.rates, len(args.rates)):
-            with Nodes(2) as nodes:
-                shape(nodes, rate)
-                report(rate, per_node, run_ranks(nodes, per_node, args.models, args.rounds))
+    scaling: dict[tuple[float, str, int, int], dict[str, list[float]]] = {}
+    for count in args.nodes:
+        for per_node in args.ranks_per_node:
+            for rate in random.Random(per_node).sample(args.rates, len(args.rates)):
+                with Nodes(count) as nodes:
+                    shape(nodes, rate)
+                    results = run_ranks(nodes, per_node, args.models, args.rounds)
+                report(rate, count, per_node, results)
+                for model_name, samples in results.items():
+                    scaling[(rate, model_name, count, per_node)] = samples
+    if len({(count, per_node) for *_, count, per_node in scaling}) > 1:
+        print_scaling(scaling)
+        if args.plot:
+            plot_scaling(scaling, args.plot)
 
 
 if __name__ == "__main__":
