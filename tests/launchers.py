@@ -87,8 +87,10 @@ STEPS, BATCH, WORLD, PAUSE_AT = 16, 4, 4, 5
 # ``one_process_reference`` knows every rank's batches) and a checkpoint saved every PAUSE_AT steps.
 # The rank PAUSED_RANK (as the launcher started it: node 1's first is 2) stops where PHASE says (forward,
 # allreduce, optimizer, save) in optimizer step PAUSE_AT + 1 and writes the file "paused": the test then
-# kills its node. With GATES (optimizer steps, "7,9"), every rank waits after each of those steps S until the
-# file "go-on<S>" exists. With JOINER_PAUSE (set for one joining launcher), its process that takes
+# kills its node. PHASE may also list "where:S" entries ("forward:5,allreduce:9"): in optimizer step S + 1
+# (a save: the one after step S) the process with that rank then, the first or a spare node's that took its
+# place, stops there and writes "paused<S>". With GATES (optimizer steps, "7,9"), every rank waits after each
+# of those steps S until the file "go-on<S>" exists. With JOINER_PAUSE (set for one joining launcher), its process that takes
 # PAUSED_RANK's place in a later generation (a node joining) stops once, after it was counted in, where that
 # says ("connecting": before it forms torch's group, so before it writes its address; "receiving": in the
 # first collective of the state transfer) and writes the file "joiner-paused-<where>".
@@ -100,13 +102,15 @@ PHASE_JOB = textwrap.dedent(
     import ddpkit
     from ddpkit.hooks import allreduce_hook, elementwise_average
 
-    PHASE = os.environ["PHASE"]
+    PHASES = dict((entry.split(":") + [""])[:2] for entry in os.environ["PHASE"].split(","))
 
-    def pause(where):  # once: a spare that takes the rank redoes the step
-        if (PHASE == where and os.environ["RANK"] == os.environ["PAUSED_RANK"]
-                and strategy.progress.steps == {PAUSE_AT} and not os.path.exists("paused")):
-            open("paused", "w").write(where)
-            time.sleep(600)  # until node 1 is killed
+    def pause(where):  # once each: a spare that takes the rank redoes the step
+        if where not in PHASES or os.environ["RANK"] != os.environ["PAUSED_RANK"]:
+            return
+        at, marker = (int(PHASES[where]), "paused" + PHASES[where]) if PHASES[where] else ({PAUSE_AT}, "paused")
+        if strategy.progress.steps == at and not os.path.exists(marker):
+            open(marker, "w").write(where)
+            time.sleep(600)  # until its node is killed
 
     def pause_joiner(where):
         if (os.environ.get("JOINER_PAUSE") == where and os.environ["RANK"] == os.environ["PAUSED_RANK"]

@@ -125,37 +125,50 @@ def compare(parameters: list[torch.Tensor], expected: list[torch.Tensor], errors
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["forward", "allreduce", "optimizer", "save"])
+@pytest.mark.parametrize("phases", [("forward", "allreduce"), ("optimizer", "save")], ids="-then-".join)
 def test_a_node_lost_in_a_step_or_a_save_is_taken_over_by_a_spare_node_and_the_run_ends_as_one_process(
-        tmp_path: Path, phase: str) -> None:
+        tmp_path: Path, phases: tuple[str, str]) -> None:
     """Node 1 killed while its first rank is in the forward or the gradients' all-reduce (the others
-    wait in the all-reduce), its optimizer step (they are a step ahead) or before a checkpoint save (they wait in the save):
-    the spare node takes its ranks, and the run ends with one process's parameters on the
-    concatenated batches. (Lost while its link is down, between steps: the test after.)"""
+    wait in the all-reduce), its optimizer step (they are a step ahead) or before a checkpoint save
+    (they wait in the save): a spare node takes its ranks. Two of these in each job: in step 6 (the
+    save after step 5), then, with another spare waiting, the first spare's in step 10 (the save
+    after step 10). The run ends with one process's parameters on the concatenated batches. (Two
+    phases a job: each job of launchers costs seconds of start-up on two cores. Lost while its link
+    is down, between steps: the test after.)"""
     (tmp_path / "job.py").write_text(PHASE_JOB)
     store = start_store(port := find_free_port())
+    at = dict(zip(phases, (5, 9 if phases[1] != "save" else 10), strict=True))
+    job = {"rdzv_id": "spare-phase", "max_restarts": 2, "PAUSED_RANK": "2",
+           "PHASE": ",".join(f"{phase}:{step}" for phase, step in at.items())}
     try:
-        first = [start_launcher(tmp_path, port, f"launcher{n}", "2:3", rdzv_id="spare-phase", PHASE=phase,
-                                PAUSED_RANK="2") for n in range(2)]
-        wait_for(lambda: (tmp_path / "paused").exists(), f"node 1's first rank to stop in {phase}")
-        spare = start_launcher(tmp_path, port, "launcher2", "2:3", rdzv_id="spare-phase", PHASE=phase, PAUSED_RANK="2")
-        wait_for(lambda: "waits as a spare node" in text(tmp_path, "launcher2.err"), "the spare node to wait")
-        node1 = node_of(tmp_path, 1)
-        lost = first[node1]
-        kill_node(lost)
-        killed = time.monotonic()
-        done = max(int(path.name[4:]) for path in tmp_path.glob("step*"))
-        wait_for(lambda: (tmp_path / f"step{done + 1}").exists(), "the next step after the loss", timeout=60)
-        print(f"node 1 killed in {phase} after step {done}: step {done + 1} completed {time.monotonic() - killed:.2f} s later")
-        survivor = first[1 - node1]
-        codes = end_all([survivor, spare], timeout=150)
-        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(3))
+        # --nnodes 2:4: each spare arrives as a launcher of its own, and one beyond MAX is refused (a lost
+        # node's launcher still counts in the rendezvous it joined).
+        first = [start_launcher(tmp_path, port, f"launcher{n}", "2:4", **job) for n in range(2)]
+        lost: subprocess.Popen[bytes] | None = None
+        for n, (phase, step) in enumerate(at.items(), start=2):
+            wait_for(lambda step=step: (tmp_path / f"paused{step}").exists(), f"node 1's first rank to stop in {phase}")
+            if lost is None:
+                node1 = node_of(tmp_path, 1)
+                survivor, lost = first[1 - node1], first[node1]
+            spare = start_launcher(tmp_path, port, f"launcher{n}", "2:4", **job)
+            wait_for(lambda n=n: "waits as a spare node" in text(tmp_path, f"launcher{n}.err"), "the spare node to wait")
+            kill_node(lost)
+            killed = time.monotonic()
+            done = max(int(path.name[4:]) for path in tmp_path.glob("step*"))
+            wait_for(lambda done=done: (tmp_path / f"step{done + 1}").exists(), "the next step after the loss", timeout=60)
+            print(f"node 1 killed in {phase} after step {done}: step {done + 1} completed "
+                  f"{time.monotonic() - killed:.2f} s later")
+            assert lost.wait() == -signal.SIGKILL
+            lost = spare
+        codes = end_all([survivor, lost], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(4))
         assert codes == [0, 0], errors
-        assert lost.wait() == -signal.SIGKILL
-        assert "node 1's launcher went silent; this spare node takes its place" in text(tmp_path, "launcher2.err"), errors
-        assert "node 1's launcher went silent; a spare node (spare launcher pid" in text(
-            tmp_path, f"launcher{1 - node1}.err"), errors  # and the survivor's launcher says why it went on
-        out = text(tmp_path, f"launcher{1 - node1}.out") + text(tmp_path, "launcher2.out")
+        for n in (2, 3):
+            assert "node 1's launcher went silent; this spare node takes its place" in text(tmp_path, f"launcher{n}.err"), errors
+        # The survivor's launcher says why it went on, each time.
+        assert text(tmp_path, f"launcher{1 - node1}.err").count(
+            "node 1's launcher went silent; a spare node (spare launcher pid") == 2, errors
+        out = text(tmp_path, f"launcher{1 - node1}.out") + text(tmp_path, "launcher3.out")
         assert sorted(re.findall(r"rank (\d): rank \d of 4 done", out)) == ["0", "1", "2", "3"], out
         assert "rank 0: rank 0 of 4 done, recovered True" in out  # the survivor kept its process and recovered
         assert_as_one_process(tmp_path, errors)
