@@ -58,8 +58,6 @@ from ddpkit.environments import find_free_port  # noqa: E402
 from ddpkit.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook  # noqa: E402
 from ddpkit.parallel.ddp import DistributedDataParallel  # noqa: E402
 
-DDPS = ["torch DDP", "ddpkit", "ddpkit fp16", "ddpkit PowerSGD"]
-
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
     if name == "big":
@@ -185,15 +183,25 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
     sys.stdout.flush()
 
 
-def print_scaling(scaling: dict[tuple[float, str, int, int], dict[str, list[float]]]) -> None:
+Scaling = dict[tuple[float, str, int, int], dict[str, list[float]]]  # (rate, model, nodes, ranks a node): samples
+
+
+def worlds_by_rate_and_model(scaling: Scaling) -> dict[tuple[float, str], list[tuple[int, int]]]:
+    """Each (rate, model)'s worlds measured, (nodes, ranks a node), fewest ranks first."""
+    worlds: dict[tuple[float, str], list[tuple[int, int]]] = {}
+    for rate, model_name, count, per_node in sorted(scaling, key=lambda key: (key[0], key[1], key[2] * key[3], key[2])):
+        worlds.setdefault((rate, model_name), []).append((count, per_node))
+    return worlds
+
+
+def print_scaling(scaling: Scaling) -> None:
     """How the step grows with the ranks: per rate and model, each world's medians of C and A, and
     each DDP's step over max(C, A) and over F + A (a DDP that scales keeps both flat while A grows
     with the ranks and C with what the ranks share of the CPU)."""
     print("how the step grows with the ranks (medians; step/max(C, A) and step/(F + A) per round):")
-    for rate, model_name in sorted({(rate, model_name) for rate, model_name, *_ in scaling}):
+    for (rate, model_name), worlds in worlds_by_rate_and_model(scaling).items():
         print(f"  {rate:g} Gbit/s, {model_name}:")
         print(f"    {'ranks':>12s} {'C ms':>7s} {'F ms':>6s} {'A ms':>7s}   {'torch DDP':>19s}   {'ddpkit':>19s}")
-        worlds = sorted((count, per_node) for r, m, count, per_node in scaling if (r, m) == (rate, model_name))
         for count, per_node in worlds:
             samples = scaling[(rate, model_name, count, per_node)]
             ratios = [per_round(samples, name)[1:] for name in ("torch DDP", "ddpkit")]
@@ -204,7 +212,7 @@ def print_scaling(scaling: dict[tuple[float, str, int, int], dict[str, list[floa
     sys.stdout.flush()
 
 
-def plot_scaling(scaling: dict[tuple[float, str, int, int], dict[str, list[float]]], path: str) -> None:
+def plot_scaling(scaling: Scaling, path: str) -> None:
     """Step over max(C, A) against the ranks, a line per DDP, rate and model."""
     try:
         import matplotlib
@@ -214,12 +222,11 @@ def plot_scaling(scaling: dict[tuple[float, str, int, int], dict[str, list[float
         print("links.py: --plot needs matplotlib (pip install -e '.[plot]'); the table above has the figures")
         return
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for rate, model_name in sorted({(rate, model_name) for rate, model_name, *_ in scaling}):
-        worlds = sorted((count * per_node, count, per_node) for r, m, count, per_node in scaling
-                        if (r, m) == (rate, model_name))
+    for (rate, model_name), worlds in worlds_by_rate_and_model(scaling).items():
         for name in ("torch DDP", "ddpkit"):
-            ratios = [per_round(scaling[(rate, model_name, count, per_node)], name)[1] for _, count, per_node in worlds]
-            axes.plot([ranks for ranks, *_ in worlds], ratios, marker="o", label=f"{name}, {model_name}, {rate:g} Gbit/s")
+            ratios = [per_round(scaling[(rate, model_name, count, per_node)], name)[1] for count, per_node in worlds]
+            axes.plot([count * per_node for count, per_node in worlds], ratios, marker="o",
+                      label=f"{name}, {model_name}, {rate:g} Gbit/s")
     axes.set_xticks(sorted({count * per_node for *_, count, per_node in scaling}))
     axes.axhline(1.0, color="grey", linewidth=0.8)
     axes.set_xlabel("ranks (nodes x ranks per node)")
@@ -249,7 +256,7 @@ def main() -> None:
         print(f"links.py: {why or 'shaping a link needs iproute2`s `tc`'}; nothing measured")
         return
     print(f"torch {torch.__version__}, Gloo, 1 thread per rank, {args.rounds} rounds, methods interleaved")
-    scaling: dict[tuple[float, str, int, int], dict[str, list[float]]] = {}
+    scaling: Scaling = {}
     for count in args.nodes:
         for per_node in args.ranks_per_node:
             for rate in random.Random(per_node).sample(args.rates, len(args.rates)):

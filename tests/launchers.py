@@ -90,10 +90,10 @@ STEPS, BATCH, WORLD, PAUSE_AT = 16, 4, 4, 5
 # kills its node. PHASE may also list "where:S" entries ("forward:5,allreduce:9"): in optimizer step S + 1
 # (a save: the one after step S) the process with that rank then, the first or a spare node's that took its
 # place, stops there and writes "paused<S>". With GATES (optimizer steps, "7,9"), every rank waits after each
-# of those steps S until the file "go-on<S>" exists. With JOINER_PAUSE (set for one joining launcher), its process that takes
-# PAUSED_RANK's place in a later generation (a node joining) stops once, after it was counted in, where that
-# says ("connecting": before it forms torch's group, so before it writes its address; "receiving": in the
-# first collective of the state transfer) and writes the file "joiner-paused-<where>".
+# of those steps S until the file "go-on<S>" exists. With JOINER_PAUSE (set for one joining launcher), its
+# process that takes PAUSED_RANK's place in a later generation (a node joining) stops once, after it was
+# counted in, where that says ("connecting": before it forms torch's group, so before it writes its address;
+# "receiving": in the first collective of the state transfer) and writes the file "joiner-paused-<where>".
 PHASE_JOB = textwrap.dedent(
     f"""
     import os, time, torch

@@ -322,9 +322,9 @@ def test_after_a_shrink_joining_nodes_lost_in_their_takeover_shrink_it_again_and
         killed = time.monotonic()
         wait_for(lambda: (tmp_path / "step6").exists(), "the next step after the loss", timeout=60)
         print(f"node 1 killed in the all-reduce: the next step completed {time.monotonic() - killed:.2f} s later")
-        for gate, moment in moments.items():
+        for n, (gate, moment) in enumerate(moments.items(), start=2):
             wait_for(lambda gate=gate: (tmp_path / f"step{gate}").exists(), f"the shrunk world to train up to gate {gate}")
-            name = f"launcher{2 + list(moments).index(gate)}"
+            name = f"launcher{n}"
             pause = {} if moment == "asking" else {"JOINER_PAUSE": moment}
             doomed = start_launcher(tmp_path, port, name, "1:2", **job, **pause)
             wait_for(lambda name=name: "joins the world again" in text(tmp_path, f"{name}.err"),
