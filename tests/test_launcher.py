@@ -151,6 +151,27 @@ def test_a_stopped_worker_is_ended_by_sigterm_without_waiting_out_the_grace() ->
         assert worker.process.returncode == -signal.SIGTERM  # it acted on SIGTERM, not the SIGKILL after the grace
 
 
+def test_a_worker_that_kills_itself_while_being_ended_counts_as_ended_by_itself() -> None:
+    """A worker killed by SIGKILL before the launcher sent its own (it killed itself, or the
+    out-of-memory killer did, while the launcher was ending the workers because another node's
+    failed) failed by itself: ``end`` says so, so that its end is named as the root cause. One that
+    acts on SIGTERM, or is killed by the launcher's SIGKILL after the grace, was ended by the launcher."""
+    ignores_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); "
+    with WorkerProcesses("test") as workers:
+        kills_itself = workers.start([sys.executable, "-c", ignores_term + "time.sleep(1); import os; "
+                                      "os.kill(os.getpid(), signal.SIGKILL)"], os.environ, rank=0, local_rank=0)
+        stops = workers.start([sys.executable, "-c", "import time; time.sleep(60)"], os.environ, rank=1, local_rank=1)
+        time.sleep(0.5)  # each is running (the first ignores SIGTERM by now)
+        assert workers.end(grace=10) == [kills_itself]
+        assert (kills_itself.process.returncode, stops.process.returncode) == (-signal.SIGKILL, -signal.SIGTERM)
+    with WorkerProcesses("test") as workers:
+        ignores = workers.start([sys.executable, "-c", ignores_term + "time.sleep(60)"], os.environ, rank=0,
+                                local_rank=0)
+        time.sleep(0.5)
+        assert workers.end(grace=1) == []
+        assert ignores.process.returncode == -signal.SIGKILL
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_to_the_launcher_ends_every_worker(scripts: Path, sig: int, code: int) -> None:
     launcher = launch(scripts, "--nproc-per-node", "2", "sleeps.py")

@@ -94,8 +94,9 @@ def test_every_node_restarts_when_a_rank_of_one_node_is_killed_and_the_run_ends_
     for node, (code, _, err) in enumerate(results):
         assert code == 0, err[-3000:]
         where = "" if node == killed else f"on node {killed}: "
+        launcher_lines = "\n".join(line[:300] for line in err.splitlines() if line.startswith("ddpkit run:"))
         assert re.search(rf"ddpkit run: {where}rank {killed} \(local rank 0, pid \d+\) was killed by signal SIGKILL",
-                         err), err[-3000:]
+                         err), launcher_lines
         assert f"restarting all 1 workers of node {node} (restart 1 of 1)" in err
     assert (example_summary(results[0][1])["resumed"] or {}).get("epoch") == 1, results[0][1][-2000:]
     # The example compares the final parameters with one process trained on the same global batches,

@@ -237,8 +237,10 @@ class WorkerProcesses:
         """SIGTERM (and SIGCONT) to each live worker's process group, SIGKILL after ``grace`` seconds, reap every worker.
 
         The SIGKILL goes to every group, finished or not: it also reaches grandchildren left behind.
-        Returns the workers (not the spares) that had ended by themselves before it signalled them:
-        a launcher slow to poll still learns which ends were not its own doing.
+        Returns the workers (not the spares) that had ended by themselves before it signalled them,
+        and those killed by a SIGKILL before its own (killed by themselves, the out-of-memory
+        killer, an operator): a launcher slow to poll, or a worker slow to die, still lets it learn
+        which ends were not its own doing.
         """
         for spare in self.spares:
             if spare.process.stdin is not None and not spare.process.stdin.closed:
@@ -257,6 +259,9 @@ class WorkerProcesses:
         deadline = time.monotonic() + grace
         while any(worker.process.poll() is None for worker in pending) and time.monotonic() < deadline:
             time.sleep(0.02)
+        # Until here only SIGTERM and SIGCONT came from this launcher: a SIGKILL was someone else's.
+        ended_before += [worker for worker in pending if worker in self.workers and worker not in ended_before
+                         and worker.process.poll() == -signal.SIGKILL]
         for worker in pending:
             _signal_group(worker.process, signal.SIGKILL)
             worker.process.wait()
