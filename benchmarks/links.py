@@ -270,6 +270,9 @@ def main() -> None:
         print_scaling(scaling)
         if args.plot:
             plot_scaling(scaling, args.plot)
+    elif args.plot:
+        print(f"links.py: no plot written to {args.plot}: the step against the ranks needs two worlds or more "
+              "(give --nodes or --ranks-per-node two values)")
 
 
 if __name__ == "__main__":

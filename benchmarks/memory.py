@@ -15,6 +15,13 @@ saving against torch DDP in units of the gradient bytes (issue 16's goal: at lea
 ``.grad`` are views into its buckets, torch's default keeps them in ``.grad`` and again in its
 buckets) and ddpkit's difference to torch's view mode.
 
+Then, under glibc's malloc, where each rank's memory is right after the last backward (where the
+peak is reached), by glibc's own count (``mallinfo2``, see ``account``): the tensors Python sees,
+the bytes malloc has handed out, the bytes freed into its heap that it keeps (holes), and what
+lies outside malloc; and ddpkit's peak less torch DDP's split into those parts. That line is the
+answer to "where did the gradients I saved go": the bytes in use fall by about all the gradient
+bytes, and the heap keeps a part of them as free holes.
+
 Measured (2026-11-23, 2 cores, Debian 12's glibc 2.36, three runs of 3 rounds), medians per run:
 
 - glibc's malloc: one process 376-380 MiB, torch DDP 412-417, torch DDP views 401-409, ddpkit
@@ -56,12 +63,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 GRADIENT_BYTES = 8 * (1024 * 1024 + 1024) * 4
 WORKERS = ("one process", "torch DDP", "torch DDP views", "ddpkit")
@@ -92,15 +101,60 @@ def methods() -> list[Method]:
 
 
 def peak_resident_kib() -> int:
+    return _status_kib("VmHWM:")
+
+
+def _status_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc 2.33 and later): every arena's figures, in bytes."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+#: What ``account`` reports, in MiB, in the order printed.
+ACCOUNT = ("peak", "resident", "tensors", "malloc in use", "other in use", "free in heap", "outside malloc")
+
+
+def account(tensor_bytes: int) -> dict[str, float]:
+    """Where this process's resident memory is now, in MiB, by glibc's own count (``mallinfo2``):
+    ``tensors``: the bytes of the model's and DDP's tensors that Python can see (parameters,
+    gradients, ddpkit's buckets); ``malloc in use``: every byte malloc has handed out and not had
+    back (the tensors, torch DDP's own buckets, backward's temporaries still held, Python's objects);
+    ``other in use``: that less ``tensors``; ``free in heap``: bytes freed into malloc's heap that it
+    keeps (the holes; resident once touched); ``outside malloc``: the rest of the resident memory
+    (the libraries' code and data, the stacks). Empty under another allocator (``LD_PRELOAD``):
+    glibc's count then misses its blocks."""
+    figures = {"peak": peak_resident_kib() / 1024, "resident": _status_kib("VmRSS:") / 1024}
+    if os.environ.get("LD_PRELOAD"):
+        return figures
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    in_use = (info.uordblks + info.hblkhd) / 2**20
+    figures.update({"tensors": tensor_bytes / 2**20, "malloc in use": in_use,
+                    "other in use": in_use - tensor_bytes / 2**20, "free in heap": info.fordblks / 2**20,
+                    "outside malloc": figures["resident"] - in_use - info.fordblks / 2**20})
+    return figures
+
+
+def _tensor_bytes(model: Any) -> int:
+    """The bytes of every distinct storage behind the parameters and their gradients (with ddpkit,
+    the gradients are views into its buckets: the buckets' bytes)."""
+    tensors = [tensor for parameter in model.parameters() for tensor in (parameter, parameter.grad) if tensor is not None]
+    return sum({tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}.values())
 
 
 def train(method: str, steps: int) -> None:
-    """One worker: train, then print this process's peak resident memory."""
+    """One worker: train, then print this process's peak resident memory, and where its memory
+    is right after the last backward (``account``), where the peak is reached."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -118,18 +172,22 @@ def train(method: str, steps: int) -> None:
             model = ddpkit.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(64, 1024), torch.randn(64, 1024)
-    for _ in range(steps):
+    figures: dict[str, float] = {}
+    for step in range(steps):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
+        if step == steps - 1:
+            figures = account(_tensor_bytes(model))
         optimizer.step()
     if method != "one process":
         dist.barrier()
         dist.destroy_process_group()
-    print(f"peak {peak_resident_kib()}", flush=True)
+    figures["peak"] = peak_resident_kib() / 1024
+    print("account " + json.dumps(figures), flush=True)
 
 
-def measure(method: Method, steps: int, port: int) -> list[int]:
-    """Per-rank peaks (KiB) of one fresh run of ``method``."""
+def measure(method: Method, steps: int, port: int) -> list[dict[str, float]]:
+    """Each rank's ``account`` (MiB) of one fresh run of ``method``."""
     ranks = 1 if method.worker == "one process" else 2
     workers = []
     for rank in range(ranks):
@@ -139,13 +197,33 @@ def measure(method: Method, steps: int, port: int) -> list[int]:
             environment["LD_PRELOAD"] = method.preload
         workers.append(subprocess.Popen([sys.executable, __file__, "--worker", method.worker, "--steps", str(steps)],
                                         stdout=subprocess.PIPE, text=True, env=environment))
-    peaks = []
+    accounts = []
     for worker in workers:
         output, _ = worker.communicate(timeout=300)
         if worker.returncode != 0:
             raise SystemExit(f"{method.label}: a worker exited {worker.returncode}")
-        peaks.append(int(output.split("peak")[1]))
-    return peaks
+        accounts.append(json.loads(output.split("account ", 1)[1]))
+    return accounts
+
+
+def print_accounts(accounts: dict[Method, list[dict[str, float]]]) -> None:
+    """Per method, the median of each ``account`` figure; then, for glibc's malloc, how ddpkit's peak
+    differs from torch DDP's: the bytes in use (what ddpkit keeps once) and the heap's free bytes
+    (the allocator's holes)."""
+    glibc = {method: ranks for method, ranks in accounts.items() if method.allocator == "glibc"}
+    print("\nwhere each rank's memory is after the last backward, glibc's malloc (MiB, medians; mallinfo2):")
+    print(f"{'':18}" + "".join(f"{name:>16}" for name in ACCOUNT))
+    medians: dict[str, dict[str, float]] = {}
+    for method, ranks in glibc.items():
+        medians[method.worker] = {name: statistics.median(rank[name] for rank in ranks) for name in ACCOUNT}
+        print(f"{method.label:18}" + "".join(f"{medians[method.worker][name]:16.1f}" for name in ACCOUNT))
+    ddpkit, torch_ddp = medians["ddpkit"], medians["torch DDP"]
+    print(f"ddpkit - torch DDP: peak {ddpkit['peak'] - torch_ddp['peak']:+.1f} MiB = malloc in use "
+          f"{ddpkit['malloc in use'] - torch_ddp['malloc in use']:+.1f} (gradients kept once: "
+          f"-{GRADIENT_BYTES / 2**20:.1f} would be all of them) + free in heap "
+          f"{ddpkit['free in heap'] - torch_ddp['free in heap']:+.1f} (holes the allocator keeps) + outside malloc "
+          f"{ddpkit['outside malloc'] - torch_ddp['outside malloc']:+.1f} + the peak's distance from this moment "
+          f"{(ddpkit['peak'] - ddpkit['resident']) - (torch_ddp['peak'] - torch_ddp['resident']):+.1f}")
 
 
 def main() -> None:
@@ -160,13 +238,13 @@ def main() -> None:
     from ddpkit.environments import find_free_port  # here: the workers' own imports are what is measured
 
     order = methods()
-    peaks: dict[Method, list[float]] = {method: [] for method in order}
+    accounts: dict[Method, list[dict[str, float]]] = {method: [] for method in order}
     shuffler = random.Random(0)
     for _ in range(args.rounds):
         shuffler.shuffle(order)
         for method in order:
-            peaks[method] += [kib / 1024 for kib in measure(method, args.steps, find_free_port())]
-    medians = {method: statistics.median(values) for method, values in peaks.items()}
+            accounts[method] += measure(method, args.steps, find_free_port())
+    medians = {method: statistics.median(rank["peak"] for rank in ranks) for method, ranks in accounts.items()}
     print("per-rank peak resident memory (MiB), medians of", args.rounds, "rounds:",
           ", ".join(f"{method.label} {value:.0f}" for method, value in medians.items()))
     for allocator in dict.fromkeys(method.allocator for method in medians):
@@ -175,6 +253,8 @@ def main() -> None:
         print(f"{allocator}: ddpkit below torch DDP by {below:.1f} MiB = {below * 2**20 / GRADIENT_BYTES:.2f}x the "
               f"gradient bytes ({GRADIENT_BYTES / 2**20:.1f} MiB; the goal is >= 0.80); ddpkit - torch DDP with "
               f"gradient_as_bucket_view=True {of['ddpkit'] - of['torch DDP views']:+.1f} MiB")
+    print_accounts(accounts)
+
 
 if __name__ == "__main__":
     main()
