@@ -141,16 +141,16 @@ def test_a_node_lost_in_a_step_or_a_save_is_taken_over_by_a_spare_node_and_the_r
     job = {"rdzv_id": "spare-phase", "max_restarts": 2, "PAUSED_RANK": "2",
            "PHASE": ",".join(f"{phase}:{step}" for phase, step in at.items())}
     try:
-        # --nnodes 2:4: each spare arrives as a launcher of its own, and one beyond MAX is refused (a lost
-        # node's launcher still counts in the rendezvous it joined).
-        first = [start_launcher(tmp_path, port, f"launcher{n}", "2:4", **job) for n in range(2)]
+        # --nnodes 2:3: the second spare arrives as the fourth launcher, beyond MAX, and waits because
+        # the lost node's launcher is gone (the job recovered from one lost node).
+        first = [start_launcher(tmp_path, port, f"launcher{n}", "2:3", **job) for n in range(2)]
         lost: subprocess.Popen[bytes] | None = None
         for n, (phase, step) in enumerate(at.items(), start=2):
             wait_for(lambda step=step: (tmp_path / f"paused{step}").exists(), f"node 1's first rank to stop in {phase}")
             if lost is None:
                 node1 = node_of(tmp_path, 1)
                 survivor, lost = first[1 - node1], first[node1]
-            spare = start_launcher(tmp_path, port, f"launcher{n}", "2:4", **job)
+            spare = start_launcher(tmp_path, port, f"launcher{n}", "2:3", **job)
             wait_for(lambda n=n: "waits as a spare node" in text(tmp_path, f"launcher{n}.err"), "the spare node to wait")
             kill_node(lost)
             killed = time.monotonic()

@@ -47,7 +47,7 @@ from ddpkit.environments import Recovery
 from ddpkit.generations import member_identity
 from ddpkit.job_secret import job_secret, new_job_secret
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
-from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination, Shrinking, world_shrank
+from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousError, RendezvousSettings, claim_endpoint, join
@@ -439,7 +439,7 @@ def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts
     endpoint = rendezvous.endpoint
     waits = config.store_waits
     place, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting, config.max_nodes,
-                        beyond_max=world_shrank if config.max_nodes is not None else None)
+                        beyond_max=may_wait_beyond_max if config.max_nodes is not None else None)
     spare = place.node_rank is None
     # With --nnodes MIN:MAX under in-place recovery the world may shrink to MIN nodes (``launching.nodes``).
     shrinking = None if config.max_nodes is None else Shrinking(

@@ -40,7 +40,7 @@ one may be there to read:
   the data too, so the global batch stays), holds those ranks for no process, and tells the
   survivors' workers, which form that generation in place (``ddpkit.recovery``). The node is
   *removed*: no launcher waits for it, counts it, or restarts it. A launcher that arrives later
-  (``world_shrank`` admits it beyond MAX) waits as a spare node and brings a removed node back
+  (``may_wait_beyond_max`` admits it beyond MAX) waits as a spare node and brings a removed node back
   (``bring_back``): the next generation laid out with its ranks again, each taking its own share
   back, which the survivors' workers form at a step boundary they agree on;
 - under in-place recovery each node lost and recovered from (taken over by a spare node, or left
@@ -93,7 +93,7 @@ from ddpkit.launching.store_host import clear_worker_keys
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "world_shrank"]
+__all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "may_wait_beyond_max"]
 
 _log = get_logger("launching")
 
@@ -126,10 +126,15 @@ _SPENT_CLAIM = "no node loss left to recover from"
 _OUT = "out"
 
 
-def world_shrank(store: Any) -> bool:
-    """Whether a launcher of the job ever shrank the world (``Shrinking``): then a launcher that
-    arrives at the rendezvous beyond MAX may wait as a spare node, to bring a removed node back."""
-    return bool(store.add(RecordSigner(job_secret(), "launchers").key("launchers/removed/count"), 0) > 0)
+def may_wait_beyond_max(store: Any, beyond: int) -> bool:
+    """Whether a launcher that arrived at the rendezvous ``beyond`` places past MAX may wait as a
+    spare node: once a launcher of the job shrank the world (``Shrinking``; it may bring a removed
+    node back), or once the job recovered from at least ``beyond`` lost nodes (each lost node's
+    launcher still counts among the arrivals, though it is gone: live launchers stay within MAX)."""
+    signer = RecordSigner(job_secret(), "launchers")
+    if int(store.add(signer.key("launchers/removed/count"), 0)) > 0:
+        return True
+    return int(store.add(signer.key("launchers/node-losses"), 0)) >= beyond
 
 
 def _launcher_of(beat: str) -> str:

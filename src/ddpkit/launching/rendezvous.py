@@ -174,14 +174,14 @@ class Place:
 
 def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
          give_up: GiveUp = never_give_up, max_nodes: int | None = None,
-         beyond_max: Callable[[BoundedStore], bool] | None = None) -> tuple[Place, BoundedStore]:
+         beyond_max: Callable[[BoundedStore, int], bool] | None = None) -> tuple[Place, BoundedStore]:
     """Join the rendezvous ``run_id`` at ``endpoint`` and wait until it closes: with ``nnodes`` launchers,
     or with ``max_nodes`` given (``--nnodes MIN:MAX``, MIN being ``nnodes``), with MAX, or with at least
     MIN once ``waits.last_call_timeout`` passed since MIN arrived. This launcher's place (its node rank
     is its order of arrival) and the store's client (kept for ``launching.nodes``). ``give_up`` ends
     the wait with ``GaveUpWaiting`` (a stop signal, the store host gone). A launcher that arrives
-    beyond MAX is refused, unless the rendezvous closed and ``beyond_max(store)`` says it may wait as
-    a spare node (the world shrank since: ``launching.nodes.world_shrank``)."""
+    beyond MAX is refused, unless the rendezvous closed and ``beyond_max(store, places past MAX)``
+    says it may wait as a spare node (the world shrank, or nodes were lost: ``launching.nodes.may_wait_beyond_max``)."""
     join_timeout = waits.join_timeout
     try:
         store = BoundedStore(connect(endpoint.host, endpoint.port, join_timeout, give_up), waits.read_timeout)
@@ -210,7 +210,7 @@ class _Bounds:
 
 
 def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, bounds: _Bounds, join_timeout: float,
-            give_up: GiveUp, beyond_max: Callable[[BoundedStore], bool] | None = None) -> Place:
+            give_up: GiveUp, beyond_max: Callable[[BoundedStore, int], bool] | None = None) -> Place:
     """This launcher's place once the rendezvous closed (see ``join``)."""
     # One endpoint, one job: the first launcher names the rendezvous id; any other id is refused.
     served = store.compare_set(_keys("id"), "", run_id).decode()
@@ -229,7 +229,8 @@ def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, bounds: _Bound
         arrived = tickets.signed()
         closed = closing.world()
         if (mine in arrived and arrived.index(mine) >= bounds.most
-                and not (closed is not None and beyond_max is not None and beyond_max(store))):
+                and not (closed is not None and beyond_max is not None
+                         and beyond_max(store, arrived.index(mine) - bounds.most + 1))):
             raise RendezvousError(
                 f"rendezvous {run_id!r} at {endpoint} already has its {bounds} nodes; this launcher arrived "
                 f"as number {mine}. Start exactly --nnodes launchers (a node that is started again joins a new job: give it "
