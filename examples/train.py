@@ -13,8 +13,11 @@ restart resume. With ``--checkpoint``, a preemption (SIGTERM to ``ddpkit run``, 
 command run again continues from that batch. The last line reports throughput, whether every
 rank holds the same parameters, and (``--check-reference``, on by default) the largest
 difference to one process trained on the same global batches from scratch, also after a
-resume. ``--plot loss.png`` draws the loss and accuracy per epoch into an image (with
-matplotlib: ``pip install 'ddpkit[plot]'``). Started with plain ``python``, it runs as a single process.
+resume, and the accuracy on 1024 points it never trained on. ``--comm-hook powersgd`` (or
+``fp16``, ``bf16``) compresses the gradients' all-reduce (``ddpkit.hooks``): the parameters then
+differ from one process's, and the held-out accuracy is what to compare. ``--plot loss.png``
+draws the loss and accuracy per epoch into an image (with matplotlib: ``pip install
+'ddpkit[plot]'``). Started with plain ``python``, it runs as a single process.
 
 Compared with a single-process loop, the ddpkit lines are the ones marked ``# ddpkit``.
 """
@@ -36,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
+from ddpkit import hooks
 
 FEATURES, CLASSES = 32, 4
 
@@ -46,6 +50,25 @@ def synthetic_dataset(samples: int, seed: int = 0) -> TensorDataset:
     inputs = torch.randn(samples, FEATURES, generator=generator)
     teacher = torch.randn(FEATURES, CLASSES, generator=generator)
     return TensorDataset(inputs, (torch.tanh(inputs) @ teacher).argmax(dim=1))
+
+
+def held_out_dataset(samples: int, trained_samples: int) -> TensorDataset:
+    """Points the model never trained on, labelled by the teacher of ``synthetic_dataset(trained_samples)``."""
+    generator = torch.Generator().manual_seed(0)
+    torch.randn(trained_samples, FEATURES, generator=generator)  # the training inputs, drawn before the teacher
+    teacher = torch.randn(FEATURES, CLASSES, generator=generator)
+    inputs = torch.randn(samples, FEATURES, generator=generator)
+    return TensorDataset(inputs, (torch.tanh(inputs) @ teacher).argmax(dim=1))
+
+
+def comm_hook(name: str | None) -> tuple[object | None, Any]:
+    """``--comm-hook``: the state and the hook that compress the gradients' all-reduce (``ddpkit.hooks``)."""
+    if name == "powersgd":
+        # Rank 1 after 10 steps of plain all-reduce (torch's advice: PowerSGD starts from a model that has begun to learn).
+        return hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=10), hooks.powerSGD_hook
+    if name in ("fp16", "bf16"):
+        return None, {"fp16": hooks.fp16_compress_hook, "bf16": hooks.bf16_compress_hook}[name]
+    return None, None
 
 
 def make_model() -> nn.Module:
@@ -89,6 +112,9 @@ def main() -> None:
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="rank 0 draws the loss and accuracy per epoch into this image (needs matplotlib)")
     parser.add_argument("--no-check-reference", dest="check_reference", action="store_false")
+    parser.add_argument("--comm-hook", choices=["fp16", "bf16", "powersgd"], default=None,
+                        help="compress the gradients' all-reduce (ddpkit.hooks); the parameters then differ from one "
+                             "process's, so --check-reference is off: compare the held-out accuracy instead")
     parser.add_argument("--processes", type=int, default=1,
                         help="run directly (python train.py) on this many processes; not needed under ddpkit run")
     args = parser.parse_args()
@@ -104,7 +130,10 @@ def main() -> None:
     torch.set_num_threads(1)
     # Several parallel_devices and no launcher: the script starts its other processes itself.
     devices = [torch.device("cpu")] * args.processes if args.processes > 1 else None
-    strategy = ddpkit.DDPStrategy(parallel_devices=devices)                     # ddpkit
+    hook_state, hook = comm_hook(args.comm_hook)
+    args.check_reference = args.check_reference and hook is None
+    strategy = ddpkit.DDPStrategy(parallel_devices=devices, ddp_comm_state=hook_state,  # ddpkit
+                                  ddp_comm_hook=hook)
     dataset = synthetic_dataset(args.samples)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -183,6 +212,10 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     throughput = strategy.reduce(torch.tensor(float(seen)), reduce_op="sum").item() / max(elapsed, 1e-9)
 
+    held_out = held_out_dataset(1024, args.samples)
+    with torch.no_grad():  # the module itself: every rank holds the same parameters, no collective needed
+        predicted = getattr(model, "module", model)(held_out.tensors[0]).argmax(1)
+    held_out_accuracy = (predicted == held_out.tensors[1]).float().mean().item()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     identical = all(torch.equal(flat, other) for other in ddpkit.gather_all_tensors(flat))
     difference = None
@@ -191,12 +224,13 @@ def main() -> None:
     if strategy.is_global_zero:
         note = "" if difference is None else f", max |difference| to one process {difference:.2e}"
         print(f"done: {throughput:.0f} samples/s over {strategy.world_size} processes, "
-              f"parameters identical on all ranks: {identical}{note}", flush=True)
+              f"parameters identical on all ranks: {identical}{note}, held-out accuracy {held_out_accuracy:.3f}",
+              flush=True)
         # One line for programs (the tests, benchmarks/recovery.py) to read, whatever the wording above.
         print("summary " + json.dumps({
             "world_size": strategy.world_size, "identical": identical, "max_difference": difference,
             "trained": trained, "resumed": resumed, "recovered_in_place": strategy.recovered_in_place,
-            "samples_per_second": throughput}), flush=True)
+            "samples_per_second": throughput, "held_out_accuracy": held_out_accuracy}), flush=True)
     strategy.teardown()                                                         # ddpkit
     if args.plot and strategy.is_global_zero:
         plot_history(history, args.plot)
