@@ -11,9 +11,13 @@ interleaved in a shuffled order each round (noise hits all alike):
 - ``C``: the step without synchronisation, each rank training its own copy (the slowest rank's
   time in the round: a synchronised step waits for it);
 - ``A``: a raw all-reduce of one flat buffer of every gradient byte, over the link;
+- ``A fp16``, ``A bf16``: the same in float16 and bfloat16 (half the bytes, summed by Gloo in
+  that type): with ``F``, the floor of ``ddpkit fp16``'s and ``ddpkit bf16``'s steps, which bounds
+  how much faster they can be than ddpkit's;
 - ``F``: the forward alone (the loss, its graph built and dropped), the slowest rank's;
 - ``torch DDP``, ``ddpkit``: each DDP's step, defaults;
-- ``ddpkit fp16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook`` and ``powerSGD_hook``
+- ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
+  ``bf16_compress_hook`` and ``powerSGD_hook``
   (rank 1, compressing from the first timed step).
 
 Printed per rate and model: medians (ms); for torch DDP and ddpkit, round by round, the overlap
@@ -55,7 +59,7 @@ from netns import Nodes  # noqa: E402
 
 from ddpkit.distributed import register_ddp_comm_hook  # noqa: E402
 from ddpkit.environments import find_free_port  # noqa: E402
-from ddpkit.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook  # noqa: E402
+from ddpkit.hooks import PowerSGDState, bf16_compress_hook, fp16_compress_hook, powerSGD_hook  # noqa: E402
 from ddpkit.parallel.ddp import DistributedDataParallel  # noqa: E402
 
 
@@ -89,14 +93,18 @@ def measure(model_name: str, rounds: int) -> dict[str, list[float]]:
         return model
 
     flat = torch.zeros(sum(p.numel() for p in base.parameters()))
+    flat16, flat_bf16 = flat.half(), flat.bfloat16()
     forward_only = copy()
     methods: dict[str, Callable[[], object]] = {
         "C": trainer(copy()),
         "A": lambda: dist.all_reduce(flat),
+        "A fp16": lambda: dist.all_reduce(flat16),
+        "A bf16": lambda: dist.all_reduce(flat_bf16),
         "F": lambda: loss_fn(forward_only(x), y),
         "torch DDP": trainer(nn.parallel.DistributedDataParallel(copy())),
         "ddpkit": trainer(ddpkit()),
         "ddpkit fp16": trainer(ddpkit(fp16_compress_hook)),
+        "ddpkit bf16": trainer(ddpkit(bf16_compress_hook)),
         "ddpkit PowerSGD": trainer(ddpkit(powerSGD_hook, PowerSGDState(None, matrix_approximation_rank=1,
                                                                         start_powerSGD_iter=1))),
     }
@@ -177,9 +185,16 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
         # A compressing hook sends fewer bytes than A: its gain is measured against ddpkit without one.
-        for name in ("ddpkit fp16", "ddpkit PowerSGD"):
+        for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD"):
             faster = statistics.median(plain / hooked for plain, hooked in zip(samples["ddpkit"], samples[name]))
-            print(f"  {'':6s} {name:16s} {faster:5.2f}x faster than ddpkit without a hook")
+            print(f"  {'':6s} {name:16s} {faster:5.2f}x faster than ddpkit without a hook", end="")
+            if (raw := f"A {name.split()[-1]}") in samples:
+                # Its floor, as F + A is ddpkit's: no faster than the forward and the 16-bit all-reduce.
+                floors = [f + a16 for f, a16 in zip(samples["F"], samples[raw], strict=True)]
+                over_floor = statistics.median(t / floor for t, floor in zip(samples[name], floors))
+                bound = statistics.median(plain / floor for plain, floor in zip(samples["ddpkit"], floors))
+                print(f"; step/(F + {raw}) {over_floor:5.3f}, so at most {bound:5.2f}x", end="")
+            print()
     sys.stdout.flush()
 
 
