@@ -292,6 +292,40 @@ def test_each_lost_node_spends_one_restart_and_once_none_is_left_the_next_loss_e
     time.sleep(0.3)  # the last beat done before the store goes
 
 
+@pytest.mark.timeout(60)
+def test_a_survivor_that_looks_at_a_lost_node_after_another_removed_it_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three launchers, ``--nnodes 2:3 --max-restarts 1``: node 2 goes silent and node 0's launcher
+    shrinks the world without it (to MIN). Node 1's launcher, which read the world before that
+    removal and then looks at node 2, must find the world shrunk, not a second loss below MIN: it
+    ended the job saying the budget was spent (``benchmarks/recovery.py --nodes 3``, 1 run in 2)."""
+    monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    shrinking = Shrinking(min_nodes=2, nproc_per_node=1, spares_possible=False)
+
+    def client() -> BoundedStore:
+        return BoundedStore(connect("127.0.0.1", store.port, 10), 10)
+
+    zero, one, two = (NodeCoordination(client(), rank, 3, "127.0.0.1", store.port, in_place=True, shrinking=shrinking,
+                                       node_losses_allowed=1) for rank in range(3))
+    for coordination in (zero, one, two):
+        coordination.beat_through(client())
+    time.sleep(0.5)
+    assert one.world() == [0, 1, 2]  # node 1's launcher read the world before the loss
+    two._beating.set()  # node 2's launcher killed
+    deadline = time.monotonic() + 10
+    while zero.world() != [0, 1] and time.monotonic() < deadline:
+        assert zero.silent_node() is None
+        time.sleep(0.05)
+    assert zero.world() == [0, 1] and not zero.node_losses_left()
+    # Node 1's look at node 2, as its silent_node makes it while going through the world it read before.
+    beat = one._read("beat/2", -1)
+    assert beat is not None and one._shrinks_without(2, beat)
+    assert one.silent_node() is None and one.world() == [0, 1]
+    for coordination in (zero, one):
+        coordination._beating.set()
+    time.sleep(0.3)  # the last beats done before the store goes
+
+
 @pytest.mark.timeout(300)
 def test_after_a_shrink_joining_nodes_lost_in_their_takeover_shrink_it_again_and_the_next_one_joins(
         tmp_path: Path) -> None:

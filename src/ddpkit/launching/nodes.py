@@ -315,7 +315,14 @@ class NodeCoordination:
         """Whether the world goes on without the silent ``node`` (whose last beat was ``beat``): at
         least MIN nodes remain, and this launcher's claim on its place won (it then lays the next
         generation out, ``_remove``) or another survivor's did."""
-        if self.shrinking is None or len(self.world()) - 1 < self.shrinking.min_nodes:
+        if self.shrinking is None:
+            return False
+        world = self.world()
+        if node not in world:
+            # Another survivor's claim won and removed it since this launcher read the world: the
+            # world is already without it (and may be at MIN now, which must not read as a loss below it).
+            return True
+        if len(world) - 1 < self.shrinking.min_nodes:
             return False
         spent = not self.node_losses_left()
         who = f"node {self.node_rank}'s launcher {self._launcher_id}"
