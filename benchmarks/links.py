@@ -1,7 +1,7 @@
 """Overlap and compression where the wire costs: ranks in network namespaces over shaped links.
 
     python benchmarks/links.py [--rates 1 5 10] [--ranks-per-node 1 2] [--nodes 2] [--models mlp big]
-                               [--rounds 15] [--plot scaling.png]
+                               [--rounds 15] [--plot scaling.png] [--bucket-caps MB ...]
 
 Two nodes (``--nodes``: any counts), each a network namespace on one bridge (``netns.Nodes``), each node's link shaped
 with ``tc qdisc ... tbf rate R`` in both directions (``netem`` is not available here); 1 or 2
@@ -17,8 +17,9 @@ interleaved in a shuffled order each round (noise hits all alike):
 - ``F``: the forward alone (the loss, its graph built and dropped), the slowest rank's;
 - ``torch DDP``, ``ddpkit``: each DDP's step, defaults;
 - ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
-  ``bf16_compress_hook`` and ``powerSGD_hook``
-  (rank 1, compressing from the first timed step).
+  ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1, compressing from the first timed step);
+- with ``--bucket-caps 4 10``, ``ddpkit 4 MB buckets`` and so on: ddpkit with that ``bucket_cap_mb``
+  (the first bucket stays 1 MB), to choose the bucket size where the wire costs.
 
 Printed per rate and model: medians (ms); for torch DDP and ddpkit, round by round, the overlap
 efficiency ``(C + A - T) / min(C, A)`` (1.0: the smaller of compute and communication fully
@@ -47,6 +48,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +75,7 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, tor
     return build_step_model(name)
 
 
-def measure(model_name: str, rounds: int) -> dict[str, list[float]]:
+def measure(model_name: str, rounds: int, bucket_caps: list[float]) -> dict[str, list[float]]:
     """In every rank: the samples of each method (ms per round); C is this rank's own."""
     base, batch, loss_fn = build(model_name)
     x, y = batch(0)
@@ -86,8 +88,8 @@ def measure(model_name: str, rounds: int) -> dict[str, list[float]]:
     def trainer(model: nn.Module) -> Callable[[], None]:
         return sgd_step(model, loss_fn, x, y)
 
-    def ddpkit(hook: Callable[..., object] | None = None, state: object = None) -> nn.Module:
-        model = DistributedDataParallel(copy())
+    def ddpkit(hook: Callable[..., object] | None = None, state: object = None, **options: Any) -> nn.Module:
+        model = DistributedDataParallel(copy(), **options)
         if hook is not None:
             register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=hook)
         return model
@@ -108,6 +110,8 @@ def measure(model_name: str, rounds: int) -> dict[str, list[float]]:
         "ddpkit PowerSGD": trainer(ddpkit(powerSGD_hook, PowerSGDState(None, matrix_approximation_rank=1,
                                                                         start_powerSGD_iter=1))),
     }
+    for cap in bucket_caps:  # --bucket-caps: ddpkit with other bucket sizes (the first bucket stays 1 MB)
+        methods[f"ddpkit {cap:g} MB buckets"] = trainer(ddpkit(bucket_cap_mb=cap))
     return interleaved_samples(methods, rounds)
 
 
@@ -117,7 +121,7 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     results = {}
     for model_name in args.models:
-        samples = measure(model_name, args.rounds)
+        samples = measure(model_name, args.rounds, args.bucket_caps)
         for local in ("C", "F"):  # a synchronised step waits for the slowest rank
             every_rank = [None] * dist.get_world_size()
             dist.all_gather_object(every_rank, samples[local])
@@ -138,7 +142,8 @@ def shape(nodes: Nodes, gigabits: float) -> None:
                             burst, "latency", "50ms"], check=True, capture_output=True, timeout=30)
 
 
-def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int) -> dict[str, dict[str, list[float]]]:
+def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int,
+              bucket_caps: list[float]) -> dict[str, dict[str, list[float]]]:
     """Start ``per_node`` ranks in each node's namespace and return rank 0's samples by model."""
     folder = Path(tempfile.mkdtemp(prefix="ddpkit-links-"))
     out = folder / "samples.json"
@@ -152,7 +157,8 @@ def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int) -> di
                    "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": nodes.links[node], "OMP_NUM_THREADS": "1"}
             processes.append(subprocess.Popen(
                 [*nodes.prefix(node), sys.executable, __file__, "--rank-of-nodes", "--out", str(out), "--rounds",
-                 str(rounds), "--models", *models], env=env, stderr=subprocess.PIPE, text=True))
+                 str(rounds), "--models", *models, "--bucket-caps", *map(str, bucket_caps)],
+                env=env, stderr=subprocess.PIPE, text=True))
         for process in processes:
             _, err = process.communicate(timeout=3600)
             if process.returncode != 0:
@@ -180,7 +186,7 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
     for model_name, samples in results.items():
         medians = "  ".join(f"{name} {statistics.median(values):.1f}" for name, values in samples.items())
         print(f"  {model_name:6s} ms: {medians}")
-        for name in ("torch DDP", "ddpkit"):
+        for name in ["torch DDP", "ddpkit", *(name for name in samples if name.endswith("MB buckets"))]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
@@ -261,6 +267,8 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PNG", help="draw how the step grows with the ranks (needs matplotlib)")
     parser.add_argument("--models", nargs="+", default=["mlp", "big"], choices=["mlp", "lenet", "many", "big"])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--bucket-caps", type=float, nargs="*", default=[], metavar="MB",
+                        help="also time ddpkit with these bucket_cap_mb (the default is 25)")
     parser.add_argument("--rank-of-nodes", action="store_true", help=argparse.SUPPRESS)  # one rank, in its namespace
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -277,7 +285,7 @@ def main() -> None:
             for rate in random.Random(per_node).sample(args.rates, len(args.rates)):
                 with Nodes(count) as nodes:
                     shape(nodes, rate)
-                    results = run_ranks(nodes, per_node, args.models, args.rounds)
+                    results = run_ranks(nodes, per_node, args.models, args.rounds, args.bucket_caps)
                 report(rate, count, per_node, results)
                 for model_name, samples in results.items():
                     scaling[(rate, model_name, count, per_node)] = samples
