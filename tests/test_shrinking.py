@@ -297,7 +297,7 @@ def test_a_survivor_that_looks_at_a_lost_node_after_another_removed_it_goes_on(m
     """Three launchers, ``--nnodes 2:3 --max-restarts 1``: node 2 goes silent and node 0's launcher
     shrinks the world without it (to MIN). Node 1's launcher, which read the world before that
     removal and then looks at node 2, must find the world shrunk, not a second loss below MIN: it
-    ended the job saying the budget was spent (``benchmarks/recovery.py --nodes 3``, 1 run in 2)."""
+    ended the job saying the budget was spent (``benchmarks/recovery.py --nodes 3``, its first run)."""
     monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     shrinking = Shrinking(min_nodes=2, nproc_per_node=1, spares_possible=False)
