@@ -255,31 +255,49 @@ def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() 
     assert Layout.from_json(store.get(layout_key).decode()) == Layout((2, 3), ((0, 2), (1, 3)))
 
 
+class BeatingLaunchers:
+    """Three launchers' coordination under in-place recovery (``--max-restarts 1``) on a real store,
+    each beating through a client of its own, as ``ddpkit run`` makes them; silent after 0.5 s."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, shrinking: Shrinking) -> None:
+        monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.nodes = [NodeCoordination(self._client(), rank, 3, "127.0.0.1", self.store.port, in_place=True,
+                                       shrinking=shrinking, node_losses_allowed=1) for rank in range(3)]
+        for coordination in self.nodes:
+            coordination.beat_through(self._client())
+        time.sleep(0.5)
+
+    def _client(self) -> BoundedStore:
+        return BoundedStore(connect("127.0.0.1", self.store.port, 10), 10)
+
+    def shrink_without(self, lost: int, seen_by: NodeCoordination, deadline: float) -> None:
+        """Silence node ``lost``'s launcher and wait until ``seen_by``'s world is without it (its
+        silent_node saying nothing all the while: the world shrinks, no loss is declared)."""
+        self.nodes[lost]._beating.set()
+        expected = [node for node in seen_by.world() if node != lost]
+        while seen_by.world() != expected and time.monotonic() < deadline:
+            assert seen_by.silent_node() is None
+            time.sleep(0.05)
+        assert seen_by.world() == expected and not seen_by.node_losses_left()
+
+    def stop(self) -> None:
+        for coordination in self.nodes:
+            coordination._beating.set()
+        time.sleep(0.3)  # the last beats done before the store goes
+
+
 @pytest.mark.timeout(60)
 def test_each_lost_node_spends_one_restart_and_once_none_is_left_the_next_loss_ends_the_job_naming_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Three launchers, ``--nnodes 1:3 --max-restarts 1``: node 1 goes silent and the world shrinks
     without it (one node loss spent); node 2 goes silent next, and node 0's launcher takes it for lost,
     saying that the budget is spent, instead of shrinking again (no claim waited for either)."""
-    monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    shrinking = Shrinking(min_nodes=1, nproc_per_node=1, spares_possible=True)
-
-    def client() -> BoundedStore:
-        return BoundedStore(connect("127.0.0.1", store.port, 10), 10)
-
-    zero, one, two = (NodeCoordination(client(), rank, 3, "127.0.0.1", store.port, in_place=True, shrinking=shrinking,
-                                       node_losses_allowed=1) for rank in range(3))
-    for coordination in (zero, one, two):
-        coordination.beat_through(client())
-    time.sleep(0.5)
+    launchers = BeatingLaunchers(monkeypatch, Shrinking(min_nodes=1, nproc_per_node=1, spares_possible=True))
+    zero, _, two = launchers.nodes
     assert zero.silent_node() is None
-    one._beating.set()  # node 1's launcher killed
     deadline = time.monotonic() + 10
-    while zero.world() != [0, 2] and time.monotonic() < deadline:
-        assert zero.silent_node() is None
-        time.sleep(0.05)
-    assert zero.world() == [0, 2] and not zero.node_losses_left()
+    launchers.shrink_without(1, seen_by=zero, deadline=deadline)  # node 1's launcher killed
     two._beating.set()  # node 2's, next
     lost_at = time.monotonic()
     while (why := zero.silent_node()) is None and time.monotonic() < deadline:
@@ -288,8 +306,7 @@ def test_each_lost_node_spends_one_restart_and_once_none_is_left_the_next_loss_e
     assert "recovered from 1 lost node(s) already, all that --max-restarts=1 allows, so it ends" in why
     assert time.monotonic() - lost_at < 1.5  # the silence alone: no spare's claim is waited for
     assert zero.world() == [0, 2]
-    zero._beating.set()
-    time.sleep(0.3)  # the last beat done before the store goes
+    launchers.stop()
 
 
 @pytest.mark.timeout(60)
@@ -298,32 +315,15 @@ def test_a_survivor_that_looks_at_a_lost_node_after_another_removed_it_goes_on(m
     shrinks the world without it (to MIN). Node 1's launcher, which read the world before that
     removal and then looks at node 2, must find the world shrunk, not a second loss below MIN: it
     ended the job saying the budget was spent (``benchmarks/recovery.py --nodes 3``, its first run)."""
-    monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    shrinking = Shrinking(min_nodes=2, nproc_per_node=1, spares_possible=False)
-
-    def client() -> BoundedStore:
-        return BoundedStore(connect("127.0.0.1", store.port, 10), 10)
-
-    zero, one, two = (NodeCoordination(client(), rank, 3, "127.0.0.1", store.port, in_place=True, shrinking=shrinking,
-                                       node_losses_allowed=1) for rank in range(3))
-    for coordination in (zero, one, two):
-        coordination.beat_through(client())
-    time.sleep(0.5)
+    launchers = BeatingLaunchers(monkeypatch, Shrinking(min_nodes=2, nproc_per_node=1, spares_possible=False))
+    zero, one, _ = launchers.nodes
     assert one.world() == [0, 1, 2]  # node 1's launcher read the world before the loss
-    two._beating.set()  # node 2's launcher killed
-    deadline = time.monotonic() + 10
-    while zero.world() != [0, 1] and time.monotonic() < deadline:
-        assert zero.silent_node() is None
-        time.sleep(0.05)
-    assert zero.world() == [0, 1] and not zero.node_losses_left()
+    launchers.shrink_without(2, seen_by=zero, deadline=time.monotonic() + 10)  # node 2's launcher killed
     # Node 1's look at node 2, as its silent_node makes it while going through the world it read before.
     beat = one._read("beat/2", -1)
     assert beat is not None and one._shrinks_without(2, beat)
     assert one.silent_node() is None and one.world() == [0, 1]
-    for coordination in (zero, one):
-        coordination._beating.set()
-    time.sleep(0.3)  # the last beats done before the store goes
+    launchers.stop()
 
 
 @pytest.mark.timeout(300)
