@@ -124,7 +124,8 @@ ACCOUNT = ("peak", "resident", "tensors", "malloc in use", "other in use", "free
 
 
 def account(tensor_bytes: int) -> dict[str, float]:
-    """Where this process's resident memory is now, in MiB, by glibc's own count (``mallinfo2``):
+    """Where this process's resident memory is now (all of ``ACCOUNT`` but the peak), in MiB, by
+    glibc's own count (``mallinfo2``):
     ``tensors``: the bytes of the model's and DDP's tensors that Python can see (parameters,
     gradients, ddpkit's buckets); ``malloc in use``: every byte malloc has handed out and not had
     back (the tensors, torch DDP's own buckets, backward's temporaries still held, Python's objects);
@@ -132,7 +133,7 @@ def account(tensor_bytes: int) -> dict[str, float]:
     keeps (the holes; resident once touched); ``outside malloc``: the rest of the resident memory
     (the libraries' code and data, the stacks). Empty under another allocator (``LD_PRELOAD``):
     glibc's count then misses its blocks."""
-    figures = {"peak": peak_resident_kib() / 1024, "resident": _status_kib("VmRSS:") / 1024}
+    figures = {"resident": _status_kib("VmRSS:") / 1024}  # the peak: ``train`` reads it at the end
     if os.environ.get("LD_PRELOAD"):
         return figures
     libc = ctypes.CDLL(None)
