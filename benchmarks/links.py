@@ -18,8 +18,9 @@ interleaved in a shuffled order each round (noise hits all alike):
 - ``torch DDP``, ``ddpkit``: each DDP's step, defaults;
 - ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
   ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1, compressing from the first timed step);
-- with ``--bucket-caps 4 10``, ``ddpkit 4 MB buckets`` and so on: ddpkit with that ``bucket_cap_mb``
-  (the first bucket stays 1 MB), to choose the bucket size where the wire costs.
+- with ``--bucket-caps 4 10``, ``ddpkit 4 MB buckets``, ``ddpkit fp16 4 MB buckets`` and so on:
+  ddpkit without a hook and with ``fp16_compress_hook`` at that ``bucket_cap_mb`` (the first
+  bucket stays 1 MB), to choose the bucket size where the wire costs.
 
 Printed per rate and model: medians (ms); for torch DDP and ddpkit, round by round, the overlap
 efficiency ``(C + A - T) / min(C, A)`` (1.0: the smaller of compute and communication fully
@@ -112,6 +113,7 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float]) -> dict[str,
     }
     for cap in bucket_caps:  # --bucket-caps: ddpkit with other bucket sizes (the first bucket stays 1 MB)
         methods[f"ddpkit {cap:g} MB buckets"] = trainer(ddpkit(bucket_cap_mb=cap))
+        methods[f"ddpkit fp16 {cap:g} MB buckets"] = trainer(ddpkit(fp16_compress_hook, bucket_cap_mb=cap))
     return interleaved_samples(methods, rounds)
 
 
@@ -186,15 +188,16 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
     for model_name, samples in results.items():
         medians = "  ".join(f"{name} {statistics.median(values):.1f}" for name, values in samples.items())
         print(f"  {model_name:6s} ms: {medians}")
-        for name in ["torch DDP", "ddpkit", *(name for name in samples if name.endswith("MB buckets"))]:
+        capped = [name for name in samples if name.endswith("MB buckets")]  # --bucket-caps
+        for name in ["torch DDP", "ddpkit", *(name for name in capped if "fp16" not in name)]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
         # A compressing hook sends fewer bytes than A: its gain is measured against ddpkit without one.
-        for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD"):
+        for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD", *(name for name in capped if "fp16" in name)):
             faster = statistics.median(plain / hooked for plain, hooked in zip(samples["ddpkit"], samples[name]))
             print(f"  {'':6s} {name:16s} {faster:5.2f}x faster than ddpkit without a hook", end="")
-            if (raw := f"A {name.split()[-1]}") in samples:
+            if (raw := f"A {name.split()[1]}") in samples:  # "ddpkit fp16 ..." -> "A fp16"
                 # Its floor, as F + A is ddpkit's: no faster than the forward and the 16-bit all-reduce.
                 floors = [f + a16 for f, a16 in zip(samples["F"], samples[raw], strict=True)]
                 over_floor = statistics.median(t / floor for t, floor in zip(samples[name], floors))

@@ -6,6 +6,17 @@ their gradients), grouped by dtype and device, and cut into buckets of at most `
 the first bucket of each kind is smaller (``first_cap_bytes``) so that communication starts
 early in backward, as torch's Reducer does. Every rank builds the same buckets because the
 order comes from one rank's parameter list.
+
+Unlike torch's Reducer, the caps after the first grow by doubling (1, 2, 4, 8, 16 MB, then
+``cap_bytes``) rather than jumping to ``cap_bytes`` at once. Where the link is slow the wire is
+busy from the first bucket's launch to the end, but only if each next bucket is full before the
+wire has sent the one before. With one jump, the second bucket holds most of a mid-sized model
+(7 of the 8 MiB layers of the 8 x 1024 MLP), so a hook that sends fewer bytes than it reduces
+(fp16, bf16) had sent the first bucket long before backward filled the second, and the wire
+idled: the MLP's fp16 step at 1 Gbit/s took 1.35x its floor, 1.1x with doubling
+(benchmarks/links.py). Large models still get ``cap_bytes`` buckets after the first 31 MB, so
+the number of collectives grows by a handful, which cost nothing measurable on loopback either
+(benchmarks/ddp_step.py).
 """
 
 from __future__ import annotations
@@ -35,8 +46,9 @@ def assign_buckets(
     A bucket holds one dtype and one device. As torch's Reducer does, a tensor is added to its
     kind's open bucket, which closes once it reaches its cap; so the first bucket holds at
     least the first whole tensor (on an MLP, the last layer), and its reduction starts as soon
-    as backward has produced it. Buckets are ordered by their first tensor, so bucket 0 holds
-    the first tensors of ``tensors``.
+    as backward has produced it. The k-th bucket of a kind (from 0) closes at
+    ``min(cap_bytes, first_cap_bytes * 2**k)`` (see the module's docstring). Buckets are ordered
+    by their first tensor, so bucket 0 holds the first tensors of ``tensors``.
     """
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(f"bucket caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}.")
@@ -48,7 +60,7 @@ def assign_buckets(
         members, used = open_buckets.get(kind, ([], 0))
         members.append(index)
         used += tensor.numel() * tensor.element_size()
-        cap = first_cap_bytes if closed_for_kind.get(kind, 0) == 0 else cap_bytes
+        cap = min(cap_bytes, first_cap_bytes << closed_for_kind.get(kind, 0))
         if used >= cap:
             buckets.append(members)
             closed_for_kind[kind] = closed_for_kind.get(kind, 0) + 1
