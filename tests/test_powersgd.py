@@ -12,7 +12,7 @@ from helpers import Counting
 from torch import nn
 
 from ddpkit.distributed import register_ddp_comm_hook
-from ddpkit.hooks import PowerSGDState, allreduce_hook, powerSGD_hook
+from ddpkit.hooks import PowerSGDState, allreduce_hook, fp16_compress_hook, powerSGD_hook
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
 
@@ -63,6 +63,31 @@ def test_any_number_of_buckets_and_every_rank_agrees(pool: WorkerPool, kind: str
     reference = results[0][1]
     for _, grads in results:
         assert all(torch.isfinite(g).all() and torch.equal(g, r) for g, r in zip(grads, reference))
+
+
+def bucket_sizes_with(hook_name: str) -> tuple[list[int], list[int]]:
+    """Bucket sizes (parameters) of four 1 MiB layers before a hook is registered and after one
+    synchronised backward with it (the buckets are rebuilt then, in the observed order)."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]))
+    before = [len(bucket.parameters) for bucket in model._reducer.buckets]
+    hooks = {"fp16": (None, fp16_compress_hook), "PowerSGD": (PowerSGDState(None, start_powerSGD_iter=1), powerSGD_hook)}
+    if hook_name in hooks:
+        state, hook = hooks[hook_name]
+        register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=hook)
+    model(torch.randn(4, 512)).sum().backward()
+    return before, [len(bucket.parameters) for bucket in model._reducer.buckets]
+
+
+@pytest.mark.parametrize("hook_name", ["none", "fp16", "PowerSGD"])
+def test_powersgd_gets_fewer_buckets_than_reductions_that_follow_the_bytes(pool2: WorkerPool, hook_name: str) -> None:
+    """Caps after the first double where a bucket's reduction takes time by its bytes (no hook,
+    fp16); PowerSGD pays per bucket, so it gets torch's one jump to bucket_cap_mb
+    (ddpkit.parallel.buckets). Each layer's weight is 1 MiB: caps 1, 2, 4 MiB make three buckets."""
+    growing, one_jump = [2, 4, 2], [2, 6]
+    for before, after in pool2.run(bucket_sizes_with, hook_name, timeout=60):
+        assert before == growing
+        assert after == (one_jump if hook_name == "PowerSGD" else growing)
 
 
 def bytes_on_the_wire(kind: str, rank: int) -> tuple[int, dict[str, float]]:

@@ -16,7 +16,11 @@ wire has sent the one before. With one jump, the second bucket holds most of a m
 idled: the MLP's fp16 step at 1 Gbit/s took 1.35x its floor, 1.1x with doubling
 (benchmarks/links.py). Large models still get ``cap_bytes`` buckets after the first 31 MB, so
 the number of collectives grows by a handful, which cost nothing measurable on loopback either
-(benchmarks/ddp_step.py).
+(benchmarks/ddp_step.py). That holds for reductions whose time grows with the bucket's bytes (the
+all-reduce, the 16-bit hooks). A hook that pays per bucket instead (PowerSGD: three small
+all-reduces that wait for each other, and its factors' products) gets the one jump
+(``growing=False``): there the MLP's step at 1 Gbit/s went from 4.0x to 3.4x faster than no hook
+with the doubling caps.
 """
 
 from __future__ import annotations
@@ -39,16 +43,18 @@ UNBATCHED_BESIDE_BYTES = 1024 * 1024
 
 
 def assign_buckets(
-    tensors: Sequence[Tensor], cap_bytes: int = DEFAULT_CAP_BYTES, first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES
+    tensors: Sequence[Tensor], cap_bytes: int = DEFAULT_CAP_BYTES, first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
+    growing: bool = True,
 ) -> list[list[int]]:
     """Split ``tensors`` (already in launch order) into buckets of indices.
 
     A bucket holds one dtype and one device. As torch's Reducer does, a tensor is added to its
     kind's open bucket, which closes once it reaches its cap; so the first bucket holds at
     least the first whole tensor (on an MLP, the last layer), and its reduction starts as soon
-    as backward has produced it. The k-th bucket of a kind (from 0) closes at
-    ``min(cap_bytes, first_cap_bytes * 2**k)`` (see the module's docstring). Buckets are ordered
-    by their first tensor, so bucket 0 holds the first tensors of ``tensors``.
+    as backward has produced it. With ``growing``, the k-th bucket of a kind (from 0) closes at
+    ``min(cap_bytes, first_cap_bytes * 2**k)`` (see the module's docstring); without it, every
+    bucket after the first at ``cap_bytes``, as torch's. Buckets are ordered by their first
+    tensor, so bucket 0 holds the first tensors of ``tensors``.
     """
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(f"bucket caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}.")
@@ -60,7 +66,8 @@ def assign_buckets(
         members, used = open_buckets.get(kind, ([], 0))
         members.append(index)
         used += tensor.numel() * tensor.element_size()
-        cap = min(cap_bytes, first_cap_bytes << closed_for_kind.get(kind, 0))
+        closed = closed_for_kind.get(kind, 0)
+        cap = min(cap_bytes, first_cap_bytes << closed) if growing else first_cap_bytes if closed == 0 else cap_bytes
         if used >= cap:
             buckets.append(members)
             closed_for_kind[kind] = closed_for_kind.get(kind, 0) + 1

@@ -329,8 +329,7 @@ class DistributedDataParallel(nn.Module):
         if self._reduce_function is not None:
             raise RuntimeError("A communication hook cannot be combined with reduce_function, which replaces the whole "
                                "reduction.")
-        self._reducer.comm_state, self._reducer.comm_hook = values["state"], values["hook"]
-        self._reducer.averages_elementwise = is_elementwise_average(values["hook"])
+        self._reducer.use_comm_hook(values["state"], values["hook"], is_elementwise_average(values["hook"]))
         return None
 
     def _add_pre_sync_hook(self, hook: Callable[[DistributedDataParallel], None]) -> RemovableHandle:

@@ -126,7 +126,11 @@ class Reducer:
         self.launch_order = names
         ordered = [self._trainable[name] for name in names]
         first_cap = min(self._bucket_cap, DEFAULT_FIRST_CAP_BYTES)
-        groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap)
+        # Caps that grow keep a slow wire busy where a reduction's time follows its bytes (the
+        # elementwise averages); a hook that pays per bucket (PowerSGD) is better off with fewer.
+        self._growing_caps = self.averages_elementwise
+        groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap,
+                                growing=self._growing_caps)
         self.buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
                         for i, g in enumerate(groups)]
         # A parameter frozen after wrapping cannot take a hook (torch refuses). It keeps its slot:
@@ -143,6 +147,14 @@ class Reducer:
                     if parameter.grad is not None and parameter.grad is old_views.get(id(parameter)):
                         view.copy_(parameter.grad)
                         parameter.grad = view
+
+    def use_comm_hook(self, state: object, hook: CommHook, averages_elementwise: bool) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` from now on. A hook that is not an
+        elementwise average gets the buckets such hooks are better off with (``set_launch_order``)."""
+        self.comm_state, self.comm_hook = state, hook
+        self.averages_elementwise = averages_elementwise
+        if averages_elementwise != self._growing_caps:
+            self.set_launch_order(self.launch_order)
 
     def _rebuild_buckets_in_observed_order(self) -> None:
         """After the first synchronised backward: rebuild the buckets in the order in which the
