@@ -21,17 +21,21 @@ def test_a_bucket_closes_once_it_reaches_its_cap_with_the_crossing_tensor_inside
 def test_caps_after_the_first_double_up_to_the_cap() -> None:
     # 40-byte tensors; caps 40, 80, then 100 (160 capped)
     tensors = [floats(10) for _ in range(10)]
-    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40) == [[0], [1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40, growing=True) == [[0], [1, 2], [3, 4, 5],
+                                                                                       [6, 7, 8], [9]]
+    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40) == [[0], [1, 2, 3], [4, 5, 6], [7, 8, 9]]
 
 
-def test_a_mid_sized_model_gets_small_buckets_first_so_a_slow_wire_never_waits_for_a_large_one() -> None:
-    # The 8 x 1024 MLP's weights (4 MiB each) with the defaults: not [[0], [1, ..., 7]], where
-    # the wire has sent bucket 0 long before backward fills the second bucket (benchmarks/links.py).
+def test_growing_caps_give_a_mid_sized_model_small_buckets_so_a_slow_wire_never_waits_for_a_large_one() -> None:
+    # The 8 x 1024 MLP's weights (4 MiB each): not torch's [[0], [1, ..., 7]], where a 16-bit hook's
+    # wire has sent bucket 0 long before backward fills the second bucket (benchmarks/links.py).
     weights = [floats(1024 * 1024) for _ in range(8)]
-    assert assign_buckets(weights) == [[0], [1], [2], [3, 4], [5, 6, 7]]
+    assert assign_buckets(weights) == [[0], [1, 2, 3, 4, 5, 6, 7]]
+    assert assign_buckets(weights, growing=True) == [[0], [1], [2], [3, 4], [5, 6, 7]]
     # Larger tensors fill the doubling caps sooner: 16 MiB layers go one a bucket, 8 MiB ones up to four.
-    assert assign_buckets([floats(4 * 1024 * 1024) for _ in range(6)]) == [[0], [1], [2], [3], [4], [5]]
-    assert assign_buckets([floats(2 * 1024 * 1024) for _ in range(12)]) == [[0], [1], [2], [3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    assert assign_buckets([floats(4 * 1024 * 1024) for _ in range(6)], growing=True) == [[0], [1], [2], [3], [4], [5]]
+    assert assign_buckets([floats(2 * 1024 * 1024) for _ in range(12)], growing=True) == [
+        [0], [1], [2], [3], [4, 5], [6, 7, 8, 9], [10, 11]]
 
 
 def test_buckets_hold_one_dtype_each_and_follow_the_launch_order() -> None:

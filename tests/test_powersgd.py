@@ -80,14 +80,15 @@ def bucket_sizes_with(hook_name: str) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("hook_name", ["none", "fp16", "PowerSGD"])
-def test_powersgd_gets_fewer_buckets_than_reductions_that_follow_the_bytes(pool2: WorkerPool, hook_name: str) -> None:
-    """Caps after the first double where a bucket's reduction takes time by its bytes (no hook,
-    fp16); PowerSGD pays per bucket, so it gets torch's one jump to bucket_cap_mb
+def test_a_16_bit_hook_gets_caps_that_double_and_powersgd_and_no_hook_keep_torchs(pool2: WorkerPool,
+                                                                                   hook_name: str) -> None:
+    """Caps after the first double under a hook that sends fewer bytes than it reduces (fp16); no
+    hook and PowerSGD (which pays per bucket) keep torch's one jump to bucket_cap_mb
     (ddpkit.parallel.buckets). Each layer's weight is 1 MiB: caps 1, 2, 4 MiB make three buckets."""
     growing, one_jump = [2, 4, 2], [2, 6]
     for before, after in pool2.run(bucket_sizes_with, hook_name, timeout=60):
-        assert before == growing
-        assert after == (one_jump if hook_name == "PowerSGD" else growing)
+        assert before == one_jump
+        assert after == (growing if hook_name == "fp16" else one_jump)
 
 
 def bytes_on_the_wire(kind: str, rank: int) -> tuple[int, dict[str, float]]:

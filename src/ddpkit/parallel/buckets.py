@@ -7,20 +7,24 @@ the first bucket of each kind is smaller (``first_cap_bytes``) so that communica
 early in backward, as torch's Reducer does. Every rank builds the same buckets because the
 order comes from one rank's parameter list.
 
-Unlike torch's Reducer, the caps after the first grow by doubling (1, 2, 4, 8, 16 MB, then
-``cap_bytes``) rather than jumping to ``cap_bytes`` at once. Where the link is slow the wire is
-busy from the first bucket's launch to the end, but only if each next bucket is full before the
-wire has sent the one before. With one jump, the second bucket holds most of a mid-sized model
-(7 of the 8 MiB layers of the 8 x 1024 MLP), so a hook that sends fewer bytes than it reduces
-(fp16, bf16) had sent the first bucket long before backward filled the second, and the wire
-idled: the MLP's fp16 step at 1 Gbit/s took 1.35x its floor, 1.1x with doubling
-(benchmarks/links.py). Large models still get ``cap_bytes`` buckets after the first 31 MB, so
-the number of collectives grows by a handful, which cost nothing measurable on loopback either
-(benchmarks/ddp_step.py). That holds for reductions whose time grows with the bucket's bytes (the
-all-reduce, the 16-bit hooks). A hook that pays per bucket instead (PowerSGD: three small
-all-reduces that wait for each other, and its factors' products) gets the one jump
-(``growing=False``): there the MLP's step at 1 Gbit/s went from 4.0x to 3.4x faster than no hook
-with the doubling caps.
+With an elementwise-averaging comm hook (ddpkit's ``allreduce_hook``, ``fp16_compress_hook``,
+``bf16_compress_hook``: ``growing=True``) the caps after the first double (1, 2, 4, 8, 16 MB,
+then ``cap_bytes``) rather than jumping to ``cap_bytes`` at once. On a slow link the wire is
+busy from the first bucket's launch to the end only if each next bucket is full before the wire
+has sent the one before. With one jump the second bucket holds most of a mid-sized model (7 of
+the 8 MiB layers of the 8 x 1024 MLP), so a hook that sends fewer bytes than it reduces had sent
+the first bucket long before backward filled the second, and the wire idled: the MLP's fp16
+step at 1 Gbit/s took 1.35x its floor, 1.1x with doubling (benchmarks/links.py). Large models
+still get ``cap_bytes`` buckets after the first 31 MB.
+
+Without a hook the buckets stay torch's: the first bucket's all-reduce of every byte outlasts
+the rest of backward where the wire is slow, so doubling gained nothing measurable, at 1 Gbit/s
+or on loopback (benchmarks/ddp_step.py), while under glibc's malloc the backward's freed
+gradients and the all-reduces of five buckets instead of two, interleaved, left ~10 MiB more
+holes in the heap of each rank of the MLP (benchmarks/memory.py: 412 against 402 MiB). A hook
+that pays per bucket (PowerSGD: two small all-reduces that wait for each other, and its
+factors' products) also keeps torch's: with doubling caps the MLP's PowerSGD step at 1 Gbit/s
+fell from 4.0x to 3.4x faster than no hook.
 """
 
 from __future__ import annotations
@@ -44,16 +48,16 @@ UNBATCHED_BESIDE_BYTES = 1024 * 1024
 
 def assign_buckets(
     tensors: Sequence[Tensor], cap_bytes: int = DEFAULT_CAP_BYTES, first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
-    growing: bool = True,
+    growing: bool = False,
 ) -> list[list[int]]:
     """Split ``tensors`` (already in launch order) into buckets of indices.
 
     A bucket holds one dtype and one device. As torch's Reducer does, a tensor is added to its
     kind's open bucket, which closes once it reaches its cap; so the first bucket holds at
     least the first whole tensor (on an MLP, the last layer), and its reduction starts as soon
-    as backward has produced it. With ``growing``, the k-th bucket of a kind (from 0) closes at
-    ``min(cap_bytes, first_cap_bytes * 2**k)`` (see the module's docstring); without it, every
-    bucket after the first at ``cap_bytes``, as torch's. Buckets are ordered by their first
+    as backward has produced it. Every bucket after the first closes at ``cap_bytes``, as in
+    torch, or with ``growing`` the k-th bucket of a kind (from 0) at ``min(cap_bytes,
+    first_cap_bytes * 2**k)`` (see the module's docstring). Buckets are ordered by their first
     tensor, so bucket 0 holds the first tensors of ``tensors``.
     """
     if cap_bytes <= 0 or first_cap_bytes <= 0:

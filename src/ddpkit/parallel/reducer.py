@@ -126,9 +126,9 @@ class Reducer:
         self.launch_order = names
         ordered = [self._trainable[name] for name in names]
         first_cap = min(self._bucket_cap, DEFAULT_FIRST_CAP_BYTES)
-        # Caps that grow keep a slow wire busy where a reduction's time follows its bytes (the
-        # elementwise averages); a hook that pays per bucket (PowerSGD) is better off with fewer.
-        self._growing_caps = self.averages_elementwise
+        # Caps that double keep a slow wire busy under a hook that sends fewer bytes than it
+        # reduces; without a hook, or with one that pays per bucket, torch's (ddpkit.parallel.buckets).
+        self._growing_caps = self.comm_hook is not None and self.averages_elementwise
         groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap,
                                 growing=self._growing_caps)
         self.buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
@@ -149,11 +149,11 @@ class Reducer:
                         parameter.grad = view
 
     def use_comm_hook(self, state: object, hook: CommHook, averages_elementwise: bool) -> None:
-        """Reduce each bucket with ``hook(state, bucket)`` from now on. A hook that is not an
-        elementwise average gets the buckets such hooks are better off with (``set_launch_order``)."""
+        """Reduce each bucket with ``hook(state, bucket)`` from now on, in the buckets that suit it
+        (``set_launch_order``: an elementwise average gets caps that double)."""
         self.comm_state, self.comm_hook = state, hook
         self.averages_elementwise = averages_elementwise
-        if averages_elementwise != self._growing_caps:
+        if averages_elementwise:  # the buckets were built for no hook
             self.set_launch_order(self.launch_order)
 
     def _rebuild_buckets_in_observed_order(self) -> None:
