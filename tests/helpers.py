@@ -60,15 +60,17 @@ def sgd_on_shards(model: nn.Module, module: nn.Module, world: int, rank: int | N
 
 
 class Counting:
-    """Counts the bytes that go through torch.distributed.all_reduce while active."""
+    """Counts the bytes that go through torch.distributed.all_reduce while active, and the calls."""
 
     def __init__(self) -> None:
         self.sent = 0
+        self.calls = 0
         self._original = dist.all_reduce
 
     def __enter__(self) -> Counting:
         def counted(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
             self.sent += tensor.numel() * tensor.element_size()
+            self.calls += 1
             return self._original(tensor, *args, **kwargs)
 
         dist.all_reduce = counted

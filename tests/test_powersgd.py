@@ -91,27 +91,35 @@ def test_a_16_bit_hook_gets_caps_that_double_and_powersgd_and_no_hook_keep_torch
         assert after == (growing if hook_name == "fp16" else one_jump)
 
 
-def bytes_on_the_wire(kind: str, rank: int) -> tuple[int, dict[str, float]]:
-    model = wrap(mlp(), kind, 0.01)
+def bytes_on_the_wire(kind: str, rank: int, bucket_cap_mb: float = 0.01) -> tuple[int, dict[str, float], int]:
+    model = wrap(mlp(), kind, bucket_cap_mb)
     state = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=1, min_compression_rate=1)
     register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
     x, y = batch(0)
     nn.functional.mse_loss(model(x), y).backward()  # plain all-reduce step
     with Counting() as counting:
         nn.functional.mse_loss(model(x), y).backward()  # compressed step
-    return counting.sent, state.compression_stats()
+    return counting.sent, state.compression_stats(), counting.calls
 
 
 @pytest.mark.parametrize("kind", ["torch", "ddpkit"])
 @pytest.mark.parametrize("rank", [1, 4])
 def test_sends_exactly_the_bytes_its_stats_say(pool2: WorkerPool, kind: str, rank: int) -> None:
-    for sent, stats in pool2.run(bytes_on_the_wire, kind, rank, timeout=60):
+    for sent, stats, _ in pool2.run(bytes_on_the_wire, kind, rank, timeout=60):
         assert sent == stats["bytes_sent"]
         # Three weight matrices compressed: P and Q of rank r each; biases sent as they are.
         weights = (64 + 48) * rank + (48 + 40) * rank + (40 + 8) * rank
         biases = 48 + 40 + 8
         assert sent == 4 * (2 * weights // 2 + biases) or sent == 4 * (weights + biases)
         assert stats["compressed_tensors"] == 3 and stats["uncompressed_tensors"] == 3
+
+
+@pytest.mark.parametrize("kind", ["torch", "ddpkit"])
+def test_a_bucket_costs_two_all_reduces_as_the_uncompressed_tensors_travel_with_p(pool2: WorkerPool, kind: str) -> None:
+    """PowerSGD's step waits for each of its small messages in turn: the biases ride with P, then Q."""
+    for _, stats, calls in pool2.run(bytes_on_the_wire, kind, 1, 25, timeout=60):
+        assert stats["compressed_tensors"] == 3 and stats["uncompressed_tensors"] == 3
+        assert calls == 2  # one bucket
 
 
 def compression_of_a_large_layer() -> float:
