@@ -122,6 +122,25 @@ def test_a_bucket_costs_two_all_reduces_as_the_uncompressed_tensors_travel_with_
         assert calls == 2  # one bucket
 
 
+def error_storages_over_steps() -> list[set[int]]:
+    model = DistributedDataParallel(mlp(), static_graph=True)
+    state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1, min_compression_rate=1)
+    register_ddp_comm_hook(model, ddp_comm_state=state, ddp_comm_hook=powerSGD_hook)
+    storages = []
+    for step in range(4):
+        x, y = batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        storages.append({error.data_ptr() for error in state.error.values()})
+    return storages[1:]  # from the first compressed step
+
+
+def test_error_feedback_is_kept_in_place_with_no_copy_of_the_gradients_per_step(pool2: WorkerPool) -> None:
+    """M + E is summed into E's storage and E becomes the next error there: the hook allocates no
+    matrix-sized tensor per step (those passes and allocations were most of its cost on a CPU)."""
+    for storages in pool2.run(error_storages_over_steps, timeout=60):
+        assert len(storages[0]) == 3 and storages[0] == storages[1] == storages[2]
+
+
 def compression_of_a_large_layer() -> float:
     model = DistributedDataParallel(nn.Linear(512, 512), static_graph=True)
     state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1)

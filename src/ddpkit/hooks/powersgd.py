@@ -195,33 +195,37 @@ def _compress_and_reduce(state: PowerSGDState, bucket: Any, buffer: Tensor, worl
             _all_reduce_together(rest, state.process_group, stats, scale=1.0 / world_size, scaled=len(rest))
         return
 
-    inputs = []
+    # With error feedback each matrix is compressed as M + E, summed into E's own storage: no copy
+    # of M is made (the memory-bound passes over every gradient byte are PowerSGD's main cost on a
+    # CPU), and E becomes the next error in place once the approximation is known.
+    compensated = []
     for (key, _), matrix in matrices:
         if state.use_error_feedback:
             error = state.error.get(key)
             if error is None or error.shape != matrix.shape:
                 error = state.error[key] = torch.zeros_like(matrix)
-            matrix.add_(error)
-        inputs.append(matrix.clone() if state.use_error_feedback else matrix)
+            compensated.append(error.add_(matrix))
+        else:
+            compensated.append(matrix)
 
     # Q is kept column-major (a transposed view of an r x m tensor), so that M @ Q and
     # Q = (P^T M)^T read M in its own row order: several times faster than M^T P (benchmarks/README.md).
     qs = [_initial_q(state, key, label, matrix.shape[1], _rank_for(state, *matrix.shape), matrix)
           for (key, label), matrix in matrices]
-    ps = [matrix @ q for (_, matrix), q in zip(matrices, qs)]
+    ps = [m @ q for m, q in zip(compensated, qs)]
     # The uncompressed tensors travel with P: one blocking round trip less per bucket, which is
     # what PowerSGD's step pays for (its bytes are few).
     _all_reduce_together(rest + ps, state.process_group, stats, scale=1.0 / world_size, scaled=len(rest))
     for p in ps:
         _orthogonalize(p, state.orthogonalization_epsilon)
-    qs = [(p.t() @ matrix).t() for (_, matrix), p in zip(matrices, ps)]
+    qs = [(p.t() @ m).t() for m, p in zip(compensated, ps)]
     _all_reduce_together(qs, state.process_group, stats)
 
-    for ((key, _), matrix), p, q, local in zip(matrices, ps, qs, inputs):
+    for ((key, _), matrix), p, q, m in zip(matrices, ps, qs, compensated):
         p.mul_(1.0 / world_size)  # scale the thin factor, not the full matrix
         torch.matmul(p, q.t(), out=matrix)
         if state.use_error_feedback:
-            state.error[key] = local.sub_(matrix)  # the copy becomes the new error: no allocation
+            m.sub_(matrix)  # M + E less the averaged approximation: the next error
         if state.warm_start:
             state.q[key] = q
 
