@@ -5,7 +5,8 @@
 Two Gloo ranks with one thread each, the 8 x Linear(1024, 1024) MLP of ddp_step.py (batch 64,
 SGD). Timed in one run, interleaved in a shuffled order each round; medians of rank 0.
 Bytes per step are those passed to torch.distributed.all_reduce in the last step (counted by
-wrapping it); torch's DDP without a hook reduces in C++, so its bytes are not counted there.
+wrapping it); without a hook torch's DDP reduces in C++ and ddpkit's calls the process group
+directly, so their bytes are not counted there (they are every gradient byte: ``allreduce``'s).
 
 - ddpkit DDP with: no hook, ddpkit.hooks allreduce / fp16 / bf16, PowerSGD rank 1 and rank 4
   (start_powerSGD_iter=2, so every timed step is compressed), noop (communication removed);
@@ -16,7 +17,7 @@ wrapping it); torch's DDP without a hook reduces in C++, so its bytes are not co
 
 What bounds the step on this machine: compute (~43 ms for one process) plus the CPU that Gloo
 spends reducing. fp16/bf16 halve the bytes but add two casts over 32 MB; PowerSGD sends
-~1000x fewer bytes but adds matrix products and, in ddpkit, three blocking round trips per
+~1000x fewer bytes but adds matrix products and, in ddpkit, two blocking round trips per
 bucket. Loopback on two shared cores cannot show bandwidth savings as wall-clock gains, so
 the bytes column is the figure that carries to real networks.
 
@@ -91,7 +92,7 @@ def measure(steps: int) -> dict[str, tuple[float, int | None]]:
         return PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
 
     models: dict[str, tuple[nn.Module, bool]] = {  # (model, whether its bytes are countable)
-        "ddpkit no hook": (ddpkit(None), True),
+        "ddpkit no hook": (ddpkit(None), False),
         "ddpkit allreduce": (ddpkit(allreduce_hook), True),
         "ddpkit fp16": (ddpkit(fp16_compress_hook), True),
         "ddpkit bf16": (ddpkit(bf16_compress_hook), True),
