@@ -8,7 +8,8 @@ against one process trained on the same batches) in one of three set-ups, drawn 
 - one node, ``ddpkit run --nproc-per-node 2 --recovery in-place --max-restarts 3``;
 - one node, ``ddpkit run --nproc-per-node 2 --max-restarts 3`` (restart mode);
 - two nodes, a launcher with one worker each, ``--nnodes 2 --max-restarts 3``: each in a network
-  namespace of its own joined by a veth pair when this runs as root with ``ip``, else on loopback.
+  namespace of its own on a bridge (``netns.Nodes``) when this runs as root with ``ip``, else on
+  loopback.
 
 and meets one to three faults, each at a random time of the run (a fault follows the one before
 within two seconds half of the time: during the recovery it started):
@@ -62,6 +63,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from netns import Nodes  # benchmarks/netns.py, beside this script
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 EXACT = 1e-6
 KINDS = ["kill-worker", "kill-in-save", "kill-spare", "kill-launcher", "freeze", "link-down", "preempt", "disk-full"]
@@ -101,43 +104,6 @@ class Run:
     detail: str = ""
     left_behind: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-class Namespaces:
-    """Two network namespaces joined by a veth pair (node 0: 10.231.9.1, node 1: 10.231.9.2)."""
-
-    def __init__(self) -> None:
-        tag = f"chaos{os.getpid() % 100000}"
-        self.names = [f"{tag}n0", f"{tag}n1"]
-        self.links = [f"{tag}a", f"{tag}b"]
-        self.addresses = ["10.231.9.1", "10.231.9.2"]
-
-    @staticmethod
-    def available() -> str | None:
-        """Why namespaces cannot be made here, or None."""
-        if not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("ip") is None:
-            return "needs Linux, root and iproute2's `ip`"
-        return None
-
-    def __enter__(self) -> Namespaces:
-        commands = [["ip", "netns", "add", name] for name in self.names]
-        commands.append(["ip", "link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]])
-        for name, link, address in zip(self.names, self.links, self.addresses, strict=True):
-            commands += [["ip", "link", "set", link, "netns", name],
-                         ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", link],
-                         ["ip", "-n", name, "link", "set", link, "up"],
-                         ["ip", "-n", name, "link", "set", "lo", "up"]]
-        for command in commands:
-            subprocess.run(command, check=True, capture_output=True, timeout=30)
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-
-    def link(self, node: int, up: bool) -> None:
-        subprocess.run(["ip", "-n", self.names[node], "link", "set", self.links[node], "up" if up else "down"],
-                       check=True, capture_output=True, timeout=30)
 
 
 # Processes, from /proc (a run's processes are the launchers' descendants, and anything whose
@@ -215,7 +181,7 @@ def _signal(pid: int, sig: int) -> bool:
 class Job:
     """One command of a run: one launcher per node, each in a session of its own."""
 
-    def __init__(self, folder: Path, setup: str, port: int, extra: list[str], namespaces: Namespaces | None,
+    def __init__(self, folder: Path, setup: str, port: int, extra: list[str], namespaces: Nodes | None,
                  name: str = "first") -> None:
         self.folder, self.namespaces = folder, namespaces
         train = [str(EXAMPLE), *extra, "--checkpoint", str(folder / "checkpoint") + os.sep]
@@ -225,7 +191,7 @@ class Job:
         run = [sys.executable, "-m", "ddpkit", "run"]
         if setup == "two-nodes":
             address = namespaces.addresses[0] if namespaces else "127.0.0.1"
-            commands = [([*(["ip", "netns", "exec", namespaces.names[node]] if namespaces else []), *run,
+            commands = [([*(namespaces.prefix(node) if namespaces else []), *run,
                           "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", address,
                           "--master-port", str(port), "--max-restarts", "3", "--rdzv-conf", "join_timeout=30",
                           *train]) for node in (0, 1)]
@@ -408,7 +374,7 @@ def plan(index: int, chooser: random.Random, duration: float, namespaces: bool, 
     return Run(index, setup, faults)
 
 
-def execute(run: Run, base: Path, train: list[str], epochs: int, bound: float, namespaces: Namespaces | None,
+def execute(run: Run, base: Path, train: list[str], epochs: int, bound: float, namespaces: Nodes | None,
             chooser: random.Random) -> None:
     folder = base / f"run{run.index}"
     folder.mkdir()
@@ -436,7 +402,7 @@ def end_all(folder: Path) -> list[int]:
     return ended
 
 
-def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float, namespaces: Namespaces | None,
+def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float, namespaces: Nodes | None,
              chooser: random.Random) -> None:
     started = time.monotonic()
     extra = list(train)
@@ -549,7 +515,7 @@ def main() -> None:
     # on (which worker, when the disk is freed) from a stream of their own.
     planner, chooser = random.Random(seed), random.Random(seed + 1)
     train = ["--epochs", str(args.epochs), "--samples", str(args.samples)]
-    no_namespaces = Namespaces.available()
+    no_namespaces = Nodes.unavailable()
     no_disk = None if os.geteuid() == 0 and shutil.which("mount") else "needs root to mount a small tmpfs"
     for kind, why in (("link-down", no_namespaces), ("disk-full", no_disk)):
         if why:
@@ -562,7 +528,8 @@ def main() -> None:
         bound = 3 * duration + 90
         print(f"chaos: seed {seed}; the fault-free run took {duration:.1f} s; each command is bounded at {bound:.0f} s",
               flush=True)
-        with Namespaces() if no_namespaces is None else contextlib.nullcontext() as namespaces:
+        # Two nodes on a bridge (node 1's cable is what a link-down fault cuts).
+        with Nodes(2, subnet="10.231.9") if no_namespaces is None else contextlib.nullcontext() as namespaces:
             for index in range(args.skip + args.runs):
                 run = plan(index, planner, duration, namespaces is not None, no_disk is None)
                 if index < args.skip:

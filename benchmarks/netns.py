@@ -57,6 +57,10 @@ class Nodes:
         """What runs a command in node ``node``'s namespace."""
         return ["ip", "netns", "exec", self.names[node]]
 
+    def link(self, node: int, up: bool) -> None:
+        """Set node ``node``'s end of its cable up or down (down: the node is cut off the network)."""
+        self._run(["ip", "-n", self.names[node], "link", "set", self.links[node], "up" if up else "down"])
+
     @staticmethod
     def _run(command: list[str]) -> None:
         subprocess.run(command, check=True, capture_output=True, timeout=30)
