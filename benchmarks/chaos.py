@@ -63,7 +63,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netns import Nodes  # benchmarks/netns.py, beside this script
+from _processes import all_pids, descendants, read_proc  # beside this script, as netns
+from netns import Nodes
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 EXACT = 1e-6
@@ -109,35 +110,8 @@ class Run:
 # Processes, from /proc (a run's processes are the launchers' descendants, and anything whose
 # working folder is the run's).
 
-def _read(path: str) -> str:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def _parent(pid: int) -> int | None:
-    stat = _read(f"/proc/{pid}/stat")
-    return int(stat.rsplit(")", 1)[1].split()[1]) if stat else None
-
-
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def descendants(pid: int) -> list[int]:
-    parents = {other: _parent(other) for other in _all_pids()}
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def _command_line(pid: int) -> list[str]:
-    return _read(f"/proc/{pid}/cmdline").split("\0")
+    return read_proc(f"/proc/{pid}/cmdline").split("\0")
 
 
 def _has_sockets(pid: int) -> bool:
@@ -161,7 +135,7 @@ def workers_and_spares(launcher: int) -> tuple[list[int], list[int]]:
 def processes_in(folder: Path) -> list[int]:
     """The processes whose working folder is ``folder`` or below it (the run's)."""
     found = []
-    for pid in _all_pids():
+    for pid in all_pids():
         with contextlib.suppress(OSError):
             if pid != os.getpid() and Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(folder):
                 found.append(pid)
@@ -225,8 +199,8 @@ class Job:
         lines = []
         for node, launcher in enumerate(self.launchers):
             for pid in [launcher.pid, *descendants(launcher.pid)]:
-                state = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[:1]
-                lines.append(f"node {node} pid {pid} state {state} wchan {_read(f'/proc/{pid}/wchan')}: "
+                state = read_proc(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[:1]
+                lines.append(f"node {node} pid {pid} state {state} wchan {read_proc(f'/proc/{pid}/wchan')}: "
                              f"{' '.join(_command_line(pid))[:100]}")
         return "\n".join(lines)
 

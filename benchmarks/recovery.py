@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _processes import descendants
 from netns import Nodes
 
 from ddpkit.environments import find_free_port
@@ -395,23 +396,6 @@ def steps_after_the_loss(folder: Path, rank: int, old_world: set[int]) -> list[t
         if len(parts) == 4 and (int(parts[2]) not in old_world or int(parts[3]) > 0):
             rows.append((int(parts[0]), float(parts[1])))
     return rows
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process started by ``pid``, by its children and so on (from /proc)."""
-    parents = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as handle:
-                    parents[int(name)] = int(handle.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        found += frontier
-    return found
 
 
 def main_nodes(args: argparse.Namespace) -> None:
