@@ -1,6 +1,7 @@
 """Step time of ddpkit's DistributedDataParallel against torch's (and pytorch-pfn-extras').
 
-    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many] [--device cuda] [--ranks N] [--variants]
+    python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many many1000] [--device cuda] [--ranks N]
+                                  [--variants]
 
 Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool). ``--device cuda``: models and
 batches on the GPU, each step ending with a CUDA synchronise; NCCL with one GPU per rank when
@@ -20,7 +21,9 @@ one run with the methods interleaved in a shuffled order each round (noise hits 
 - ``ddpkit``: ddpkit.DistributedDataParallel, defaults (negotiate_grads=True).
 
 Models: ``mlp`` 8 x Linear(1024, 1024) (8.4M parameters, batch 64), ``lenet`` (62k
-parameters, batch 32), ``many`` 60 x (Linear(64, 64) + Tanh) (120 tensors, batch 64).
+parameters, batch 32), ``many`` 60 x (Linear(64, 64) + Tanh) (120 tensors, batch 64), and, not
+run by default, ``many1000`` 500 x (Linear(16, 16) + Tanh) (1000 tensors of a few hundred bytes:
+the step is mostly each DDP's work per parameter, the host time that a GPU would not hide).
 Prints medians (ms), the ratios ddpkit/torch and ppe/ddpkit of the medians, and the median and
 quartiles of ddpkit/torch taken round by round (the two ran moments apart, so a slow spell of
 the machine cancels out; that is the number to quote). A second line gives the limit, ``both, no
@@ -69,7 +72,12 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, tor
         for _ in range(60):
             layers += [nn.Linear(64, 64), nn.Tanh()]
         return nn.Sequential(*layers), lambda step: (torch.randn(64, 64), torch.randn(64, 64)), nn.functional.mse_loss
-    raise ValueError(f"unknown model {name!r}; choose mlp, lenet or many")
+    if name == "many1000":
+        layers = []
+        for _ in range(500):
+            layers += [nn.Linear(16, 16), nn.Tanh()]
+        return nn.Sequential(*layers), lambda step: (torch.randn(64, 16), torch.randn(64, 16)), nn.functional.mse_loss
+    raise ValueError(f"unknown model {name!r}; choose mlp, lenet, many or many1000")
 
 
 def _peer_ddp() -> type | None:
