@@ -196,6 +196,58 @@ def run_script(folder: Path, fault: str, nproc: int = 2, *launcher: str) -> tupl
     return result, time.monotonic() - start
 
 
+HOOKED_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from torch import nn
+    import ddpkit
+    from ddpkit.hooks import fp16_compress_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(512, 512), nn.ReLU())])
+    strategy = ddpkit.DDPStrategy(ddp_comm_hook=fp16_compress_hook)
+    model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    batches = [torch.randn(16, 512, generator=torch.Generator().manual_seed(step)) for step in range(12)]
+    for epoch in strategy.epochs(1):
+        for x in strategy.batches(batches):
+            with strategy.step():
+                first_generation = int(os.environ.get("DDPKIT_GENERATION", "0")) == 0
+                if sys.argv[1] == "kill" and strategy.global_rank == 1 and strategy.progress.batch == 5 and first_generation:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                optimizer.zero_grad()
+                strategy.backward(model(x).square().mean())
+                optimizer.step()
+    print(f"rank {strategy.global_rank} buckets {[len(bucket.parameters) for bucket in model._reducer.buckets]}",
+          flush=True)
+    if strategy.is_global_zero:
+        torch.save([p.detach() for p in model.parameters()], "final.pt")
+    strategy.teardown()
+    """
+)
+
+
+def test_a_replacement_under_an_fp16_hook_builds_the_survivors_buckets_and_ends_as_without_the_fault(
+        tmp_path: Path) -> None:
+    """Under ``fp16_compress_hook`` the bucket caps double (ddpkit.parallel.buckets): the spare that
+    takes the lost rank registers the hook and adopts the survivors' order, and must end with the
+    same buckets, or their all-reduces would not match in size."""
+    finals = {}
+    for mode in ("none", "kill"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        (folder / "hooked.py").write_text(HOOKED_SCRIPT)
+        result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1",
+                                 "--nproc-per-node", "2", "hooked.py", mode], cwd=folder, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("recovered in place" in result.stderr) == (mode == "kill"), result.stderr[-3000:]
+        assert sorted(re.findall(r"rank \d buckets \[[\d, ]+\]", result.stdout)) == [
+            "rank 0 buckets [2, 4, 8, 2]", "rank 1 buckets [2, 4, 8, 2]"], result.stdout
+        finals[mode] = torch.load(folder / "final.pt")
+    assert_same(finals["kill"], finals["none"])
+
+
 def test_a_spare_that_takes_a_rank_writes_as_that_rank(tmp_path: Path) -> None:
     """``--tee``: the spare's console lines carry the rank it took; its files are its own (spare0)."""
     result, _ = run_script(tmp_path, "once", 2, "--tee", "1", "--log-dir", "logs")
