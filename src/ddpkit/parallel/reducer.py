@@ -126,11 +126,11 @@ class Reducer:
         self.launch_order = names
         ordered = [self._trainable[name] for name in names]
         first_cap = min(self._bucket_cap, DEFAULT_FIRST_CAP_BYTES)
-        # Caps that double keep a slow wire busy under a hook that sends fewer bytes than it
-        # reduces; without a hook, or with one that pays per bucket, torch's (ddpkit.parallel.buckets).
-        self._growing_caps = self.comm_hook is not None and self.averages_elementwise
-        groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap,
-                                growing=self._growing_caps)
+        # Caps that double keep a slow wire busy under ddpkit's elementwise hooks (fp16 and bf16 send
+        # fewer bytes than they reduce); without a hook, or under one that pays per bucket (PowerSGD),
+        # torch's caps (ddpkit.parallel.buckets).
+        growing = self.comm_hook is not None and self.averages_elementwise
+        groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap, growing=growing)
         self.buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
                         for i, g in enumerate(groups)]
         # A parameter frozen after wrapping cannot take a hook (torch refuses). It keeps its slot:
