@@ -71,10 +71,13 @@ def assign_buckets(
         members.append(index)
         used += tensor.numel() * tensor.element_size()
         closed = closed_for_kind.get(kind, 0)
-        cap = min(cap_bytes, first_cap_bytes << closed) if growing else first_cap_bytes if closed == 0 else cap_bytes
+        if growing:
+            cap = min(cap_bytes, first_cap_bytes << closed)
+        else:
+            cap = first_cap_bytes if closed == 0 else cap_bytes
         if used >= cap:
             buckets.append(members)
-            closed_for_kind[kind] = closed_for_kind.get(kind, 0) + 1
+            closed_for_kind[kind] = closed + 1
             members, used = [], 0
         open_buckets[kind] = (members, used)
     buckets.extend(members for members, _ in open_buckets.values() if members)
