@@ -186,8 +186,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(folder: Path, fault: str, nproc: int = 2, *launcher: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    (folder / "loop.py").write_text(SCRIPT)
+def run_script(folder: Path, fault: str, nproc: int = 2, *launcher: str,
+               script: str = SCRIPT) -> tuple[subprocess.CompletedProcess[str], float]:
+    (folder / "loop.py").write_text(script)
     command = [sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1", *launcher,
                "--nproc-per-node", str(nproc), "loop.py"]
     start = time.monotonic()
@@ -198,7 +199,7 @@ def run_script(folder: Path, fault: str, nproc: int = 2, *launcher: str) -> tupl
 
 HOOKED_SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal
     import torch
     from torch import nn
     import ddpkit
@@ -212,8 +213,8 @@ HOOKED_SCRIPT = textwrap.dedent(
     for epoch in strategy.epochs(1):
         for x in strategy.batches(batches):
             with strategy.step():
-                first_generation = int(os.environ.get("DDPKIT_GENERATION", "0")) == 0
-                if sys.argv[1] == "kill" and strategy.global_rank == 1 and strategy.progress.batch == 5 and first_generation:
+                killed_here = os.environ["FAULT"] == "kill" and int(os.environ.get("DDPKIT_GENERATION", "0")) == 0
+                if killed_here and strategy.global_rank == 1 and strategy.progress.batch == 5:
                     os.kill(os.getpid(), signal.SIGKILL)
                 optimizer.zero_grad()
                 strategy.backward(model(x).square().mean())
@@ -236,10 +237,7 @@ def test_a_replacement_under_an_fp16_hook_builds_the_survivors_buckets_and_ends_
     for mode in ("none", "kill"):
         folder = tmp_path / mode
         folder.mkdir()
-        (folder / "hooked.py").write_text(HOOKED_SCRIPT)
-        result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1",
-                                 "--nproc-per-node", "2", "hooked.py", mode], cwd=folder, capture_output=True, text=True,
-                                timeout=120)
+        result, _ = run_script(folder, mode, script=HOOKED_SCRIPT)
         assert result.returncode == 0, result.stderr[-3000:]
         assert ("recovered in place" in result.stderr) == (mode == "kill"), result.stderr[-3000:]
         assert sorted(re.findall(r"rank \d buckets \[[\d, ]+\]", result.stdout)) == [
