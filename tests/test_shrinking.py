@@ -213,7 +213,7 @@ def shrink_after_two_steps(loader: object) -> list[list[int]]:
     """The batches ``DDPStrategy.batches`` hands out when, after two optimizer steps, the world of four
     shrinks in the third and this rank (rank 0 of four) trains the shares 0 and 2 from then on."""
     loop = ResumableLoop()
-    recovery = loop.recovery = InPlaceRecovery(loop.progress)
+    recovery = loop.recovery = InPlaceRecovery(loop.progress, loop.tracked)
     seen = []
     for number, batch in enumerate(loop.batches(loader)):  # type: ignore[arg-type]
         seen.append(batch[0].tolist())

@@ -27,7 +27,9 @@ _PUBLIC = {
     "ddpkit.launching.launcher": ("launch",),
     "ddpkit.parallel.batchnorm": ("SyncBatchNorm",),
     "ddpkit.parallel.ddp": ("DistributedDataParallel",),
+    "ddpkit.replicas": ("ReplicaMismatchError",),
     "ddpkit.strategy": ("DDPStrategy",),
+    "ddpkit.training_state": ("Stateful", "UntrackedStateError"),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -61,7 +63,10 @@ if TYPE_CHECKING:
     from ddpkit.launching.launcher import launch as launch
     from ddpkit.parallel.batchnorm import SyncBatchNorm as SyncBatchNorm
     from ddpkit.parallel.ddp import DistributedDataParallel as DistributedDataParallel
+    from ddpkit.replicas import ReplicaMismatchError as ReplicaMismatchError
     from ddpkit.strategy import DDPStrategy as DDPStrategy
+    from ddpkit.training_state import Stateful as Stateful
+    from ddpkit.training_state import UntrackedStateError as UntrackedStateError
 
 
 def __getattr__(name: str) -> Any:

@@ -25,14 +25,7 @@ from ddpkit.diagnostics.debug import (
     fingerprint,
     mismatch,
 )
-from ddpkit.diagnostics.failures import (
-    PeerFailedError,
-    PeerLostError,
-    lost_peers_expected,
-    note_lost_peer,
-    peer_failure,
-    raising,
-)
+from ddpkit.diagnostics.failures import failure_behind, raising
 from ddpkit.diagnostics.hangs import HangWatch, start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
 from ddpkit.diagnostics.waits import run_collective
@@ -99,10 +92,8 @@ class collective_call:
         if self._nesting is not None:
             self._nesting.__exit__()
             self._nesting = None
-        if isinstance(error, RuntimeError) and not isinstance(error, (PeerFailedError, PeerLostError)):
-            failure = peer_failure(probe_first=True)
-            if failure is None and lost_peers_expected():
-                failure = note_lost_peer(error)  # a rank vanished: in-place recovery replaces it
+        if isinstance(error, RuntimeError):
+            failure = failure_behind(error)
             if failure is not None:
                 raise raising(failure) from error
 

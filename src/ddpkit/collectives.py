@@ -21,11 +21,12 @@ from torch import Tensor
 from ddpkit.collective_call import (
     all_gather_stacked,
     collective,
+    collective_call,
     communication_device,
     group_rank_and_size,
 )
 from ddpkit.connection import distributed_available
-from ddpkit.diagnostics.waits import run_collective
+from ddpkit.diagnostics.waits import run_collective, wait_for
 
 __all__ = [
     "AllGatherGrad",
@@ -71,7 +72,8 @@ class AllGatherGrad(torch.autograd.Function):
         # all_reduce works in place; the incoming gradient may be shared, so reduce a copy.
         grad = grad_output[0].contiguous().clone()
         if grad.numel() > 0:
-            run_collective(dist.all_reduce, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+            with collective_call("AllGatherGrad backward", ctx.group, grad):  # after the forward's seam ended
+                run_collective(dist.all_reduce, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad[ctx.rank], None
 
 
@@ -106,7 +108,7 @@ def _exchange_with_peers(sends: list[Tensor], receives: list[Tensor], rank: int,
             operations.append(dist.P2POp(dist.irecv, receive, global_peer, group))
     if operations:
         for request in dist.batch_isend_irecv(operations):
-            request.wait()
+            wait_for(request, group)  # in slices: a peer's failure ends the wait
 
 
 class _UnevenAllGather(torch.autograd.Function):
@@ -133,7 +135,8 @@ class _UnevenAllGather(torch.autograd.Function):
         mine = ctx.numels[ctx.rank]
         sends = [grad.contiguous() for grad in grads]
         received = [sends[ctx.rank].new_empty(mine) for _ in ctx.numels]
-        _exchange_with_peers(sends, received, ctx.rank, ctx.group)
+        with collective_call("gather_all_tensors backward", ctx.group, compare_shape=False):
+            _exchange_with_peers(sends, received, ctx.rank, ctx.group)
         received[ctx.rank] = sends[ctx.rank]
         return torch.stack(received).sum(dim=0), None, None, None
 

@@ -8,8 +8,8 @@ torch's default process group does not say about itself:
   restart together: it outlives any rank, and each attempt and each generation of the group keeps
   its keys under a prefix of its own), or None when the group's own store is rank 0's;
 - the **membership**: generation, rank and world size (``Membership``);
-- ``abort()``: leave torch's group (a rank of it vanished), keeping the object referenced, since a
-  collective of it may still be pending in a Gloo thread;
+- ``abort()``: leave torch's group (a rank of it vanished) and free it in a thread of its own,
+  since freeing waits for any collective of it still pending in a Gloo thread;
 - ``reconfigure()``: form the next generation, laid out as the launchers said (``ddpkit.generations``:
   the same members, a replacement taking a lost rank's place, or fewer when the world shrank),
   once every member has arrived;
@@ -37,7 +37,9 @@ A process is known across generations by its **job rank**, ``RANK`` as the launc
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -222,10 +224,11 @@ class Group:
             expect_lost_peers(lambda: node_lost(self._launcher_store, self._secret, attempt, generation))
 
     def abort(self) -> None:
-        """Leave torch's default group (a rank of it vanished): destroyed, but kept referenced."""
+        """Leave torch's default group (a rank of it vanished): destroyed here, freed in a thread."""
         if dist.is_initialized():
-            _left_behind.append(dist.distributed_c10d._get_default_group())
+            abandoned = [dist.distributed_c10d._get_default_group()]  # no reference of this thread's outlives it
             dist.destroy_process_group()
+            _free_in_background(abandoned)
 
     def reconfigure(self) -> Membership:
         """Abandon the current torch group and form the next generation as the launchers laid it out
@@ -417,11 +420,32 @@ class Group:
         return generation_prefix(self._secret, self._attempt, generation)
 
 
-# Torch groups abandoned by ``Group.abort``: a collective of theirs may still be pending in a Gloo
-# thread, and freeing the group object waits for it (up to the group's timeout, minutes). They are
-# kept until the process ends, apart from any ``Group``: a connection torn down at the end of
-# training drops its ``Group``, and the process would then wait at exit.
-_left_behind: list[Any] = []
+def _free_in_background(abandoned: list[Any]) -> None:
+    """Free the torch group ``Group.abort`` left (the one item of ``abandoned``, the only reference
+    to it) from a daemon thread: freeing closes its connections, so that a survivor still blocked in
+    a collective of it that ddpkit cannot interrupt (the user's own ``torch.distributed`` call)
+    fails at once and recovers too, instead of waiting for this rank until the group's timeout.
+    Freeing first waits for any collective of the group still pending in a Gloo thread (up to the
+    group's timeout, minutes; torch releases the GIL meanwhile), hence the thread: the recovery
+    goes on without it. A process that ends while a thread frees a group would abort in the
+    interpreter's finalisation: at exit, each is given ``_FREEING_AT_EXIT_SECONDS`` to finish
+    (``ddpkit run``'s workers leave without finalising, ``diagnostics.exits``, and do not wait)."""
+    freeing = threading.Thread(target=abandoned.clear, name="ddpkit-free-abandoned-group", daemon=True)
+    freeing.start()
+    if not _freeing:
+        atexit.register(_let_the_freeing_finish)
+    _freeing.append(freeing)
+
+
+# The threads ``_free_in_background`` started, and how long the process waits for them at its exit.
+_freeing: list[threading.Thread] = []
+_FREEING_AT_EXIT_SECONDS = 5.0
+
+
+def _let_the_freeing_finish() -> None:
+    deadline = time.monotonic() + _FREEING_AT_EXIT_SECONDS
+    for thread in _freeing:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Connected:

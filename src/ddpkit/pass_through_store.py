@@ -4,7 +4,8 @@ few it must.
 
 torch keeps only the C++ half of a store written in Python, whose methods fail ("Not
 implemented") once the Python half is freed, and a group may outlive ddpkit's account of it (an
-abandoned one: ``group._left_behind``): ``kept`` holds each wrapper until the process ends.
+abandoned one, which a thread frees once its pending collectives end: ``group.Group.abort``):
+``kept`` holds each wrapper until the process ends.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ import io
 import os
 import pickle
 import time
+import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,14 +55,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddpkit.agreement import StepAgreement
+from ddpkit.collective_call import collective_call
 from ddpkit.collectives import all_gather_object, broadcast_object
 from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
-from ddpkit.diagnostics.failures import PeerLostError
+from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import ClusterEnvironment, Recovery
 from ddpkit.group import Group, current_group
 from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.replicas import ReplicaCheck
+from ddpkit.training_state import TrackedState
 from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["InPlaceRecovery", "Progress", "ResumableLoop"]
@@ -75,7 +79,7 @@ class Progress:
 
     epoch: int = 0  # the epoch in progress
     batch: int = -1  # index, within the epoch, of the batch in hand (-1: none yet)
-    steps: int = 0  # optimizer steps taken (in-place recovery counts them; equal on every rank)
+    steps: int = 0  # optimizer steps taken (equal on every rank; a replacement takes the survivors' count)
 
 
 class InPlaceRecovery:
@@ -83,8 +87,9 @@ class InPlaceRecovery:
     asks it where to start and tells it where training has got to; the resume point and the
     pending replay are its own."""
 
-    def __init__(self, progress: Progress) -> None:
+    def __init__(self, progress: Progress, tracked: TrackedState) -> None:
         self.progress = progress
+        self.tracked = tracked  # what the loop keeps beside model and optimizer: it moves with them
         # (epoch, index of the next batch) right after the last optimizer step: where a recovery continues.
         self._resume = (0, 0)
         # Set by ``recover``: the loop hands out the batches from ``_resume`` again instead of reading on.
@@ -100,6 +105,11 @@ class InPlaceRecovery:
         self._buffers: list[torch.Tensor] = []
         self._rng = torch.get_rng_state()
         self._growth: _GrowthWatch | None = None  # in a world that shrank: whether a node waits to join
+        # Whether the tracked state was checked since the start or the last recovery (``before_step``),
+        # and whether this process looked for state left untracked (once: a pass over the heap).
+        self._state_checked = False
+        self._looked_for_untracked = False
+        self._replica_check: ReplicaCheck | None = None
 
     @property
     def joined(self) -> bool:
@@ -167,19 +177,24 @@ class InPlaceRecovery:
         self._rewind = False  # the loop starts at the resume point (first_epoch, first_batch)
         return state
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, replica_check: ReplicaCheck,
                joined_state: dict[str, Any] | None = None) -> None:
         """Follow ``optimizer``'s steps (each one commits the batch in hand) and keep what a redo
         needs: the buffers and RNG state as of the last step. Then tell the launcher, through the
         ready file, that this rank can take part in a recovery (a replacement: that it holds the
-        survivors' state); it replaces a lost rank in place only once every other rank has."""
+        survivors' state); it replaces a lost rank in place only once every other rank has.
+        ``replica_check`` runs at each step boundary and learns of each recovery (in a replacement:
+        this one)."""
         if not isinstance(model, DistributedDataParallel):
             raise ValueError("in-place recovery needs ddpkit's DistributedDataParallel: drop use_torch_ddp=True, or "
                              "use ddpkit run --recovery fail-fast.")
         self._model, self._optimizer = model, optimizer
         self._buffers = [buffer.detach().clone() for buffer in model.module.buffers()]
+        self._replica_check = replica_check
         if joined_state is not None:
             model.adopt_bucket_order(joined_state["bucket_order"], joined_state["bucket_order_may_change"])
+            group = current_group()
+            replica_check.recovered(_formed(group.generation if group is not None else 0))
         optimizer.register_step_post_hook(self._commit)
         ready_file = os.environ.get(DDPKIT_READY_FILE)
         if ready_file:
@@ -189,7 +204,6 @@ class InPlaceRecovery:
     def _commit(self, *_: Any) -> None:
         progress = self.progress
         self._resume = (progress.epoch, progress.batch + 1)
-        progress.steps += 1
         if self._model is not None:
             self._keep_buffers(self._model.module)
         self._rng = torch.get_rng_state()
@@ -198,6 +212,17 @@ class InPlaceRecovery:
         """Copy ``module``'s buffers as they are now into the snapshot a redo starts from."""
         for kept, buffer in zip(self._buffers, module.buffers()):
             kept.copy_(buffer)
+
+    def before_step(self) -> None:
+        """At the start of a step (``ResumableLoop.step``): once after the start and after each
+        recovery, refuse tracked state that would not be equal on every rank after a recovery
+        (``TrackedState.check_complete``; the search for untracked objects once per process)."""
+        if self._state_checked:
+            return
+        self._state_checked = True
+        look, self._looked_for_untracked = not self._looked_for_untracked, True
+        self.tracked.check_complete(self._optimizer, self._model.module if self._model is not None else None,
+                                    look_for_untracked=look)
 
     # -- after a rank was lost ---------------------------------------------------------------------
 
@@ -208,8 +233,15 @@ class InPlaceRecovery:
 
     def at_step_boundary(self) -> None:
         """Between two optimizer steps (the loop calls it after each committed batch, on every rank):
-        in a world that shrank, agree with the other ranks whether a node waits to join, and when one
-        does, form the next generation with it at this same boundary on every rank."""
+        compare the replicas when it is time (``ddpkit.replicas``); in a world that shrank, agree with
+        the other ranks whether a node waits to join, and when one does, form the next generation
+        with it at this same boundary on every rank."""
+        if self._replica_check is not None:
+            try:
+                self._replica_check.run()
+            except PeerLostError:  # lost in the check's all-gather: at a step boundary, nothing to train again
+                self.recover()
+                return
         group = current_group()
         if group is None or group.membership.weight is None or self._model is None:
             self._growth = None  # the world is whole: nothing can join
@@ -250,8 +282,12 @@ class InPlaceRecovery:
                          f"trains the shares {list(after.shares)} of each global batch of {after.data_world_size}")
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
         optimizer.zero_grad(set_to_none=True)  # the redo starts a fresh accumulation window
+        self.tracked.start_fresh_window()
         self._rewind = True
         self._recoveries += 1
+        self._state_checked = False
+        if self._replica_check is not None:
+            self._replica_check.recovered(_formed(after.generation))
         done = "grew in place" if after.world_size > before.world_size else "recovered in place"
         _log.warning(f"ddpkit: {done}: generation {after.generation}, continuing at epoch {self._resume[0]} "
                      f"batch {self._resume[1]} (optimizer step {self.progress.steps})")
@@ -280,8 +316,8 @@ class InPlaceRecovery:
             if name in model_state:
                 model_state[name] = kept  # as of the last optimizer step: the failed forward may have moved them
         order, may_change = self._model.bucket_order() if self._model is not None else ([], True)
-        return {"model": model_state, "optimizer": optimizer.state_dict(), "resume": self._resume,
-                "steps": self.progress.steps, "rng": self._rng, "bucket_order": order,
+        return {"model": model_state, "optimizer": optimizer.state_dict(), "tracked": self.tracked.state_dicts(),
+                "resume": self._resume, "steps": self.progress.steps, "rng": self._rng, "bucket_order": order,
                 "bucket_order_may_change": may_change}
 
     def _restore_snapshot(self, module: nn.Module) -> None:
@@ -293,6 +329,7 @@ class InPlaceRecovery:
     def _load(self, state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        self.tracked.receive(state["tracked"], optimizer)
         self._resume = (int(state["resume"][0]), int(state["resume"][1]))
         self.progress.steps = int(state["steps"])
         self._rng = state["rng"]
@@ -301,6 +338,11 @@ class InPlaceRecovery:
 
 
 _LOST = "a rank was lost"
+
+
+def _formed(generation: int) -> str:
+    """How the replica check names a recovery, in the same words on every rank."""
+    return f"the in-place recovery that formed generation {generation} of the group"
 
 
 class _GrowthWatch:
@@ -331,6 +373,7 @@ class ResumableLoop:
 
     def __init__(self) -> None:
         self.progress = Progress()
+        self.tracked = TrackedState()  # what the loop keeps beside model and optimizer (DDPStrategy.track)
         self.recovery: InPlaceRecovery | None = None  # set by ``start_recovery``
         self._in_step = False  # inside step(): a lost rank is its to recover from
         # The last step() ended in a recovery, and no step began since: the code after the step block
@@ -357,8 +400,15 @@ class ResumableLoop:
             raise ValueError("in-place recovery does not carry a comm hook's state (ddp_comm_state, e.g. PowerSGD's "
                              "error feedback) to a replacement; use a stateless hook or --recovery fail-fast.")
         if self.recovery is None:
-            self.recovery = InPlaceRecovery(self.progress)
+            self.recovery = InPlaceRecovery(self.progress, self.tracked)
         return self.recovery
+
+    def count_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s steps in ``progress.steps`` (before any other step hook of ddpkit's)."""
+        optimizer.register_step_post_hook(self._count_step)
+
+    def _count_step(self, *_: Any) -> None:
+        self.progress.steps += 1
 
     def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
         recovery = self.recovery
@@ -426,13 +476,28 @@ class ResumableLoop:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
+        if self.recovery is not None:
+            self.recovery.before_step()
         self._in_step = True
         self.step_recovered = False
         try:
             yield
-        except PeerLostError:
+        except PeerLostError as lost:
             if self.recovery is None:
                 raise
+            _release_frames(lost)
+            self.recovery.recover()
+            self.step_recovered = True
+        except RuntimeError as error:
+            # A collective of the user's own (torch.distributed, without ddpkit) that failed because a
+            # peer went away: what ddpkit's seam makes of its own collectives' errors.
+            failure = failure_behind(error) if raised_by_torch_distributed(error) else None
+            if failure is None:
+                raise
+            if self.recovery is None or not isinstance(failure, PeerLostError):
+                raise raising(failure) from error
+            _log.warning(f"ddpkit: a collective of the step's own code failed: {failure}")
+            _release_frames(error)
             self.recovery.recover()
             self.step_recovered = True
         finally:
@@ -446,6 +511,17 @@ class ResumableLoop:
             raise lost
         self.recovery.recover()
         return self.recovery.replaced
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s tracebacks (and its causes'):
+    the failed collective's frames hold the group that is about to be abandoned, which must be
+    freed for its connections to close (``Group.abort``), while the exception is still alive."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
 
 
 def _read_from(loader: Iterable[Any], epoch: int, batch: int) -> tuple[Iterator[Any], int]:
@@ -475,7 +551,8 @@ def _broadcast_with_tensors_apart(obj: Any, src: int) -> Any:
                                if mine else None, src=src)
     skeleton, layout = outline
     flat = _pack(tensors) if mine else torch.empty(_packed_size(layout), dtype=torch.uint8)
-    run_collective(dist.broadcast, flat, src=src)
+    with collective_call("in-place recovery: the training state", None, flat):  # a loss here: PeerLostError
+        run_collective(dist.broadcast, flat, src=src)
     return obj if mine else _put_tensors_back(skeleton, _unpack(flat, layout))
 
 

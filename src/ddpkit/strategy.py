@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,10 +63,14 @@ from ddpkit.parallel.wrapping import join, no_sync, wrap
 from ddpkit.plugin_hooks import LightningPluginHooks
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.recovery import ResumableLoop
+from ddpkit.replicas import ReplicaCheck, check_every
+from ddpkit.training_state import Stateful, TrackedState
 
 __all__ = ["DDPStrategy"]
 
 _log = get_logger("recovery")
+
+T = TypeVar("T")
 
 # After teardown's barrier the other local ranks only have to disconnect and exit.
 _CHILD_EXIT_SECONDS = 30.0
@@ -135,6 +139,14 @@ class DDPStrategy(LightningPluginHooks):
         return group.world_size if group is not None else self.cluster_environment.world_size()
 
     @property
+    def data_world_size(self) -> int:
+        """How many shares each global batch is cut in: the world the job started with. It is
+        ``world_size`` unless the world shrank (``ddpkit run --nnodes MIN:MAX --recovery in-place``),
+        where a survivor trains lost ranks' shares too and the global batch stays the same."""
+        group = current_group()
+        return group.membership.data_world_size if group is not None else self.world_size
+
+    @property
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
@@ -187,11 +199,20 @@ class DDPStrategy(LightningPluginHooks):
                                ddp_comm_wrapper=self.ddp_comm_wrapper)
         return self.model
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+              scheduler: Stateful | Sequence[Stateful] | None = None, scaler: Stateful | None = None) -> Any:
         """``model`` on this process's device, wrapped; (model, optimizer) when given one (made before
-        or after: the wrapped module keeps the same parameters)."""
+        or after: the wrapped module keeps the same parameters). ``scheduler`` (a learning-rate
+        schedule of ``optimizer``, or several) and ``scaler`` (``torch.amp.GradScaler``) are tracked
+        as ``track("scheduler", ...)`` (``"scheduler0"``, ``"scheduler1"``... for several) and
+        ``track("scaler", ...)`` would: under in-place recovery their state moves with the model's."""
         recovery = self._loop.start_recovery(self.cluster_environment, self._recovery_wanted, optimizer,
                                              self.ddp_comm_state)  # refuses a bad combination before connecting
+        schedules = [] if scheduler is None else [scheduler] if isinstance(scheduler, Stateful) else list(scheduler)
+        for index, schedule in enumerate(schedules):
+            self.track("scheduler" if len(schedules) == 1 else f"scheduler{index}", schedule)
+        if scaler is not None:
+            self.track("scaler", scaler)
         if not distributed_available():
             self.setup_environment()
         joined = None
@@ -200,9 +221,31 @@ class DDPStrategy(LightningPluginHooks):
             if recovery is not None and optimizer is not None and int(getattr(self.cluster_environment, "generation", 0)) > 0:
                 joined = recovery.join(module, optimizer)  # a replacement: the survivors' state, before wrapping
             wrapped = self.configure_ddp(module)
-        if recovery is not None and optimizer is not None:
-            recovery.attach(wrapped, optimizer, joined)
+        if optimizer is not None:
+            self._loop.count_steps(optimizer)
+            check = ReplicaCheck(check_every(), self._replicated(wrapped, optimizer), lambda: self.progress.steps,
+                                 buffers=bool(getattr(wrapped, "broadcast_buffers", False)) and not self.use_torch_ddp)
+            if recovery is not None:
+                recovery.attach(wrapped, optimizer, check, joined)  # it runs the check at each step boundary
+            elif check_every():
+                optimizer.register_step_post_hook(check.run)  # after the step hook that counts it
         return wrapped if optimizer is None else (wrapped, optimizer)
+
+    def track(self, name: str, obj: T) -> T:
+        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict()``: EMA weights, a
+        counter, a stateful data loader, a schedule made after ``setup``) under ``name`` as part of
+        the training state, and return it. Under ``ddpkit run --recovery in-place`` its state moves
+        to a replacement and is loaded on every rank that did not send it, as the model's; the
+        replica check compares it. Track the same names on every rank, before the training loop.
+        In a replacement, a state the survivors sent for ``name`` is loaded into ``obj`` here."""
+        self._loop.tracked.track(name, obj)
+        return obj
+
+    def _replicated(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer
+                    ) -> Callable[[], tuple[nn.Module, torch.optim.Optimizer, TrackedState]]:
+        """What the replica check compares (``ddpkit.replicas``): the module, the optimizer and what is tracked."""
+        module = getattr(wrapped, "module", wrapped)
+        return lambda: (module, optimizer, self._loop.tracked)
 
     @property
     def recovered_in_place(self) -> bool:

@@ -6,9 +6,9 @@ diagnostics all read it); the other modules say what each value means where they
 from __future__ import annotations
 
 __all__ = [
-    "DDPKIT_BACKEND", "DDPKIT_DEBUG", "DDPKIT_ERROR_FILE", "DDPKIT_GENERATION", "DDPKIT_HANG_ABORT_SECONDS",
-    "DDPKIT_HANG_SECONDS", "DDPKIT_HOSTED_STORE", "DDPKIT_JOB_SECRET", "DDPKIT_JOB_SECRET_FILE", "DDPKIT_LAUNCHED",
-    "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL",
+    "DDPKIT_BACKEND", "DDPKIT_CHECK_REPLICAS", "DDPKIT_DEBUG", "DDPKIT_ERROR_FILE", "DDPKIT_GENERATION",
+    "DDPKIT_HANG_ABORT_SECONDS", "DDPKIT_HANG_SECONDS", "DDPKIT_HOSTED_STORE", "DDPKIT_JOB_SECRET",
+    "DDPKIT_JOB_SECRET_FILE", "DDPKIT_LAUNCHED", "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL",
     "DDPKIT_PEER_FAILURE_EXIT_SECONDS", "DDPKIT_POOL_CONNECTION", "DDPKIT_PREEMPTION_SIGNAL", "DDPKIT_READY_FILE",
     "DDPKIT_RECOVERY", "DDPKIT_RECOVERY_TIMEOUT_SECONDS", "DDPKIT_RESTART_COUNT", "DDPKIT_STACK_FILE",
     "DDPKIT_STDERR_PREFIXED", "DDPKIT_STORE_BIND", "launcher_flag_variable",
@@ -68,6 +68,9 @@ DDPKIT_DEBUG = "DDPKIT_DEBUG"
 #: Hang diagnosis: after how long a wait is reported, and after how much longer the job is ended.
 DDPKIT_HANG_SECONDS = "DDPKIT_HANG_SECONDS"
 DDPKIT_HANG_ABORT_SECONDS = "DDPKIT_HANG_ABORT_SECONDS"
+#: Every how many optimizer steps the ranks compare their replicas (``ddpkit.replicas``; 0 or unset:
+#: only after an in-place recovery).
+DDPKIT_CHECK_REPLICAS = "DDPKIT_CHECK_REPLICAS"
 #: How long a rank blocked in a call ddpkit cannot interrupt lives on after a peer's failure.
 DDPKIT_PEER_FAILURE_EXIT_SECONDS = "DDPKIT_PEER_FAILURE_EXIT_SECONDS"
 

@@ -52,9 +52,9 @@ from ddpkit.job_secret import JobSecretError, RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "expect_lost_peers",
-           "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised", "raising",
-           "publish_first", "read_failure_record", "record_exception", "record_failure", "record_signer",
-           "sign_records_in", "store_host_gone"]
+           "failure_behind", "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised",
+           "raised_by_torch_distributed", "raising", "publish_first", "read_failure_record", "record_exception",
+           "record_failure", "record_signer", "sign_records_in", "store_host_gone", "uncaught_failure"]
 
 # The records' names under the job's key prefix (``RecordSigner.key``).
 FAILURE = "failure"
@@ -277,6 +277,54 @@ def _lost_peer(store: Any) -> PeerLostError | None:
     if note is None:
         return None
     return PeerLostError(f"a rank of the group vanished ({note}); in-place recovery replaces it")
+
+
+def failure_behind(error: RuntimeError) -> CollectiveFailedError | None:
+    """What a collective that failed with ``error`` tells of the other ranks: the failure one of
+    them published (``PeerFailedError``, ``StoreHostGoneError``), or, under in-place recovery, that
+    a rank vanished (``PeerLostError``; the other ranks are told through the store). None when it
+    is none of these, or ``error`` says so already: ``error`` is then the caller's to raise.
+    Raise what it returns through ``raising``."""
+    if isinstance(error, (PeerFailedError, PeerLostError)):
+        return None
+    failure = peer_failure(probe_first=True)
+    if failure is None and _state.expect_lost:
+        failure = note_lost_peer(error)  # a rank vanished: in-place recovery replaces it
+    return failure
+
+
+def raised_by_torch_distributed(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ``torch.distributed`` (its innermost frame is there): a
+    collective of the user's own, called without ddpkit, rather than an error of the user's code."""
+    trace = error.__traceback__
+    if trace is None:
+        return False
+    while trace.tb_next is not None:
+        trace = trace.tb_next
+    return os.path.abspath(trace.tb_frame.f_code.co_filename).startswith(_TORCH_DISTRIBUTED)
+
+
+# The folder of torch.distributed's Python code (its collectives raise from there).
+_TORCH_DISTRIBUTED = os.path.dirname(os.path.abspath(dist.__file__)) + os.sep
+
+
+def uncaught_failure(error: BaseException) -> BaseException:
+    """What a worker records for ``error``, an exception its script did not catch: when it is a
+    ``torch.distributed`` collective of the user's own that failed because another rank failed or
+    was lost, the error that says so (caused by ``error``), so that the launcher does not name a
+    survivor's "Connection closed by peer" as the job's cause; otherwise ``error``."""
+    if not (isinstance(error, RuntimeError) and raised_by_torch_distributed(error)):
+        return error
+    failure = failure_behind(error)
+    if failure is None:
+        return error
+    if isinstance(failure, PeerLostError):
+        failure = PeerLostError(
+            f"{str(failure).removesuffix('; in-place recovery replaces it')}, while this rank was in a collective of "
+            "its own that in-place recovery cannot redo: one outside `with strategy.step():` (keep collectives "
+            "inside the step), or in a script that does not train in DDPStrategy's loop")
+    failure.__cause__ = error
+    return failure.with_traceback(error.__traceback__)
 
 
 def store_host_gone() -> StoreHostGoneError | None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.diagnostics.exits import leave
-from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception
+from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception, uncaught_failure
 from ddpkit.launching.processes import SERVE_FUNCTIONS, SPARE
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
@@ -101,6 +101,8 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:
         # For the launcher, and (unless it is a consequence, not news to them) for the other ranks,
         # which frees those blocked in collectives.
+        # A collective of the script's own that failed because another rank failed or was lost says so.
+        exc = uncaught_failure(exc)
         record_exception(exc, publish=not isinstance(exc, CollectiveFailedError))
         traceback.print_exc()
         # Not sys.exit: finalising after a Gloo error can turn the code into an abort (134), and

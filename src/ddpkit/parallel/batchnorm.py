@@ -18,6 +18,10 @@ computes the same thing with plain collectives:
   the result back, so every rank's input gradient is still the one-process one (the DDP module
   then weights each rank's gradients by its shares).
 
+Both collectives run inside ddpkit's diagnostics seam (``collective_call``): a rank that fails
+is named, and under in-place recovery a rank lost while the others are in a batch norm is
+replaced like one lost in the gradients' all-reduce.
+
 Statistics are computed in at least float32 (bf16/fp16 inputs are normalised in float32 and the
 output cast back). In evaluation with running statistics, and without a process group of more
 than one rank, it is plain batch norm and communicates nothing.
@@ -34,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ddpkit.collective_call import collective_call
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.group import current_group
 
@@ -143,7 +148,8 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
             local_m2 = values.new_zeros(channels)
         local = torch.stack([local_mean.new_full((channels,), float(count)), local_mean, local_m2])
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        run_collective(dist.all_gather, gathered, local, group=group)
+        with collective_call("SyncBatchNorm forward", group, local):  # a lost peer: PeerLostError, recoverable
+            run_collective(dist.all_gather, gathered, local, group=group)
         counts, means, m2s = torch.stack(gathered).unbind(1)  # each (world, C)
         total = counts[:, 0].sum()
         if total.item() <= 1:
@@ -182,7 +188,8 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
         local_sums = torch.stack([grad.sum(dims), (grad * normalised).sum(dims)])  # zeros for a rank without rows
         # In the scale of a rank that trains one share (the module docstring says why).
         global_sums = local_sums * ctx.shares if ctx.shares != 1 else local_sums.clone()
-        run_collective(dist.all_reduce, global_sums, group=ctx.group)
+        with collective_call("SyncBatchNorm backward", ctx.group, global_sums):
+            run_collective(dist.all_reduce, global_sums, group=ctx.group)
         mean_grad, mean_grad_normalised = (global_sums / (ctx.total * ctx.shares)).unbind(0)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         grad_input = (grad - _per_channel(mean_grad, grad)

@@ -1,0 +1,145 @@
+"""A training loop the way users write it, for the in-place recovery tests (tests/test_real_loops.py):
+AdamW, a warm-up schedule stepped every step (given to ``setup``) and a sequential schedule stepped
+every epoch (made after ``setup`` and tracked), AMP's ``GradScaler("cpu")``, EMA weights
+(``AveragedModel``), gradient clipping (unscaled first), batch norm (synchronised with
+``sync_batchnorm``), the loss all-reduced for logging with ``torch.distributed`` inside the step
+(after the clipping), and a checkpoint after every epoch.
+
+Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environment chooses:
+
+- ``FEATURES``: a comma list of ``schedule`` (per step), ``epoch-schedule``, ``scaler``, ``ema``,
+  ``syncbn``, ``collective``, or ``all``; ``untracked-schedule`` builds the per-step schedule and
+  does not hand it over; ``untracked-scaler`` the same for a GradScaler; ``counted-warmup`` sets the
+  learning rate from a step counter of its own, not tracked (nothing in torch marks it);
+  ``epoch-collective`` all-reduces the epoch's loss with ``torch.distributed`` after the epoch,
+  outside any step, a second after the epoch (``KILL=epoch-collective:STEP`` strikes before that second).
+- ``KILL``: ``PHASE:STEP``: the process started as rank ``KILL_RANK`` (1 by default) kills itself
+  (SIGKILL) in optimizer step STEP + 1, where PHASE says (``forward``, ``backward``, ``collective``,
+  ``optimizer-step``, ``scheduler-step``; ``checkpoint-save``: before its part of the save after the
+  epoch of that step), in the first generation only. ``PAUSE`` instead stops it there (the test
+  then kills its node) after writing the file ``paused``.
+- ``EPOCHS`` (3), ``STEPS`` per epoch (8), ``WORLD``: the world the job starts with (2), for the data.
+- ``HOLD_AT``: after optimizer step S, every rank waits until the file ``go-on`` exists (a node can
+  then join a world that shrank before the run ends); rank 0 writes ``step<S>`` after each step;
+  ``STEP_SECONDS``: a pause after each step (0), so that a joining node's request is agreed on in time.
+
+Every rank writes ``final<rank>.pt`` in the working folder: the model's, the optimizer's and every
+tracked object's state, for the test to compare with the run without a fault.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ddpkit
+
+FEATURES = set(os.environ.get("FEATURES", "all").split(","))
+if "all" in FEATURES:
+    FEATURES |= {"schedule", "epoch-schedule", "scaler", "ema", "syncbn", "collective"}
+PHASE, _, AT = os.environ.get("KILL", os.environ.get("PAUSE", "")).partition(":")
+EPOCHS, STEPS, WORLD, BATCH = int(os.environ.get("EPOCHS", "3")), int(os.environ.get("STEPS", "8")), \
+    int(os.environ.get("WORLD", "2")), 8
+FIRST_GENERATION = int(os.environ.get("DDPKIT_GENERATION", "0")) == 0
+STRUCK = os.environ["RANK"] == os.environ.get("KILL_RANK", "1") and FIRST_GENERATION
+
+
+def strike(phase: str) -> None:
+    """Kill (or pause) this process here, once, when the test asked for it in ``phase`` of this step."""
+    if not (STRUCK and phase == PHASE and strategy.progress.steps == int(AT)):
+        return
+    if "PAUSE" in os.environ:
+        with open("paused", "w") as marker:
+            marker.write(phase)
+        time.sleep(600)  # until the test kills the node
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+strategy = ddpkit.DDPStrategy(sync_batchnorm="syncbn" in FEATURES)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))  # no bias before a norm
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+schedule = None
+if FEATURES & {"schedule", "untracked-schedule"}:  # a warm-up, the form transformers' schedules take
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (2 * STEPS)))
+scaler = None
+if FEATURES & {"scaler", "untracked-scaler"}:  # AMP's scaler; its scale grows every 3 steps here
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+handed = {"scheduler": schedule} if "schedule" in FEATURES else {}
+handed |= {"scaler": scaler} if "scaler" in FEATURES else {}
+model, optimizer = strategy.setup(model, optimizer, **handed)
+epoch_schedule = None
+if "epoch-schedule" in FEATURES:  # made after setup (on the wrapped optimizer), so tracked by name
+    epoch_schedule = strategy.track("epoch schedule", torch.optim.lr_scheduler.SequentialLR(
+        optimizer, [torch.optim.lr_scheduler.ConstantLR(optimizer, factor=0.5, total_iters=1),
+                    torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)], milestones=[1]))
+ema = strategy.track("ema", AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(0.9))) \
+    if "ema" in FEATURES else None
+
+generator = torch.Generator().manual_seed(1)
+samples = WORLD * BATCH * STEPS
+data = TensorDataset(torch.randn(samples, 16, generator=generator), torch.randint(0, 4, (samples,), generator=generator))
+loader = strategy.setup_dataloader(DataLoader(data, batch_size=BATCH, shuffle=True))
+logged = []
+counted = 0
+for epoch in strategy.epochs(EPOCHS):
+    for x, y in strategy.batches(loader):
+        with strategy.step():
+            strike("forward")
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if STRUCK and PHASE == "backward" and strategy.progress.steps == int(AT):
+                model.module[0].weight.register_hook(lambda grad: strike("backward"))  # the last gradient
+            strategy.backward(scaler.scale(loss) if scaler is not None else loss)
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # to clip the true gradients, as AMP's docs show
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if "collective" in FEATURES:  # the loss averaged for logging, with torch.distributed itself
+                strike("collective")
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                logged.append(mean.item() / dist.get_world_size())
+            strike("optimizer-step")
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            strike("scheduler-step")
+            if schedule is not None:
+                schedule.step()
+            if "counted-warmup" in FEATURES:  # a schedule by hand, from a counter ddpkit is not told of
+                counted += 1
+                for group in optimizer.param_groups:
+                    group["lr"] = 1e-2 * min(1.0, (counted + 1) / (2 * STEPS))
+            if ema is not None:
+                ema.update_parameters(model.module)
+        if strategy.global_rank == 0:
+            open(f"step{strategy.progress.steps}", "w").close()
+        while str(strategy.progress.steps) == os.environ.get("HOLD_AT") and not os.path.exists("go-on"):
+            time.sleep(0.05)
+        time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
+    if epoch_schedule is not None:
+        epoch_schedule.step()
+    if "epoch-collective" in FEATURES:  # outside any step: in-place recovery cannot redo it
+        strike("epoch-collective")
+        time.sleep(1.0)  # a rank killed before it is seen by the launcher first, and its replacement begins
+        dist.all_reduce(torch.tensor([sum(logged)]))
+    strike("checkpoint-save")
+    strategy.save_checkpoint("checkpoint.pt", {"model": model.state_dict(), "epoch": epoch + 1})
+
+tracked = {name: obj.state_dict() for name, obj in [("schedule", schedule), ("scaler", scaler), ("ema", ema),
+                                                    ("epoch schedule", epoch_schedule)] if obj is not None}
+torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "tracked": tracked,
+            "steps": strategy.progress.steps, "world_size": strategy.world_size},
+           f"final{os.environ['RANK']}.pt")
+print(f"rank {os.environ['RANK']}: rank {strategy.global_rank} of {strategy.world_size} done after "
+      f"{strategy.progress.steps} steps, recovered {strategy.recovered_in_place}", flush=True)
+strategy.teardown()

@@ -1,0 +1,241 @@
+"""In-place recovery with the loops users write (issue 45): AdamW, a per-step warm-up schedule handed to
+``setup``, a per-epoch sequential schedule made after ``setup`` and tracked, ``GradScaler("cpu")``, EMA
+weights, synchronised batch norm, the loss all-reduced with ``torch.distributed`` inside the step, a
+checkpoint every epoch (``tests/real_loop.py``). A rank killed with SIGKILL in each place a loss
+strikes (forward, backward, the user's collective, the optimizer step, the schedule's step, the
+checkpoint save), on one node and across nodes (a spare node, a shrink and a grow back): every rank
+ends with the state of the run without the fault, model, optimizer and every tracked object. What
+cannot be moved is refused before training, and replicas that differ after a recovery end the run
+naming what differs. Real launchers and workers on Gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launchers import end_all, kill_node, node_of, start_launcher, start_store, text, wait_for
+
+from ddpkit.environments import find_free_port
+
+LOOP = Path(__file__).resolve().parent / "real_loop.py"
+
+
+def run_loop(folder: Path, nproc: int = 2, **variables: str) -> subprocess.CompletedProcess[str]:
+    """``tests/real_loop.py`` under ``ddpkit run --recovery in-place`` on one node, in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1",
+               "--nproc-per-node", str(nproc), str(LOOP)]
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "DDPKIT_RECOVERY_TIMEOUT_SECONDS": "30", **variables})
+
+
+def differences(expected: Any, got: Any, where: str = "") -> list[tuple[str, float]]:
+    """(where, how far) for every leaf of two saved states: tensors by their largest difference,
+    anything else 0 when equal and infinity when not."""
+    if isinstance(expected, torch.Tensor):
+        if expected.dtype.is_floating_point:
+            return [(where, (expected.double() - got.double()).abs().max().item() if expected.numel() else 0.0)]
+        return [(where, 0.0 if torch.equal(expected, got) else float("inf"))]
+    if isinstance(expected, dict):
+        if set(expected) != set(got):
+            return [(f"{where} (keys {sorted(map(str, expected))} and {sorted(map(str, got))})", float("inf"))]
+        return [found for key in expected for found in differences(expected[key], got[key], f"{where}.{key}")]
+    if isinstance(expected, (list, tuple)):
+        if len(expected) != len(got):
+            return [(f"{where} (lengths)", float("inf"))]
+        return [found for index, (a, b) in enumerate(zip(expected, got)) for found in differences(a, b, f"{where}[{index}]")]
+    if isinstance(expected, float):
+        return [(where, abs(expected - got))]
+    return [(where, 0.0 if expected == got else float("inf"))]
+
+
+def assert_as_without_the_fault(folder: Path, expected: dict[str, Any], ranks: int, errors: str,
+                                tolerance: float = 1e-6) -> None:
+    """Every rank's final state (``final<rank>.pt``: model, optimizer, tracked objects) is within
+    ``tolerance`` of ``expected``, the run without the fault."""
+    finals = sorted(folder.glob("final*.pt"))
+    assert len(finals) == ranks, f"{[path.name for path in finals]}\n{errors}"
+    for path in finals:
+        state = torch.load(path, weights_only=False)
+        found = differences({key: expected[key] for key in ("model", "optimizer", "tracked")},
+                            {key: state[key] for key in ("model", "optimizer", "tracked")})
+        worst = max(found, key=lambda pair: pair[1])
+        assert worst[1] <= tolerance, f"{path.name}: {worst[0]} differs by {worst[1]:.3e}\n{errors}"
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The final state of the loop with every feature and no fault (two ranks; every rank's the same)."""
+    folder = tmp_path_factory.mktemp("fault_free")
+    result = run_loop(folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected: dict[str, Any] = torch.load(folder / "final0.pt", weights_only=False)
+    assert_as_without_the_fault(folder, expected, 2, result.stderr[-2000:], tolerance=0.0)
+    assert expected["tracked"]["scaler"]["scale"] > 2.0 ** 8  # the scale grew: its state matters
+    assert expected["tracked"]["schedule"]["last_epoch"] == expected["steps"] == 24
+    return expected
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("phase", "rank"), [
+    ("forward:5", "1"), ("backward:5", "1"), ("collective:5", "1"), ("optimizer-step:5", "1"),
+    ("scheduler-step:5", "1"), ("checkpoint-save:8", "1"), ("backward:11", "0")])
+def test_a_rank_killed_anywhere_in_a_real_loop_is_replaced_and_every_rank_ends_as_without_the_fault(
+        tmp_path: Path, fault_free: dict[str, Any], phase: str, rank: str) -> None:
+    """The whole training state moves (the schedules' positions, the scaler's scale, the EMA weights,
+    AdamW's moments), the survivor's collective of its own and its synchronised batch norm turn the
+    loss into a recovery, and the run ends exactly as the one without the fault (0 difference)."""
+    result = run_loop(tmp_path, KILL=phase, KILL_RANK=rank)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "recovered in place" in result.stderr and "restarting all" not in result.stderr, result.stderr[-4000:]
+    assert_as_without_the_fault(tmp_path, fault_free, 2, result.stderr[-3000:], tolerance=0.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("features", "phase"), [("syncbn", "forward:5"), ("collective", "collective:5")])
+def test_a_rank_lost_while_the_other_is_in_a_synchronised_batch_norm_or_its_own_collective_is_replaced(
+        tmp_path: Path, features: str, phase: str) -> None:
+    """The issue's two findings on their own: the survivor's ``SyncBatchNorm`` all-gather, or its
+    ``torch.distributed.all_reduce`` of the loss, fails when rank 1 dies; it used to end the job with
+    Gloo's "Connection closed by peer" (spending the restart), and is now a recovery."""
+    result = run_loop(tmp_path, FEATURES=features, KILL=phase)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "recovered in place" in result.stderr and "Connection" not in result.stderr.split("recovered in place")[-1]
+    first, second = (torch.load(tmp_path / f"final{rank}.pt", weights_only=False) for rank in (0, 1))
+    worst = max(differences(first, second), key=lambda pair: pair[1])
+    assert worst[1] == 0.0, worst
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_in_a_collective_outside_the_step_ends_the_job_naming_the_loss_not_the_survivors_connection(
+        tmp_path: Path) -> None:
+    """A collective of the script's own between epochs cannot be redone (the replacement starts at a
+    step): the survivor fails while the killed rank's replacement starts, and its record, which the
+    launcher names as the cause, says that a rank was lost and why this collective is not recovered
+    (it used to be the survivor's "RuntimeError: ... Connection closed by peer")."""
+    result = run_loop(tmp_path, FEATURES="collective,epoch-collective", KILL="epoch-collective:8")
+    assert result.returncode == 1, result.stderr[-3000:]
+    causes = [line for line in result.stderr.splitlines() if line.startswith("ddpkit run: during the in-place")]
+    assert causes, result.stderr[-3000:]
+    assert re.match(r"ddpkit run: during the in-place recovery of rank 1: rank 0 \(local rank 0, pid \d+\) failed first "
+                    r"with PeerLostError: a rank of the group vanished \(its collective failed on rank 0: ", causes[0])
+    assert ("while this rank was in a collective of its own that in-place recovery cannot redo: one outside "
+            "`with strategy.step():` (keep collectives inside the step)") in causes[0], causes[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_schedule_and_a_scaler_not_handed_over_are_refused_before_training_naming_them(tmp_path: Path) -> None:
+    """A replacement would start them afresh: the ranks would diverge and the job exit 0 (the
+    issue's LambdaLR ended 0.12 from the run without the fault). Refused at the first step."""
+    result = run_loop(tmp_path, FEATURES="untracked-schedule,untracked-scaler", KILL="forward:5")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "UntrackedStateError: in-place recovery would leave state behind: a GradScaler (scale 256) is enabled; " \
+           "a learning-rate schedule (LambdaLR) steps the optimizer" in result.stderr, result.stderr[-3000:]
+    assert "strategy.setup(model, optimizer, scheduler=..., scaler=...)" in result.stderr
+    assert not (tmp_path / "step1").exists()  # before the first step
+    assert "recovered in place" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_state_that_nothing_marks_and_that_was_not_tracked_ends_the_run_at_the_first_step_after_the_recovery(
+        tmp_path: Path) -> None:
+    """A warm-up set by hand from a counter of the loop's own: the replacement's counter starts at 0,
+    so its learning rate differs from the survivor's once the step after the recovery has run. The
+    replica check compares the ranks there and raises on every rank, naming the optimizer's 'lr'."""
+    result = run_loop(tmp_path, FEATURES="counted-warmup", KILL="forward:5")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "recovered in place" in result.stderr
+    assert ("ReplicaMismatchError: the replicas differ at optimizer step 6, the first after the in-place recovery "
+            "that formed generation 1 of the group: the optimizer's 'lr' of parameter group 0: ranks [0] hold one "
+            "value, ranks [1] another") in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("ReplicaMismatchError: the replicas differ") >= 2  # raised on both ranks
+    assert not (tmp_path / "step7").exists()
+
+
+@pytest.mark.timeout(120)
+def test_survivors_blocked_in_their_own_collective_on_a_survivor_that_recovered_recover_too(tmp_path: Path) -> None:
+    """Four ranks in ``torch.distributed.all_reduce`` of their own, rank 3 killed: only some survivors'
+    calls fail at once; the others wait on them in Gloo, where ddpkit cannot interrupt them. The first
+    to recover frees the group it leaves, which closes its connections, so theirs fail too and all
+    recover (before: they waited until the recovery timeout and the job ended)."""
+    result = run_loop(tmp_path, nproc=4, FEATURES="collective", WORLD="4", KILL="collective:3", KILL_RANK="3")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stderr.count("ddpkit: recovered in place") == 3, result.stderr[-4000:]
+    finals = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("final*.pt"))]
+    assert len(finals) == 4
+    for other in finals[1:]:
+        worst = max(differences(finals[0]["model"], other["model"]), key=lambda pair: pair[1])
+        assert worst[1] == 0.0, worst
+
+
+def start_nodes(folder: Path, port: int, nnodes: str, count: int, **variables: str) -> list[subprocess.Popen[bytes]]:
+    """``count`` launchers of one rank each running ``tests/real_loop.py`` as a job of ``nnodes`` nodes."""
+    shutil.copy(LOOP, folder / "job.py")
+    return [start_launcher(folder, port, f"launcher{n}", nnodes, nproc_per_node=1, **variables)
+            for n in range(count)]
+
+
+@pytest.mark.timeout(240)
+def test_a_node_lost_in_the_users_collective_is_taken_over_by_a_spare_node_and_every_rank_ends_as_without_it(
+        tmp_path: Path, fault_free: dict[str, Any]) -> None:
+    """Two nodes of one rank and a spare node: node 1 stopped in the loss's all-reduce of its own and
+    killed; the survivor's ``torch.distributed.all_reduce`` fails, the spare node's rank takes the
+    state, and the run ends as the one without the fault."""
+    store = start_store(port := find_free_port())
+    job = {"rdzv_id": "real-spare", "PAUSE": "collective:5", "KILL_RANK": "1"}
+    try:
+        launchers = start_nodes(tmp_path, port, "2:3", 2, **job)
+        wait_for(lambda: (tmp_path / "paused").exists(), "node 1's rank to stop in its all-reduce")
+        spare = start_launcher(tmp_path, port, "launcher2", "2:3", nproc_per_node=1, **job)
+        wait_for(lambda: "waits as a spare node" in text(tmp_path, "launcher2.err"), "the spare node to wait")
+        lost = node_of(tmp_path, 1)
+        kill_node(launchers[lost])
+        codes = end_all([launchers[1 - lost], spare], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-3000:]}" for n in range(3))
+        assert codes == [0, 0], errors
+        assert "node 1's launcher went silent; this spare node takes its place" in text(tmp_path, "launcher2.err")
+        assert_as_without_the_fault(tmp_path, fault_free, 2, errors, tolerance=0.0)
+    finally:
+        store.kill()
+        store.wait()
+
+
+@pytest.mark.timeout(300)
+def test_the_world_shrinks_when_a_node_is_lost_in_a_synchronised_batch_norm_and_grows_back_as_without_the_fault(
+        tmp_path: Path, fault_free: dict[str, Any]) -> None:
+    """Two nodes of one rank, ``--nnodes 1:2``: node 1 stopped in the backward (the others wait in its
+    synchronised batch norm's all-reduce, ddpkit's own) and killed. The survivor trains both shares
+    alone, and, held after step 10, a launcher started later joins: the world grows back at a step
+    boundary, the joiner receives the whole training state, and both end within 1e-6 of the run
+    without the fault (one rank on both shares rounds a little differently)."""
+    store = start_store(port := find_free_port())
+    job = {"rdzv_id": "real-shrink", "PAUSE": "backward:5", "KILL_RANK": "1", "HOLD_AT": "10", "STEP_SECONDS": "0.05"}
+    try:
+        launchers = start_nodes(tmp_path, port, "1:2", 2, **job)
+        wait_for(lambda: (tmp_path / "paused").exists(), "node 1's rank to stop in its backward")
+        lost = node_of(tmp_path, 1)
+        kill_node(launchers[lost])
+        killed = time.monotonic()
+        wait_for(lambda: (tmp_path / "step10").exists(), "the shrunk world to train up to step 10", timeout=90)
+        print(f"node 1 killed in the backward: step 10 reached {time.monotonic() - killed:.2f} s later, alone")
+        joiner = start_launcher(tmp_path, port, "launcher2", "1:2", nproc_per_node=1, **job)
+        wait_for(lambda: "joins the world again" in text(tmp_path, "launcher2.err"), "the joiner's request")
+        (tmp_path / "go-on").touch()
+        codes = end_all([launchers[1 - lost], joiner], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-3000:]}" for n in range(3))
+        assert codes == [0, 0], errors
+        survivor = text(tmp_path, f"launcher{1 - lost}.err")
+        assert "no spare node took its place: the world shrank to 1 ranks" in survivor, errors
+        assert "grew in place" in survivor, errors
+        assert_as_without_the_fault(tmp_path, fault_free, 2, errors)
+    finally:
+        store.kill()
+        store.wait()
