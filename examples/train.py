@@ -13,7 +13,8 @@ restart resume. With ``--checkpoint``, a preemption (SIGTERM to ``ddpkit run``, 
 command run again continues from that batch. The last line reports throughput, whether every
 rank holds the same parameters, and (``--check-reference``, on by default) the largest
 difference to one process trained on the same global batches from scratch, also after a
-resume, and the accuracy on 1024 points it never trained on. ``--comm-hook powersgd`` (or
+resume or an in-place recovery (the global batches of the world the job started with, which a
+shrink keeps), and the accuracy on 1024 points it never trained on. ``--comm-hook powersgd`` (or
 ``fp16``, ``bf16``) compresses the gradients' all-reduce (``ddpkit.hooks``): the parameters then
 differ from one process's, and the held-out accuracy is what to compare. ``--plot loss.png``
 draws the loss and accuracy per epoch into an image (with matplotlib: ``pip install
@@ -220,15 +221,20 @@ def main() -> None:
     identical = all(torch.equal(flat, other) for other in ddpkit.gather_all_tensors(flat))
     difference = None
     if args.check_reference and strategy.is_global_zero:
-        difference = (flat - reference_parameters(args, strategy.world_size)).abs().max().item()
+        # The global batches of the world the job started with: after a lost node shrank the world,
+        # the survivors train its shares too (strategy.data_world_size), so the batches stay those.
+        difference = (flat - reference_parameters(args, strategy.data_world_size)).abs().max().item()
     if strategy.is_global_zero:
         note = "" if difference is None else f", max |difference| to one process {difference:.2e}"
-        print(f"done: {throughput:.0f} samples/s over {strategy.world_size} processes, "
+        started = "" if strategy.data_world_size == strategy.world_size else \
+            f" (the job started with {strategy.data_world_size}; the survivors trained the lost ranks' shares)"
+        print(f"done: {throughput:.0f} samples/s over {strategy.world_size} processes{started}, "
               f"parameters identical on all ranks: {identical}{note}, held-out accuracy {held_out_accuracy:.3f}",
               flush=True)
         # One line for programs (the tests, benchmarks/recovery.py) to read, whatever the wording above.
         print("summary " + json.dumps({
-            "world_size": strategy.world_size, "identical": identical, "max_difference": difference,
+            "world_size": strategy.world_size, "started_world_size": strategy.data_world_size,
+            "identical": identical, "max_difference": difference,
             "trained": trained, "resumed": resumed, "recovered_in_place": strategy.recovered_in_place,
             "samples_per_second": throughput, "held_out_accuracy": held_out_accuracy}), flush=True)
     strategy.teardown()                                                         # ddpkit

@@ -220,3 +220,38 @@ def test_run_directly_the_script_starts_its_own_second_process() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert example_summary(result.stdout)["world_size"] == 2 and example_summary(result.stdout)["identical"]
     assert example_summary(result.stdout)["max_difference"] < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_after_a_lost_node_shrinks_the_world_the_example_compares_with_the_world_it_started_with(
+        tmp_path: Path) -> None:
+    """The README's shrink: two nodes (of one rank here), ``--nnodes 1:2`` with the store outside
+    them, node 1 killed in epoch 2. The survivor trains both shares and ends as one process on the
+    global batches of two shares (it compared with batches of one share, the world it ended with,
+    and exited 1); the summary says both worlds."""
+    from launchers import end_all, kill_node, node_of, start_launcher, start_store, text, wait_for
+
+    from ddpkit.environments import find_free_port
+
+    arguments = ["--epochs", "4", "--samples", "32768", "--checkpoint", str(tmp_path / "checkpoints") + os.sep]
+    (tmp_path / "job.py").write_text(f"import runpy, sys\nsys.argv = {[str(EXAMPLE), *arguments]!r}\n"
+                                     f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n")
+    store = start_store(port := find_free_port())
+    try:
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", rdzv_id="example-shrink", nproc_per_node=1)
+                     for n in range(2)]
+        wait_for(lambda: all("this is node" in text(tmp_path, f"launcher{n}.err") for n in range(2)), "the rendezvous")
+        survivor = node_of(tmp_path, 0)
+        wait_for(lambda: "epoch 1/4" in text(tmp_path, f"launcher{survivor}.out"), "the first epoch", timeout=120)
+        kill_node(launchers[1 - survivor])
+        code = end_all([launchers[survivor]], timeout=180)[0]
+        out, err = text(tmp_path, f"launcher{survivor}.out"), text(tmp_path, f"launcher{survivor}.err")
+        assert code == 0, err[-4000:]
+        assert "the world shrank to 1 ranks" in err, err[-4000:]
+        summary = example_summary(out)
+        assert summary["world_size"] == 1 and summary["started_world_size"] == 2, out[-2000:]
+        assert summary["recovered_in_place"] and summary["max_difference"] < 1e-4, out[-2000:]
+        assert "over 1 processes (the job started with 2; the survivors trained the lost ranks' shares)" in out
+    finally:
+        store.kill()
+        store.wait()
