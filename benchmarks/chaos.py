@@ -2,8 +2,11 @@
 
     python benchmarks/chaos.py --runs N [--seed S] [--skip K] [--epochs 4] [--samples 32768]
 
-Each run trains ``examples/train.py`` (two ranks, a checkpoint after every epoch, its own check
-against one process trained on the same batches) in one of three set-ups, drawn at random:
+Each run trains ``examples/train.py`` (two ranks, a checkpoint after every epoch) with what real
+loops add (``--warmup-steps 200``: a learning-rate schedule stepped every step; ``--sync-batchnorm``;
+``--all-reduce-loss``: a ``torch.distributed`` collective of the script's own in every step;
+``--plain-job`` leaves them out, and the example then checks itself against one process trained on
+the same batches) in one of three set-ups, drawn at random:
 
 - one node, ``ddpkit run --nproc-per-node 2 --recovery in-place --max-restarts 3``;
 - one node, ``ddpkit run --nproc-per-node 2 --max-restarts 3`` (restart mode);
@@ -29,7 +32,8 @@ within two seconds half of the time: during the recovery it started):
 A run ends in one of these ways:
 
 - **exact**: the job finished (after a preemption: the same command again finished) with the
-  ranks' parameters identical and within 1e-6 of one process trained on the same batches;
+  ranks' parameters identical and within 1e-6 of the fault-free run's (the soak's first run, which
+  must match one process trained on the same batches in the plain job);
 - **ended naming the root cause**: the job ended (a budget spent, the disk full, a node lost)
   with the fault named in its output, and the same command with ``--resume`` then finished exact
   from the checkpoint it left (nothing of the work is lost but the steps since that checkpoint);
@@ -63,6 +67,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from _processes import all_pids, descendants, read_proc  # beside this script, as netns
 from netns import Nodes
 
@@ -231,13 +236,26 @@ def summary_of(out: str) -> dict[str, object] | None:
     return None if line is None else json.loads(line.removeprefix("summary "))
 
 
-def exact(codes: list[int], out: str) -> tuple[bool, str]:
+def exact(codes: list[int], out: str, folder: Path, reference: torch.Tensor | None) -> tuple[bool, str]:
+    """Whether a finished command trained as it should: its ranks identical, and its parameters within
+    ``EXACT`` of one process's (the example's own check, when it makes one) and of ``reference``
+    (the fault-free run's, when given: read from the checkpoint written after the last epoch)."""
     summary = summary_of(out)
     if summary is None or any(codes):
         return False, f"exit codes {codes}, summary {summary}"
     difference = summary["max_difference"]
-    good = summary["identical"] is True and isinstance(difference, float) and difference <= EXACT
-    return good, f"identical {summary['identical']}, max difference {difference}"
+    good = summary["identical"] is True and (difference is None or difference <= EXACT)
+    detail = f"identical {summary['identical']}, max difference to one process {difference}"
+    if reference is not None:
+        fault_free = (final_parameters(folder) - reference).abs().max().item()
+        good, detail = good and fault_free <= EXACT, f"{detail}, to the fault-free run {fault_free:.2e}"
+    return good, detail
+
+
+def final_parameters(folder: Path) -> torch.Tensor:
+    """The parameters in the checkpoint the example wrote after its last epoch, flat."""
+    state = torch.load(folder / "checkpoint" / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    return torch.cat([value.flatten().double() for value in state.values()])
 
 
 class Injector(threading.Thread):
@@ -349,11 +367,11 @@ def plan(index: int, chooser: random.Random, duration: float, namespaces: bool, 
 
 
 def execute(run: Run, base: Path, train: list[str], epochs: int, bound: float, namespaces: Nodes | None,
-            chooser: random.Random) -> None:
+            chooser: random.Random, reference: torch.Tensor) -> None:
     folder = base / f"run{run.index}"
     folder.mkdir()
     try:
-        _execute(run, folder, train, epochs, bound, namespaces, chooser)
+        _execute(run, folder, train, epochs, bound, namespaces, chooser, reference)
     except BaseException:  # interrupted (Ctrl-C, SIGTERM): nothing of the run may outlive the soak
         end_all(folder)
         raise
@@ -377,7 +395,7 @@ def end_all(folder: Path) -> list[int]:
 
 
 def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float, namespaces: Nodes | None,
-             chooser: random.Random) -> None:
+             chooser: random.Random, reference: torch.Tensor) -> None:
     started = time.monotonic()
     extra = list(train)
     save_kill = next((fault for fault in run.faults if fault.kind == "kill-in-save"), None)
@@ -409,7 +427,7 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
         if not finished:
             run.outcome, run.detail = "hung", f"past {bound:.0f} s; its processes:\n{processes}\nlast output: {err[-3000:]}"
         elif all(code == 0 for code in codes):
-            good, run.detail = exact(codes, out)
+            good, run.detail = exact(codes, out, folder, reference)
             run.outcome = "exact" if good else "wrong"
         else:
             preempted = all(code == 75 for code in codes)
@@ -421,7 +439,7 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
             if not finished_again:
                 again.kill_all()
             out2, err2 = again.text()
-            good, detail = exact(again.codes(), out2)
+            good, detail = exact(again.codes(), out2, folder, reference)
             if not finished_again:
                 run.outcome, run.detail = "hung", f"the command after the end, past {bound:.0f} s: {err2[-400:]}"
             elif not good:
@@ -442,8 +460,9 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
     run.seconds = time.monotonic() - started
 
 
-def calibrate(base: Path, train: list[str]) -> float:
-    """The fault-free run's duration (seconds); it must be exact."""
+def calibrate(base: Path, train: list[str]) -> tuple[float, torch.Tensor]:
+    """The fault-free run's duration (seconds) and final parameters; it must finish, identical on
+    its ranks (and, in the plain job, within ``EXACT`` of one process)."""
     folder = base / "fault-free"
     folder.mkdir()
     job = Job(folder, "restart", 0, train, None)
@@ -451,10 +470,10 @@ def calibrate(base: Path, train: list[str]) -> float:
         job.kill_all()
         raise SystemExit("chaos: the fault-free run did not finish within 600 s")
     out, err = job.text()
-    good, detail = exact(job.codes(), out)
+    good, detail = exact(job.codes(), out, folder, None)
     if not good:
         raise SystemExit(f"chaos: the fault-free run is not exact ({detail}):\n{err[-2000:]}")
-    return time.monotonic() - job.started
+    return time.monotonic() - job.started, final_parameters(folder)
 
 
 def table(runs: list[Run]) -> str:
@@ -481,6 +500,8 @@ def main() -> None:
                         help="start at run K of the seed's draw (to go on with a soak that was stopped)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (outputs, checkpoints)")
     parser.add_argument("--verbose", action="store_true", help="say what each fault did and how each run ended")
+    parser.add_argument("--plain-job", action="store_true",
+                        help="train the example without a schedule, synchronised batch norm and a collective of its own")
     args = parser.parse_args()
     # SIGTERM as Ctrl-C: the runs' processes, the namespaces and the mounts are removed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -489,6 +510,8 @@ def main() -> None:
     # on (which worker, when the disk is freed) from a stream of their own.
     planner, chooser = random.Random(seed), random.Random(seed + 1)
     train = ["--epochs", str(args.epochs), "--samples", str(args.samples)]
+    if not args.plain_job:
+        train += ["--warmup-steps", "200", "--sync-batchnorm", "--all-reduce-loss"]
     no_namespaces = Nodes.unavailable()
     no_disk = None if os.geteuid() == 0 and shutil.which("mount") else "needs root to mount a small tmpfs"
     for kind, why in (("link-down", no_namespaces), ("disk-full", no_disk)):
@@ -498,7 +521,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ddpkit-chaos-"))
     runs: list[Run] = []
     try:
-        duration = calibrate(base, train)
+        duration, reference = calibrate(base, train)
         bound = 3 * duration + 90
         print(f"chaos: seed {seed}; the fault-free run took {duration:.1f} s; each command is bounded at {bound:.0f} s",
               flush=True)
@@ -508,7 +531,7 @@ def main() -> None:
                 run = plan(index, planner, duration, namespaces is not None, no_disk is None)
                 if index < args.skip:
                     continue
-                execute(run, base, train, args.epochs, bound, namespaces, chooser)
+                execute(run, base, train, args.epochs, bound, namespaces, chooser, reference)
                 runs.append(run)
                 faults = "; ".join(f"{fault.kind} at {fault.at:.1f} s" + ("" if fault.applied else " (after the end)")
                                    for fault in run.faults)

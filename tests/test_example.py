@@ -255,3 +255,17 @@ def test_after_a_lost_node_shrinks_the_world_the_example_compares_with_the_world
     finally:
         store.kill()
         store.wait()
+
+
+def test_what_real_loops_add_trains_as_one_process_and_a_synchronised_batch_norm_turns_the_reference_check_off(
+) -> None:
+    """``--warmup-steps`` (a schedule stepped every step, in the reference too) and
+    ``--all-reduce-loss`` (a collective of the script's own) keep the run equal to one process to the
+    bit; ``--sync-batchnorm`` rounds its statistics otherwise, so the example does not compare."""
+    result = run_example("--epochs", "2", "--samples", "2048", "--warmup-steps", "20", "--all-reduce-loss")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "last step's loss" in result.stdout
+    assert example_summary(result.stdout)["max_difference"] == 0.0
+    result = run_example("--epochs", "1", "--samples", "1024", "--sync-batchnorm")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert example_summary(result.stdout)["max_difference"] is None and example_summary(result.stdout)["identical"]

@@ -239,3 +239,31 @@ def test_the_world_shrinks_when_a_node_is_lost_in_a_synchronised_batch_norm_and_
     finally:
         store.kill()
         store.wait()
+
+
+@pytest.mark.timeout(240)
+def test_across_network_namespaces_a_node_lost_in_the_users_collective_shrinks_the_world_as_without_it(
+        two_namespaces: list[tuple[str, str]], tmp_path: Path, fault_free: dict[str, Any]) -> None:
+    """The same loop on two nodes in network namespaces joined by a veth (Gloo over a real interface,
+    the store in node 0's namespace), ``--nnodes 1:2``: node 1 stopped in its own all-reduce of the
+    loss and killed; node 0's ``torch.distributed.all_reduce`` fails over the veth, it trains both
+    shares, and ends within 1e-6 of the run without the fault."""
+    (namespace0, address0), (namespace1, _) = two_namespaces
+    store = start_store(port := find_free_port(), namespace0, address0)
+    shutil.copy(LOOP, tmp_path / "job.py")
+    job = {"rdzv_id": "real-netns", "PAUSE": "collective:5", "KILL_RANK": "1"}
+    try:
+        # Both at once: the rendezvous closes a second after MIN (one) node arrived.
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", namespace, address0, nproc_per_node=1, **job)
+                     for n, namespace in enumerate((namespace0, namespace1))]
+        wait_for(lambda: (tmp_path / "paused").exists(), "node 1's rank to stop in its all-reduce")
+        lost = node_of(tmp_path, 1)
+        kill_node(launchers[lost])
+        code = end_all([launchers[1 - lost]], timeout=150)[0]
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-3000:]}" for n in range(2))
+        assert code == 0, errors
+        assert "no spare node took its place: the world shrank to 1 ranks" in text(tmp_path, f"launcher{1 - lost}.err")
+        assert_as_without_the_fault(tmp_path, fault_free, 1, errors)
+    finally:
+        store.kill()
+        store.wait()
