@@ -10,7 +10,8 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
                 ...forward, strategy.backward(loss), optimizer.step()...
 
 - **Survivors.** A collective of the step fails (the killed rank closed its connections; the
-  first rank to see it tells the others through the store: ``PeerLostError``), or a spare node's
+  first rank to see it tells the others through the store: ``PeerLostError``; a ``torch.distributed``
+  call of the script's own fails with Gloo's error, which ``step()`` reads the same way), or a spare node's
   launcher says that a node was lost (its link down: nothing was closed; ``ddpkit.generations``). ``step()`` catches
   it, abandons the group and forms the next generation (``ddpkit.group.Group.reconfigure``): with the
   same ranks, replacements taking the lost ones' places, or, when the world shrank, without them.
@@ -26,10 +27,12 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
   ``batches()`` start where the survivors continue.
 - **The exchange.** The ranks gather (is a replacement, optimizer steps taken); the survivor with
   the most steps (the lowest rank among equals) sends its state by broadcast: parameters,
-  buffers as they were after its last optimizer step, optimizer state, the position (epoch,
-  next batch), the step count, its RNG state as of that step, and the bucket order. Every other
-  rank loads it, so a survivor whose last all-reduce failed while another's completed also
-  continues from the later step: no step is lost and none is applied twice. No file is read.
+  buffers as they were after its last optimizer step, optimizer state, the state of every object
+  the loop tracks (``ddpkit.training_state``: schedules, the ``GradScaler``, EMA weights...), the
+  position (epoch, next batch), the step count, its RNG state as of that step, and the bucket order.
+  Every other rank loads it, so a survivor whose last all-reduce failed while another's completed
+  also continues from the later step: no step is lost and none is applied twice. No file is read.
+  The replicas are compared at the end of the next step trained (``ddpkit.replicas``).
 
 The commit point is the optimizer step (``register_step_post_hook``): the position moves past a
 batch when the optimizer has stepped on it, so with gradient accumulation the whole window is

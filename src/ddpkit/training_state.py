@@ -80,9 +80,6 @@ class TrackedState:
             obj.load_state_dict(self._received.pop(name))
             self._restore_hyperparameters()
 
-    def __contains__(self, obj: object) -> bool:
-        return any(tracked is obj for tracked in self._objects.values())
-
     def items(self) -> Iterator[tuple[str, Stateful]]:
         return iter(sorted(self._objects.items()))
 
