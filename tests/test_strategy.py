@@ -150,6 +150,17 @@ def test_process_group_backend_chooses_the_backend(pool2: WorkerPool) -> None:
     pool2.run(strategy_backends)
 
 
+def test_the_launchers_backend_comes_before_the_default_for_a_gpu() -> None:
+    """``ddpkit run --backend gloo`` with ranks sharing a GPU: the strategy's CUDA root device must
+    not turn that into NCCL (which refuses two ranks on one GPU); ``process_group_backend`` still wins."""
+    gpu = [torch.device("cuda", 0)]
+    environment = {"MASTER_PORT": "1", "DDPKIT_BACKEND": "gloo"}
+    assert DDPStrategy(cluster_environment=LocalEnvironment(environment), parallel_devices=gpu)._backend() == "gloo"
+    assert DDPStrategy(cluster_environment=LocalEnvironment({"MASTER_PORT": "1"}), parallel_devices=gpu)._backend() == "nccl"
+    assert DDPStrategy(cluster_environment=LocalEnvironment(environment), parallel_devices=gpu,
+                       process_group_backend="nccl")._backend() == "nccl"
+
+
 def dispatch_waits() -> list[float]:
     s = strategy()
     waited = []

@@ -54,7 +54,14 @@ from ddpkit.connection import (
 from ddpkit.data import shard
 from ddpkit.diagnostics.failures import PeerLostError, guard, record_failure
 from ddpkit.diagnostics.records import trace_record
-from ddpkit.environments import ClusterEnvironment, LocalEnvironment, Recovery, detect_environment, restart_count
+from ddpkit.environments import (
+    ChoosesBackend,
+    ClusterEnvironment,
+    LocalEnvironment,
+    Recovery,
+    detect_environment,
+    restart_count,
+)
 from ddpkit.group import current_group
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, processes_to_start, start_local_ranks
@@ -189,8 +196,14 @@ class DDPStrategy(LightningPluginHooks):
             self.cluster_environment = LocalEnvironment()  # re-read: this process is now local rank 0
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
-        backend = self.process_group_backend or ("nccl" if self.root_device.type == "cuda" else None)
-        init_dist_connection(self.cluster_environment, backend)
+        init_dist_connection(self.cluster_environment, self._backend())
+
+    def _backend(self) -> str | None:
+        """``process_group_backend``, else the launcher's choice (``ddpkit run --backend gloo`` lets
+        ranks share a GPU), else NCCL for a CUDA root device; None leaves it to the connection."""
+        environment = self.cluster_environment
+        chosen = environment.backend if isinstance(environment, ChoosesBackend) else None
+        return self.process_group_backend or chosen or ("nccl" if self.root_device.type == "cuda" else None)
 
     def configure_ddp(self, model: nn.Module) -> nn.Module:
         """Wrap ``model`` (on its device) for data parallelism; register the comm hook if one was given."""
