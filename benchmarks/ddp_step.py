@@ -1,7 +1,7 @@
 """Step time of ddpkit's DistributedDataParallel against torch's (and pytorch-pfn-extras').
 
     python benchmarks/ddp_step.py [--steps N] [--models mlp lenet many many1000] [--device cuda] [--ranks N]
-                                  [--variants]
+                                  [--backend gloo|nccl] [--variants] [--json FILE]
 
 Two Gloo ranks with one thread each (ddpkit.testing.WorkerPool). ``--device cuda``: models and
 batches on the GPU, each step ending with a CUDA synchronise; NCCL with one GPU per rank when
@@ -32,18 +32,27 @@ step cannot beat compute plus one all-reduce of every gradient byte), and each D
 it, median of the per-round ratios. ``--variants`` adds ddpkit with ``gradient_as_bucket_view=False``
 (``ddpkit copies``: torch's default layout, a ``.grad`` of its own copied back each step), to weigh the option.
 
+A third line gives each DDP's **host time** per step (median): from ``zero_grad`` until
+``optimizer.step()`` returns, before the CUDA synchronise. On a GPU that is what the host spends
+issuing the step (the backward's hooks and kernel launches, the reducer's work: torch's in C++,
+ddpkit's in Python), which the GPU hides only while it is busier; on the CPU it is the step itself.
+``--json FILE`` writes every figure (medians, ratios, host times per model) for ``benchmarks/gpu_check.py``.
+
 The measured figures, with the command, are in benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from _timing import (  # benchmarks/ is on the path when run as a script
+    WARMUP_ROUNDS,
     interleaved_samples,
     paired_ratio,
 )
@@ -88,7 +97,8 @@ def _peer_ddp() -> type | None:
     return PPE
 
 
-def measure(model_name: str, steps: int, device_type: str, variants: bool = False) -> dict[str, list[float]]:
+def measure(model_name: str, steps: int, device_type: str, variants: bool = False) -> dict[str, dict[str, list[float]]]:
+    """``{"step": per-method step times, "host": per-DDP host times}`` in ms, of the counted rounds."""
     rank = dist.get_rank()
     on_gpu = device_type == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -100,13 +110,18 @@ def measure(model_name: str, steps: int, device_type: str, variants: bool = Fals
         if on_gpu:  # the step's kernels ran, not only were queued
             torch.cuda.synchronize(device)
 
-    def trainer(model: nn.Module) -> Callable[[], None]:
+    host: dict[str, list[float]] = {}
+
+    def trainer(model: nn.Module, name: str = "") -> Callable[[], None]:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        issued = host.setdefault(name, []) if name else []
 
         def step() -> None:
+            start = time.perf_counter()
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             optimizer.step()
+            issued.append((time.perf_counter() - start) * 1000)
             finish()
         return step
 
@@ -126,16 +141,17 @@ def measure(model_name: str, steps: int, device_type: str, variants: bool = Fals
     methods["one process"] = lambda: single() if rank == 0 else None
     methods["both, no sync"] = local
     methods["raw all-reduce"] = lambda: all_reduce(flat)
-    methods["torch DDP"] = trainer(nn.parallel.DistributedDataParallel(copy(), device_ids=device_ids))
+    methods["torch DDP"] = trainer(nn.parallel.DistributedDataParallel(copy(), device_ids=device_ids), "torch DDP")
     peer = _peer_ddp()
     if peer is not None:
-        methods["ppe DDP"] = trainer(peer(copy()))
-    methods["ddpkit"] = trainer(DistributedDataParallel(copy(), device_ids=device_ids))
+        methods["ppe DDP"] = trainer(peer(copy()), "ppe DDP")
+    methods["ddpkit"] = trainer(DistributedDataParallel(copy(), device_ids=device_ids), "ddpkit")
     if variants:  # the default keeps .grad in the buckets; this is torch's default layout
         methods["ddpkit copies"] = trainer(
-            DistributedDataParallel(copy(), device_ids=device_ids, gradient_as_bucket_view=False))
+            DistributedDataParallel(copy(), device_ids=device_ids, gradient_as_bucket_view=False), "ddpkit copies")
 
-    return interleaved_samples(methods, steps)
+    samples = interleaved_samples(methods, steps)
+    return {"step": samples, "host": {name: times[WARMUP_ROUNDS:] for name, times in host.items()}}
 
 
 def limit_line(samples: dict[str, list[float]]) -> str:
@@ -159,6 +175,7 @@ def main() -> None:
                         help="default: gloo on cpu, nccl on cuda (needs one GPU per rank)")
     parser.add_argument("--variants", action="store_true",
                         help="also time ddpkit with gradient_as_bucket_view=False")
+    parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args()
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < args.ranks:
@@ -166,13 +183,16 @@ def main() -> None:
                      "here; pass fewer --ranks, or --backend gloo to let ranks share a GPU")
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {args.ranks} {backend} ranks x 1 thread on {where}, medians per step (ms)")
+    report: dict[str, object] = {"torch": torch.__version__, "ranks": args.ranks, "backend": backend, "device": where,
+                                 "models": {}}
     with WorkerPool(args.ranks, timeout=1200, backend=backend) as pool:
         for model_name in args.models:
             steps = args.steps or (40 if model_name == "mlp" and args.device == "cpu" else 600)
             every_rank = pool.run(measure, model_name, steps, args.device, args.variants)
-            samples = every_rank[0]
+            samples, host = every_rank[0]["step"], every_rank[0]["host"]
             # Without sync each rank times only itself; side by side, both are done when the slower is.
-            samples["both, no sync"] = [max(times) for times in zip(*(ranks["both, no sync"] for ranks in every_rank))]
+            samples["both, no sync"] = [max(times) for times in zip(*(ranks["step"]["both, no sync"]
+                                                                      for ranks in every_rank))]
             line = "  ".join(f"{name} {statistics.median(values):7.2f}" for name, values in samples.items())
             ratio = statistics.median(samples["ddpkit"]) / statistics.median(samples["torch DDP"])
             paired, lower, upper = paired_ratio(samples, "ddpkit", "torch DDP")
@@ -182,6 +202,17 @@ def main() -> None:
             print(f"{model_name:6s} {line}  | ddpkit/torch {ratio:.2f} (per round {paired:.2f}, "
                   f"quartiles {lower:.2f}-{upper:.2f}){peer}", flush=True)
             print(f"{'':6s} {limit_line(samples)}", flush=True)
+            host_medians = {name: statistics.median(times) for name, times in host.items()}
+            print(f"{'':6s} host per step: " + ", ".join(f"{name} {ms:.2f}" for name, ms in host_medians.items())
+                  + f"; ddpkit/torch {host_medians['ddpkit'] / host_medians['torch DDP']:.2f}", flush=True)
+            report["models"][model_name] = {  # type: ignore[index]
+                "steps": steps, "median_ms": {name: statistics.median(values) for name, values in samples.items()},
+                "ddpkit_over_torch": ratio, "ddpkit_over_torch_per_round": paired,
+                "quartiles": [lower, upper], "host_ms": host_medians,
+                "host_ddpkit_over_torch": host_medians["ddpkit"] / host_medians["torch DDP"]}
+    if args.json is not None:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=1)
 
 
 if __name__ == "__main__":

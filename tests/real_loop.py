@@ -1,6 +1,6 @@
 """A training loop the way users write it, for the in-place recovery tests (tests/test_real_loops.py):
 AdamW, a warm-up schedule stepped every step (given to ``setup``) and a sequential schedule stepped
-every epoch (made after ``setup`` and tracked), AMP's ``GradScaler("cpu")``, EMA weights
+every epoch (made after ``setup`` and tracked), AMP's ``GradScaler`` (on the device trained on), EMA weights
 (``AveragedModel``), gradient clipping (unscaled first), batch norm (synchronised with
 ``sync_batchnorm``), the loss all-reduced for logging with ``torch.distributed`` inside the step
 (after the clipping), and a checkpoint after every epoch.
@@ -18,6 +18,8 @@ Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environ
   ``optimizer-step``, ``scheduler-step``; ``checkpoint-save``: before its part of the save after the
   epoch of that step), in the first generation only. ``PAUSE`` instead stops it there (the test
   then kills its node) after writing the file ``paused``.
+- The loop trains on the strategy's device: a GPU when there is one (``tests/test_gpu.py`` runs it
+  there, under ``ddpkit run --backend gloo`` when the ranks share one GPU), else the CPU.
 - ``EPOCHS`` (3), ``STEPS`` per epoch (8), ``WORLD``: the world the job starts with (2), for the data.
 - ``HOLD_AT``: after optimizer step S, every rank waits until the file ``go-on`` exists (a node can
   then join a world that shrank before the run ends); rank 0 writes ``step<S>`` after each step;
@@ -63,6 +65,7 @@ def strike(phase: str) -> None:
 
 
 strategy = ddpkit.DDPStrategy(sync_batchnorm="syncbn" in FEATURES)
+device = strategy.root_device
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))  # no bias before a norm
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -71,7 +74,7 @@ if FEATURES & {"schedule", "untracked-schedule"}:  # a warm-up, the form transfo
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (2 * STEPS)))
 scaler = None
 if FEATURES & {"scaler", "untracked-scaler"}:  # AMP's scaler; its scale grows every 3 steps here
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 8, growth_interval=3)
 handed = {"scheduler": schedule} if "schedule" in FEATURES else {}
 handed |= {"scaler": scaler} if "scaler" in FEATURES else {}
 model, optimizer = strategy.setup(model, optimizer, **handed)
@@ -91,6 +94,7 @@ logged = []
 counted = 0
 for epoch in strategy.epochs(EPOCHS):
     for x, y in strategy.batches(loader):
+        x, y = x.to(device), y.to(device)
         with strategy.step():
             strike("forward")
             optimizer.zero_grad()

@@ -1,5 +1,7 @@
-"""CUDA/NCCL paths: DDP on GPUs (device_ids, inputs moved to the device), the fp16/bf16 hooks on
-NCCL, SyncBatchNorm on CUDA, a failure named on the other rank. Marked ``gpu``; they skip, saying
+"""CUDA/NCCL paths: DDP on GPUs (device_ids, inputs moved to the device), the fp16/bf16 hooks and
+PowerSGD on CUDA tensors, SyncBatchNorm on CUDA, a failure named on the other rank, in-place
+recovery with CUDA tensors (tests/real_loop.py, a rank SIGKILLed: every rank ends as without the
+fault) over the pool's backend, and over NCCL behind ``DDPKIT_NCCL_IN_PLACE=1``. Marked ``gpu``; they skip, saying
 why, on a machine without CUDA or with fewer GPUs than ranks (NCCL wants one GPU per rank).
 
     python -m pytest -q -m gpu tests/test_gpu.py       # on a machine with 2 GPUs
@@ -7,13 +9,16 @@ why, on a machine without CUDA or with fewer GPUs than ranks (NCCL wants one GPU
 The functions take the device type, so ``GPU_TEST_DEVICE=cpu`` runs the same checks on Gloo/CPU
 (to check the checks themselves where no GPU is lent). On a machine with one GPU,
 ``GPU_TEST_BACKEND=gloo`` lets both ranks share it (Gloo all-reduces CUDA tensors): the CUDA
-paths of ddpkit are checked, NCCL's are not.
+paths of ddpkit are checked, NCCL's are not. ``benchmarks/gpu_check.py`` runs this file with the
+right variables for the machine it finds.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,10 +27,11 @@ from helpers import Flaky, global_batch, make_mlp, shard, strategy
 from torch import nn
 
 from ddpkit.diagnostics.failures import PeerFailedError
-from ddpkit.hooks import bf16_compress_hook, fp16_compress_hook
+from ddpkit.hooks import PowerSGDState, bf16_compress_hook, fp16_compress_hook, powerSGD_hook
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
+from ddpkit.variables import DDPKIT_NCCL_IN_PLACE
 
 RANKS = 2
 DEVICE_TYPE = os.environ.get("GPU_TEST_DEVICE", "cuda")
@@ -215,3 +221,61 @@ def test_the_preemption_agreement_never_synchronises_the_device(gpu_pool: Worker
     """docs/never-lose-work.md: the host reads the agreement's result through an event."""
     stop0, stop1 = gpu_pool.run(agree_without_synchronising)
     assert stop0 == stop1 and 10 <= stop0 <= 12
+
+
+def train_with_powersgd() -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Five steps of PowerSGD (rank 2, compressing from the second step) on this rank's device."""
+    device = this_device()
+    module = make_mlp().to(device)
+    model = DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None)
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=1, min_compression_rate=1)
+    model.register_comm_hook(state, powerSGD_hook)
+    sgd_steps(model, module, dist.get_rank(), dist.get_world_size(), 5, device=None)
+    return state.compression_stats(), [p.grad.cpu() for p in module.parameters()]  # type: ignore[union-attr]
+
+
+def test_powersgd_compresses_on_the_device_and_every_rank_agrees(gpu_pool: WorkerPool) -> None:
+    """PowerSGD's products, orthogonalisation and error feedback on CUDA tensors: the matrices were
+    compressed, and every rank holds the same finite gradients."""
+    (stats, reference), *others = gpu_pool.run(train_with_powersgd)
+    assert stats["compressed_tensors"] > 0 and stats["compression_rate"] > 1, stats
+    assert all(torch.isfinite(grad).all() for grad in reference)
+    for _, grads in others:
+        assert all(torch.equal(grad, wanted) for grad, wanted in zip(grads, reference))
+
+
+def _real_loops() -> Any:
+    import test_real_loops  # tests/ is on the path: the same loop and comparison as the CPU tests
+
+    return test_real_loops
+
+
+def _in_place_on_the_device(folder: Path, backend: str, **variables: str) -> None:
+    """tests/real_loop.py (AdamW, schedules, GradScaler, EMA, SyncBatchNorm, the user's all-reduce)
+    on this machine's device under ``ddpkit run --backend BACKEND --recovery in-place``, without a
+    fault and with rank 1 SIGKILLed in its backward at step 5: every rank ends as without the fault."""
+    loops = _real_loops()
+    launcher = ("--backend", backend)
+    clean = loops.run_loop(folder / "fault_free", launcher=launcher, EPOCHS="2", **variables)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    expected = torch.load(folder / "fault_free" / "final0.pt", weights_only=False, map_location="cpu")
+    killed = loops.run_loop(folder / "killed", launcher=launcher, EPOCHS="2", KILL="backward:5", **variables)
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert "recovered in place" in killed.stderr, killed.stderr[-4000:]
+    loops.assert_as_without_the_fault(folder / "killed", expected, 2, killed.stderr[-3000:], tolerance=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_in_place_recovery_with_the_models_tensors_on_the_device(tmp_path: Path) -> None:
+    """Two ranks (sharing one GPU over Gloo when there is one GPU): the state moves from a survivor's
+    device to the replacement's."""
+    _in_place_on_the_device(tmp_path, "gloo" if torch.cuda.device_count() < RANKS else BACKEND)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(BACKEND != "nccl", reason="in-place recovery over NCCL needs NCCL: one GPU per rank, "
+                    f"{RANKS} ranks (GPU_TEST_BACKEND={BACKEND} here)")
+def test_in_place_recovery_over_nccl(tmp_path: Path) -> None:
+    """The survivors' NCCL communicators aborted, the next generation's formed, the state broadcast
+    on the device (``DDPKIT_NCCL_IN_PLACE=1`` until this has passed on a device)."""
+    _in_place_on_the_device(tmp_path, "nccl", **{DDPKIT_NCCL_IN_PLACE: "1"})

@@ -343,8 +343,8 @@ def test_the_state_transfer_sends_tensors_as_bytes_and_rebuilds_the_state_exactl
              "resume": (1, 7)}
     tensors: list[torch.Tensor] = []
     skeleton = _set_tensors_apart(state, tensors)
-    layout = [(t.shape, t.dtype) for t in tensors]
-    flat = _pack(tensors)
+    layout = [(t.shape, t.dtype, False) for t in tensors]
+    flat = _pack(tensors, torch.device("cpu"))
     assert flat.dtype == torch.uint8 and flat.numel() == _packed_size(layout)
     assert len(skeleton) < 4096  # the data travels in the flat buffer, not in the pickle
     received = _put_tensors_back(skeleton, _unpack(flat.clone(), layout))

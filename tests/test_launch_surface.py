@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.environments import Recovery
 from ddpkit.launching.cli import main
+from ddpkit.launching.config import LaunchConfig, validate
 from ddpkit.launching.output import Streams, parse_local_ranks, parse_streams
 
 # Each worker reports its place on stdout, a line on stderr, and a progress bar redrawn with '\r'.
@@ -249,3 +251,14 @@ def test_the_help_names_every_torchrun_flag_ddpkit_takes(capsys: pytest.CaptureF
 def test_standalone_sets_the_rendezvous_itself(folder: Path) -> None:
     result = ddpkit_run(folder, "--standalone", "--rdzv-backend", "c10d", "--rdzv-endpoint", "x:1", "report.py")
     assert result.returncode == 0 and "out of rank 0 of 1 at 127.0.0.1" in result.stdout, result.stderr
+
+
+def test_in_place_over_nccl_is_refused_unless_its_switch_is_on(
+        folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Until in-place recovery has run on GPUs, NCCL needs DDPKIT_NCCL_IN_PLACE=1; the refusal names it."""
+    monkeypatch.delenv("DDPKIT_NCCL_IN_PLACE", raising=False)
+    in_place = ["--recovery", "in-place", "--max-restarts", "1", "--backend", "nccl", "report.py"]
+    message = refused(folder, monkeypatch, capsys, *in_place)
+    assert "DDPKIT_NCCL_IN_PLACE=''" in message and "DDPKIT_NCCL_IN_PLACE=1" in message and "--backend gloo" in message
+    monkeypatch.setenv("DDPKIT_NCCL_IN_PLACE", "1")
+    validate(LaunchConfig(nproc_per_node=2, backend="nccl", max_restarts=1, recovery=Recovery.IN_PLACE), "report.py")

@@ -28,11 +28,12 @@ from ddpkit.environments import find_free_port
 LOOP = Path(__file__).resolve().parent / "real_loop.py"
 
 
-def run_loop(folder: Path, nproc: int = 2, **variables: str) -> subprocess.CompletedProcess[str]:
-    """``tests/real_loop.py`` under ``ddpkit run --recovery in-place`` on one node, in ``folder``."""
+def run_loop(folder: Path, nproc: int = 2, launcher: tuple[str, ...] = (), **variables: str) -> subprocess.CompletedProcess[str]:
+    """``tests/real_loop.py`` under ``ddpkit run --recovery in-place`` on one node, in ``folder``;
+    ``launcher``: more of ``ddpkit run``'s arguments (``--backend gloo``)."""
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1",
-               "--nproc-per-node", str(nproc), str(LOOP)]
+               "--nproc-per-node", str(nproc), *launcher, str(LOOP)]
     return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "DDPKIT_RECOVERY_TIMEOUT_SECONDS": "30", **variables})
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.failures import expect_lost_peers, sign_records_in
 from ddpkit.diagnostics.hangs import start_hang_watch
-from ddpkit.diagnostics.peer_watch import watch_peers
+from ddpkit.diagnostics.peer_watch import abort_nccl_communicators, watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.forming_store import GenerationAbandonedError, forming
@@ -224,7 +224,11 @@ class Group:
             expect_lost_peers(lambda: node_lost(self._launcher_store, self._secret, attempt, generation))
 
     def abort(self) -> None:
-        """Leave torch's default group (a rank of it vanished): destroyed here, freed in a thread."""
+        """Leave torch's default group (a rank of it vanished): destroyed here, freed in a thread. On
+        NCCL its communicators are aborted first (torch's documented way to end kernels that wait
+        for a peer that is gone; the peer watch may have done so already)."""
+        if dist.is_initialized() and self._backend == "nccl":
+            abort_nccl_communicators()
         if dist.is_initialized():
             abandoned = [dist.distributed_c10d._get_default_group()]  # no reference of this thread's outlives it
             dist.destroy_process_group()

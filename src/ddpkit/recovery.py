@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddpkit.agreement import StepAgreement
-from ddpkit.collective_call import collective_call
+from ddpkit.collective_call import collective_call, communication_device
 from ddpkit.collectives import all_gather_object, broadcast_object
 from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
@@ -547,13 +547,16 @@ def _broadcast_with_tensors_apart(obj: Any, src: int) -> Any:
     """``broadcast_object`` for an object of large tensors (a model's and an optimizer's state):
     the rest is pickled and sent as usual, the tensors travel as the bytes of one flat buffer,
     so neither side pickles or unpickles their data (a large part of a recovery's time otherwise).
-    The receivers get CPU tensors of their own; ``src`` (a global rank) gets ``obj`` back."""
+    The buffer lives where the group's collectives run (a GPU on NCCL, which moves only CUDA
+    tensors). Each receiver gets tensors of its own, each on the device type the sender held it
+    on (a GPU tensor on this rank's GPU, the RNG state on the CPU); ``src`` (a global rank) gets ``obj`` back."""
     mine = dist.get_rank() == src
     tensors: list[Tensor] = []
-    outline = broadcast_object((_set_tensors_apart(obj, tensors), [(t.shape, t.dtype) for t in tensors])
-                               if mine else None, src=src)
+    outline = broadcast_object((_set_tensors_apart(obj, tensors),
+                                [(t.shape, t.dtype, t.device.type != "cpu") for t in tensors]) if mine else None, src=src)
     skeleton, layout = outline
-    flat = _pack(tensors) if mine else torch.empty(_packed_size(layout), dtype=torch.uint8)
+    device = communication_device(None)
+    flat = _pack(tensors, device) if mine else torch.empty(_packed_size(layout), dtype=torch.uint8, device=device)
     with collective_call("in-place recovery: the training state", None, flat):  # a loss here: PeerLostError
         run_collective(dist.broadcast, flat, src=src)
     return obj if mine else _put_tensors_back(skeleton, _unpack(flat, layout))
@@ -591,27 +594,36 @@ def _span(shape: torch.Size, dtype: torch.dtype) -> int:
     return -(-_bytes(shape, dtype) // _ALIGNMENT) * _ALIGNMENT
 
 
-def _packed_size(layout: list[tuple[torch.Size, torch.dtype]]) -> int:
-    return sum(_span(shape, dtype) for shape, dtype in layout)
+# Each tensor of the state as the flat buffer lays it out: shape, dtype, and whether the sender
+# held it on an accelerator (the receiver puts it on its own) rather than on the CPU.
+_Layout = list[tuple[torch.Size, torch.dtype, bool]]
 
 
-def _pack(tensors: list[Tensor]) -> Tensor:
-    """The bytes of ``tensors``, one after the other (each at an aligned offset), on the CPU."""
-    flat = torch.empty(_packed_size([(t.shape, t.dtype) for t in tensors]), dtype=torch.uint8)
+def _packed_size(layout: _Layout) -> int:
+    return sum(_span(shape, dtype) for shape, dtype, _ in layout)
+
+
+def _pack(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The bytes of ``tensors``, one after the other (each at an aligned offset), on ``device``."""
+    flat = torch.empty(_packed_size([(t.shape, t.dtype, False) for t in tensors]), dtype=torch.uint8, device=device)
     offset = 0
     for tensor in tensors:
         size = _bytes(tensor.shape, tensor.dtype)
         if size:
-            flat[offset : offset + size].copy_(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+            flat[offset : offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         offset += _span(tensor.shape, tensor.dtype)
     return flat
 
 
-def _unpack(flat: Tensor, layout: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
-    """The tensors ``_pack`` laid out in ``flat``, each a tensor of its own (not a view of ``flat``)."""
+def _unpack(flat: Tensor, layout: _Layout) -> list[Tensor]:
+    """The tensors ``_pack`` laid out in ``flat``, each a tensor of its own (not a view of ``flat``),
+    on this rank's GPU when the sender's was on one (and this rank has one), else on the CPU."""
+    accelerator = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tensors = []
     offset = 0
-    for shape, dtype in layout:
-        tensors.append(flat[offset : offset + _bytes(shape, dtype)].view(dtype).reshape(shape).clone())
+    for shape, dtype, on_accelerator in layout:
+        piece = flat[offset : offset + _bytes(shape, dtype)].view(dtype).reshape(shape)
+        target = accelerator if on_accelerator else torch.device("cpu")
+        tensors.append(piece.to(target, copy=True))
         offset += _span(shape, dtype)
     return tensors

@@ -8,7 +8,7 @@ from __future__ import annotations
 __all__ = [
     "DDPKIT_BACKEND", "DDPKIT_CHECK_REPLICAS", "DDPKIT_DEBUG", "DDPKIT_ERROR_FILE", "DDPKIT_GENERATION",
     "DDPKIT_HANG_ABORT_SECONDS", "DDPKIT_HANG_SECONDS", "DDPKIT_HOSTED_STORE", "DDPKIT_JOB_SECRET",
-    "DDPKIT_JOB_SECRET_FILE", "DDPKIT_LAUNCHED", "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL",
+    "DDPKIT_JOB_SECRET_FILE", "DDPKIT_LAUNCHED", "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL", "DDPKIT_NCCL_IN_PLACE",
     "DDPKIT_PEER_FAILURE_EXIT_SECONDS", "DDPKIT_POOL_CONNECTION", "DDPKIT_PREEMPTION_SIGNAL", "DDPKIT_READY_FILE",
     "DDPKIT_RECOVERY", "DDPKIT_RECOVERY_TIMEOUT_SECONDS", "DDPKIT_RESTART_COUNT", "DDPKIT_STACK_FILE",
     "DDPKIT_STDERR_PREFIXED", "DDPKIT_STORE_BIND", "launcher_flag_variable",
@@ -54,6 +54,9 @@ DDPKIT_PREEMPTION_SIGNAL = "DDPKIT_PREEMPTION_SIGNAL"
 #: How long the ranks of a new generation wait for each other (a replacement starts its script from
 #: the top) before giving up; the launcher waits a little longer for the recovery to finish.
 DDPKIT_RECOVERY_TIMEOUT_SECONDS = "DDPKIT_RECOVERY_TIMEOUT_SECONDS"
+#: "1" lets ``ddpkit run --recovery in-place`` run over NCCL, which has not yet run on a device
+#: (``benchmarks/gpu_check.py`` exercises it); without it the launcher refuses NCCL with in-place.
+DDPKIT_NCCL_IN_PLACE = "DDPKIT_NCCL_IN_PLACE"
 #: The job secret (``ddpkit.job_secret``): its value, or a file that holds it. ``ddpkit run`` on one
 #: node makes one when neither is given and passes it to its workers in ``DDPKIT_JOB_SECRET``.
 DDPKIT_JOB_SECRET = "DDPKIT_JOB_SECRET"

@@ -51,7 +51,8 @@ from ddpkit.diagnostics.records import exception_record, write_error_record
 from ddpkit.job_secret import JobSecretError, RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
-__all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "expect_lost_peers",
+__all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "announced_loss",
+           "expect_lost_peers",
            "failure_behind", "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised",
            "raised_by_torch_distributed", "raising", "publish_first", "read_failure_record", "record_exception",
            "record_failure", "record_signer", "sign_records_in", "store_host_gone", "uncaught_failure"]
@@ -263,6 +264,12 @@ def note_lost_peer(error: BaseException) -> PeerLostError:
     return PeerLostError(f"a rank of the group vanished (its collective failed on rank {_this_rank()}: "
                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__}); "
                          "in-place recovery replaces it")
+
+
+def announced_loss(store: Any) -> PeerLostError | None:
+    """Under in-place recovery, the loss of a rank or node that a rank or a launcher announced in
+    ``store`` (the group's), as the error to raise; None when none was, or outside in-place recovery."""
+    return _lost_peer(store) if _state.expect_lost else None
 
 
 def _lost_peer(store: Any) -> PeerLostError | None:

@@ -8,7 +8,10 @@ failure record every ``_READ_SECONDS``, handles them:
 - **NCCL.** A kernel waiting for a failed peer never returns until its communicator is
   aborted. When a peer's failure appears, the watch aborts this process's NCCL communicators
   at once (``torch.distributed``'s abort of the process groups), so every pending NCCL
-  operation ends with an error, which ddpkit turns into ``PeerFailedError``.
+  operation ends with an error, which ddpkit turns into ``PeerFailedError``. Under in-place
+  recovery the same happens when a rank's loss is announced (a SIGKILLed peer closes nothing that
+  NCCL notices: its launcher says so in the store, ``ddpkit.generations.announce_node_lost``), and
+  the error becomes ``PeerLostError``: the survivors form the next generation.
 - **The store's host is gone** (rank 0 killed without a word): the read fails, and the watch
   makes ddpkit's waits raise ``StoreHostGoneError`` (and aborts NCCL communicators).
 - **A call of the user's own** (``torch.distributed.all_reduce(t)`` without ddpkit) blocks in
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.failures import (
     PeerFailedError,
+    announced_loss,
     peer_failure_raised,
     read_failure_record,
     record_exception,
@@ -46,7 +50,7 @@ from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_PEER_FAILURE_EXIT_SECONDS
 
-__all__ = ["PEER_FAILED_EXIT_CODE", "watch_peers"]
+__all__ = ["PEER_FAILED_EXIT_CODE", "abort_nccl_communicators", "watch_peers"]
 
 _log = get_logger("diagnostics")
 
@@ -89,6 +93,10 @@ class _PeerWatch:
             if record is not None and int(record["rank"]) != self.rank:
                 self._on_peer_failure(record)
                 return
+            if self.backend == "nccl" and (lost := announced_loss(self.store)) is not None:
+                _log.warning(f"ddpkit: {lost}: aborting this rank's NCCL communicators")
+                abort_nccl_communicators()  # the pending kernels end with an error: the recovery begins
+                return
 
     def _on_store_host_gone(self) -> None:
         """Rank 0 (the store's host) is gone: ddpkit's waits raise ``StoreHostGoneError`` from now
@@ -98,12 +106,12 @@ class _PeerWatch:
         wait for the interpreter's finalisation (``exits``)."""
         leave_on_uncaught_exception()
         if self.backend == "nccl":
-            _abort_nccl_communicators()
+            abort_nccl_communicators()
 
     def _on_peer_failure(self, record: dict[str, Any]) -> None:
         failure = PeerFailedError.from_record(record)
         if self.backend == "nccl":
-            _abort_nccl_communicators()
+            abort_nccl_communicators()
         seconds = _exit_seconds()
         if seconds <= 0:
             return
@@ -120,7 +128,7 @@ class _PeerWatch:
         os._exit(PEER_FAILED_EXIT_CODE)
 
 
-def _abort_nccl_communicators() -> None:
+def abort_nccl_communicators() -> None:
     """Abort every NCCL communicator of this process, so that kernels waiting for the failed peer
     return with an error (torch documents abort as the way to unblock pending NCCL operations)."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

@@ -21,6 +21,7 @@ from ddpkit.environments import Recovery
 from ddpkit.job_secret import JobSecretError, job_secret
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits
+from ddpkit.variables import DDPKIT_NCCL_IN_PLACE
 
 __all__ = ["LaunchConfig", "LaunchError", "RunAs", "validate"]
 
@@ -116,10 +117,13 @@ def validate(config: LaunchConfig, script: str) -> None:
             recovery_timeout_seconds()
         except ValueError as error:
             raise LaunchError(str(error)) from None
-        if config.backend == "nccl":
-            raise LaunchError("--recovery in-place works with Gloo so far (NCCL communicators of the survivors would "
-                              "have to be aborted and rebuilt): use --backend gloo, or --recovery fail-fast with "
-                              "--max-restarts.")
+        if config.backend == "nccl" and os.environ.get(DDPKIT_NCCL_IN_PLACE, "") != "1":
+            raise LaunchError(
+                f"--recovery in-place with --backend nccl is off until it has run on GPUs ({DDPKIT_NCCL_IN_PLACE}="
+                f"{os.environ.get(DDPKIT_NCCL_IN_PLACE, '')!r}): the survivors' NCCL communicators are aborted and the "
+                "next generation's formed as torch documents, but that path has run on CPUs only. Set "
+                f"{DDPKIT_NCCL_IN_PLACE}=1 to use it (benchmarks/gpu_check.py checks it on a machine with two GPUs), or "
+                "use --backend gloo, or --recovery fail-fast with --max-restarts.")
     try:
         check_worker_seconds_settings()
         job_secret()

@@ -44,7 +44,7 @@ from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port, gloo_interface_towards, listen_on, store_bind_address
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
-from ddpkit.generations import member_identity
+from ddpkit.generations import announce_node_lost, member_identity
 from ddpkit.job_secret import job_secret, new_job_secret
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
 from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
@@ -212,6 +212,10 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
 
     defaults = performance_defaults(config.nproc_per_node, os.environ)
     defaults.update(job_secret_for_workers(config.nnodes > 1 or config.rendezvous is not None, os.environ))
+    if config.backend == "nccl" and config.recovery is Recovery.IN_PLACE:
+        # On an error the NCCL watchdog aborts the communicator and leaves the process alive (its
+        # default tears the process down): a survivor's aborted collective must end in its recovery.
+        defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     if "OMP_NUM_THREADS" in defaults:
         _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
                   f"{config.nproc_per_node} workers (set it yourself to choose).")
@@ -299,7 +303,9 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                         workers, spare_command, {**defaults, **os.environ},
                         functools.partial(rank_variables, config, port, restart_count=restart_count),
                         budget=config.max_restarts - restart_count, generation=generation,
-                        next_generation=nodes.next_generation if nodes is not None and nodes.in_place else None)
+                        next_generation=nodes.next_generation if nodes is not None and nodes.in_place else None,
+                        announce_loss=functools.partial(_announce_loss, config, port, {**defaults, **os.environ},
+                                                        restart_count) if config.backend == "nccl" else None)
                 if config.coordinates_nodes and nodes is None:
                     nodes = _connect_nodes(config, port, workers, stop_waiting)
                 outcome = watch(workers, signals, grace, poll_interval, replacements, nodes, store_host)
@@ -375,6 +381,16 @@ def _open_next_attempt(nodes: NodeCoordination | None, store_host: StoreHost | N
         nodes.meet(attempt, recovery_timeout_seconds())
     elif store_host is not None:
         store_host.clear_worker_keys()
+
+
+def _announce_loss(config: LaunchConfig, port: int, environment: Mapping[str, str], attempt: int, generation: int,
+                   why: str) -> None:
+    """Tell the workers of ``generation`` through the job's store that ranks were lost (``why``): on
+    NCCL a SIGKILLed peer closes nothing the survivors notice, and their kernels would wait for it
+    until the group's timeout. Their peer watch reads this, aborts their communicators, and they
+    recover (``diagnostics.peer_watch``)."""
+    store = connect(config.master_addr, port, config.store_waits.read_timeout)
+    announce_node_lost(store, job_secret(environment), attempt, generation, why)
 
 
 def _connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,

@@ -82,16 +82,20 @@ class Replacements:
 
     def __init__(self, workers: WorkerProcesses, command: Sequence[str], environment: Mapping[str, str],
                  rank_variables: Callable[..., dict[str, str]], budget: int, generation: int = 0,
-                 next_generation: Callable[[], int] | None = None) -> None:
+                 next_generation: Callable[[], int] | None = None,
+                 announce_loss: Callable[[int, str], None] | None = None) -> None:
         """``generation``: the one the workers were started in (a spare node's take a lost node's
         place in a later one); ``next_generation``: where the next generation's number comes from
-        when other nodes form generations too (``NodeCoordination.next_generation``), else counted here."""
+        when other nodes form generations too (``NodeCoordination.next_generation``), else counted here;
+        ``announce_loss(generation, why)``: tells the survivors of ``generation`` that ranks were lost,
+        when nothing else would (NCCL notices no peer that was killed: ``launcher._announce_loss``)."""
         self._workers, self._command, self._environment = workers, list(command), dict(environment)
         self._rank_variables = rank_variables  # local rank -> the variables of that worker
         self.budget = budget
         self.used = 0
         self.generation = generation
         self._next_generation = next_generation or (lambda: self.generation + 1)
+        self._announce_loss = announce_loss
         self._pending: _Recovery | None = None
         self._timeout = recovery_timeout_seconds() + _MARGIN_SECONDS
         # The ready file of the worker that holds each rank now (a replacement's is of its generation).
@@ -120,6 +124,13 @@ class Replacements:
                 "in-place`, and each step inside `with strategy.step():` (examples/train.py); a plain torch.distributed "
                 "script does not. The loss ends every worker instead (restarted while --max-restarts allows).")
             return False
+        if self._announce_loss is not None:
+            why = f"{', '.join(map(str, failed))} {describe_exit(codes[0])}"
+            try:
+                self._announce_loss(self.generation, why)
+            except Exception as error:  # noqa: BLE001 - torch's store errors have no common base; the replacement goes on
+                _log.warning(f"ddpkit run: telling the other ranks that {why} failed ({error}); they learn it when "
+                             "their collective times out")
         self.used += 1
         self.generation = self._next_generation()
         started: list[tuple[WorkerProcess, str]] = []
