@@ -120,3 +120,114 @@ def test_the_public_names_are_one_list_the_type_checkers_see_too() -> None:
                   for alias in statement.names if alias.asname == alias.name}
     assert reexported == {(module, name) for module, names in ddpkit._PUBLIC.items() for name in names}
     assert ddpkit.__all__ == sorted(name for _, name in reexported)
+
+
+def _module_name(relative: str) -> str:
+    name = "ddpkit." + relative.removesuffix(".py").replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def test_no_two_modules_import_each_other_through_any_path() -> None:
+    """No import circle in the package (function-level imports count: a late import hides a circle)."""
+    names = {_module_name(module): module for module in modules()}
+    graph = {name: {imported for imported in imported_ddpkit_modules(module) if imported in names and imported != name}
+             for name, module in names.items()}
+    circles = []
+    for start in graph:  # a path back to the start, depth first
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert circles == []
+
+
+def test_the_primitives_below_the_seam_import_only_the_waits() -> None:
+    assert imported_ddpkit_modules("primitives.py") == {"ddpkit.diagnostics.waits"}
+
+
+# torch.distributed's collectives and point-to-point calls, as ``dist.<name>``, and the primitives
+# below the seam (``ddpkit.primitives``) that run one.
+_COLLECTIVES = {
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "gather", "scatter",
+    "all_to_all", "all_to_all_single", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list", "reduce", "allreduce", "allgather",
+}
+_PRIMITIVES = {"all_gather_stacked", "all_gather_bytes"}
+# Functions whose collectives run outside any ``collective_call`` block of their own, and why that
+# is right. A new collective anywhere else fails the test below.
+_OUTSIDE_THE_SEAM_ON_PURPOSE = {
+    "collective_call.py:_check_fingerprints": "the seam's own fingerprint exchange, in collective_call.__enter__",
+    "collectives.py:AllGatherGrad.forward": "runs in all_gather_ddp_if_available's @collective seam",
+    "collectives.py:_exchange_with_peers": "the uneven gather's forward (in gather_all_tensors' seam) and backward (its own)",
+    "collectives.py:_exchange_shapes": "called by gather_all_tensors, in its @collective seam",
+    "connection.py:destroy_dist_connection": "the teardown's barrier: nothing is left to name or recover there",
+    "group.py:Group._gather": "the member proof while the group forms, before its diagnostics exist; bounded by itself",
+    "hooks/default.py:allreduce_hook": "a comm hook: launched by the reducer, awaited in its seam",
+    "hooks/default.py:_compress_hook": "a comm hook: launched by the reducer, awaited in its seam",
+    "parallel/ddp.py:DistributedDataParallel._broadcast_from": "called only in the 'DistributedDataParallel broadcast' seam",
+    "parallel/reducer.py:Reducer._start_reduction": "launched from backward's hooks; awaited in _finish_backward's seam",
+    "parallel/reducer.py:Reducer._launch_separate_negotiation": "launched in backward; awaited in _finish_backward's seam",
+    "parallel/sparse.py:average_sparse_gradients": "called only by the reducer's _synchronise, in its seam",
+    "parallel/sparse.py:_average_dense": "called by average_sparse_gradients",
+    "parallel/sparse.py:_average_sparse": "called by average_sparse_gradients",
+}
+
+
+def _collective_sites(module: str) -> list[tuple[int, str, list[ast.AST]]]:
+    """(line, name, enclosing nodes) of every collective named in ``module``."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    sites: list[tuple[int, str, list[ast.AST]]] = []
+
+    def visit(node: ast.AST, enclosing: list[ast.AST]) -> None:
+        named = None
+        if isinstance(node, ast.Attribute) and node.attr in _COLLECTIVES and ast.unparse(node.value) in ("dist", "group"):
+            named = f"{ast.unparse(node.value)}.{node.attr}"
+        elif isinstance(node, ast.Name) and node.id in _PRIMITIVES and isinstance(node.ctx, ast.Load):
+            named = node.id
+        if named is not None:
+            sites.append((getattr(node, "lineno", 0), named, enclosing))
+        for child in ast.iter_child_nodes(node):
+            visit(child, [*enclosing, node])
+
+    visit(tree, [])
+    return sites
+
+
+def _inside_the_seam(enclosing: list[ast.AST]) -> bool:
+    for node in enclosing:
+        if isinstance(node, ast.With) and any(
+                isinstance(item.context_expr, ast.Call) and ast.unparse(item.context_expr.func) == "collective_call"
+                for item in node.items):
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                isinstance(decorator, ast.Call) and ast.unparse(decorator.func) == "collective"
+                for decorator in node.decorator_list):
+            return True
+    return False
+
+
+def test_every_collective_runs_inside_the_seam_or_says_why_not() -> None:
+    """docs/architecture.md: every collective ddpkit runs goes through ``collective_call`` (hang
+    watch, debug fingerprints, a lost or failed peer named and recoverable)."""
+    outside, listed = [], set()
+    for module in modules():
+        if module == "primitives.py":  # their callers open the seam; they are checked here as collectives
+            continue
+        for line, named, enclosing in _collective_sites(module):
+            if _inside_the_seam(enclosing):
+                continue
+            names = [node.name for node in enclosing
+                     if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+            where = f"{module}:{'.'.join(names) or '<module>'}"
+            if where in _OUTSIDE_THE_SEAM_ON_PURPOSE:
+                listed.add(where)
+            else:
+                outside.append(f"{module}:{line} {named} in {where}")
+    assert outside == [], "run these inside `with collective_call(...)`, or say why not in _OUTSIDE_THE_SEAM_ON_PURPOSE"
+    assert listed == set(_OUTSIDE_THE_SEAM_ON_PURPOSE), "entries that name no collective any more"

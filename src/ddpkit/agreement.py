@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.collective_call import collective_call, communication_device
+from ddpkit.collective_call import collective_call
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.group import Membership, current_group
 from ddpkit.preemption import PreemptionNotice, preemption_signals
+from ddpkit.primitives import communication_device
 
 __all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "PreemptionAgreement", "StepAgreement"]
 

@@ -1,20 +1,19 @@
 """The one diagnostics seam: every ddpkit collective, and each gradient synchronisation of the
 DDP module, runs inside ``with collective_call(operation, group, tensor):`` (hang watch, debug-mode
 fingerprints, a peer's failure named instead of a connection error); ``collective`` runs a
-function of ``ddpkit.collectives`` inside one. With the few helpers the seam and the collectives
-share: the device of a group's tensors, a rank's place in a group, a stacked all-gather.
+function of ``ddpkit.collectives`` inside one. Built on ``ddpkit.primitives`` (below it); the
+public collectives are built on it: no module of either imports the other's way back.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import pickle
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
 
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.debug import (
@@ -28,11 +27,9 @@ from ddpkit.diagnostics.debug import (
 from ddpkit.diagnostics.failures import failure_behind, raising
 from ddpkit.diagnostics.hangs import HangWatch, start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
-from ddpkit.diagnostics.waits import run_collective
+from ddpkit.primitives import ProcessGroup, all_gather_bytes, all_gather_stacked, communication_device, group_rank_and_size
 
-__all__ = ["all_gather_stacked", "collective", "collective_call", "communication_device", "group_rank_and_size"]
-
-ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
+__all__ = ["collective", "collective_call"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -131,46 +128,8 @@ def _check_fingerprints(operation: str, group: ProcessGroup, tensor: Any = None,
     codes = all_gather_stacked(code, group, world_size)
     if bool((codes == codes[0]).all()):
         return
-    from ddpkit.collectives import all_gather_object  # the collectives run inside this seam: imported late
-
     with checking():  # the exchange is itself a collective: not fingerprinted
-        everyone = all_gather_object(mine, group)
+        everyone = [pickle.loads(theirs) for theirs in all_gather_bytes(pickle.dumps(mine), group)]
     problem = mismatch(everyone)
     if problem is not None:
         raise CollectiveMismatchError(f"ddpkit debug mode: {problem}")
-
-
-def group_rank_and_size(group: ProcessGroup) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size; raises if this process is not in it."""
-    rank = dist.get_rank(group)
-    if rank < 0:
-        members = dist.get_process_group_ranks(group)
-        raise ValueError(
-            f"Global rank {dist.get_rank()} called a collective on a process group it is not a member of "
-            f"(members: global ranks {members}). Call collectives on a group only from its members."
-        )
-    return rank, dist.get_world_size(group)
-
-
-def communication_device(group: ProcessGroup) -> torch.device:
-    """Where tensors that ddpkit creates for a collective must live: NCCL only moves CUDA tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); earlier
-# releases, which pyproject's torch>=2.4 admits, have only the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def all_gather_stacked(tensor: Tensor, group: ProcessGroup, world_size: int) -> Tensor:
-    """All ranks' ``tensor`` (same shape everywhere) stacked into ``(world_size, *shape)``.
-
-    Gathers a flat view into one output buffer: no list of outputs and no ``torch.stack`` copy.
-    """
-    flat = tensor.detach().contiguous().reshape(-1)
-    out = flat.new_empty(world_size * flat.numel())
-    if flat.numel() > 0:  # every rank has the same numel here, so all skip or none does
-        run_collective(_all_gather_single, out, flat, group=group)
-    return out.view(world_size, *tensor.shape)

@@ -18,15 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ddpkit.collective_call import (
-    all_gather_stacked,
-    collective,
-    collective_call,
-    communication_device,
-    group_rank_and_size,
-)
+from ddpkit.collective_call import collective, collective_call
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.waits import run_collective, wait_for
+from ddpkit.primitives import ProcessGroup, all_gather_stacked, communication_device, group_rank_and_size
 
 __all__ = [
     "AllGatherGrad",
@@ -42,7 +37,6 @@ __all__ = [
 ]
 
 ReduceOpLike = Union[str, "dist.ReduceOp", None]
-ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
 
 # The shape header of `gather_all_tensors` has a fixed length, so that ranks agree on its size
 # before they know each other's shapes: [ndim, dtype code, size_0 .. size_{MAX-1}].

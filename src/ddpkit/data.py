@@ -23,10 +23,10 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-from ddpkit.collective_call import communication_device
 from ddpkit.collectives import sync_ddp
 from ddpkit.connection import distributed_available
 from ddpkit.group import Group, Membership
+from ddpkit.primitives import communication_device
 
 __all__ = ["EpochDataLoader", "ShareSampler", "even_batches", "set_epoch", "shard"]
 

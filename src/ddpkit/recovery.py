@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddpkit.agreement import StepAgreement
-from ddpkit.collective_call import collective_call, communication_device
+from ddpkit.collective_call import collective_call
 from ddpkit.collectives import all_gather_object, broadcast_object
 from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
@@ -67,6 +67,7 @@ from ddpkit.environments import ClusterEnvironment, Recovery
 from ddpkit.group import Group, current_group
 from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.primitives import communication_device
 from ddpkit.replicas import ReplicaCheck
 from ddpkit.training_state import TrackedState
 from ddpkit.variables import DDPKIT_READY_FILE

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 # torch.distributed.GradBucket itself (the stubs do not re-export it), so torch's DDP accepts the annotation.
 from torch._C._distributed_c10d import GradBucket
 
+from ddpkit.collective_call import collective_call
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.hooks.contract import GradBucket as DdpkitGradBucket
 from ddpkit.hooks.default import allreduce_hook
@@ -253,7 +254,9 @@ def _all_reduce_together(tensors: list[Tensor], group: Any, stats: _Stats, scale
     flat = torch.cat([t.reshape(-1) for t in tensors])
     if scaled:
         flat[: sum(t.numel() for t in tensors[:scaled])].mul_(scale)
-    run_collective(dist.all_reduce, flat, group=group)
+    # The hook runs while backward does, outside the reducer's seam: this blocking all-reduce opens its own.
+    with collective_call("PowerSGD all-reduce", group, flat, fingerprint=False):
+        run_collective(dist.all_reduce, flat, group=group)
     stats.sent += flat.numel() * flat.element_size()
     torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
