@@ -332,7 +332,7 @@ def test_without_in_place_recovery_the_loop_helpers_are_range_and_the_loader() -
 def test_the_state_transfer_sends_tensors_as_bytes_and_rebuilds_the_state_exactly() -> None:
     # What a survivor sends a replacement: a model's state_dict (an OrderedDict carrying _metadata),
     # an optimizer's state, the RNG state; tensors of several dtypes, odd sizes, one not contiguous.
-    from ddpkit.recovery import _pack, _packed_size, _put_tensors_back, _set_tensors_apart, _unpack
+    from ddpkit.state_transfer import _pack, _packed_size, _put_tensors_back, _set_tensors_apart, _unpack
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
     optimizer = torch.optim.Adam(model.parameters())

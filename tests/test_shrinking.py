@@ -42,7 +42,8 @@ from ddpkit.launching.nodes import NodeCoordination, Shrinking
 from ddpkit.launching.store_client import BoundedStore, connect
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.recovery import InPlaceRecovery, ResumableLoop
+from ddpkit.recovery import InPlaceRecovery
+from ddpkit.resumable_loop import ResumableLoop
 from ddpkit.testing import WorkerPool
 
 

@@ -43,36 +43,26 @@ gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import pickle
 import time
-import traceback
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from ddpkit.agreement import StepAgreement
-from ddpkit.collective_call import collective_call
-from ddpkit.collectives import all_gather_object, broadcast_object
-from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
-from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
-from ddpkit.diagnostics.waits import run_collective
-from ddpkit.environments import ClusterEnvironment, Recovery
+from ddpkit.collectives import all_gather_object
+from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.group import Group, current_group
 from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.primitives import communication_device
 from ddpkit.replicas import ReplicaCheck
+from ddpkit.state_transfer import broadcast_state
 from ddpkit.training_state import TrackedState
 from ddpkit.variables import DDPKIT_READY_FILE
 
-__all__ = ["InPlaceRecovery", "Progress", "ResumableLoop"]
+__all__ = ["InPlaceRecovery", "Progress"]
 
 _log = get_logger("recovery")
 
@@ -306,7 +296,7 @@ class InPlaceRecovery:
                                "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
         sender = max(candidates, key=lambda rank: (ranks[rank][1], -rank))
         mine = torch.distributed.get_rank() == sender
-        state: dict[str, Any] = _broadcast_with_tensors_apart(self._state(module, optimizer) if mine else None, sender)
+        state: dict[str, Any] = broadcast_state(self._state(module, optimizer) if mine else None, sender)
         if mine:
             self._restore_snapshot(module)
         else:
@@ -368,263 +358,3 @@ class _GrowthWatch:
                 self._requested = True
                 _log.warning(f"ddpkit: {who}; the group grows at the next step boundary every rank agrees on")
         return self._agreement.decide(self._requested)
-
-
-class ResumableLoop:
-    """``DDPStrategy``'s ``epochs()`` / ``batches()`` / ``step()``: where training is (``progress``)
-    and, under in-place recovery, the replay of the batches since the last optimizer step after a
-    rank was replaced. Without recovery, ``range`` and the loader's own batches."""
-
-    def __init__(self) -> None:
-        self.progress = Progress()
-        self.tracked = TrackedState()  # what the loop keeps beside model and optimizer (DDPStrategy.track)
-        self.recovery: InPlaceRecovery | None = None  # set by ``start_recovery``
-        self._in_step = False  # inside step(): a lost rank is its to recover from
-        # The last step() ended in a recovery, and no step began since: the code after the step block
-        # runs before the step is trained again, where a replacement (which starts at that step) is not.
-        self.step_recovered = False
-
-    def start_recovery(self, environment: ClusterEnvironment, wanted: Recovery | None,
-                       optimizer: torch.optim.Optimizer | None, comm_state: object | None) -> InPlaceRecovery | None:
-        """This process's side of in-place recovery (made once) when the job runs with it: ``wanted``
-        (``DDPStrategy(recovery=...)``), by default what the launcher told ``environment``. None
-        without it, or alone; ``ValueError`` for a combination it cannot serve, before connecting."""
-        launched_in_place = getattr(environment, "recovery", None) is Recovery.IN_PLACE
-        if (wanted or (Recovery.IN_PLACE if launched_in_place else None)) is not Recovery.IN_PLACE:
-            return None
-        if environment.world_size() < 2:
-            return None
-        if not launched_in_place:
-            raise ValueError("DDPStrategy(recovery='in-place') needs the launcher's part: start the job with "
-                             "`ddpkit run --recovery in-place --max-restarts N ...` (it hosts the store and a spare process).")
-        if optimizer is None:
-            raise ValueError("in-place recovery needs the optimizer: call setup(model, optimizer), so that its state "
-                             "reaches a replacement and its steps mark what was trained.")
-        if comm_state is not None:
-            raise ValueError("in-place recovery does not carry a comm hook's state (ddp_comm_state, e.g. PowerSGD's "
-                             "error feedback) to a replacement; use a stateless hook or --recovery fail-fast.")
-        if self.recovery is None:
-            self.recovery = InPlaceRecovery(self.progress, self.tracked)
-        return self.recovery
-
-    def count_steps(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer``'s steps in ``progress.steps`` (before any other step hook of ddpkit's)."""
-        optimizer.register_step_post_hook(self._count_step)
-
-    def _count_step(self, *_: Any) -> None:
-        self.progress.steps += 1
-
-    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
-        recovery = self.recovery
-        epoch = recovery.first_epoch(start) if recovery is not None else start
-        while epoch < stop:
-            self.progress.epoch, self.progress.batch = epoch, -1
-            if recovery is not None:
-                recovery.reached(epoch, 0)
-            yield epoch
-            epoch += 1
-
-    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
-        epoch = self.progress.epoch
-        set_epoch(loader, epoch)
-        recovery = self.recovery
-        if recovery is not None:
-            skip = recovery.first_batch(epoch, skip)
-        try:
-            yield from self._batches_of_epoch(loader, epoch, skip, recovery)
-        finally:
-            if recovery is not None:
-                # The loop left the epoch (every batch read, or a break): a rank lost from here
-                # on (a save between epochs) is replaced at the next epoch's first batch.
-                recovery.reached(epoch + 1, 0)
-
-    def _batches_of_epoch(self, loader: Iterable[Any], epoch: int, skip: int,
-                          recovery: InPlaceRecovery | None) -> Iterator[Any]:
-        iterator, next_index = _read_from(loader, epoch, skip)
-        uncommitted: list[tuple[int, Any]] = []  # batches since the last optimizer step (in-place recovery)
-        again: list[tuple[int, Any]] = []
-        while True:
-            replay = recovery.replay_from(epoch) if recovery is not None else None
-            if replay is not None and recovery is not None and recovery.take_reshard():
-                if not (isinstance(loader, EpochDataLoader) and isinstance(loader.sampler, ShareSampler)):
-                    raise RuntimeError(
-                        "in-place recovery: the world shrank and this rank now trains lost ranks' shares of the data "
-                        f"too, but the loader given to DDPStrategy.batches() ({type(loader).__name__}) was not sharded "
-                        "by DDPStrategy.setup_dataloader, so it cannot read them. Pass the loader through "
-                        "setup_dataloader, or start the job without --nnodes MIN:MAX.")
-                iterator, next_index = _read_from(loader, epoch, replay)
-                uncommitted, again, skip = [], [], replay
-            elif replay is not None:
-                again = [(index, batch) for index, batch in uncommitted if index >= replay]
-                uncommitted = list(again)
-                skip = max(skip, replay)
-            if again:
-                index, batch = again.pop(0)
-            else:
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    return
-                index, next_index = next_index, next_index + 1
-                if index < skip:
-                    continue
-                if recovery is not None:
-                    uncommitted.append((index, batch))
-            self.progress.batch = index
-            yield batch
-            if recovery is not None and uncommitted:
-                done = recovery.committed(epoch)
-                uncommitted = [(i, b) for i, b in uncommitted if i >= done]
-                if not uncommitted:  # an optimizer step committed every batch so far: a step boundary
-                    recovery.at_step_boundary()
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        if self.recovery is not None:
-            self.recovery.before_step()
-        self._in_step = True
-        self.step_recovered = False
-        try:
-            yield
-        except PeerLostError as lost:
-            if self.recovery is None:
-                raise
-            _release_frames(lost)
-            self.recovery.recover()
-            self.step_recovered = True
-        except RuntimeError as error:
-            # A collective of the user's own (torch.distributed, without ddpkit) that failed because a
-            # peer went away: what ddpkit's seam makes of its own collectives' errors.
-            failure = failure_behind(error) if raised_by_torch_distributed(error) else None
-            if failure is None:
-                raise
-            if self.recovery is None or not isinstance(failure, PeerLostError):
-                raise raising(failure) from error
-            _log.warning(f"ddpkit: a collective of the step's own code failed: {failure}")
-            _release_frames(error)
-            self.recovery.recover()
-            self.step_recovered = True
-        finally:
-            self._in_step = False
-
-    def recover_between_steps(self, lost: PeerLostError) -> list[int]:
-        """A rank was lost outside ``step()`` (in a checkpoint save): recover as ``step()`` would and
-        return the ranks that were replaced; re-raise ``lost`` when there is no recovery, or when
-        the save was inside ``step()`` (which recovers itself)."""
-        if self.recovery is None or self._in_step:
-            raise lost
-        self.recovery.recover()
-        return self.recovery.replaced
-
-
-def _release_frames(error: BaseException) -> None:
-    """Clear the local variables of the finished frames in ``error``'s tracebacks (and its causes'):
-    the failed collective's frames hold the group that is about to be abandoned, which must be
-    freed for its connections to close (``Group.abort``), while the exception is still alive."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
-
-
-def _read_from(loader: Iterable[Any], epoch: int, batch: int) -> tuple[Iterator[Any], int]:
-    """An iterator over ``loader``'s batches of ``epoch``, and the index of the first it gives:
-    ``batch`` when the loader's sampler can start there (``ddpkit.data.shard``'s), else 0 (the
-    caller skips the batches before)."""
-    if batch > 0 and isinstance(loader, EpochDataLoader) and loader.start_at(epoch, batch):
-        return iter(loader), batch
-    return iter(loader), 0
-
-
-# -- the state transfer --------------------------------------------------------------------------
-
-# Every tensor starts at a multiple of this many bytes in the flat buffer, so that a slice of it
-# can be viewed as the tensor's dtype again.
-_ALIGNMENT = 16
-
-
-def _broadcast_with_tensors_apart(obj: Any, src: int) -> Any:
-    """``broadcast_object`` for an object of large tensors (a model's and an optimizer's state):
-    the rest is pickled and sent as usual, the tensors travel as the bytes of one flat buffer,
-    so neither side pickles or unpickles their data (a large part of a recovery's time otherwise).
-    The buffer lives where the group's collectives run (a GPU on NCCL, which moves only CUDA
-    tensors). Each receiver gets tensors of its own, each on the device type the sender held it
-    on (a GPU tensor on this rank's GPU, the RNG state on the CPU); ``src`` (a global rank) gets ``obj`` back."""
-    mine = dist.get_rank() == src
-    tensors: list[Tensor] = []
-    outline = broadcast_object((_set_tensors_apart(obj, tensors),
-                                [(t.shape, t.dtype, t.device.type != "cpu") for t in tensors]) if mine else None, src=src)
-    skeleton, layout = outline
-    device = communication_device(None)
-    flat = _pack(tensors, device) if mine else torch.empty(_packed_size(layout), dtype=torch.uint8, device=device)
-    with collective_call("in-place recovery: the training state", None, flat):  # a loss here: PeerLostError
-        run_collective(dist.broadcast, flat, src=src)
-    return obj if mine else _put_tensors_back(skeleton, _unpack(flat, layout))
-
-
-def _set_tensors_apart(obj: Any, tensors: list[Tensor]) -> bytes:
-    """``obj`` pickled with each tensor replaced by its index in ``tensors`` (appended there)."""
-    buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def persistent_id(value: Any) -> int | None:
-        if isinstance(value, Tensor):
-            tensors.append(value.detach())
-            return len(tensors) - 1
-        return None
-
-    pickler.persistent_id = persistent_id  # type: ignore[method-assign]
-    pickler.dump(obj)
-    return buffer.getvalue()
-
-
-def _put_tensors_back(skeleton: bytes, tensors: list[Tensor]) -> Any:
-    """The object ``_set_tensors_apart`` pickled, with ``tensors`` in their places."""
-    unpickler = pickle.Unpickler(io.BytesIO(skeleton))
-    unpickler.persistent_load = lambda index: tensors[index]  # type: ignore[method-assign]
-    return unpickler.load()
-
-
-def _bytes(shape: torch.Size, dtype: torch.dtype) -> int:
-    return shape.numel() * dtype.itemsize
-
-
-def _span(shape: torch.Size, dtype: torch.dtype) -> int:
-    """The bytes a tensor takes in the flat buffer: its own, up to the next aligned offset."""
-    return -(-_bytes(shape, dtype) // _ALIGNMENT) * _ALIGNMENT
-
-
-# Each tensor of the state as the flat buffer lays it out: shape, dtype, and whether the sender
-# held it on an accelerator (the receiver puts it on its own) rather than on the CPU.
-_Layout = list[tuple[torch.Size, torch.dtype, bool]]
-
-
-def _packed_size(layout: _Layout) -> int:
-    return sum(_span(shape, dtype) for shape, dtype, _ in layout)
-
-
-def _pack(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """The bytes of ``tensors``, one after the other (each at an aligned offset), on ``device``."""
-    flat = torch.empty(_packed_size([(t.shape, t.dtype, False) for t in tensors]), dtype=torch.uint8, device=device)
-    offset = 0
-    for tensor in tensors:
-        size = _bytes(tensor.shape, tensor.dtype)
-        if size:
-            flat[offset : offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        offset += _span(tensor.shape, tensor.dtype)
-    return flat
-
-
-def _unpack(flat: Tensor, layout: _Layout) -> list[Tensor]:
-    """The tensors ``_pack`` laid out in ``flat``, each a tensor of its own (not a view of ``flat``),
-    on this rank's GPU when the sender's was on one (and this rank has one), else on the CPU."""
-    accelerator = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    tensors = []
-    offset = 0
-    for shape, dtype, on_accelerator in layout:
-        piece = flat[offset : offset + _bytes(shape, dtype)].view(dtype).reshape(shape)
-        target = accelerator if on_accelerator else torch.device("cpu")
-        tensors.append(piece.to(target, copy=True))
-        offset += _span(shape, dtype)
-    return tensors

@@ -69,8 +69,8 @@ from ddpkit.logs import get_logger
 from ddpkit.parallel.wrapping import join, no_sync, wrap
 from ddpkit.plugin_hooks import LightningPluginHooks
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
-from ddpkit.recovery import ResumableLoop
 from ddpkit.replicas import ReplicaCheck, check_every
+from ddpkit.resumable_loop import ResumableLoop
 from ddpkit.training_state import Stateful, TrackedState
 
 __all__ = ["DDPStrategy"]
@@ -311,7 +311,7 @@ class DDPStrategy(LightningPluginHooks):
 
     def step(self) -> contextlib.AbstractContextManager[None]:
         """One training step; under in-place recovery a rank lost in it is replaced and the block
-        ends quietly (``ddpkit.recovery.ResumableLoop``)."""
+        ends quietly (``ddpkit.resumable_loop.ResumableLoop``)."""
         return self._loop.step()
 
     def backward(self, loss: Tensor) -> None:

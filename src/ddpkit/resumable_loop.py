@@ -1,0 +1,192 @@
+"""The loop a training script runs through ``DDPStrategy``: ``epochs()``, ``batches()`` and
+``step()``, which know where training is (``Progress``) and, under in-place recovery
+(``ddpkit.recovery``), turn a lost rank inside a step into a recovery and hand out again the
+batches since the last optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
+from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
+from ddpkit.environments import ClusterEnvironment, Recovery
+from ddpkit.logs import get_logger
+from ddpkit.recovery import InPlaceRecovery, Progress
+from ddpkit.training_state import TrackedState
+
+__all__ = ["ResumableLoop"]
+
+_log = get_logger("recovery")
+
+
+class ResumableLoop:
+    """``DDPStrategy``'s ``epochs()`` / ``batches()`` / ``step()``: where training is (``progress``)
+    and, under in-place recovery, the replay of the batches since the last optimizer step after a
+    rank was replaced. Without recovery, ``range`` and the loader's own batches."""
+
+    def __init__(self) -> None:
+        self.progress = Progress()
+        self.tracked = TrackedState()  # what the loop keeps beside model and optimizer (DDPStrategy.track)
+        self.recovery: InPlaceRecovery | None = None  # set by ``start_recovery``
+        self._in_step = False  # inside step(): a lost rank is its to recover from
+        # The last step() ended in a recovery, and no step began since: the code after the step block
+        # runs before the step is trained again, where a replacement (which starts at that step) is not.
+        self.step_recovered = False
+
+    def start_recovery(self, environment: ClusterEnvironment, wanted: Recovery | None,
+                       optimizer: torch.optim.Optimizer | None, comm_state: object | None) -> InPlaceRecovery | None:
+        """This process's side of in-place recovery (made once) when the job runs with it: ``wanted``
+        (``DDPStrategy(recovery=...)``), by default what the launcher told ``environment``. None
+        without it, or alone; ``ValueError`` for a combination it cannot serve, before connecting."""
+        launched_in_place = getattr(environment, "recovery", None) is Recovery.IN_PLACE
+        if (wanted or (Recovery.IN_PLACE if launched_in_place else None)) is not Recovery.IN_PLACE:
+            return None
+        if environment.world_size() < 2:
+            return None
+        if not launched_in_place:
+            raise ValueError("DDPStrategy(recovery='in-place') needs the launcher's part: start the job with "
+                             "`ddpkit run --recovery in-place --max-restarts N ...` (it hosts the store and a spare process).")
+        if optimizer is None:
+            raise ValueError("in-place recovery needs the optimizer: call setup(model, optimizer), so that its state "
+                             "reaches a replacement and its steps mark what was trained.")
+        if comm_state is not None:
+            raise ValueError("in-place recovery does not carry a comm hook's state (ddp_comm_state, e.g. PowerSGD's "
+                             "error feedback) to a replacement; use a stateless hook or --recovery fail-fast.")
+        if self.recovery is None:
+            self.recovery = InPlaceRecovery(self.progress, self.tracked)
+        return self.recovery
+
+    def count_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s steps in ``progress.steps`` (before any other step hook of ddpkit's)."""
+        optimizer.register_step_post_hook(self._count_step)
+
+    def _count_step(self, *_: Any) -> None:
+        self.progress.steps += 1
+
+    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
+        recovery = self.recovery
+        epoch = recovery.first_epoch(start) if recovery is not None else start
+        while epoch < stop:
+            self.progress.epoch, self.progress.batch = epoch, -1
+            if recovery is not None:
+                recovery.reached(epoch, 0)
+            yield epoch
+            epoch += 1
+
+    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
+        epoch = self.progress.epoch
+        set_epoch(loader, epoch)
+        recovery = self.recovery
+        if recovery is not None:
+            skip = recovery.first_batch(epoch, skip)
+        try:
+            yield from self._batches_of_epoch(loader, epoch, skip, recovery)
+        finally:
+            if recovery is not None:
+                # The loop left the epoch (every batch read, or a break): a rank lost from here
+                # on (a save between epochs) is replaced at the next epoch's first batch.
+                recovery.reached(epoch + 1, 0)
+
+    def _batches_of_epoch(self, loader: Iterable[Any], epoch: int, skip: int,
+                          recovery: InPlaceRecovery | None) -> Iterator[Any]:
+        iterator, next_index = _read_from(loader, epoch, skip)
+        uncommitted: list[tuple[int, Any]] = []  # batches since the last optimizer step (in-place recovery)
+        again: list[tuple[int, Any]] = []
+        while True:
+            replay = recovery.replay_from(epoch) if recovery is not None else None
+            if replay is not None and recovery is not None and recovery.take_reshard():
+                if not (isinstance(loader, EpochDataLoader) and isinstance(loader.sampler, ShareSampler)):
+                    raise RuntimeError(
+                        "in-place recovery: the world shrank and this rank now trains lost ranks' shares of the data "
+                        f"too, but the loader given to DDPStrategy.batches() ({type(loader).__name__}) was not sharded "
+                        "by DDPStrategy.setup_dataloader, so it cannot read them. Pass the loader through "
+                        "setup_dataloader, or start the job without --nnodes MIN:MAX.")
+                iterator, next_index = _read_from(loader, epoch, replay)
+                uncommitted, again, skip = [], [], replay
+            elif replay is not None:
+                again = [(index, batch) for index, batch in uncommitted if index >= replay]
+                uncommitted = list(again)
+                skip = max(skip, replay)
+            if again:
+                index, batch = again.pop(0)
+            else:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                index, next_index = next_index, next_index + 1
+                if index < skip:
+                    continue
+                if recovery is not None:
+                    uncommitted.append((index, batch))
+            self.progress.batch = index
+            yield batch
+            if recovery is not None and uncommitted:
+                done = recovery.committed(epoch)
+                uncommitted = [(i, b) for i, b in uncommitted if i >= done]
+                if not uncommitted:  # an optimizer step committed every batch so far: a step boundary
+                    recovery.at_step_boundary()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        if self.recovery is not None:
+            self.recovery.before_step()
+        self._in_step = True
+        self.step_recovered = False
+        try:
+            yield
+        except PeerLostError as lost:
+            if self.recovery is None:
+                raise
+            _release_frames(lost)
+            self.recovery.recover()
+            self.step_recovered = True
+        except RuntimeError as error:
+            # A collective of the user's own (torch.distributed, without ddpkit) that failed because a
+            # peer went away: what ddpkit's seam makes of its own collectives' errors.
+            failure = failure_behind(error) if raised_by_torch_distributed(error) else None
+            if failure is None:
+                raise
+            if self.recovery is None or not isinstance(failure, PeerLostError):
+                raise raising(failure) from error
+            _log.warning(f"ddpkit: a collective of the step's own code failed: {failure}")
+            _release_frames(error)
+            self.recovery.recover()
+            self.step_recovered = True
+        finally:
+            self._in_step = False
+
+    def recover_between_steps(self, lost: PeerLostError) -> list[int]:
+        """A rank was lost outside ``step()`` (in a checkpoint save): recover as ``step()`` would and
+        return the ranks that were replaced; re-raise ``lost`` when there is no recovery, or when
+        the save was inside ``step()`` (which recovers itself)."""
+        if self.recovery is None or self._in_step:
+            raise lost
+        self.recovery.recover()
+        return self.recovery.replaced
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s tracebacks (and its causes'):
+    the failed collective's frames hold the group that is about to be abandoned, which must be
+    freed for its connections to close (``Group.abort``), while the exception is still alive."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+
+
+def _read_from(loader: Iterable[Any], epoch: int, batch: int) -> tuple[Iterator[Any], int]:
+    """An iterator over ``loader``'s batches of ``epoch``, and the index of the first it gives:
+    ``batch`` when the loader's sampler can start there (``ddpkit.data.shard``'s), else 0 (the
+    caller skips the batches before)."""
+    if batch > 0 and isinstance(loader, EpochDataLoader) and loader.start_at(epoch, batch):
+        return iter(loader), batch
+    return iter(loader), 0

@@ -1,0 +1,116 @@
+"""The training state in flight: how in-place recovery sends a survivor's state (a model's and an
+optimizer's tensors, and everything around them) to every other rank in one broadcast.
+
+The object is pickled with each tensor replaced by its index (``persistent_id``), so the pickle
+holds only the structure; the tensors travel as the bytes of one flat buffer, each at an aligned
+offset, so neither side pickles or unpickles their data. The buffer lives where the group's
+collectives run (a GPU on NCCL); each receiver gets tensors of its own, on the device type its
+sender held them on.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ddpkit.collective_call import collective_call
+from ddpkit.collectives import broadcast_object
+from ddpkit.diagnostics.waits import run_collective
+from ddpkit.primitives import communication_device
+
+__all__ = ["broadcast_state"]
+
+# Every tensor starts at a multiple of this many bytes in the flat buffer, so that a slice of it
+# can be viewed as the tensor's dtype again.
+_ALIGNMENT = 16
+
+
+def broadcast_state(obj: Any, src: int) -> Any:
+    """``broadcast_object`` for an object of large tensors (a model's and an optimizer's state):
+    the rest is pickled and sent as usual, the tensors travel as the bytes of one flat buffer,
+    so neither side pickles or unpickles their data (a large part of a recovery's time otherwise).
+    The buffer lives where the group's collectives run (a GPU on NCCL, which moves only CUDA
+    tensors). Each receiver gets tensors of its own, each on the device type the sender held it
+    on (a GPU tensor on this rank's GPU, the RNG state on the CPU); ``src`` (a global rank) gets ``obj`` back."""
+    mine = dist.get_rank() == src
+    tensors: list[Tensor] = []
+    outline = broadcast_object((_set_tensors_apart(obj, tensors),
+                                [(t.shape, t.dtype, t.device.type != "cpu") for t in tensors]) if mine else None, src=src)
+    skeleton, layout = outline
+    device = communication_device(None)
+    flat = _pack(tensors, device) if mine else torch.empty(_packed_size(layout), dtype=torch.uint8, device=device)
+    with collective_call("in-place recovery: the training state", None, flat):  # a loss here: PeerLostError
+        run_collective(dist.broadcast, flat, src=src)
+    return obj if mine else _put_tensors_back(skeleton, _unpack(flat, layout))
+
+
+def _set_tensors_apart(obj: Any, tensors: list[Tensor]) -> bytes:
+    """``obj`` pickled with each tensor replaced by its index in ``tensors`` (appended there)."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def persistent_id(value: Any) -> int | None:
+        if isinstance(value, Tensor):
+            tensors.append(value.detach())
+            return len(tensors) - 1
+        return None
+
+    pickler.persistent_id = persistent_id  # type: ignore[method-assign]
+    pickler.dump(obj)
+    return buffer.getvalue()
+
+
+def _put_tensors_back(skeleton: bytes, tensors: list[Tensor]) -> Any:
+    """The object ``_set_tensors_apart`` pickled, with ``tensors`` in their places."""
+    unpickler = pickle.Unpickler(io.BytesIO(skeleton))
+    unpickler.persistent_load = lambda index: tensors[index]  # type: ignore[method-assign]
+    return unpickler.load()
+
+
+def _bytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * dtype.itemsize
+
+
+def _span(shape: torch.Size, dtype: torch.dtype) -> int:
+    """The bytes a tensor takes in the flat buffer: its own, up to the next aligned offset."""
+    return -(-_bytes(shape, dtype) // _ALIGNMENT) * _ALIGNMENT
+
+
+# Each tensor of the state as the flat buffer lays it out: shape, dtype, and whether the sender
+# held it on an accelerator (the receiver puts it on its own) rather than on the CPU.
+_Layout = list[tuple[torch.Size, torch.dtype, bool]]
+
+
+def _packed_size(layout: _Layout) -> int:
+    return sum(_span(shape, dtype) for shape, dtype, _ in layout)
+
+
+def _pack(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The bytes of ``tensors``, one after the other (each at an aligned offset), on ``device``."""
+    flat = torch.empty(_packed_size([(t.shape, t.dtype, False) for t in tensors]), dtype=torch.uint8, device=device)
+    offset = 0
+    for tensor in tensors:
+        size = _bytes(tensor.shape, tensor.dtype)
+        if size:
+            flat[offset : offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        offset += _span(tensor.shape, tensor.dtype)
+    return flat
+
+
+def _unpack(flat: Tensor, layout: _Layout) -> list[Tensor]:
+    """The tensors ``_pack`` laid out in ``flat``, each a tensor of its own (not a view of ``flat``),
+    on this rank's GPU when the sender's was on one (and this rank has one), else on the CPU."""
+    accelerator = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tensors = []
+    offset = 0
+    for shape, dtype, on_accelerator in layout:
+        piece = flat[offset : offset + _bytes(shape, dtype)].view(dtype).reshape(shape)
+        target = accelerator if on_accelerator else torch.device("cpu")
+        tensors.append(piece.to(target, copy=True))
+        offset += _span(shape, dtype)
+    return tensors
