@@ -34,7 +34,7 @@ The module (this file) owns the wrapped model, its checks and broadcasts at cons
    when forwards ran without a backward (evaluation).
 6. Under compiled autograd the hooks are traced into the backward graph, where no end-of-backward
    callback may run: each gradient is averaged there by a functional all-reduce, which inductor
-   fuses into buckets (``Reducer.fuse_compiled_reductions``); buffers are then broadcast before
+   fuses into buckets (``compiled_backward.fuse_compiled_reductions``); buffers are then broadcast before
    the next forward (point 5's evaluation case). docs/ddp.md says what cannot run there.
 """
 
@@ -59,9 +59,11 @@ from ddpkit.diagnostics.waits import run_collective
 from ddpkit.group import Membership, current_group
 from ddpkit.hooks.contract import check_comm_hook, check_pre_sync_hook, describe_hook, is_elementwise_average
 from ddpkit.parallel.buckets import DEFAULT_CAP_BYTES
+from ddpkit.parallel.compiled_backward import fuse_compiled_reductions
 from ddpkit.parallel.construction import check_device, check_same_module_everywhere, to_device
-from ddpkit.parallel.reducer import SYNCHRONISATION, Reducer, StepState, TensorsFunction
+from ddpkit.parallel.reducer import SYNCHRONISATION, Reducer, TensorsFunction
 from ddpkit.parallel.sparse import sparse_gradient_parameters
+from ddpkit.parallel.step_state import StepState
 
 __all__ = ["DistributedDataParallel"]
 
@@ -216,7 +218,7 @@ class DistributedDataParallel(nn.Module):
                 self._sync_buffers()  # forwards without backward (evaluation) since the last sync
             self._reducer.step.buffers_stale = True
             if not self._reducer.compiled_reductions_fused:
-                self._reducer.fuse_compiled_reductions()
+                self._reducer.compiled_reductions_fused = fuse_compiled_reductions(self._reducer.bucket_cap)
             if self.device.type != "cpu":
                 args, kwargs = to_device((args, kwargs), self.device)
             return self.module(*args, **kwargs)

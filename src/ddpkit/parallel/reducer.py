@@ -10,10 +10,8 @@ construction checks and broadcasts, forward and the public API, and hands backwa
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -28,10 +26,17 @@ from ddpkit.diagnostics.failures import CollectiveFailedError, guard
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.hooks.contract import GradBucket, check_hook_result
 from ddpkit.parallel.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, assign_buckets
+from ddpkit.parallel.compiled_backward import (
+    average_in_compiled_graph,
+    compiled_backward_problem,
+    in_compiled_autograd,
+    outside_dynamo,
+    under_dynamo,
+)
 from ddpkit.parallel.sparse import average_sparse_gradients
-from ddpkit.variables import DDPKIT_DEBUG
+from ddpkit.parallel.step_state import StepState
 
-__all__ = ["SYNCHRONISATION", "ReducedModule", "Reducer", "StepState"]
+__all__ = ["SYNCHRONISATION", "ReducedModule", "Reducer"]
 
 ProcessGroup = Any
 TensorsFunction = Callable[[Sequence[Tensor], ProcessGroup], None]
@@ -69,7 +74,7 @@ class Reducer:
         self._sync_buffers = sync_buffers
         self._trainable = trainable
         self._sparse = sparse
-        self._bucket_cap = bucket_cap
+        self.bucket_cap = bucket_cap
         self._group = process_group
         self._as_view = gradient_as_bucket_view
         self._reduce_function = reduce_function
@@ -91,7 +96,8 @@ class Reducer:
         # An OrderedDict: RemovableHandle keeps a weak reference to it, which a plain dict does not allow.
         self.pre_sync_hooks: OrderedDict[int, Callable[[Any], None]] = OrderedDict()
         self.joining = False  # inside DistributedDataParallel.join(): a compiled backward cannot be shadowed
-        self.compiled_reductions_fused = False  # see fuse_compiled_reductions
+        # Whether inductor was told to fuse a compiled backward's all-reduces (compiled_backward.fuse_compiled_reductions).
+        self.compiled_reductions_fused = False
         # What changes every step lives in a plain object: writing attributes of an nn.Module goes
         # through its registration checks, several microseconds each.
         self.step = StepState()
@@ -125,12 +131,12 @@ class Reducer:
         old_views = {id(p): view for bucket in self.buckets for p, view in zip(bucket.parameters, bucket.views)}
         self.launch_order = names
         ordered = [self._trainable[name] for name in names]
-        first_cap = min(self._bucket_cap, DEFAULT_FIRST_CAP_BYTES)
+        first_cap = min(self.bucket_cap, DEFAULT_FIRST_CAP_BYTES)
         # Caps that double keep a slow wire busy under ddpkit's elementwise hooks (fp16 and bf16 send
         # fewer bytes than they reduce); without a hook, or under one that pays per bucket (PowerSGD),
         # torch's caps (ddpkit.parallel.buckets).
         growing = self.comm_hook is not None and self.averages_elementwise
-        groups = assign_buckets(ordered, cap_bytes=self._bucket_cap, first_cap_bytes=first_cap, growing=growing)
+        groups = assign_buckets(ordered, cap_bytes=self.bucket_cap, first_cap_bytes=first_cap, growing=growing)
         self.buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
                         for i, g in enumerate(groups)]
         # A parameter frozen after wrapping cannot take a hook (torch refuses). It keeps its slot:
@@ -178,7 +184,7 @@ class Reducer:
         def on_gradient_ready(parameter: Tensor) -> None:
             if not self._owner.require_backward_grad_sync:
                 return
-            if _under_dynamo():
+            if under_dynamo():
                 self._hook_under_dynamo(parameter, on_gradient_ready)
                 return
             if not self.step.in_backward:
@@ -204,73 +210,17 @@ class Reducer:
         """A hook Dynamo traces, or one whose callees it would compile one by one (an eager
         backward called from a compiled function: the hooks' buckets, collectives and autograd
         callback are not Dynamo's to trace). Inside a compiled autograd backward the reduction
-        becomes part of its graph; otherwise the hook runs as written, outside Dynamo."""
-        from torch._dynamo import compiled_autograd
-
-        if compiled_autograd.in_compiled_autograd_region:
-            self._reduce_in_compiled_backward(parameter)
-        else:
-            _outside_dynamo(hook, parameter)
-
-    def _reduce_in_compiled_backward(self, parameter: Tensor) -> None:
-        """Under compiled autograd (``torch._dynamo.config.compiled_autograd``) the hooks are traced
-        into the compiled backward graph, where nothing may wait for the end of backward: each
-        gradient is averaged by a functional all-reduce that becomes part of the graph (inductor
-        fuses them into buckets, ``DistributedDataParallel.forward``, and schedules them beside
-        the backward's compute), as torch's Python reducer does. Every rank's graph must then use
-        the same parameters: nothing negotiates which have a gradient."""
-        import torch.distributed._functional_collectives as functional
-
-        problem = self.compiled_backward_problem()
-        if problem is not None:
-            raise NotImplementedError(
-                f"ddpkit DistributedDataParallel: a compiled autograd backward (torch._dynamo.config.compiled_autograd) "
-                f"reduces each gradient inside the compiled graph, and {problem} cannot run there. Run this model's "
-                "backward without compiled autograd (torch.compile still compiles its forward and backward), or "
-                "leave that setting out.")
-        grad = parameter.grad
-        if grad is None:
+        becomes part of its graph (``ddpkit.parallel.compiled_backward``); otherwise the hook runs
+        as written, outside Dynamo."""
+        if not in_compiled_autograd():
+            outside_dynamo(hook, parameter)
             return
-        group = self._group if self._group is not None else dist.group.WORLD
-        if group is None:
-            raise RuntimeError("ddpkit DistributedDataParallel: backward after the default process group was destroyed.")
-        if self._weighting != 1.0:
-            grad = grad * self._weighting
-        # grad / world, as torch's Python reducer: the form inductor's DDP fusion recognises.
-        grad.copy_(functional.all_reduce(grad / self._world_size, "sum", group))
-
-    def fuse_compiled_reductions(self) -> None:
-        """Once compiled autograd is on: have inductor fuse the all-reduces a compiled backward
-        traces (one per gradient) into buckets of this DDP's cap, each awaited as late as the
-        graph allows (its DDP-communication passes, which torch's DDP turns on in its Python-reducer
-        mode). Called by every forward until then; it does not import torch._dynamo."""
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None or not dynamo.config.compiled_autograd:
-            return
-        from torch._inductor import config as inductor_config
-
-        inductor_config._fuse_ddp_communication = True
-        inductor_config._fuse_ddp_bucket_size = max(1, round(self._bucket_cap / 2**20))
-        self.compiled_reductions_fused = True
-
-    def compiled_backward_problem(self) -> str | None:
-        """What of this DDP's settings a compiled autograd backward cannot do, or None."""
-        if self.comm_hook is not None:
-            return f"the comm hook {getattr(self.comm_hook, '__name__', repr(self.comm_hook))}"
-        if self._reduce_function is not None:
-            return "reduce_function"
-        if self.pre_sync_hooks:
-            return "a one-argument comm hook (it runs before the synchronisation)"
-        if self._sparse:
-            return f"the sparse gradients of {len(self._sparse)} embedding weight(s) (sparse=True)"
-        if self.joining:
-            return "DistributedDataParallel.join() (a finished rank shadows buckets the graph does not have)"
-        if debug_enabled():
-            return f"debug mode ({DDPKIT_DEBUG}: its fingerprints precede each reduction)"
-        return None
+        problem = compiled_backward_problem(self.comm_hook, self._reduce_function, bool(self.pre_sync_hooks),
+                                            len(self._sparse), self.joining)
+        average_in_compiled_graph(parameter.grad, self._group, self._world_size, self._weighting, problem)
 
     def _on_sparse_gradient(self, parameter: Tensor) -> None:
-        if _under_dynamo():
+        if under_dynamo():
             self._hook_under_dynamo(parameter, self._on_sparse_gradient)  # refused in a compiled backward
             return
         if self._owner.require_backward_grad_sync and not self.step.in_backward:
@@ -285,7 +235,7 @@ class Reducer:
         self.step.elementwise = self.averages_elementwise
         # The engine calls it at the end of backward, also from inside a compiled function, where
         # Dynamo would compile what it calls (the buckets' waits, the order's broadcast) one by one.
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_outside_dynamo)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_as_written)
 
     def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
         grad = parameter.grad
@@ -378,9 +328,9 @@ class Reducer:
         if result is not bucket.grads and result is not bucket.buffer:
             (bucket.buffer if result.numel() == bucket.buffer.numel() else bucket.grads).copy_(result)
 
-    def _finish_backward_outside_dynamo(self) -> None:
-        if _under_dynamo():
-            _outside_dynamo(self._finish_backward)
+    def _finish_backward_as_written(self) -> None:
+        if under_dynamo():
+            outside_dynamo(self._finish_backward)
         else:
             self._finish_backward()
 
@@ -532,42 +482,3 @@ class Reducer:
             if self.step.observed is not None:
                 self._rebuild_buckets_in_observed_order()
         return anyone_trained
-
-
-
-def _under_dynamo() -> bool:
-    """Whether Dynamo is tracing this code, or would compile the functions it calls (its frame
-    callback is set: a backward run eagerly from inside a compiled function). About 100 ns: every
-    hook asks it. Traced, ``is_compiling()`` is True and the callback is never read."""
-    return torch.compiler.is_compiling() or bool(torch._C._dynamo.eval_frame.get_eval_frame_callback())
-
-
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
-def _outside_dynamo(function: Callable[..., None], *args: Any) -> None:
-    """``function(*args)`` run as written: Dynamo stops its trace here, and compiles nothing it calls."""
-    function(*args)
-
-
-@dataclass
-class StepState:
-    """Bookkeeping of the backward in progress (and of buffers since the last sync)."""
-
-    in_backward: bool = False
-    overlap: bool = True  # launch buckets during backward
-    defer_copies: bool = False  # copy gradients into buckets only at the end (pre-sync hooks change them)
-    debug: bool = False  # debug mode (ddpkit.diagnostics.debug) for this backward: fingerprints before reducing
-    elementwise: bool = True  # DDP divides while copying in, and the flags travel in the buffer
-    next_bucket: int = 0  # buckets launch strictly in index order
-    in_flight: list[tuple[Bucket, Any]] = field(default_factory=list)
-    buckets_missing_grads: set[int] = field(default_factory=set)  # buckets with a parameter lacking .grad here
-    buffers_stale: bool = False  # forwards ran since the last buffer broadcast
-    synced_backwards: int = 0  # since construction; the rank with most joined last (see join)
-    #: Names in the order their gradients arrived, during the first synchronised backward only.
-    observed: list[str] | None = field(default_factory=list)
-
-    def end_backward(self) -> None:
-        self.in_backward = False
-        self.next_bucket = 0
-        self.in_flight = []
-        self.buckets_missing_grads = set()
-
