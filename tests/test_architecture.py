@@ -246,7 +246,6 @@ _STILL_ABOVE = {
     "parallel/reducer.py:Reducer": 27,
     "connection.py:init_dist_connection": 108,
     "launching/cli.py:main": 74,
-    "launching/config.py:validate": 78,
     "launching/launcher.py:run_workers": 165,
     "launching/watch.py:watch": 79,
     "parallel/ddp.py:DistributedDataParallel.__init__": 73,

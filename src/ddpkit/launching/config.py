@@ -87,43 +87,10 @@ class LaunchConfig:
 
 def validate(config: LaunchConfig, script: str) -> None:
     """Refuse bad input before any process starts, naming the flag, its value and the fix."""
-    if config.nproc_per_node < 1:
-        raise LaunchError(f"--nproc-per-node={config.nproc_per_node}: need at least 1 process per node.")
-    if config.nnodes < 1:
-        raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
-    if config.max_restarts < 0:
-        raise LaunchError(f"--max-restarts={config.max_restarts}: give 0 (no restart) or more.")
-    if config.max_nodes is not None:
-        given = f"--nnodes={config.nnodes}:{config.max_nodes}"
-        if not 1 <= config.nnodes < config.max_nodes:
-            raise LaunchError(f"{given}: MIN:MAX needs 1 <= MIN < MAX (e.g. --nnodes 2:3).")
-        if config.rendezvous is None or config.recovery is not Recovery.IN_PLACE:
-            raise LaunchError(
-                f"{given}: a range of node counts needs --rdzv-backend c10d (nodes get their rank as they arrive, and "
-                "launchers beyond the world wait as spare nodes) and --recovery in-place (a spare node takes a lost "
-                "node's ranks while the others go on). Otherwise give one number, e.g. --nnodes "
-                f"{config.max_nodes}, and --max-restarts for failures.")
-    if config.recovery is Recovery.IN_PLACE and config.nnodes > 1 and config.rendezvous is None:
-        raise LaunchError(
-            f"--recovery in-place with --nnodes={config.nnodes} and static node ranks: across nodes in-place recovery "
-            "needs --rdzv-backend c10d (a spare node takes a lost node's rank at the rendezvous). Use c10d, or "
-            "--recovery fail-fast (the default) with --max-restarts: every node's workers restart together."
-        )
+    _check_counts(config)
+    _check_node_range(config)
     if config.recovery is Recovery.IN_PLACE:
-        if config.max_restarts < 1:
-            raise LaunchError(f"--recovery in-place with --max-restarts={config.max_restarts}: each replacement of a "
-                              "lost rank counts against --max-restarts; give --max-restarts 1 or more.")
-        try:
-            recovery_timeout_seconds()
-        except ValueError as error:
-            raise LaunchError(str(error)) from None
-        if config.backend == "nccl" and os.environ.get(DDPKIT_NCCL_IN_PLACE, "") != "1":
-            raise LaunchError(
-                f"--recovery in-place with --backend nccl is off until it has run on GPUs ({DDPKIT_NCCL_IN_PLACE}="
-                f"{os.environ.get(DDPKIT_NCCL_IN_PLACE, '')!r}): the survivors' NCCL communicators are aborted and the "
-                "next generation's formed as torch documents, but that path has run on CPUs only. Set "
-                f"{DDPKIT_NCCL_IN_PLACE}=1 to use it (benchmarks/gpu_check.py checks it on a machine with two GPUs), or "
-                "use --backend gloo, or --recovery fail-fast with --max-restarts.")
+        _check_in_place(config)
     try:
         check_worker_seconds_settings()
         job_secret()
@@ -135,7 +102,59 @@ def validate(config: LaunchConfig, script: str) -> None:
                           "python. Run a python script (or -m module), or use --max-restarts without in-place recovery.")
     if config.rendezvous is not None:  # the node rank, address and port come from the rendezvous
         _check_endpoint(config.rendezvous)
+    else:
+        _check_static_place(config)
+
+
+def _check_counts(config: LaunchConfig) -> None:
+    if config.nproc_per_node < 1:
+        raise LaunchError(f"--nproc-per-node={config.nproc_per_node}: need at least 1 process per node.")
+    if config.nnodes < 1:
+        raise LaunchError(f"--nnodes={config.nnodes}: need at least 1 node.")
+    if config.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={config.max_restarts}: give 0 (no restart) or more.")
+
+
+def _check_node_range(config: LaunchConfig) -> None:
+    """``--nnodes MIN:MAX`` needs a c10d rendezvous and in-place recovery."""
+    if config.max_nodes is None:
         return
+    given = f"--nnodes={config.nnodes}:{config.max_nodes}"
+    if not 1 <= config.nnodes < config.max_nodes:
+        raise LaunchError(f"{given}: MIN:MAX needs 1 <= MIN < MAX (e.g. --nnodes 2:3).")
+    if config.rendezvous is None or config.recovery is not Recovery.IN_PLACE:
+        raise LaunchError(
+            f"{given}: a range of node counts needs --rdzv-backend c10d (nodes get their rank as they arrive, and "
+            "launchers beyond the world wait as spare nodes) and --recovery in-place (a spare node takes a lost "
+            "node's ranks while the others go on). Otherwise give one number, e.g. --nnodes "
+            f"{config.max_nodes}, and --max-restarts for failures.")
+
+
+def _check_in_place(config: LaunchConfig) -> None:
+    if config.nnodes > 1 and config.rendezvous is None:
+        raise LaunchError(
+            f"--recovery in-place with --nnodes={config.nnodes} and static node ranks: across nodes in-place recovery "
+            "needs --rdzv-backend c10d (a spare node takes a lost node's rank at the rendezvous). Use c10d, or "
+            "--recovery fail-fast (the default) with --max-restarts: every node's workers restart together."
+        )
+    if config.max_restarts < 1:
+        raise LaunchError(f"--recovery in-place with --max-restarts={config.max_restarts}: each replacement of a "
+                          "lost rank counts against --max-restarts; give --max-restarts 1 or more.")
+    try:
+        recovery_timeout_seconds()
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    if config.backend == "nccl" and os.environ.get(DDPKIT_NCCL_IN_PLACE, "") != "1":
+        raise LaunchError(
+            f"--recovery in-place with --backend nccl is off until it has run on GPUs ({DDPKIT_NCCL_IN_PLACE}="
+            f"{os.environ.get(DDPKIT_NCCL_IN_PLACE, '')!r}): the survivors' NCCL communicators are aborted and the "
+            "next generation's formed as torch documents, but that path has run on CPUs only. Set "
+            f"{DDPKIT_NCCL_IN_PLACE}=1 to use it (benchmarks/gpu_check.py checks it on a machine with two GPUs), or "
+            "use --backend gloo, or --recovery fail-fast with --max-restarts.")
+
+
+def _check_static_place(config: LaunchConfig) -> None:
+    """Static node ranks: the node rank, the master's address and its port."""
     if not 0 <= config.node_rank < config.nnodes:
         raise LaunchError(
             f"--node-rank={config.node_rank} with --nnodes={config.nnodes}: node ranks count from 0, so use "
