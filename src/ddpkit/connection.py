@@ -80,76 +80,37 @@ def init_dist_connection(
     """Export MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK from ``cluster_environment`` and initialise
     the default process group.
 
-    ``torch_distributed_backend`` defaults to ``"nccl"`` when CUDA is available, ``"gloo"``
-    otherwise. ``global_rank``/``world_size`` override the environment's. ``kwargs`` go to
-    ``torch.distributed.init_process_group``; ``timeout`` defaults to ``DEFAULT_TIMEOUT`` and may
-    also be given in seconds. With world size 1 no network is used (an in-memory store).
+    ``torch_distributed_backend`` defaults to the launcher's (``ddpkit run --backend``), else
+    ``"nccl"`` when CUDA is available, ``"gloo"`` otherwise. ``global_rank``/``world_size``
+    override the environment's. ``kwargs`` go to ``torch.distributed.init_process_group``;
+    ``timeout`` defaults to ``DEFAULT_TIMEOUT`` and may also be given in seconds. With world size 1
+    no network is used (an in-memory store).
 
     If a process group already exists and agrees with the environment this does nothing; if
     it disagrees, ``RuntimeError`` says which values differ.
     """
-    if not dist.is_available():
-        raise RuntimeError(
-            "torch.distributed is not available in this build of PyTorch, so ddpkit cannot connect "
-            "processes. Install a build with distributed support, e.g. `pip install torch==2.13.0`."
-        )
+    _require_distributed()
     rank = cluster_environment.global_rank() if global_rank is None else global_rank
     size = cluster_environment.world_size() if world_size is None else world_size
     if global_rank is not None or world_size is not None:  # the environment checked its own values
         check_place({"rank": "global_rank", "world": "world_size"}, {"rank": rank, "world": size},
                     "Check the values passed to init_dist_connection.")
-    chosen = cluster_environment.backend if isinstance(cluster_environment, ChoosesBackend) else None
-    backend = torch_distributed_backend or chosen or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl" and not torch.cuda.is_available():
-        source = ("torch_distributed_backend='nccl'" if torch_distributed_backend else
-                  f"Backend 'nccl' ({DDPKIT_BACKEND}, from `ddpkit run --backend`)")
-        raise ValueError(f"{source} needs CUDA GPUs, and none is available to this process. Use 'gloo' on CPU.")
-
+    backend = _backend(cluster_environment, torch_distributed_backend)
     if dist.is_initialized():
         _check_existing_group(rank, size, torch_distributed_backend)
         return
     secret = job_secret()  # a malformed one is refused here, before anything connects
-    if size > 1 and cluster_environment.main_port == 0:
-        raise ValueError(
-            f"No port to meet on: {type(cluster_environment).__name__} has no main port (MASTER_PORT is not set), "
-            f"and the {size} processes of the job must all connect to one. Set MASTER_PORT to the same free port "
-            "for every process, or start them with `ddpkit run`, which chooses one."
-        )
-
-    if cluster_environment.main_port:  # 0: one process, which meets no one (no port chosen, none exported)
-        os.environ["MASTER_ADDR"] = cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
-    os.environ["WORLD_SIZE"] = str(size)
-    os.environ["RANK"] = str(rank)
-    if backend == "gloo" and size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        # Gloo's default address is often a loopback one across nodes; see ddpkit._network.
-        interface = gloo_interface_towards(cluster_environment.main_address, cluster_environment.main_port)
-        if interface is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-
-    timeout = kwargs.pop("timeout", DEFAULT_TIMEOUT)
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
+    _export_place(cluster_environment, rank, size, backend)
+    timeout = _as_timedelta(kwargs.pop("timeout", DEFAULT_TIMEOUT))
     if size == 1:
         _warn_if_slurm_expected_more()
-    if size == 1 and "init_method" not in kwargs and "store" not in kwargs:
+    store_given = "init_method" in kwargs or "store" in kwargs
+    if size == 1 and not store_given:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
-    launcher_store: Any = None
-    in_place = False
-    generation = 0
-    # Records are bound to the attempt (the launcher's count of starts), so a record copied from an
-    # earlier attempt into this one's store does not pass.
-    attempt = (cluster_environment.attempt if isinstance(cluster_environment, LocalEnvironment) else
-               (cluster_environment.store_attempt or 0) if isinstance(cluster_environment, TorchElasticEnvironment) else 0)
-    if (isinstance(cluster_environment, LocalEnvironment) and cluster_environment.hosted_store
-            and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
-        # The launcher hosts the store (it outlives any rank and any attempt); each attempt and
-        # each generation of the group has its own keys.
-        launcher_store = dist.TCPStore(  # type: ignore[attr-defined]
-            cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
-        in_place = cluster_environment.recovery is Recovery.IN_PLACE
-        generation = cluster_environment.generation if in_place else 0
-    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, attempt, in_place, secret)
+    launcher_store, in_place, generation = (_launchers_store(cluster_environment, timeout)
+                                            if size > 1 and not store_given else (None, False, 0))
+    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, _attempt(cluster_environment),
+                  in_place, secret)
     if in_place and generation > 0:
         # A replacement, completing that generation (its place there from the generation's layout),
         # or a later one should that one be given up while it forms.
@@ -158,26 +119,101 @@ def init_dist_connection(
         return
     if launcher_store is not None:
         kwargs["store"] = group.store_of(generation)
-    elif (isinstance(cluster_environment, TorchElasticEnvironment) and cluster_environment.store_attempt is not None
-          and size > 1 and "init_method" not in kwargs and "store" not in kwargs):
-        # torchrun's static rendezvous creates its store once and hands it to every attempt, and
-        # torch's env:// keeps no keys per attempt: after --max-restarts started the workers again,
-        # a rank could read a peer's address from the attempt before and fail to connect. Each
-        # attempt gets keys of its own (pytorch#135712 is the same flaw with the c10d
-        # rendezvous's shared store).
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            cluster_environment.main_address, cluster_environment.main_port, is_master=False, timeout=timeout)
-        kwargs["store"] = group.signed(dist.PrefixStore(  # type: ignore[attr-defined]
-            f"ddpkit/torchrun/attempt/{cluster_environment.store_attempt}/", store))
-    elif (size > 1 and "init_method" not in kwargs and "store" not in kwargs
-          and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"):
-        kwargs["store"] = group.signed(_rank_zeros_store(cluster_environment, rank, size, timeout))
+    elif size > 1 and not store_given:
+        store = _job_store(cluster_environment, rank, size, timeout)
+        if store is not None:
+            kwargs["store"] = group.signed(store)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
     set_current_group(group)
     group.prove_members()  # before anything (a model's state) is sent to a member
     group.install_diagnostics()  # e.g. with hang diagnosis on, every rank can answer for its stack from the start
     if secret is None and size > 1 and rank == 0:
         _say_unauthenticated()
+
+
+def _launchers_store(environment: ClusterEnvironment, timeout: timedelta) -> tuple[Any, bool, int]:
+    """A client of the store ``ddpkit run`` hosts (it outlives any rank and any attempt; each attempt
+    and each generation of the group has its own keys), whether the job recovers in place, and the
+    generation this process joins; (None, False, 0) when the launcher hosts no store."""
+    if not (isinstance(environment, LocalEnvironment) and environment.hosted_store):
+        return None, False, 0
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        environment.main_address, environment.main_port, is_master=False, timeout=timeout)
+    in_place = environment.recovery is Recovery.IN_PLACE
+    return store, in_place, environment.generation if in_place else 0
+
+
+def _require_distributed() -> None:
+    if not dist.is_available():
+        raise RuntimeError(
+            "torch.distributed is not available in this build of PyTorch, so ddpkit cannot connect "
+            "processes. Install a build with distributed support, e.g. `pip install torch==2.13.0`."
+        )
+
+
+def _as_timedelta(timeout: timedelta | float) -> timedelta:
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+
+def _backend(environment: ClusterEnvironment, given: str | None) -> str:
+    """``given``, else the launcher's (``ddpkit run --backend``), else NCCL with CUDA and Gloo without;
+    NCCL without CUDA is refused, naming where it came from."""
+    chosen = environment.backend if isinstance(environment, ChoosesBackend) else None
+    backend = given or chosen or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        source = ("torch_distributed_backend='nccl'" if given else
+                  f"Backend 'nccl' ({DDPKIT_BACKEND}, from `ddpkit run --backend`)")
+        raise ValueError(f"{source} needs CUDA GPUs, and none is available to this process. Use 'gloo' on CPU.")
+    return backend
+
+
+def _export_place(environment: ClusterEnvironment, rank: int, size: int, backend: str) -> None:
+    """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK as torch's ``env://`` reads them, and Gloo's
+    interface towards the main address across nodes."""
+    if size > 1 and environment.main_port == 0:
+        raise ValueError(
+            f"No port to meet on: {type(environment).__name__} has no main port (MASTER_PORT is not set), "
+            f"and the {size} processes of the job must all connect to one. Set MASTER_PORT to the same free port "
+            "for every process, or start them with `ddpkit run`, which chooses one."
+        )
+    if environment.main_port:  # 0: one process, which meets no one (no port chosen, none exported)
+        os.environ["MASTER_ADDR"] = environment.main_address
+        os.environ["MASTER_PORT"] = str(environment.main_port)
+    os.environ["WORLD_SIZE"] = str(size)
+    os.environ["RANK"] = str(rank)
+    if backend == "gloo" and size > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo's default address is often a loopback one across nodes; see ddpkit._network.
+        interface = gloo_interface_towards(environment.main_address, environment.main_port)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _attempt(environment: ClusterEnvironment) -> int:
+    """The launcher's count of starts of the workers. Records are bound to it, so a record copied
+    from an earlier attempt into this one's store does not pass."""
+    if isinstance(environment, LocalEnvironment):
+        return environment.attempt
+    if isinstance(environment, TorchElasticEnvironment):
+        return environment.store_attempt or 0
+    return 0
+
+
+def _job_store(environment: ClusterEnvironment, rank: int, size: int, timeout: timedelta) -> Any:
+    """The store the ranks meet in when neither a launcher's nor the caller's is given: under
+    torchrun's static rendezvous its store with keys of this attempt's own, under torchrun's agent
+    store None (torch's ``env://`` connects to it), else rank 0's."""
+    if isinstance(environment, TorchElasticEnvironment) and environment.store_attempt is not None:
+        # torchrun's static rendezvous creates its store once and hands it to every attempt, and
+        # torch's env:// keeps no keys per attempt: after --max-restarts started the workers again,
+        # a rank could read a peer's address from the attempt before and fail to connect. Each
+        # attempt gets keys of its own (pytorch#135712 is the same flaw with the c10d
+        # rendezvous's shared store).
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            environment.main_address, environment.main_port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"ddpkit/torchrun/attempt/{environment.store_attempt}/", store)  # type: ignore[attr-defined]
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    return _rank_zeros_store(environment, rank, size, timeout)
 
 
 def _rank_zeros_store(environment: ClusterEnvironment, rank: int, size: int, timeout: timedelta) -> Any:
