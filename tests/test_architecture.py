@@ -244,7 +244,6 @@ _STILL_ABOVE = {
     "launching/nodes.py:NodeCoordination": 49,
     "strategy.py:DDPStrategy": 33,
     "parallel/reducer.py:Reducer": 27,
-    "launching/cli.py:main": 74,
     "launching/launcher.py:run_workers": 165,
     "launching/watch.py:watch": 79,
     "parallel/ddp.py:DistributedDataParallel.__init__": 73,

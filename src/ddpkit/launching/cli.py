@@ -311,44 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddpkit run: {error}", file=sys.stderr)
         return 2
     if scheduler is not None:
-        # The scheduler started every process already (srun, torchrun, mpirun, ...): run the
-        # script here, once, instead of starting --nproc-per-node more. It signals the process itself.
-        os.environ[DDPKIT_PREEMPTION_SIGNAL] = preemption_signal.name
-        _log.info(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly")
-        try:
-            command = worker_command(_run_as(args.module, args.no_python), args.script, args.script_args)
-        except LaunchError as error:
-            print(f"ddpkit run: {error}", file=sys.stderr)
-            return 2
-        os.execvp(command[0], command)
+        return _run_in_this_process(args, scheduler, preemption_signal)
     try:
-        nproc_per_node = _nproc(args.nproc_per_node, launcher_argv)
-        nnodes, max_nodes = _nnodes(args.nnodes, launcher_argv)
-        node_rank = _integer("node-rank", args.node_rank, launcher_argv)
-        master_addr, master_port = args.master_addr, args.master_port
-        rendezvous = None
-        if args.standalone:
-            master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
-        else:
-            rendezvous, static_endpoint = _rendezvous(args, launcher_argv)
-            if static_endpoint is not None:
-                master_addr, master_port = static_endpoint.host, str(static_endpoint.port)
-        config = LaunchConfig(
-            nproc_per_node=nproc_per_node,
-            nnodes=nnodes,
-            max_nodes=max_nodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=None if master_port in (None, "") else _integer("master-port", master_port, launcher_argv),
-            backend=_backend(args.backend, launcher_argv),
-            max_restarts=_integer("max-restarts", args.max_restarts, launcher_argv),
-            preemption_signal=preemption_signal,
-            recovery=_recovery(args.recovery, launcher_argv),
-            run_as=_run_as(args.module, args.no_python),
-            output=_output_plan(args, nproc_per_node, launcher_argv),
-            rendezvous=rendezvous,
-            store_waits=_store_waits(args.rdzv_conf),
-        )
+        config = _launch_config(args, launcher_argv, preemption_signal)
         code = run_workers(args.script, args.script_args, config)
     except LaunchError as error:
         print(f"ddpkit run: {error}", file=sys.stderr)
@@ -359,6 +324,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stop in stop_signals(config.preemption_signal):
         signal.signal(stop, signal.SIG_IGN)
     return code
+
+
+def _run_in_this_process(args: argparse.Namespace, scheduler: str, preemption_signal: signal.Signals) -> int:
+    """The scheduler started every process already (srun, torchrun, mpirun, ...): run the script
+    here, once, instead of starting --nproc-per-node more. It signals the process itself."""
+    os.environ[DDPKIT_PREEMPTION_SIGNAL] = preemption_signal.name
+    _log.info(f"ddpkit run: {scheduler} started this process; running {args.script} in it directly")
+    try:
+        command = worker_command(_run_as(args.module, args.no_python), args.script, args.script_args)
+    except LaunchError as error:
+        print(f"ddpkit run: {error}", file=sys.stderr)
+        return 2
+    os.execvp(command[0], command)
+
+
+def _launch_config(args: argparse.Namespace, launcher_argv: Sequence[str],
+                   preemption_signal: signal.Signals) -> LaunchConfig:
+    """What ``ddpkit run`` was asked to do, each flag read and checked (``LaunchError`` names a bad one)."""
+    nproc_per_node = _nproc(args.nproc_per_node, launcher_argv)
+    nnodes, max_nodes = _nnodes(args.nnodes, launcher_argv)
+    node_rank = _integer("node-rank", args.node_rank, launcher_argv)
+    master_addr, master_port = args.master_addr, args.master_port
+    rendezvous = None
+    if args.standalone:
+        master_addr, master_port = _standalone(nnodes, node_rank, master_port, launcher_argv)
+    else:
+        rendezvous, static_endpoint = _rendezvous(args, launcher_argv)
+        if static_endpoint is not None:
+            master_addr, master_port = static_endpoint.host, str(static_endpoint.port)
+    return LaunchConfig(
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        max_nodes=max_nodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=None if master_port in (None, "") else _integer("master-port", master_port, launcher_argv),
+        backend=_backend(args.backend, launcher_argv),
+        max_restarts=_integer("max-restarts", args.max_restarts, launcher_argv),
+        preemption_signal=preemption_signal,
+        recovery=_recovery(args.recovery, launcher_argv),
+        run_as=_run_as(args.module, args.no_python),
+        output=_output_plan(args, nproc_per_node, launcher_argv),
+        rendezvous=rendezvous,
+        store_waits=_store_waits(args.rdzv_conf),
+    )
 
 
 if __name__ == "__main__":
