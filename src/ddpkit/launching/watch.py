@@ -89,11 +89,7 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
             workers.end(grace if preemption is None else 0.0)
             return Outcome(128 + stop)
         if not ended and preemption is None and (preemption := signals.preemption()) is not None:
-            _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {count} workers to "
-                         "save and stop (preemption); a second signal stops them at once")
-            workers.notify(signal.SIGTERM)
-            if nodes is not None:
-                nodes.announce_preemption(f"received {signal.Signals(preemption).name}")
+            _ask_to_save(workers, nodes, preemption)
         # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
         also_fine = (-signal.SIGTERM,) if preemption else ()
         failed = workers.failed(also_fine)
@@ -104,44 +100,74 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
             failed = workers.failed(also_fine)
             if replacements.replace(failed):
                 continue
-        if not failed and nodes is not None and nodes.ended_elsewhere():
-            # A worker here killed at the same moment may not have been reaped yet when its peers on
-            # other nodes noticed: its own failure, not theirs, is then the root cause.
-            failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval, also_fine)
-            if not failed:
-                # A launcher slow to poll (a loaded machine) can pass that settle without seeing it:
-                # a worker that had ended before the launcher signalled it still failed by itself.
-                failed = workers.failed(also_fine, among=workers.end(grace))
-                if not failed:
-                    return Outcome(1, "another node's launcher ended the workers", elsewhere=True)
-        if failed:
-            if nodes is not None:
-                nodes.announce_failure()  # the other nodes end their workers meanwhile
-            # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
-            recovering = replacements.recovering()
-            workers.end(grace)
-            cause, recorded_at = workers.root_cause_summary(failed)
-            return Outcome(1, f"during the in-place recovery of rank {recovering}: {cause}" if recovering else cause,
-                            recorded_at)
-        problem = replacements.check()
-        if problem is None and store_host is not None:
-            problem = store_host.failure()
-        if problem is not None:
-            workers.end(grace)
-            return Outcome(1, problem)
-        codes = workers.exit_codes()
-        if preemption is not None and -signal.SIGTERM in codes:
-            _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script had not set up its "
-                         f"DDPStrategy yet, or does not call DDPStrategy.preempted()); stopping all {count} workers")
-            workers.end(grace)
-            return Outcome(128 + preemption)
-        if None not in codes:
-            if PREEMPTED_EXIT_CODE not in codes:
-                return Outcome(0)
-            _log.warning(f"ddpkit run: preempted: all {count} workers saved and stopped (exit code "
-                         f"{PREEMPTED_EXIT_CODE}); run the same command again to resume")
-            return Outcome(PREEMPTED_EXIT_CODE)
+        outcome = (_failure(workers, failed, grace, poll_interval, also_fine, replacements, nodes)
+                   or _problem(workers, grace, replacements, store_host) or _all_ended(workers, grace, preemption))
+        if outcome is not None:
+            return outcome
         time.sleep(poll_interval)
+
+
+def _ask_to_save(workers: WorkerProcesses, nodes: NodeCoordination | None, preemption: int) -> None:
+    _log.warning(f"ddpkit run: received {signal.Signals(preemption).name}: asking all {len(workers.workers)} workers "
+                 "to save and stop (preemption); a second signal stops them at once")
+    workers.notify(signal.SIGTERM)
+    if nodes is not None:
+        nodes.announce_preemption(f"received {signal.Signals(preemption).name}")
+
+
+def _failure(workers: WorkerProcesses, failed: list[WorkerProcess], grace: float, poll_interval: float,
+             also_fine: tuple[int, ...], replacements: Replacements | NoReplacements,
+             nodes: NodeCoordination | None) -> Outcome | None:
+    """The outcome when a worker here failed, or another node's launcher ended the job; else None."""
+    if not failed and nodes is not None and nodes.ended_elsewhere():
+        # A worker here killed at the same moment may not have been reaped yet when its peers on
+        # other nodes noticed: its own failure, not theirs, is then the root cause.
+        failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval, also_fine)
+        if not failed:
+            # A launcher slow to poll (a loaded machine) can pass that settle without seeing it:
+            # a worker that had ended before the launcher signalled it still failed by itself.
+            failed = workers.failed(also_fine, among=workers.end(grace))
+            if not failed:
+                return Outcome(1, "another node's launcher ended the workers", elsewhere=True)
+    if not failed:
+        return None
+    if nodes is not None:
+        nodes.announce_failure()  # the other nodes end their workers meanwhile
+    # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
+    recovering = replacements.recovering()
+    workers.end(grace)
+    cause, recorded_at = workers.root_cause_summary(failed)
+    return Outcome(1, f"during the in-place recovery of rank {recovering}: {cause}" if recovering else cause, recorded_at)
+
+
+def _problem(workers: WorkerProcesses, grace: float, replacements: Replacements | NoReplacements,
+             store_host: StoreHost | None) -> Outcome | None:
+    """A recovery that did not finish in time, or the store host's end: the job fails."""
+    problem = replacements.check()
+    if problem is None and store_host is not None:
+        problem = store_host.failure()
+    if problem is None:
+        return None
+    workers.end(grace)
+    return Outcome(1, problem)
+
+
+def _all_ended(workers: WorkerProcesses, grace: float, preemption: int | None) -> Outcome | None:
+    """Every worker ended (0, or 75 after saving), or one ended on the preemption's SIGTERM unsaved; else None."""
+    codes = workers.exit_codes()
+    count = len(codes)
+    if preemption is not None and -signal.SIGTERM in codes:
+        _log.warning(f"ddpkit run: a worker ended on SIGTERM without saving (its script had not set up its "
+                     f"DDPStrategy yet, or does not call DDPStrategy.preempted()); stopping all {count} workers")
+        workers.end(grace)
+        return Outcome(128 + preemption)
+    if None in codes:
+        return None
+    if PREEMPTED_EXIT_CODE not in codes:
+        return Outcome(0)
+    _log.warning(f"ddpkit run: preempted: all {count} workers saved and stopped (exit code "
+                 f"{PREEMPTED_EXIT_CODE}); run the same command again to resume")
+    return Outcome(PREEMPTED_EXIT_CODE)
 
 
 # How long a launcher told that another node's workers failed still looks for a failure of its own.
