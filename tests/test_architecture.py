@@ -245,7 +245,6 @@ _STILL_ABOVE = {
     "strategy.py:DDPStrategy": 33,
     "parallel/reducer.py:Reducer": 27,
     "launching/launcher.py:run_workers": 165,
-    "parallel/ddp.py:DistributedDataParallel.__init__": 73,
 }
 
 

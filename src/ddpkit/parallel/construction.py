@@ -1,6 +1,7 @@
-"""What ``DistributedDataParallel`` checks when it wraps a module: one device per process, and the
-same parameters and buffers (names, shapes, dtypes) on every rank of the group, raised on every rank
-otherwise; and ``to_device``, which moves a forward's inputs to the module's device."""
+"""What ``DistributedDataParallel`` checks when it wraps a module: this process is a member of the
+group, one device per process, and the same parameters and buffers (names, shapes, dtypes) on every
+rank of the group, raised on every rank otherwise; and ``to_device``, which moves a forward's inputs
+to the module's device."""
 
 from __future__ import annotations
 
@@ -8,13 +9,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ddpkit.collectives import all_gather_object
 
-__all__ = ["check_device", "check_same_module_everywhere", "to_device"]
+__all__ = ["check_device", "check_membership", "check_same_module_everywhere", "to_device"]
 
 ProcessGroup = Any
+
+
+def check_membership(process_group: ProcessGroup) -> tuple[int, int]:
+    """This process's rank in ``process_group`` and the group's size; refused when it is not a member."""
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError(
+            f"Global rank {dist.get_rank()} is not a member of the process group given to DistributedDataParallel "
+            f"(members: {dist.get_process_group_ranks(process_group)})."
+        )
+    return rank, dist.get_world_size(process_group)
 
 
 def check_device(module: nn.Module, device_ids: Sequence[int | torch.device] | None) -> torch.device:

@@ -60,7 +60,7 @@ from ddpkit.group import Membership, current_group
 from ddpkit.hooks.contract import check_comm_hook, check_pre_sync_hook, describe_hook, is_elementwise_average
 from ddpkit.parallel.buckets import DEFAULT_CAP_BYTES
 from ddpkit.parallel.compiled_backward import fuse_compiled_reductions
-from ddpkit.parallel.construction import check_device, check_same_module_everywhere, to_device
+from ddpkit.parallel.construction import check_device, check_membership, check_same_module_everywhere, to_device
 from ddpkit.parallel.reducer import SYNCHRONISATION, Reducer, TensorsFunction
 from ddpkit.parallel.sparse import sparse_gradient_parameters
 from ddpkit.parallel.step_state import StepState
@@ -125,13 +125,7 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self._reduce_function = reduce_function
         self._broadcast_function = broadcast_function
-        self._rank = dist.get_rank(process_group)
-        if self._rank < 0:
-            raise ValueError(
-                f"Global rank {dist.get_rank()} is not a member of the process group given to DistributedDataParallel "
-                f"(members: {dist.get_process_group_ranks(process_group)})."
-            )
-        self._world_size = dist.get_world_size(process_group)
+        self._rank, self._world_size = check_membership(process_group)
         self.device = check_device(module, kwargs.get("device_ids"))
         # Gradients and activations freed and reallocated every step stay in the process instead of
         # being page-faulted in again (ddpkit._allocator); ddpkit run's workers have it already.
@@ -145,19 +139,7 @@ class DistributedDataParallel(nn.Module):
             )
         launch_order = check_same_module_everywhere(module, process_group)
         self._broadcast_state()
-
-        # Embeddings with sparse=True get sparse gradients: averaged as sparse tensors after the
-        # dense buckets (ddpkit.parallel.sparse), in the group's first rank's order, never put in a bucket.
-        sparse_ids = sparse_gradient_parameters(module)
-        by_name = dict(named)
-        cap_mb = kwargs.get("bucket_cap_mb")
-        self._reducer = Reducer(
-            self, self._sync_buffers, trainable={name: p for name, p in named if id(p) not in sparse_ids},
-            sparse=[by_name[name] for name in launch_order if name in by_name and id(by_name[name]) in sparse_ids],
-            launch_order=launch_order,
-            bucket_cap=DEFAULT_CAP_BYTES if cap_mb is None else int(float(cap_mb) * 1024 * 1024),
-            process_group=process_group, rank=self._rank, world_size=self._world_size,
-            gradient_as_bucket_view=self.gradient_as_bucket_view, reduce_function=reduce_function)
+        self._reducer = self._make_reducer(dict(named), launch_order, kwargs.get("bucket_cap_mb"))
         group = current_group() if process_group is None else None
         if group is not None:  # the default group, which in-place recovery forms again
             group.on_reconfigure(self._follow_membership)
@@ -167,6 +149,19 @@ class DistributedDataParallel(nn.Module):
         # without walking the module tree every step.
         self._buffer_slots = [(owner, name) for _, owner in module.named_modules()
                               for name, buffer in owner._buffers.items() if buffer is not None]
+
+    def _make_reducer(self, trainable: dict[str, nn.Parameter], launch_order: list[str],
+                      bucket_cap_mb: float | str | None) -> Reducer:
+        # Embeddings with sparse=True get sparse gradients: averaged as sparse tensors after the
+        # dense buckets (ddpkit.parallel.sparse), in the group's first rank's order, never put in a bucket.
+        sparse_ids = sparse_gradient_parameters(self.module)
+        return Reducer(
+            self, self._sync_buffers, trainable={name: p for name, p in trainable.items() if id(p) not in sparse_ids},
+            sparse=[trainable[name] for name in launch_order if name in trainable and id(trainable[name]) in sparse_ids],
+            launch_order=launch_order,
+            bucket_cap=DEFAULT_CAP_BYTES if bucket_cap_mb is None else int(float(bucket_cap_mb) * 1024 * 1024),
+            process_group=self.process_group, rank=self._rank, world_size=self._world_size,
+            gradient_as_bucket_view=self.gradient_as_bucket_view, reduce_function=self._reduce_function)
 
     # -----------------------------------------------------------------------------------------
     # Broadcasts
