@@ -11,20 +11,16 @@ With an elementwise-averaging comm hook (ddpkit's ``allreduce_hook``, ``fp16_com
 ``bf16_compress_hook``: ``growing=True``) the caps after the first double (1, 2, 4, 8, 16 MB,
 then ``cap_bytes``) rather than jumping to ``cap_bytes`` at once. On a slow link the wire is
 busy from the first bucket's launch to the end only if each next bucket is full before the wire
-has sent the one before. With one jump the second bucket holds most of a mid-sized model (7 of
-the 8 MiB layers of the 8 x 1024 MLP), so a hook that sends fewer bytes than it reduces had sent
-the first bucket long before backward filled the second, and the wire idled: the MLP's fp16
-step at 1 Gbit/s took 1.35x its floor, 1.1x with doubling (benchmarks/links.py). Large models
-still get ``cap_bytes`` buckets after the first 31 MB.
+has sent the one before. With one jump the second bucket holds most of a mid-sized model, so a
+hook that sends fewer bytes than it reduces has sent the first bucket long before backward fills
+the second, and the wire idles. Large models still get ``cap_bytes`` buckets after the first 31 MB.
 
 Without a hook the buckets stay torch's: the first bucket's all-reduce of every byte outlasts
-the rest of backward where the wire is slow, so doubling gained nothing measurable, at 1 Gbit/s
-or on loopback (benchmarks/ddp_step.py), while under glibc's malloc the backward's freed
-gradients and the all-reduces of five buckets instead of two, interleaved, left ~10 MiB more
-holes in the heap of each rank of the MLP (benchmarks/memory.py: 412 against 402 MiB). A hook
-that pays per bucket (PowerSGD: two small all-reduces that wait for each other, and its
-factors' products) also keeps torch's: with doubling caps the MLP's PowerSGD step at 1 Gbit/s
-fell from 4.0x to 3.4x faster than no hook.
+the rest of backward where the wire is slow, so doubling gains nothing there, while more buckets
+interleaved with backward's freed gradients leave more holes in glibc's heap. A hook that pays
+per bucket (PowerSGD: two small all-reduces that wait for each other, and its factors' products)
+keeps torch's caps too. The measurements behind each choice are in benchmarks/README.md
+(``links.py --bucket-caps``, ``memory.py``).
 """
 
 from __future__ import annotations
