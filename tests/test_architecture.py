@@ -26,7 +26,9 @@ def imported_ddpkit_modules(relative: str) -> set[str]:
     tree = ast.parse((PACKAGE / relative).read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
+        if isinstance(node, ast.ImportFrom) and node.module == "ddpkit":  # `from ddpkit import store_keys`
+            found.update(f"ddpkit.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
             found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("ddpkit"))
@@ -48,6 +50,7 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
     ("job_secret.py", ("ddpkit.",)),  # the launcher and the diagnostics read it: no torch, nothing that imports it
     ("generations.py", ("ddpkit.",)),  # the launcher and the group share it: no torch, only the secret
     ("variables.py", ("ddpkit.",)),  # names only: every part may import it
+    ("store_keys.py", ("ddpkit.",)),  # the store's keys only: every part may import it
     ("environments/", ("ddpkit.connection", "ddpkit.collectives", "ddpkit.parallel", "ddpkit.strategy",
                        "ddpkit.launching", "ddpkit.diagnostics")),
     ("hooks/", ("ddpkit.parallel", "ddpkit.strategy")),
@@ -69,8 +72,9 @@ def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) ->
         if not module.startswith(part):
             continue
         own_part = "ddpkit." + part.rstrip("/").removesuffix(".py").replace("/", ".")
-        for imported in imported_ddpkit_modules(module):  # every part may use the loggers, variables and secret
-            if imported.startswith(own_part) or imported in ("ddpkit.logs", "ddpkit.variables", "ddpkit.job_secret"):
+        for imported in imported_ddpkit_modules(module):  # every part may use the loggers, names, keys and secret
+            if imported.startswith(own_part) or imported in ("ddpkit.logs", "ddpkit.variables", "ddpkit.store_keys",
+                                                             "ddpkit.job_secret"):
                 continue
             assert not imported.startswith(forbidden), f"{module} imports {imported}"
 
@@ -275,3 +279,28 @@ def test_no_module_function_or_class_grows_past_its_limit() -> None:
     assert over == {}, "split them (docs/architecture.md says where each part lives)"
     fitting = {name for name, most in _STILL_ABOVE.items() if sizes.get(name, (0, 0))[0] <= sizes.get(name, (0, most))[1]}
     assert fitting == set(), "these fit their limit now: take them off _STILL_ABOVE"
+
+
+# Fragments only a key of the job's store contains (its layout: ddpkit.store_keys's docstring).
+_KEY_FRAGMENTS = ("attempt/", "generation/", "member/", "rendezvous/", "hang/", "pool/started", "torchrun/",
+                  "launchers/", "ddpkit/")
+# Spelled where they are used until launching/nodes.py's NodeCoordination is taken apart (issue 47).
+_KEYS_STILL_SPELLED_IN = {"launching/nodes.py"}
+
+
+def test_every_store_key_is_spelled_in_one_module() -> None:
+    """String constants (f-strings' parts too; docstrings and messages aside) that spell a path of
+    the job's store appear only in store_keys.py (a record's bare name, "failure", is one word of
+    text like any other: its constant is there too, and the modules import it)."""
+    spelled = []
+    for module in modules():
+        if module == "store_keys.py" or module in _KEYS_STILL_SPELLED_IN:
+            continue
+        tree = ast.parse((PACKAGE / module).read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        spelled += [f"{module}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and " " not in node.value and any(fragment in node.value for fragment in _KEY_FRAGMENTS)]
+    assert spelled == [], "spell them in ddpkit.store_keys"

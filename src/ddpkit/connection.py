@@ -29,6 +29,7 @@ import torch
 import torch._dynamo  # noqa: F401  (imported before any process group exists; see below)
 import torch.distributed as dist
 
+from ddpkit import store_keys
 from ddpkit._network import gloo_interface_towards, listen_on, store_bind_address
 from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.waits import run_collective
@@ -210,7 +211,7 @@ def _job_store(environment: ClusterEnvironment, rank: int, size: int, timeout: t
         # rendezvous's shared store).
         store = dist.TCPStore(  # type: ignore[attr-defined]
             environment.main_address, environment.main_port, is_master=False, timeout=timeout)
-        return dist.PrefixStore(f"ddpkit/torchrun/attempt/{environment.store_attempt}/", store)  # type: ignore[attr-defined]
+        return dist.PrefixStore(store_keys.torchrun_attempt_prefix(environment.store_attempt), store)  # type: ignore[attr-defined]
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         return None
     return _rank_zeros_store(environment, rank, size, timeout)

@@ -34,16 +34,13 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit import store_keys
 from ddpkit.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
 __all__ = ["REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth", "announce_node_lost",
            "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished", "layout_at",
            "member_identity", "node_lost", "write_layout"]
 
-_NODE_LOST = "node_lost"
-_LAYOUT = "layout"
-_GROW = "grow"
-_FINISHED = "finished"
 
 #: The holder of a rank that the world shrank without (``claim_rank``): no process is it, so a lost
 #: node's worker that comes back finds its rank held and ends.
@@ -128,7 +125,7 @@ class RankTakenError(RuntimeError):
 def generation_prefix(secret: JobSecret | None, attempt: int, generation: int) -> str:
     """The prefix of ``generation``'s keys (of the workers' ``attempt``) in the job's store."""
     namespace = secret.namespace() if secret is not None else unsigned_namespace()
-    return f"{namespace}attempt/{attempt}/generation/{generation}/"
+    return store_keys.generation_prefix(namespace, attempt, generation)
 
 
 def generation_scope(attempt: int, generation: int) -> str:
@@ -144,7 +141,7 @@ def member_identity(pid: int | None = None) -> str:
 def claim_rank(store: Any, secret: JobSecret | None, attempt: int, generation: int, rank: int, holder: str) -> str:
     """Claim ``rank`` in ``generation`` for ``holder`` (``member_identity``) unless a process of the
     job holds it already; return who holds it now (a stranger's value holds nothing: replaced)."""
-    key = f"{generation_prefix(secret, attempt, generation)}member/{rank}"
+    key = generation_prefix(secret, attempt, generation) + store_keys.member(rank)
     return RecordSigner(secret, generation_scope(attempt, generation)).write_first(store, key, holder)
 
 
@@ -164,7 +161,7 @@ def node_lost(store: Any, secret: JobSecret | None, attempt: int, generation: in
 
 def write_layout(store: Any, secret: JobSecret | None, attempt: int, generation: int, layout: Layout) -> None:
     """Lay ``generation`` of the workers' group out as ``layout`` (a launcher that shrinks the world)."""
-    signer, key = _record(secret, attempt, generation, _LAYOUT)
+    signer, key = _record(secret, attempt, generation, store_keys.LAYOUT)
     store.set(key, signer.sign(key, layout.to_json()))
 
 
@@ -172,7 +169,7 @@ def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: in
     """The layout of ``generation``: the latest written for it or a generation before it, else the
     world of ``world_size`` ranks as the job started (a forged record counts as none)."""
     for earlier in range(generation, 0, -1):
-        signer, key = _record(secret, attempt, earlier, _LAYOUT)
+        signer, key = _record(secret, attempt, earlier, store_keys.LAYOUT)
         if store.check([key]) and (text := signer.verify(key, store.get(key))) is not None:
             return Layout.from_json(text)
     return Layout.initial(world_size)
@@ -181,13 +178,13 @@ def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: in
 def announce_growth(store: Any, secret: JobSecret | None, attempt: int, generation: int, why: str) -> None:
     """Ask the workers of ``generation`` to form the next one, laid out with more members (``why``:
     who joins), at their next step boundary."""
-    signer, key = _record(secret, attempt, generation, _GROW)
+    signer, key = _record(secret, attempt, generation, store_keys.GROW)
     store.set(key, signer.sign(key, why))
 
 
 def growth_requested(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> str | None:
     """Who waits to join, when a launcher asked the workers of ``generation`` to grow; else None."""
-    signer, key = _record(secret, attempt, generation, _GROW)
+    signer, key = _record(secret, attempt, generation, store_keys.GROW)
     if not store.check([key]):
         return None
     return signer.verify(key, store.get(key))
@@ -196,13 +193,13 @@ def growth_requested(store: Any, secret: JobSecret | None, attempt: int, generat
 def announce_finished(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> None:
     """Tell the ranks waiting to form ``generation`` (a node that asked to join) that the training
     ended before it formed: there is nothing left for them to train."""
-    signer, key = _record(secret, attempt, generation, _FINISHED)
+    signer, key = _record(secret, attempt, generation, store_keys.FINISHED)
     store.set(key, signer.sign(key, "finished"))
 
 
 def job_finished(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> bool:
     """Whether the training ended before ``generation`` formed (``announce_finished``)."""
-    signer, key = _record(secret, attempt, generation, _FINISHED)
+    signer, key = _record(secret, attempt, generation, store_keys.FINISHED)
     return bool(store.check([key])) and signer.verify(key, store.get(key)) is not None
 
 
@@ -212,4 +209,4 @@ def _record(secret: JobSecret | None, attempt: int, generation: int, name: str) 
 
 
 def _node_lost_record(secret: JobSecret | None, attempt: int, generation: int) -> tuple[RecordSigner, str]:
-    return _record(secret, attempt, generation, _NODE_LOST)
+    return _record(secret, attempt, generation, store_keys.NODE_LOST)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit.logs import get_logger
+from ddpkit.store_keys import NAMESPACE, signed_namespace
 from ddpkit.variables import DDPKIT_JOB_SECRET, DDPKIT_JOB_SECRET_FILE
 
 __all__ = ["MIN_SECRET_CHARACTERS", "JobSecret", "JobSecretError", "RecordSigner", "job_secret", "member_proof",
@@ -50,7 +51,6 @@ _log = get_logger("security")
 #: The shortest secret accepted: 16 characters (a random hex string of 64 bits at the least).
 MIN_SECRET_CHARACTERS = 16
 # The prefix of every key ddpkit reads or writes when the job has no secret (as before secrets).
-_UNSIGNED_NAMESPACE = "ddpkit/"
 _SIGNED_MARK = "ddpkit-hmac-sha256:"
 _HOW_TO_MAKE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
@@ -69,7 +69,7 @@ class JobSecret:
     def namespace(self) -> str:
         """The prefix of every key ddpkit reads or writes in the job's stores."""
         digest = hmac.new(self.value, b"ddpkit key namespace", hashlib.sha256).hexdigest()
-        return f"ddpkit/job-{digest[:16]}/"
+        return signed_namespace(digest[:16])
 
     def mac(self, *parts: str) -> str:
         """HMAC-SHA256 of ``parts`` (each length-prefixed, so no two splits of a text collide), hex."""
@@ -80,7 +80,7 @@ class JobSecret:
 
 def unsigned_namespace() -> str:
     """The prefix of ddpkit's keys in a job without a secret."""
-    return _UNSIGNED_NAMESPACE
+    return NAMESPACE
 
 
 def new_job_secret() -> str:
@@ -157,7 +157,7 @@ class RecordSigner:
 
     @property
     def namespace(self) -> str:
-        return self.secret.namespace() if self.secret is not None else _UNSIGNED_NAMESPACE
+        return self.secret.namespace() if self.secret is not None else NAMESPACE
 
     def key(self, name: str) -> str:
         """The store key of ddpkit's record ``name`` (e.g. ``"failure"``)."""

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit import store_keys
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
@@ -57,13 +58,13 @@ __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHo
            "raised_by_torch_distributed", "raising", "publish_first", "read_failure_record", "record_exception",
            "record_failure", "record_signer", "sign_records_in", "store_host_gone", "uncaught_failure"]
 
-# The records' names under the job's key prefix (``RecordSigner.key``).
-FAILURE = "failure"
+# The records' names under the job's key prefix (``RecordSigner.key``; spelled in ``ddpkit.store_keys``).
+FAILURE = store_keys.FAILURE
 # Under in-place recovery: a rank of this group vanished (no record: killed); the first rank whose
 # collective failed says so, which frees the ranks still waiting on a live peer for the lost one.
-LOST = "peer_lost"
+LOST = store_keys.PEER_LOST
 # A counter, which cannot be signed: a stranger who adds to it only shortens the failed rank 0's linger.
-_SEEN = "failure_seen"
+_SEEN = store_keys.FAILURE_SEEN
 # How long the rank that hosts the store stays up after publishing its own failure, at most,
 # waiting for every other rank to have read it.
 _LINGER_SECONDS = 3.0

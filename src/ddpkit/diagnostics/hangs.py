@@ -53,6 +53,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit import store_keys
 from ddpkit.diagnostics.failures import record_failure, record_signer
 from ddpkit.diagnostics.records import failure_record
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
@@ -72,7 +73,6 @@ _SIGNALLED_STACK_SECONDS = 0.5
 _GATHER_SECONDS = 2.5
 # A counter, which cannot be signed: a stranger who adds to it makes every rank post its stack
 # (signed, so not forged), nothing more.
-_REQUESTS = "hang/requests"
 
 
 class HangWatch:
@@ -100,7 +100,7 @@ class HangWatch:
         # read any file (its "stack file").
         self.signer = record_signer()
         # Where this process is, for a reporting rank on the same machine when this one cannot answer.
-        self._write(f"hang/process/{self.rank}", json.dumps(
+        self._write(store_keys.hang_process(self.rank), json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "stack_file": os.environ.get(DDPKIT_STACK_FILE)}))
         self._thread = threading.Thread(target=self._run, name="ddpkit-hang-watch", daemon=True)
         self._thread.start()
@@ -131,12 +131,12 @@ class HangWatch:
     def _check(self) -> None:
         entered, last_entered = self.entered, self.last_entered
         if entered != self.published:
-            self._write(f"hang/progress/{self.rank}", last_entered)
+            self._write(store_keys.hang_progress(self.rank), last_entered)
             self.published = entered
         current = self.current
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
-            request = self.store.add(self.signer.key(_REQUESTS), 1)
+            request = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 1)
             self._answer_requests(request)
             self.report, self.missing = self._build_report(current, request)
             self.reported_at = time.monotonic()
@@ -160,7 +160,7 @@ class HangWatch:
         C extension and signal it (faulthandler's dump of threads that run can crash the process).
         """
         if latest is None:
-            latest = self.store.add(self.signer.key(_REQUESTS), 0)
+            latest = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 0)
         if latest <= self.requests_answered:
             return
         frame = sys._current_frames().get(self.main_thread) if self.main_thread is not None else None
@@ -170,7 +170,7 @@ class HangWatch:
         # At most one request per rank comes from one hang; a stranger can raise the count (it is not
         # signed), so no more than that many are answered at once.
         for request in range(max(self.requests_answered + 1, latest - self.world_size + 1), latest + 1):
-            self._write(f"hang/stack/{request}/{self.rank}", f"{where}\n{stack}")
+            self._write(store_keys.hang_stack(request, self.rank), f"{where}\n{stack}")
         self.requests_answered = latest
 
     def _end_the_job(self, current: tuple[int, str, str, float]) -> None:
@@ -194,7 +194,7 @@ class HangWatch:
 
     def _build_report(self, current: tuple[int, str, str, float], request: int) -> tuple[str, list[int]]:
         sequence, operation, call_site, started = current
-        keys = [f"hang/stack/{request}/{rank}" for rank in range(self.world_size)]
+        keys = [store_keys.hang_stack(request, rank) for rank in range(self.world_size)]
         deadline = time.monotonic() + _GATHER_SECONDS
         while time.monotonic() < deadline and not self.store.check([self.signer.key(key) for key in keys]):
             time.sleep(0.05)
@@ -203,7 +203,7 @@ class HangWatch:
                  f"#{sequence} {operation} at {call_site}."]
         missing, sections = [], []
         for rank, key in enumerate(keys):
-            progress = self._read(f"hang/progress/{rank}") or "no ddpkit collective yet"
+            progress = self._read(store_keys.hang_progress(rank)) or "no ddpkit collective yet"
             entered = int(progress[1:].split()[0]) if progress.startswith("#") else 0
             if entered < sequence:
                 missing.append(rank)
@@ -214,7 +214,7 @@ class HangWatch:
 
     def _describe_silent_rank(self, rank: int, stack_key: str) -> str:
         """What can be said of a rank whose watch thread did not post its stack under ``stack_key``."""
-        process = json.loads(self._read(f"hang/process/{rank}") or "{}")
+        process = json.loads(self._read(store_keys.hang_process(rank)) or "{}")
         host, pid, stack_file = process.get("host"), process.get("pid"), process.get("stack_file")
         where = f"pid {pid} on {host}"
         if host != socket.gethostname() or not isinstance(pid, int):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ddpkit import store_keys
 from ddpkit.launching.processes import SERVE_FUNCTIONS, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_POOL_CONNECTION  # the worker's end of its pipe, a file descriptor it inherits
@@ -98,8 +99,8 @@ def serve() -> None:
         torch.cuda.set_device(setup.rank % torch.cuda.device_count())  # one GPU per process
     store = dist.FileStore(setup.store_path, setup.world_size)  # type: ignore[attr-defined]  # not re-exported by the stubs
     store.set_timeout(timedelta(seconds=max(_MEET_SECONDS, setup.pg_timeout)))
-    store.set(f"ddpkit/pool/started/{setup.rank}", "1")
-    store.wait([f"ddpkit/pool/started/{rank}" for rank in range(setup.world_size)])
+    store.set(store_keys.pool_started(setup.rank), "1")
+    store.wait([store_keys.pool_started(rank) for rank in range(setup.world_size)])
     dist.init_process_group(setup.backend, store=store, rank=setup.rank, world_size=setup.world_size,
                             timeout=timedelta(seconds=setup.pg_timeout))
     while True:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddpkit import store_keys
 from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.store_client import (
     BoundedStore,
@@ -158,10 +159,6 @@ def claim_endpoint(endpoint: Endpoint) -> socket.socket | None:
     return listener
 
 
-def _keys(name: str) -> str:
-    return f"ddpkit/rendezvous/{name}"
-
-
 @dataclass(frozen=True)
 class Place:
     """Where a launcher stands once the rendezvous closed: its node rank in a world of ``nnodes``
@@ -213,7 +210,7 @@ def _arrive(store: BoundedStore, endpoint: Endpoint, run_id: str, bounds: _Bound
             give_up: GiveUp, beyond_max: Callable[[BoundedStore, int], bool] | None = None) -> Place:
     """This launcher's place once the rendezvous closed (see ``join``)."""
     # One endpoint, one job: the first launcher names the rendezvous id; any other id is refused.
-    served = store.compare_set(_keys("id"), "", run_id).decode()
+    served = store.compare_set(store_keys.RENDEZVOUS_ID, "", run_id).decode()
     if served != run_id:
         raise RendezvousError(
             f"the rendezvous at {endpoint} serves --rdzv-id={served!r}, not {run_id!r}: another job uses this endpoint. "
@@ -268,7 +265,7 @@ class _Closing:
 
     def __init__(self, store: BoundedStore, signer: RecordSigner) -> None:
         self._store, self._signer = store, signer
-        self._key = signer.key("rendezvous/closed")
+        self._key = signer.key(store_keys.RENDEZVOUS_CLOSED)
 
     def world(self) -> int | None:
         if not self._store.check([self._key]):
@@ -292,14 +289,14 @@ class _Tickets:
         self._signed: set[int] = set()
 
     def draw(self) -> int:
-        number = self._store.add(self._signer.key("rendezvous/tickets"), 1)
+        number = self._store.add(self._signer.key(store_keys.RENDEZVOUS_TICKETS), 1)
         key = self._ticket_key(number)
         self._store.set(key, self._signer.sign(key, "arrived"))
         return number
 
     def signed(self) -> list[int]:
         """The numbers of the signed tickets so far, in order (a signed one stays signed)."""
-        drawn = min(self._store.add(self._signer.key("rendezvous/tickets"), 0), self._nnodes + _EXTRA_TICKETS)
+        drawn = min(self._store.add(self._signer.key(store_keys.RENDEZVOUS_TICKETS), 0), self._nnodes + _EXTRA_TICKETS)
         for number in range(1, drawn + 1):
             key = self._ticket_key(number)
             if (number not in self._signed and self._store.check([key])
@@ -308,4 +305,4 @@ class _Tickets:
         return sorted(self._signed)
 
     def _ticket_key(self, number: int) -> str:
-        return self._signer.key(f"rendezvous/ticket/{number}")
+        return self._signer.key(store_keys.rendezvous_ticket(number))

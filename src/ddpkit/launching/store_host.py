@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import IO, Any
 
+from ddpkit import store_keys
 from ddpkit._network import listen_on
 from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.processes import describe_exit
@@ -151,8 +152,7 @@ def launcher_key_prefixes() -> tuple[str, ...]:
     """Keys that belong to the launchers (``launching.nodes``, ``launching.rendezvous``) and outlive
     attempts: under the job's prefix (``ddpkit.job_secret``; the store host has the launcher's
     environment), and the rendezvous id, which is outside it."""
-    namespace = RecordSigner(job_secret()).namespace
-    return f"{namespace}launchers/", f"{namespace}rendezvous/", "ddpkit/rendezvous/"
+    return store_keys.launcher_prefixes(RecordSigner(job_secret()).namespace)
 
 
 def clear_worker_keys(store: Any) -> int:
