@@ -267,9 +267,9 @@ def _in_place_on_the_device(folder: Path, backend: str, **variables: str) -> Non
 
 @pytest.mark.timeout(300)
 def test_in_place_recovery_with_the_models_tensors_on_the_device(tmp_path: Path) -> None:
-    """Two ranks (sharing one GPU over Gloo when there is one GPU): the state moves from a survivor's
-    device to the replacement's."""
-    _in_place_on_the_device(tmp_path, "gloo" if torch.cuda.device_count() < RANKS else BACKEND)
+    """Two ranks over Gloo with CUDA tensors (sharing the GPU when there is one): the state moves from a
+    survivor's device to the replacement's. Over NCCL: the test below."""
+    _in_place_on_the_device(tmp_path, "gloo")
 
 
 @pytest.mark.timeout(300)
