@@ -21,7 +21,13 @@ from torch import Tensor
 from ddpkit.collective_call import collective, collective_call
 from ddpkit.connection import distributed_available
 from ddpkit.diagnostics.waits import run_collective, wait_for
-from ddpkit.primitives import ProcessGroup, all_gather_stacked, communication_device, group_rank_and_size
+from ddpkit.primitives import (
+    ProcessGroup,
+    all_gather_bytes,
+    all_gather_stacked,
+    communication_device,
+    group_rank_and_size,
+)
 
 __all__ = [
     "AllGatherGrad",
@@ -335,13 +341,12 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup = None) -> Any:
 def all_gather_object(obj: Any, group: ProcessGroup = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order of ``group``; ``[obj]`` in one process.
 
-    Pickles into a byte tensor and reuses ``gather_all_tensors`` (byte strings of any length);
-    unlike torch's ``all_gather_object`` this needs no numpy.
+    Pickled and gathered as byte strings of any length (``primitives.all_gather_bytes``, which the
+    seam's debug fingerprints use too); unlike torch's ``all_gather_object`` this needs no numpy.
     """
     if not distributed_available():
         return [obj]
-    payload = _pickle(obj)
-    return [_unpickle(piece) for piece in gather_all_tensors(payload.to(communication_device(group)), group)]
+    return [pickle.loads(theirs) for theirs in all_gather_bytes(pickle.dumps(obj), group)]
 
 
 def _pickle(obj: Any) -> Tensor:
