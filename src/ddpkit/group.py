@@ -303,7 +303,7 @@ class Group:
             why = node_lost(self._launcher_store, self._secret, self._attempt, generation)
             if why is not None:
                 return why
-            if self._launcher_store.add(self._prefix(generation + 1) + store_keys.ARRIVED, 0) > 0:
+            if self._launcher_store.add(self._arrivals(generation + 1), 0) > 0:
                 return f"a process waits for generation {generation + 1} already: a member of {generation} was replaced"
             if time.monotonic() > deadline:
                 return None
@@ -337,11 +337,11 @@ class Group:
                                      f"with this rank ({self.job_rank}, which was to join it): nothing is left to train")
                         raise SystemExit(0)
                     if (self._given_up(generation) is not None
-                            and self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0) < len(layout.members)):
+                            and self._launcher_store.add(self._arrivals(generation), 0) < len(layout.members)):
                         break  # it will never form: on to the next one
                     layout, next_look = self._layout(generation), now + _LAYOUT_LOOK_SECONDS
                 time.sleep(0.005)
-                arrived = self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0)
+                arrived = self._launcher_store.add(self._arrivals(generation), 0)
             else:
                 break
             generation += 1
@@ -364,7 +364,7 @@ class Group:
                 f"not by this process ({this_process}): this node was taken for lost (its launcher could not be "
                 "reached), and a spare node took its ranks or the world shrank without them. This process ends; the "
                 "job goes on without it.")
-        return self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 1), self._layout(generation)
+        return self._launcher_store.add(self._arrivals(generation), 1), self._layout(generation)
 
     def finish(self) -> None:
         """The training ended in this generation (every rank passed the last barrier): when a node
@@ -423,6 +423,10 @@ class Group:
 
     def _prefix(self, generation: int) -> str:
         return generation_prefix(self._secret, self._attempt, generation)
+
+    def _arrivals(self, generation: int) -> str:
+        """The key of the count of ``generation``'s members that arrived."""
+        return self._prefix(generation) + store_keys.ARRIVED
 
 
 def _free_in_background(abandoned: list[Any]) -> None:

@@ -50,7 +50,6 @@ _log = get_logger("security")
 
 #: The shortest secret accepted: 16 characters (a random hex string of 64 bits at the least).
 MIN_SECRET_CHARACTERS = 16
-# The prefix of every key ddpkit reads or writes when the job has no secret (as before secrets).
 _SIGNED_MARK = "ddpkit-hmac-sha256:"
 _HOW_TO_MAKE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 

@@ -71,8 +71,6 @@ _POLL_SECONDS = 1.0
 _SIGNALLED_STACK_SECONDS = 0.5
 # How long the reporting rank waits for the others' stacks.
 _GATHER_SECONDS = 2.5
-# A counter, which cannot be signed: a stranger who adds to it makes every rank post its stack
-# (signed, so not forged), nothing more.
 
 
 class HangWatch:
@@ -136,6 +134,8 @@ class HangWatch:
         current = self.current
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
+            # The requests' count cannot be signed: a stranger who adds to it makes every rank post its
+            # stack (signed, so not forged), nothing more.
             request = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 1)
             self._answer_requests(request)
             self.report, self.missing = self._build_report(current, request)
