@@ -12,7 +12,8 @@ Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environ
   does not hand it over; ``untracked-scaler`` the same for a GradScaler; ``counted-warmup`` sets the
   learning rate from a step counter of its own, not tracked (nothing in torch marks it);
   ``epoch-collective`` all-reduces the epoch's loss with ``torch.distributed`` after the epoch,
-  outside any step, a second after the epoch (``KILL=epoch-collective:STEP`` strikes before that second).
+  outside any step, a second after the epoch (``KILL=epoch-collective:STEP`` strikes before that second);
+  ``epoch-reduce`` the same through ``strategy.reduce`` (``KILL=epoch-reduce:STEP``).
 - ``KILL``: ``PHASE:STEP``: the process started as rank ``KILL_RANK`` (1 by default) kills itself
   (SIGKILL) in optimizer step STEP + 1, where PHASE says (``forward``, ``backward``, ``collective``,
   ``optimizer-step``, ``scheduler-step``; ``checkpoint-save``: before its part of the save after the
@@ -136,6 +137,10 @@ for epoch in strategy.epochs(EPOCHS):
         strike("epoch-collective")
         time.sleep(1.0)  # a rank killed before it is seen by the launcher first, and its replacement begins
         dist.all_reduce(torch.tensor([sum(logged)]))
+    if "epoch-reduce" in FEATURES:  # the same with ddpkit's collective: an epoch's metrics summed
+        strike("epoch-reduce")
+        time.sleep(1.0)
+        strategy.reduce(torch.tensor([sum(logged)]), reduce_op="sum")
     strike("checkpoint-save")
     strategy.save_checkpoint("checkpoint.pt", {"model": model.state_dict(), "epoch": epoch + 1})
 

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -226,23 +227,37 @@ def test_run_directly_the_script_starts_its_own_second_process() -> None:
 def test_after_a_lost_node_shrinks_the_world_the_example_compares_with_the_world_it_started_with(
         tmp_path: Path) -> None:
     """The README's shrink: two nodes (of one rank here), ``--nnodes 1:2`` with the store outside
-    them, node 1 killed in epoch 2. The survivor trains both shares and ends as one process on the
-    global batches of two shares (it compared with batches of one share, the world it ended with,
-    and exited 1); the summary says both worlds."""
+    them, node 1 killed at the end of epoch 1, while its rank waits to save (the script's wrapper
+    holds it there): the worst point, where nothing of epoch 2 is trained and the survivor reads
+    epoch 2's shuffle anew with both shares (it once read epoch 3's, and ended 0.2 away). The
+    survivor trains both shares and ends as one process on the global batches of two shares (it
+    compared with batches of one share, the world it ended with, and exited 1); the summary says
+    both worlds."""
     from launchers import end_all, kill_node, node_of, start_launcher, start_store, text, wait_for
 
     from ddpkit.environments import find_free_port
 
     arguments = ["--epochs", "4", "--samples", "32768", "--checkpoint", str(tmp_path / "checkpoints") + os.sep]
-    (tmp_path / "job.py").write_text(f"import runpy, sys\nsys.argv = {[str(EXAMPLE), *arguments]!r}\n"
-                                     f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n")
+    held = tmp_path / "held-at-the-save"
+    (tmp_path / "job.py").write_text(textwrap.dedent(f"""
+        import os, runpy, sys, time, ddpkit
+        save = ddpkit.DDPStrategy.save_checkpoint
+        def held_save(strategy, path, state):  # rank 1 stops at its first save until its node is killed
+            if strategy.global_rank == 1 and not os.path.exists({str(held)!r}):
+                open({str(held)!r}, "w").close()
+                time.sleep(600)
+            save(strategy, path, state)
+        ddpkit.DDPStrategy.save_checkpoint = held_save
+        sys.argv = {[str(EXAMPLE), *arguments]!r}
+        runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')
+        """))
     store = start_store(port := find_free_port())
     try:
         launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", rdzv_id="example-shrink", nproc_per_node=1)
                      for n in range(2)]
         wait_for(lambda: all("this is node" in text(tmp_path, f"launcher{n}.err") for n in range(2)), "the rendezvous")
         survivor = node_of(tmp_path, 0)
-        wait_for(lambda: "epoch 1/4" in text(tmp_path, f"launcher{survivor}.out"), "the first epoch", timeout=120)
+        wait_for(held.exists, "rank 1 at the save after the first epoch", timeout=120)
         kill_node(launchers[1 - survivor])
         code = end_all([launchers[survivor]], timeout=180)[0]
         out, err = text(tmp_path, f"launcher{survivor}.out"), text(tmp_path, f"launcher{survivor}.err")
@@ -250,6 +265,7 @@ def test_after_a_lost_node_shrinks_the_world_the_example_compares_with_the_world
         assert "the world shrank to 1 ranks" in err, err[-4000:]
         summary = example_summary(out)
         assert summary["world_size"] == 1 and summary["started_world_size"] == 2, out[-2000:]
+        assert "continuing at epoch 1 batch 0 (optimizer step 256)" in err, err[-4000:]
         assert summary["recovered_in_place"] and summary["max_difference"] < 1e-4, out[-2000:]
         assert "over 1 processes (the job started with 2; the survivors trained the lost ranks' shares)" in out
     finally:

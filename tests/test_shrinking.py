@@ -31,7 +31,7 @@ from launchers import (
 )
 from torch import nn
 from torch.distributed import TCPStore
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddpkit.data import EpochDataLoader, shard
 from ddpkit.environments import find_free_port
@@ -237,6 +237,48 @@ def test_after_a_shrink_the_loop_reads_the_new_shares_from_the_last_step_and_ref
     assert seen == [[0, 4], [8, 12], [16, 20], [16, 20, 18, 22], [24, 28, 26, 30]]
     with pytest.raises(RuntimeError, match="was not sharded by DDPStrategy.setup_dataloader"):
         shrink_after_two_steps(DataLoader(data, batch_size=2))
+
+
+def shuffled_order(epoch: int, shares: tuple[int, ...], world: int, rows: int, batch: int) -> list[list[int]]:
+    """The batches of ``epoch`` that the ranks ``shares`` of ``world`` read together, step after step
+    (``DistributedSampler`` shuffled for that epoch): the global batch of the run without a loss."""
+    lists = []
+    for share in shares:
+        sampler = DistributedSampler(range(rows), num_replicas=world, rank=share, shuffle=True)
+        sampler.set_epoch(epoch)
+        lists.append(list(sampler))
+    return [[i for order in lists for i in order[step * batch:(step + 1) * batch]]
+            for step in range(len(lists[0]) // batch)]
+
+
+@pytest.mark.parametrize("lost_in", ["the save between the epochs", "the first step of the next epoch"])
+def test_a_shrink_at_an_epoch_boundary_reads_the_next_epochs_shuffle_with_the_new_shares(lost_in: str) -> None:
+    """Rank 0 of two, data shuffled: the world shrinks before any batch of epoch 1 was committed (a
+    rank lost in the save after epoch 0, or in epoch 1's first step). The loop must read epoch 1's
+    shuffle, both shares of it, from batch 0: what the starting world would have read. (The loader
+    counts its passes to know the next epoch; re-reading from batch 0 once took epoch 2's order.)"""
+    data = TensorDataset(torch.arange(32))
+    loader = shard(DataLoader(data, batch_size=2, shuffle=True), num_replicas=2, rank=0)
+    loop = ResumableLoop()
+    recovery = loop.recovery = InPlaceRecovery(loop.progress, loop.tracked)
+
+    def shrink() -> None:  # what recover() does to the loop's side once the shrunk group is formed
+        loader.follow_membership(Membership(0, 0, 1, (0, 1), 2))  # type: ignore[attr-defined]
+        recovery._rewind = recovery._reshard = True
+
+    seen: dict[int, list[list[int]]] = {0: [], 1: []}
+    for epoch in loop.epochs(2):
+        if epoch == 1 and lost_in == "the save between the epochs":
+            shrink()
+        for number, (batch,) in enumerate(loop.batches(loader)):
+            seen[epoch].append(batch.tolist())
+            if epoch == 1 and number == 0 and lost_in == "the first step of the next epoch":
+                shrink()  # the step's all-reduce failed: nothing of epoch 1 committed
+            else:
+                recovery._commit()
+    assert seen[0] == shuffled_order(0, (0,), 2, 32, 2)
+    expected_first = [] if lost_in == "the save between the epochs" else shuffled_order(1, (0,), 2, 32, 2)[:1]
+    assert seen[1] == expected_first + shuffled_order(1, (0, 1), 2, 32, 2)
 
 
 @pytest.mark.timeout(60)

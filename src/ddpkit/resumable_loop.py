@@ -81,7 +81,6 @@ class ResumableLoop:
 
     def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
         epoch = self.progress.epoch
-        set_epoch(loader, epoch)
         recovery = self.recovery
         if recovery is not None:
             skip = recovery.first_batch(epoch, skip)
@@ -186,7 +185,10 @@ def _release_frames(error: BaseException) -> None:
 def _read_from(loader: Iterable[Any], epoch: int, batch: int) -> tuple[Iterator[Any], int]:
     """An iterator over ``loader``'s batches of ``epoch``, and the index of the first it gives:
     ``batch`` when the loader's sampler can start there (``ddpkit.data.shard``'s), else 0 (the
-    caller skips the batches before)."""
+    caller skips the batches before). The epoch is set for every pass, the first of the epoch or
+    a re-read after a shrink: an ``EpochDataLoader`` counts its passes, and a second pass in the
+    same epoch would otherwise shuffle as the next epoch."""
+    set_epoch(loader, epoch)
     if batch > 0 and isinstance(loader, EpochDataLoader) and loader.start_at(epoch, batch):
         return iter(loader), batch
     return iter(loader), 0

@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -320,19 +321,35 @@ def uncaught_failure(error: BaseException) -> BaseException:
     """What a worker records for ``error``, an exception its script did not catch: when it is a
     ``torch.distributed`` collective of the user's own that failed because another rank failed or
     was lost, the error that says so (caused by ``error``), so that the launcher does not name a
-    survivor's "Connection closed by peer" as the job's cause; otherwise ``error``."""
+    survivor's "Connection closed by peer" as the job's cause. A ``PeerLostError`` that got this far
+    left ``DDPStrategy.step()`` (which recovers from it) or never was in one: a ddpkit collective
+    between steps (``strategy.reduce`` of an epoch's metrics), which in-place recovery cannot redo;
+    it says so instead of promising a recovery. Otherwise ``error``."""
+    if isinstance(error, PeerLostError):
+        return _not_redone(error, "a collective between steps", error.__cause__ or error)
     if not (isinstance(error, RuntimeError) and raised_by_torch_distributed(error)):
         return error
     failure = failure_behind(error)
     if failure is None:
         return error
     if isinstance(failure, PeerLostError):
-        failure = PeerLostError(
-            f"{str(failure).removesuffix('; in-place recovery replaces it')}, while this rank was in a collective of "
-            "its own that in-place recovery cannot redo: one outside `with strategy.step():` (keep collectives "
-            "inside the step), or in a script that does not train in DDPStrategy's loop")
+        return _not_redone(failure, "a collective of its own", error)
     failure.__cause__ = error
     return failure.with_traceback(error.__traceback__)
+
+
+# How a PeerLostError ends when it is raised to be recovered from (note_lost_peer, _lost_peer).
+_PROMISE = re.compile(r"; in-place recovery replaces (it|its ranks)$")
+
+
+def _not_redone(lost: PeerLostError, collective: str, cause: BaseException) -> PeerLostError:
+    """``lost`` reworded for a collective that in-place recovery cannot redo (outside a step)."""
+    failure = PeerLostError(
+        f"{_PROMISE.sub('', str(lost))}, while this rank was in {collective} that "
+        "in-place recovery cannot redo: one outside `with strategy.step():` (keep collectives inside the step), "
+        "or in a script that does not train in DDPStrategy's loop")
+    failure.__cause__ = cause
+    return failure.with_traceback(cause.__traceback__)
 
 
 def store_host_gone() -> StoreHostGoneError | None:
