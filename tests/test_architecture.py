@@ -244,8 +244,6 @@ def test_every_collective_runs_inside_the_seam_or_says_why_not() -> None:
 # as the launcher's parts are taken apart); anything new must fit.
 _MODULE_LINES, _FUNCTION_LINES, _CLASS_METHODS = 500, 60, 25
 _STILL_ABOVE = {
-    "launching/nodes.py": 735,
-    "launching/nodes.py:NodeCoordination": 49,
     "strategy.py:DDPStrategy": 33,
     "parallel/reducer.py:Reducer": 27,
     "launching/launcher.py:run_workers": 165,
@@ -284,8 +282,6 @@ def test_no_module_function_or_class_grows_past_its_limit() -> None:
 # Fragments only a key of the job's store contains (its layout: ddpkit.store_keys's docstring).
 _KEY_FRAGMENTS = ("attempt/", "generation/", "member/", "rendezvous/", "hang/", "pool/started", "torchrun/",
                   "launchers/", "ddpkit/")
-# Spelled where they are used until launching/nodes.py's NodeCoordination is taken apart (issue 47).
-_KEYS_STILL_SPELLED_IN = {"launching/nodes.py"}
 
 
 def test_every_store_key_is_spelled_in_one_module() -> None:
@@ -294,7 +290,7 @@ def test_every_store_key_is_spelled_in_one_module() -> None:
     text like any other: its constant is there too, and the modules import it)."""
     spelled = []
     for module in modules():
-        if module == "store_keys.py" or module in _KEYS_STILL_SPELLED_IN:
+        if module == "store_keys.py":
             continue
         tree = ast.parse((PACKAGE / module).read_text())
         docstrings = {id(node.body[0].value) for node in ast.walk(tree)
@@ -304,3 +300,4 @@ def test_every_store_key_is_spelled_in_one_module() -> None:
                     if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
                     and " " not in node.value and any(fragment in node.value for fragment in _KEY_FRAGMENTS)]
     assert spelled == [], "spell them in ddpkit.store_keys"
+

@@ -328,7 +328,7 @@ def test_a_member_that_died_while_its_generation_formed_leaves_it_to_the_next_on
             assert time.monotonic() < deadline and survivor.poll() is None, survivor.stdout.read()  # type: ignore[union-attr]
             time.sleep(0.05)
         time.sleep(1.0)  # the survivor is forming the group now, or failed to connect
-        # The launchers find the joining node silent and shrink the world again (``NodeCoordination._remove``).
+        # The launchers find the joining node silent and shrink the world again (``NodeWorld.remove``).
         claim_rank(store, None, 0, 2, 1, REMOVED)
         write_layout(store, None, 0, 2, Layout.initial(2).shrunk({1}))
         announce_node_lost(store, None, 0, 1, "node 1's launcher went silent")

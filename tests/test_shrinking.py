@@ -37,7 +37,7 @@ from ddpkit.data import EpochDataLoader, shard
 from ddpkit.environments import find_free_port
 from ddpkit.generations import Layout
 from ddpkit.group import Group, Membership, set_current_group
-from ddpkit.launching import nodes as nodes_module
+from ddpkit.launching import heartbeats as heartbeats_module
 from ddpkit.launching.nodes import NodeCoordination, Shrinking
 from ddpkit.launching.store_client import BoundedStore, connect
 from ddpkit.parallel.batchnorm import SyncBatchNorm
@@ -289,8 +289,8 @@ def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() 
     shrinking = Shrinking(min_nodes=1, nproc_per_node=2, spares_possible=False)
     zero, one = (NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), rank, 2, "127.0.0.1",
                                   store.port, in_place=True, shrinking=shrinking) for rank in (0, 1))
-    one._remove(0)  # node 1's launcher shrank the world without node 0
-    assert zero.world() == [1] and one.world() == [1]
+    one.world.remove(0)  # node 1's launcher shrank the world without node 0
+    assert zero.world.nodes() == [1] and one.world.nodes() == [1]
     with pytest.raises(TimeoutError, match="the world shrank without node\\(s\\) 0"):
         one.meet(1, 5.0)
     layout_key = next(key for key in store.list_keys() if key.endswith("generation/1/layout"))
@@ -303,7 +303,7 @@ class BeatingLaunchers:
     each beating through a client of its own, as ``ddpkit run`` makes them; silent after 0.5 s."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, shrinking: Shrinking) -> None:
-        monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+        monkeypatch.setattr(heartbeats_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.nodes = [NodeCoordination(self._client(), rank, 3, "127.0.0.1", self.store.port, in_place=True,
                                        shrinking=shrinking, node_losses_allowed=1) for rank in range(3)]
@@ -317,16 +317,16 @@ class BeatingLaunchers:
     def shrink_without(self, lost: int, seen_by: NodeCoordination, deadline: float) -> None:
         """Silence node ``lost``'s launcher and wait until ``seen_by``'s world is without it (its
         silent_node saying nothing all the while: the world shrinks, no loss is declared)."""
-        self.nodes[lost]._beating.set()
-        expected = [node for node in seen_by.world() if node != lost]
-        while seen_by.world() != expected and time.monotonic() < deadline:
+        self.nodes[lost].heartbeats.stop()
+        expected = [node for node in seen_by.world.nodes() if node != lost]
+        while seen_by.world.nodes() != expected and time.monotonic() < deadline:
             assert seen_by.silent_node() is None
             time.sleep(0.05)
-        assert seen_by.world() == expected and not seen_by.node_losses_left()
+        assert seen_by.world.nodes() == expected and not seen_by.world.node_losses_left()
 
     def stop(self) -> None:
         for coordination in self.nodes:
-            coordination._beating.set()
+            coordination.heartbeats.stop()
         time.sleep(0.3)  # the last beats done before the store goes
 
 
@@ -341,14 +341,14 @@ def test_each_lost_node_spends_one_restart_and_once_none_is_left_the_next_loss_e
     assert zero.silent_node() is None
     deadline = time.monotonic() + 10
     launchers.shrink_without(1, seen_by=zero, deadline=deadline)  # node 1's launcher killed
-    two._beating.set()  # node 2's, next
+    two.heartbeats.stop()  # node 2's, next
     lost_at = time.monotonic()
     while (why := zero.silent_node()) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert why is not None and why.startswith("node 2's launcher went silent"), why
     assert "recovered from 1 lost node(s) already, all that --max-restarts=1 allows, so it ends" in why
     assert time.monotonic() - lost_at < 1.5  # the silence alone: no spare's claim is waited for
-    assert zero.world() == [0, 2]
+    assert zero.world.nodes() == [0, 2]
     launchers.stop()
 
 
@@ -360,12 +360,12 @@ def test_a_survivor_that_looks_at_a_lost_node_after_another_removed_it_goes_on(m
     ended the job saying the budget was spent (``benchmarks/recovery.py --nodes 3``, its first run)."""
     launchers = BeatingLaunchers(monkeypatch, Shrinking(min_nodes=2, nproc_per_node=1, spares_possible=False))
     zero, one, _ = launchers.nodes
-    assert one.world() == [0, 1, 2]  # node 1's launcher read the world before the loss
+    assert one.world.nodes() == [0, 1, 2]  # node 1's launcher read the world before the loss
     launchers.shrink_without(2, seen_by=zero, deadline=time.monotonic() + 10)  # node 2's launcher killed
     # Node 1's look at node 2, as its silent_node makes it while going through the world it read before.
-    beat = one._read("beat/2", -1)
-    assert beat is not None and one._shrinks_without(2, beat)
-    assert one.silent_node() is None and one.world() == [0, 1]
+    beat = one.heartbeats.last_beat(2)
+    assert beat is not None and one.world.shrinks_without(2, beat)
+    assert one.silent_node() is None and one.world.nodes() == [0, 1]
     launchers.stop()
 
 

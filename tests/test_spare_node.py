@@ -35,6 +35,7 @@ from torch.distributed import TCPStore
 from ddpkit.environments import find_free_port
 from ddpkit.generations import announce_node_lost, claim_rank, generation_prefix, node_lost
 from ddpkit.job_secret import JobSecret
+from ddpkit.launching import heartbeats as heartbeats_module
 from ddpkit.launching import nodes as nodes_module
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.spare_node import wait_as_spare
@@ -246,7 +247,7 @@ def test_a_silent_node_is_lost_for_the_others_unless_a_spare_claims_its_place_an
     """The launchers' side, with a real store: node 1's launcher stops beating (killed); node 0's
     takes it for lost after the silence and the wait for a claim; when a spare claims its place
     (one spare only: the first claim written wins) and beats as node 1, node 0 never does."""
-    monkeypatch.setattr(nodes_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(heartbeats_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
     monkeypatch.setattr(nodes_module, "_CLAIM_SECONDS", 1.0)
     monkeypatch.setattr(nodes_module, "_TAKEOVER_SECONDS", 2.0)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -264,16 +265,16 @@ def test_a_silent_node_is_lost_for_the_others_unless_a_spare_claims_its_place_an
     zero, one = _coordinations(store2, 0, 1)
     one.beat_through(connect("127.0.0.1", store2, 10))
     spare, other_spare = _coordinations(store2, -1, -1)
-    assert _silent_node_within(zero, 0.3) is None and spare.silent_launcher(1) is None
-    one._beating.set()  # node 1's launcher killed: no more beats, no word
+    assert _silent_node_within(zero, 0.3) is None and spare.heartbeats.silent_launcher(1) is None
+    one.heartbeats.stop()  # node 1's launcher killed: no more beats, no word
     deadline = time.monotonic() + 5
-    while (beat := spare.silent_launcher(1)) is None and time.monotonic() < deadline:
+    while (beat := spare.heartbeats.silent_launcher(1)) is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert beat is not None
-    assert spare.claim(1, beat, "spare A") and not other_spare.claim(1, beat, "spare B")
-    assert zero.claimant(1, beat) == "spare A"
+    assert spare.world.claim(1, beat, "spare A") and not other_spare.world.claim(1, beat, "spare B")
+    assert zero.world.claimant(1, beat) == "spare A"
     assert _silent_node_within(zero, 1.5) is None  # claimed: waited for
-    spare.take_place_of(1)
+    spare.world.take_place_of(1)
     spare.beat_through(connect("127.0.0.1", store2, 10))
     assert _silent_node_within(zero, 3.0) is None  # past the takeover's bound: the spare beats as node 1
     spare.leave(0.0)
@@ -308,7 +309,7 @@ def test_a_spare_stopped_as_the_job_ends_says_it_was_stopped() -> None:
     zero, one, spare = _coordinations(store.port, 0, 1, -1)
     zero.leave(0.0)
     one.leave(0.0)
-    assert spare.job_over()
+    assert spare.world.job_over()
     with pytest.raises(GaveUpWaiting, match="received SIGTERM"):
         wait_as_spare(spare, lambda: pytest.fail("no warm spare is needed"), 0, lambda: "received SIGTERM")
 

@@ -11,8 +11,11 @@ namespace (``NAMESPACE`` without a job secret; ``signed_namespace`` with one, ``
         failure, failure_seen, peer_lost        the diagnostics' records, in the group's store
         hang/...                                the hang watch's requests and answers
         (torch's own keys for the group)
-    <namespace>launchers/...                    the launchers' agreement across nodes (``LAUNCHERS``:
-                                                launching/nodes.py spells its names under it)
+    <namespace>launchers/                       the launchers' agreement across nodes (``launcher_record``):
+        beat/<node>, left/<node>, removed/<node>, takeover/<node>/<launcher>, return/<node>/<generation>,
+        node-losses, generation                 job-wide (``JOB_WIDE``)
+        attempt/<a>/failed/<node>, succeeded/<node>, cause/<node>, preempted/<node>, arrived/<node>,
+        stop, open                              one attempt's (a name/<node> has a name/count beside it)
     <namespace>rendezvous/...                   the c10d rendezvous's tickets and closed world
     ddpkit/rendezvous/id                        unsigned, outside any job: which --rdzv-id an endpoint serves
     ddpkit/pool/started/<rank>                  the function pool's start barrier (``pool_started``)
@@ -26,7 +29,9 @@ other key is cleared before the workers start again.
 from __future__ import annotations
 
 __all__ = [
-    "ARRIVED", "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
+    "ARRIVED", "ARRIVED_NODE", "BEAT", "CAUSE", "FAILED", "GENERATION_COUNT", "JOB_WIDE", "LEFT", "NODE_LOSSES", "OPEN",
+    "PREEMPTED", "REMOVED_NODE", "STOP", "SUCCEEDED", "count_of", "launcher_record", "node_return", "of", "takeover",
+    "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
     "NODE_LOST", "PEER_LOST", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
     "generation_prefix", "hang_process", "hang_progress", "hang_stack", "launcher_prefixes", "member",
     "pool_started", "rendezvous_ticket", "signed_namespace", "torchrun_attempt_prefix",
@@ -90,6 +95,41 @@ RENDEZVOUS_ID = f"{NAMESPACE}{RENDEZVOUS}id"
 
 def rendezvous_ticket(number: int) -> str:
     return f"{RENDEZVOUS}ticket/{number}"
+
+
+#: The attempt of a launchers' record that belongs to the whole job, not one attempt.
+JOB_WIDE = -1
+
+# The launchers' records (``launching.launcher_records``): a name, or a name and a node (``of``).
+BEAT, LEFT, REMOVED_NODE, FAILED, SUCCEEDED = "beat", "left", "removed", "failed", "succeeded"
+CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "stop", "open"
+NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
+
+
+def launcher_record(name: str, attempt: int) -> str:
+    """The key (under the job's namespace) of the launchers' record ``name`` of ``attempt``, or of
+    the whole job (``JOB_WIDE``)."""
+    return f"{LAUNCHERS}{name}" if attempt == JOB_WIDE else f"{LAUNCHERS}attempt/{attempt}/{name}"
+
+
+def of(name: str, node: int) -> str:
+    """The record ``name`` of one node (``beat``, ``failed``...): ``name/<node>``."""
+    return f"{name}/{node}"
+
+
+def count_of(name: str) -> str:
+    """The count beside the records ``name/<node>`` (a hint to read them; not signed)."""
+    return f"{name}/count"
+
+
+def takeover(node: int, launcher: str) -> str:
+    """A spare's claim on ``node``'s place after its launcher ``launcher`` went silent."""
+    return f"takeover/{node}/{launcher}"
+
+
+def node_return(node: int, removal: str) -> str:
+    """A spare's claim on bringing back ``node``, removed in the generation ``removal``."""
+    return f"return/{node}/{removal}"
 
 
 def launcher_prefixes(namespace: str) -> tuple[str, ...]:

@@ -293,9 +293,9 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                 if takeover is not None and nodes is not None:
                     holders = {worker.rank: member_identity(worker.process.pid) for worker in workers.workers}
                     if takeover.returns:
-                        nodes.bring_back(restart_count, generation, holders, takeover.why)
+                        nodes.world.bring_back(restart_count, generation, holders, takeover.why)
                     else:
-                        nodes.hand_over(restart_count, generation, holders, takeover.why)
+                        nodes.world.hand_over(restart_count, generation, holders, takeover.why)
                 takeover = None
                 replacements: Replacements | NoReplacements = NO_REPLACEMENTS
                 if config.recovery is Recovery.IN_PLACE:
@@ -303,7 +303,7 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
                         workers, spare_command, {**defaults, **os.environ},
                         functools.partial(rank_variables, config, port, restart_count=restart_count),
                         budget=config.max_restarts - restart_count, generation=generation,
-                        next_generation=nodes.next_generation if nodes is not None and nodes.in_place else None,
+                        next_generation=nodes.world.next_generation if nodes is not None and nodes.in_place else None,
                         announce_loss=functools.partial(_announce_loss, config, port, {**defaults, **os.environ},
                                                         restart_count) if config.backend == "nccl" else None)
                 if config.coordinates_nodes and nodes is None:

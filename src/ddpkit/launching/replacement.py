@@ -86,7 +86,7 @@ class Replacements:
                  announce_loss: Callable[[int, str], None] | None = None) -> None:
         """``generation``: the one the workers were started in (a spare node's take a lost node's
         place in a later one); ``next_generation``: where the next generation's number comes from
-        when other nodes form generations too (``NodeCoordination.next_generation``), else counted here;
+        when other nodes form generations too (``NodeWorld.next_generation``), else counted here;
         ``announce_loss(generation, why)``: tells the survivors of ``generation`` that ranks were lost,
         when nothing else would (NCCL notices no peer that was killed: ``launcher._announce_loss``)."""
         self._workers, self._command, self._environment = workers, list(command), dict(environment)

@@ -8,8 +8,8 @@ say they are alive (``NodeCoordination``: beats four times a second under in-pla
 When one goes silent (its launcher and workers killed, its host lost), the spare claims its place
 (the first claim written wins, so two spares never take one node), becomes that node, and hands
 its warm spares the lost node's ranks in the next generation of the group
-(``NodeCoordination.next_generation``). It holds those ranks of that generation for its warm
-spares, then tells the survivors' generation that a node was lost (``NodeCoordination.hand_over``,
+(``NodeWorld.next_generation``). It holds those ranks of that generation for its warm
+spares, then tells the survivors' generation that a node was lost (``NodeWorld.hand_over``,
 ``ddpkit.generations``): a node whose link went down closed no connection, and its ranks, alive
 behind it, must find their places taken should the link come back. The survivors' workers, whose
 collectives failed (or were told), form that generation (``ddpkit.group``); they meet the new
@@ -21,7 +21,7 @@ When the world shrank without a node instead (no spare was waiting then: ``launc
 spare that waits later brings it back: its claim on the removed node's place (the first written
 wins) makes it that node, its warm spares take the node's ranks and shares of the data again in
 the group's next generation, and the survivors' workers form it at a step boundary they agree on
-(``NodeCoordination.bring_back``, ``ddpkit.recovery``).
+(``NodeWorld.bring_back``, ``ddpkit.recovery``).
 
 When every node's launcher has left (the job finished or ended) the spare ends too: exit 0, and
 its warm spares are stopped. torch-free, as the launcher is (the store's client comes from
@@ -56,7 +56,7 @@ class Takeover:
     generation: int
     attempt: int
     spares: list[WorkerProcess]
-    why: str  # what became of the lost node, for the survivors' workers (``NodeCoordination.hand_over``)
+    why: str  # what became of the lost node, for the survivors' workers (``NodeWorld.hand_over``)
     returns: bool = False  # the node was removed from the world (it shrank): it joins again (``bring_back``)
 
 
@@ -67,30 +67,31 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
     every node's launcher left (None). ``GaveUpWaiting`` when ``give_up`` gives a reason."""
     spares = [start_spare() for _ in range(count)]
     claimant = f"spare launcher pid {os.getpid()}"
+    world = nodes.world
     while True:
         # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
         if (reason := give_up()) is not None:
             raise GaveUpWaiting(reason)
-        if nodes.job_over():
+        if world.job_over():
             return None
-        for node in nodes.removed():
-            if nodes.training_ends():
+        for node in world.removed():
+            if world.training_ends():
                 break  # no step boundary is left to join at
-            if nodes.claim_return(node, claimant):
-                nodes.take_place_of(node)
-                generation, attempt = nodes.next_generation(), nodes.latest_attempt()
+            if world.claim_return(node, claimant):
+                world.take_place_of(node)
+                generation, attempt = world.next_generation(), world.latest_attempt()
                 why = f"node {node} joins the world again ({claimant})"
                 _log.warning(f"ddpkit run: the world shrank without node {node}; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group, at the other nodes' next step boundary")
                 return Takeover(node, generation, attempt, spares, why, returns=True)
-        for node in nodes.world():
-            beat = nodes.silent_launcher(node)
-            if beat is None or nodes.said_left(node) or not nodes.node_losses_left():
+        for node in world.nodes():
+            beat = nodes.heartbeats.silent_launcher(node)
+            if beat is None or world.said_left(node) or not world.node_losses_left():
                 continue  # (with no node loss left, the others end the job: this spare leaves with it)
-            if nodes.claim(node, beat, claimant):
-                nodes.spend_node_loss()
-                nodes.take_place_of(node)
-                generation, attempt = nodes.next_generation(), nodes.latest_attempt()
+            if world.claim(node, beat, claimant):
+                world.spend_node_loss()
+                world.take_place_of(node)
+                generation, attempt = world.next_generation(), world.latest_attempt()
                 _log.warning(f"ddpkit run: node {node}'s launcher went silent; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
                 why = f"node {node}'s launcher went silent; {claimant} took its place"

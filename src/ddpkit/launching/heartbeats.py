@@ -1,0 +1,117 @@
+"""The launchers' heartbeats: each says it is alive from a thread of its own, through a store client
+of its own (its main thread may be busy ending workers for seconds), and reads the others' beats
+to know how long each has been silent.
+
+A beat is the launcher's id and a count. Under in-place recovery a beat after the first replaces
+only this launcher's own last one: a launcher that finds another's there was taken for lost, and a
+spare node beats as its node now (``replaced``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from ddpkit import store_keys as keys
+from ddpkit.launching.launcher_records import LauncherRecords
+from ddpkit.launching.node_claims import ClaimKind, claim_kind, claimant, launcher_of
+from ddpkit.logs import get_logger
+
+__all__ = ["Heartbeats"]
+
+_log = get_logger("launching")
+
+# One that said nothing for the silent time was killed with its workers, or its host is gone: the
+# others then end theirs instead of leaving their ranks waiting for the lost node's (in a
+# collective, or while the group forms) until torch's timeout.
+_BEAT_SECONDS = 1.0
+_SILENT_SECONDS = 10.0
+# Under in-place recovery across nodes a lost node is taken over by a spare node while the others'
+# workers wait for it, so it is noticed sooner: beats four times a second, lost after 2 s of silence.
+_IN_PLACE_BEAT_SECONDS = 0.25
+_IN_PLACE_SILENT_SECONDS = 2.0
+
+
+class Heartbeats:
+    """This launcher's beat, and what it heard of the others'."""
+
+    SILENT_SECONDS = _SILENT_SECONDS  # the silent time out of place (a preemption's source waits that long)
+
+    def __init__(self, records: LauncherRecords, in_place: bool) -> None:
+        self._records = records
+        self.beat_seconds = _IN_PLACE_BEAT_SECONDS if in_place else _BEAT_SECONDS
+        self.silent_seconds = _IN_PLACE_SILENT_SECONDS if in_place else _SILENT_SECONDS
+        self._in_place = in_place
+        self.launcher_id = os.urandom(6).hex()  # tells this launcher's beats from a former one's of the same node
+        self._heard: dict[int, tuple[str, float]] = {}  # node -> (its last beat, when it changed here)
+        self._silent_since: dict[int, float] = {}  # node -> when it was first seen silent (waiting for a claim)
+        self._stopped = threading.Event()  # set: stop beating
+        self.replaced = threading.Event()  # set: a spare node beats as this node
+
+    def beat_through(self, store: Any) -> None:
+        """Say this launcher is alive every beat, through ``store`` (a client for this alone), from a
+        daemon thread, until ``stop``."""
+        key = self._records.key(keys.of(keys.BEAT, self._records.node_rank), keys.JOB_WIDE)
+
+        def beat() -> None:
+            count, last = 0, None
+            while not self._stopped.is_set():
+                count += 1
+                value = self._records.sign(key, f"{self.launcher_id}:{count}")
+                try:
+                    if last is None or not self._in_place:
+                        store.set(key, value)
+                    elif bytes(store.compare_set(key, last, value)) != value.encode():
+                        self.replaced.set()
+                        return
+                except Exception:  # the store is gone: the main thread finds out at its next request
+                    return
+                last = value
+                self._stopped.wait(self.beat_seconds)
+
+        threading.Thread(target=beat, name="ddpkit-launcher-beat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def last_beat(self, node: int) -> str | None:
+        """``node``'s launcher's last beat as the store holds it now (None: it never beat)."""
+        return self._records.read(keys.of(keys.BEAT, node), keys.JOB_WIDE)
+
+    def silent_for(self, node: int, beat: str, now: float) -> float:
+        """How long ``node``'s launcher has been silent as this launcher heard it, ``beat`` being its
+        beat read ``now`` (0 when it changed since the last read: then remembered). A beat from a
+        new launcher of the node is a spare that took its place, said once."""
+        last = self._heard.get(node)
+        if last is not None and last[0] == beat:
+            return now - last[1]
+        if last is not None and launcher_of(last[0]) != launcher_of(beat):
+            by = claimant(self._records, node, last[0]) or "unnamed"
+            if claim_kind(by) is ClaimKind.SHRINK:
+                _log.warning(f"ddpkit run: node {node} is back in the world: a spare node's launcher took its place")
+            else:
+                _log.warning(f"ddpkit run: node {node}'s launcher went silent; a spare node ({by}) took its "
+                             "place, and this node's workers go on")
+        self._heard[node] = (beat, now)
+        self._silent_since.pop(node, None)
+        return 0.0
+
+    def seen_silent_since(self, node: int, now: float) -> float:
+        """When this launcher first saw ``node`` silent past the silent time (``now`` the first time
+        it asks), until a new beat of the node is heard."""
+        return self._silent_since.setdefault(node, now)
+
+    def silent_launcher(self, node: int) -> str | None:
+        """The last beat of ``node``'s launcher when it has been silent for the silent time (read now
+        and compared with what this launcher heard before), else None."""
+        beat = self.last_beat(node)
+        if beat is None:
+            return None
+        return beat if self.silent_for(node, beat, time.monotonic()) > self.silent_seconds else None
+
+    def forget(self, node: int) -> None:
+        """What was heard of ``node`` (this launcher is that node now)."""
+        self._heard.pop(node, None)
+        self._silent_since.pop(node, None)

@@ -1,0 +1,113 @@
+"""The launchers' signed records in the job's store: what ``launching.nodes`` and its parts read
+and write to agree across nodes (their names: ``ddpkit.store_keys``, under ``launchers/``).
+
+With a job secret every value carries its HMAC (``ddpkit.job_secret``) and a forged one reads as
+absent. A record one node writes for itself is ``name/<node>``, with an unsigned count beside it
+that only says when there may be something new to read. Every request is bounded
+(``BoundedStore``); a store that does not answer or is gone is ``NodeContactLostError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ddpkit import store_keys as keys
+from ddpkit.job_secret import RecordSigner, job_secret
+from ddpkit.launching.store_client import BoundedStore, StoreRequestTimeout
+
+__all__ = ["LauncherRecords", "NodeContactLostError", "may_wait_beyond_max"]
+
+
+class NodeContactLostError(RuntimeError):
+    """The job's store on node 0 stopped answering: node 0's launcher ended or its host is gone."""
+
+
+def may_wait_beyond_max(store: Any, beyond: int) -> bool:
+    """Whether a launcher that arrived at the rendezvous ``beyond`` places past MAX may wait as a
+    spare node: once a launcher of the job shrank the world (it may bring a removed node back), or
+    once the job recovered from at least ``beyond`` lost nodes (each lost node's launcher still
+    counts among the arrivals, though it is gone: live launchers stay within MAX)."""
+    signer = RecordSigner(job_secret(), "launchers")
+    removals = keys.launcher_record(keys.count_of(keys.REMOVED_NODE), keys.JOB_WIDE)
+    if int(store.add(signer.key(removals), 0)) > 0:
+        return True
+    return int(store.add(signer.key(keys.launcher_record(keys.NODE_LOSSES, keys.JOB_WIDE)), 0)) >= beyond
+
+
+class LauncherRecords:
+    """One launcher's reader and writer of the launchers' records. ``attempt`` is the attempt its
+    records belong to unless one is named (``store_keys.JOB_WIDE``: the job's); ``node_rank`` the
+    node it writes as (a spare node's launcher takes a lost node's)."""
+
+    def __init__(self, store: BoundedStore, node_rank: int, where: str) -> None:
+        self.store = store
+        self.node_rank = node_rank
+        self.attempt = 0
+        self._where = where  # the store's address, for the errors
+        self._signer = RecordSigner(job_secret(), "launchers")
+
+    def key(self, name: str, attempt: int | None = None) -> str:
+        """The store key of ``name`` in ``attempt`` (the current one by default)."""
+        return self._signer.key(keys.launcher_record(name, self.attempt if attempt is None else attempt))
+
+    def sign(self, key: str, value: str) -> str:
+        return self._signer.sign(key, value)
+
+    def put(self, name: str, value: str, attempt: int | None = None) -> None:
+        key = self.key(name, attempt)
+        self.call("set", key, self._signer.sign(key, value))
+
+    def read(self, name: str, attempt: int | None = None) -> str | None:
+        """The value a launcher of the job wrote under ``name``; None when there is none (or a forged one)."""
+        key = self.key(name, attempt)
+        if not self.call("check", [key]):
+            return None
+        return self._signer.verify(key, self.call("get", key))
+
+    def has(self, name: str, attempt: int | None = None) -> bool:
+        return self.read(name, attempt) is not None
+
+    def claim_first(self, name: str, claimant: str) -> bool:
+        """Write ``claimant`` under the job-wide ``name`` unless something is there: True for the one
+        launcher whose claim was written first."""
+        key = self.key(name, keys.JOB_WIDE)
+        signed = self._signer.sign(key, claimant)
+        return bool(self.call("compare_set", key, "", signed) == signed.encode())
+
+    def count(self, name: str, by: int = 0, attempt: int | None = None) -> int:
+        """The counter ``name`` raised by ``by`` (0: read)."""
+        return int(self.call("add", self.key(name, attempt), by))
+
+    def hint(self, name: str, attempt: int | None = None) -> int:
+        """The count beside ``name``'s signed records: a change to read them for (not itself believed)."""
+        return self.count(keys.count_of(name), 0, attempt)
+
+    def say(self, node: int, name: str, value: str = "1", attempt: int | None = None) -> None:
+        """The signed ``name/<node>`` of ``node`` (this launcher's, or one the world shrank without),
+        and its count raised."""
+        self.put(keys.of(name, node), value, attempt)
+        self.count(keys.count_of(name), 1, attempt)
+
+    def nodes_that_said(self, name: str, nodes: Iterable[int], attempt: int | None = None) -> list[int]:
+        """Those of ``nodes`` that said ``name``."""
+        if self.hint(name, attempt) == 0:
+            return []
+        return [node for node in nodes if self.read(keys.of(name, node), attempt) is not None]
+
+    def call(self, method: str | Callable[..., Any], *args: Any) -> Any:
+        """The store's ``method`` (or a function of the store, given it in ``args``) called; a store that
+        does not answer or is gone is ``NodeContactLostError``."""
+        try:
+            return method(*args) if callable(method) else getattr(self.store, method)(*args)
+        except StoreRequestTimeout:
+            raise NodeContactLostError(
+                f"node {self.node_rank}'s launcher got no answer from the job's store at {self._where}: it did not "
+                f"answer a request within {self.store.seconds:g} s (--rdzv-conf read_timeout). The launcher that "
+                "hosts it (node 0's, or the one on the rendezvous endpoint's host) is frozen, or its host unreachable."
+            ) from None
+        except Exception as error:  # the store's client raises several kinds, all meaning the same here
+            raise NodeContactLostError(
+                f"node {self.node_rank}'s launcher lost contact with the job's store at {self._where} "
+                f"({type(error).__name__}: {error}): the launcher that hosts it (node 0's, or the one on the "
+                "rendezvous endpoint's host) ended or its host is unreachable. Its output says why.") from None

@@ -1,0 +1,246 @@
+"""Which nodes the job's world holds, and how it changes under in-place recovery across nodes:
+a spare node taking a lost node's place, the world shrinking without a lost node (``Shrinking``,
+``--nnodes MIN:MAX``) and growing back when a spare brings a removed node back, each counted
+against the job's budget of lost nodes (``--max-restarts``) and each a new generation of the
+workers' group (``ddpkit.generations``), numbered once for the whole job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ddpkit import store_keys as keys
+from ddpkit.generations import REMOVED, announce_growth, announce_node_lost, claim_rank, layout_at, write_layout
+from ddpkit.job_secret import job_secret
+from ddpkit.launching.heartbeats import Heartbeats
+from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
+from ddpkit.launching.node_claims import ClaimKind, claim, claim_kind, claimant, shrink_claim, spent_claim
+from ddpkit.logs import get_logger
+
+__all__ = ["NodeReplacedError", "NodeWorld", "Shrinking"]
+
+_log = get_logger("launching")
+
+# What a removed node's record starts with while it is out of the world (then "back <generation>").
+_OUT = "out"
+
+
+class NodeReplacedError(NodeContactLostError):
+    """A spare node took this node's place while its launcher could not reach the job's store."""
+
+
+@dataclass(frozen=True)
+class Shrinking:
+    """Under in-place recovery with ``--nnodes MIN:MAX``: how far the world may shrink, and what a
+    launcher needs to lay the next generation out without a lost node's ranks."""
+
+    min_nodes: int  # MIN: the world never shrinks below it
+    nproc_per_node: int  # node N's workers are the job's ranks N * nproc_per_node and on
+    spares_possible: bool  # the rendezvous closed with fewer than MAX nodes: a spare node may take a lost one's place
+
+
+class NodeWorld:
+    """One launcher's view of the world's nodes and its part in changing them."""
+
+    def __init__(self, records: LauncherRecords, heartbeats: Heartbeats, nnodes: int, in_place: bool,
+                 shrinking: Shrinking | None, node_losses_allowed: int | None) -> None:
+        self._records = records
+        self._heartbeats = heartbeats
+        self.nnodes = nnodes
+        self.in_place = in_place
+        self.shrinking = shrinking if in_place else None
+        # Under in-place recovery, how many lost nodes the job recovers from (``--max-restarts``; None: any).
+        self.node_losses_allowed = node_losses_allowed if in_place else None
+        self._removed: set[int] = set()  # nodes the world shrank without (and not brought back), as read so far
+        self.removals_seen = 0  # the count of removals and returns when ``_removed`` was read
+
+    # -- the world -------------------------------------------------------------------------------
+
+    def nodes(self) -> list[int]:
+        """The nodes of the world now: every node the rendezvous closed with, but those it shrank without."""
+        records = self._records
+        if self.shrinking is not None and (hint := records.hint(keys.REMOVED_NODE, keys.JOB_WIDE)) != self.removals_seen:
+            self.removals_seen = hint
+            self._removed = {node for node in range(self.nnodes)
+                             if (records.read(keys.of(keys.REMOVED_NODE, node), keys.JOB_WIDE) or "").startswith(_OUT)}
+        return [node for node in range(self.nnodes) if node not in self._removed]
+
+    def removed(self) -> list[int]:
+        """The nodes the world shrank without and no spare node brought back yet."""
+        world = self.nodes()
+        return [node for node in range(self.nnodes) if node not in world]
+
+    def said_left(self, node: int) -> bool:
+        """Whether ``node``'s launcher said it left the job."""
+        return self._records.has(keys.of(keys.LEFT, node), keys.JOB_WIDE)
+
+    def nodes_left(self) -> list[int]:
+        """The nodes of the world whose launchers said they left the job."""
+        return self._records.nodes_that_said(keys.LEFT, self.nodes(), keys.JOB_WIDE)
+
+    def job_over(self) -> bool:
+        """Whether every node's launcher left the job (a spare then has nothing to wait for)."""
+        return len(self.nodes_left()) >= len(self.nodes())
+
+    def latest_attempt(self) -> int:
+        """The attempt the nodes run now: the last one opened (``NodeCoordination.meet``)."""
+        attempt = 0
+        while self._records.has(keys.OPEN, attempt + 1):
+            attempt += 1
+        return attempt
+
+    def training_ends(self) -> bool:
+        """Whether a node's workers all finished in the attempt the nodes run: a node brought back
+        now would find no step left to join at."""
+        return bool(self._records.nodes_that_said(keys.SUCCEEDED, self.nodes(), self.latest_attempt()))
+
+    # -- the budget of lost nodes and the generations -------------------------------------------
+
+    def node_losses_left(self) -> bool:
+        """Whether the job may still recover from a lost node (``node_losses_allowed``)."""
+        allowed = self.node_losses_allowed
+        return allowed is None or self._records.count(keys.NODE_LOSSES, 0, keys.JOB_WIDE) < allowed
+
+    def spend_node_loss(self) -> None:
+        """Count one lost node recovered from (by the launcher whose claim on its place won)."""
+        self._records.count(keys.NODE_LOSSES, 1, keys.JOB_WIDE)
+
+    def next_generation(self) -> int:
+        """Count one more formation of the workers' group across the job (an in-place recovery on any
+        node, or a spare node's takeover) and return its number: every node's workers agree on it.
+        ``NodeReplacedError`` when a spare node took this node's place (its count is the spare's).
+        A read, then a write: safe because only the launcher whose claim won (one per change of the
+        world) or a node's own in-place recovery counts, never two at once for the same change."""
+        self.check_not_replaced(ask_store=True)
+        generation = int(self._records.read(keys.GENERATION_COUNT, keys.JOB_WIDE) or 0) + 1
+        self._records.put(keys.GENERATION_COUNT, str(generation), keys.JOB_WIDE)
+        return generation
+
+    # -- claims on a silent node's place ------------------------------------------------------------
+
+    def claim(self, node: int, beat: str, text: str) -> bool:
+        return claim(self._records, node, beat, text)
+
+    def claimant(self, node: int, beat: str) -> str | None:
+        return claimant(self._records, node, beat)
+
+    def shrinks_without(self, node: int, beat: str) -> bool:
+        """Whether the world goes on without the silent ``node`` (whose last beat was ``beat``): at
+        least MIN nodes remain, and this launcher's claim on its place won (it then lays the next
+        generation out, ``remove``) or another survivor's did."""
+        if self.shrinking is None:
+            return False
+        world = self.nodes()
+        if node not in world:
+            # Another survivor's claim won and removed it since this launcher read the world: the
+            # world is already without it (and may be at MIN now, which must not read as a loss below it).
+            return True
+        if len(world) - 1 < self.shrinking.min_nodes:
+            return False
+        spent = not self.node_losses_left()
+        who = f"node {self._records.node_rank}'s launcher {self._heartbeats.launcher_id}"
+        if self.claim(node, beat, spent_claim(who) if spent else shrink_claim(who)):
+            if spent:
+                return False
+            self.spend_node_loss()
+            self.remove(node)
+            return True
+        won = self.claimant(node, beat)
+        return won is not None and claim_kind(won) is ClaimKind.SHRINK
+
+    def remove(self, node: int) -> None:
+        """Shrink the world without ``node``: lay the next generation out without its ranks (their
+        shares of the data go to the survivors), hold those ranks there for no process (its workers,
+        should its link come back, end), say it is removed, then tell the survivors' workers."""
+        if self.shrinking is None:
+            raise RuntimeError("NodeWorld.remove: the world shrinks only under in-place recovery with --nnodes MIN:MAX")
+        records, count = self._records, self.shrinking.nproc_per_node
+        lost = set(range(node * count, (node + 1) * count))
+        generation = self.next_generation()
+        secret = job_secret()
+        before = records.call(layout_at, records.store, secret, records.attempt, generation - 1, self.nnodes * count)
+        layout = before.shrunk(lost)
+        for rank in sorted(lost):
+            records.call(claim_rank, records.store, secret, records.attempt, generation, rank, REMOVED)
+        records.call(write_layout, records.store, secret, records.attempt, generation, layout)
+        records.say(node, keys.REMOVED_NODE, f"{_OUT} {generation}", keys.JOB_WIDE)
+        self._removed.add(node)
+        why = (f"node {node}'s launcher went silent and no spare node took its place: the world shrank to "
+               f"{len(layout.members)} ranks")
+        records.call(announce_node_lost, records.store, secret, records.attempt, generation - 1, why)
+        _log.warning(f"ddpkit run: {why} on {len(self.nodes())} node(s) in generation {generation} of the group; "
+                     f"the survivors train the lost ranks' shares of each global batch too (the global batch stays "
+                     f"{layout.data_world_size} shares)")
+
+    # -- a spare node taking a place (``launching.spare_node``) -------------------------------------
+
+    def hand_over(self, attempt: int, generation: int, holders: Mapping[int, str], why: str) -> None:
+        """As the spare node that took a lost node's place: hold its ranks in ``generation`` of the
+        workers' group for this node's warm spares (``holders``: rank -> ``member_identity``), then
+        tell the workers of the generation before that a node was lost (``why``; ``ddpkit.generations``).
+        In this order: the lost node's workers, if its link comes back, find their ranks held and end."""
+        records, secret = self._records, job_secret()
+        for rank, holder in holders.items():
+            records.call(claim_rank, records.store, secret, attempt, generation, rank, holder)
+        records.call(announce_node_lost, records.store, secret, attempt, generation - 1, why)
+
+    def claim_return(self, node: int, text: str) -> bool:
+        """Claim the place of ``node``, which the world shrank without, to bring it back: True for the
+        one spare whose claim was written first."""
+        removal = self._records.read(keys.of(keys.REMOVED_NODE, node), keys.JOB_WIDE) or ""
+        return self._records.claim_first(keys.node_return(node, removal.partition(" ")[2]), text)
+
+    def bring_back(self, attempt: int, generation: int, holders: Mapping[int, str], why: str) -> None:
+        """As the spare node whose claim on a removed node's place won (``claim_return``): lay
+        ``generation`` out with that node's ranks again (each takes its own share of the data back),
+        hold them there for this node's warm spares (``holders``), count the node in the world
+        again, then ask the survivors' workers to form ``generation`` at their next step boundary."""
+        if self.shrinking is None:
+            raise RuntimeError("NodeWorld.bring_back: only a world that may shrink (--nnodes MIN:MAX) grows back")
+        records, secret = self._records, job_secret()
+        before = records.call(layout_at, records.store, secret, attempt, generation - 1,
+                              self.nnodes * self.shrinking.nproc_per_node)
+        layout = before.grown(set(holders))
+        for rank, holder in holders.items():
+            records.call(claim_rank, records.store, secret, attempt, generation, rank, holder)
+        records.call(write_layout, records.store, secret, attempt, generation, layout)
+        records.say(records.node_rank, keys.REMOVED_NODE, f"back {generation}", keys.JOB_WIDE)
+        records.call(announce_growth, records.store, secret, attempt, generation - 1, why)
+        _log.warning(f"ddpkit run: this node (node {records.node_rank}) joins the world again in generation "
+                     f"{generation} of the group, at the survivors' next step boundary: {len(layout.members)} ranks")
+
+    def take_place_of(self, node: int) -> None:
+        """This spare launcher is node ``node`` from now on (its claim won)."""
+        self._records.node_rank = node
+        self._heartbeats.forget(node)
+
+    # -- this node's place taken ----------------------------------------------------------------
+
+    def replaced_by(self) -> str | None:
+        """The spare node that claimed this launcher's place after the others took it for lost, if one did."""
+        return self._records.read(keys.takeover(self._records.node_rank, self._heartbeats.launcher_id), keys.JOB_WIDE)
+
+    def was_replaced(self, ask_store: bool) -> bool:
+        """Whether a spare node took this node's place: a beat found the spare's, or (``ask_store``,
+        under in-place recovery, where spares exist) its claim on this launcher's place is written."""
+        if self._heartbeats.replaced.is_set():
+            return True
+        if not (ask_store and self.in_place):
+            return False
+        # A claim that found no node loss left replaces nothing: the others end the job instead.
+        by = self.replaced_by()
+        return by is not None and claim_kind(by) is not ClaimKind.SPENT
+
+    def check_not_replaced(self, ask_store: bool) -> None:
+        """``NodeReplacedError`` when a spare node took this node's place: known from a beat that found
+        the spare's there, or (``ask_store``) read from its claim. A replaced launcher must neither
+        announce a failure nor count a generation: the node it was is the spare's now."""
+        if self.was_replaced(ask_store):
+            by = self.replaced_by() or "unnamed"
+            what = by if claim_kind(by) is ClaimKind.SHRINK else f"a spare node ({by}) took its place and its ranks"
+            raise NodeReplacedError(
+                f"node {self._records.node_rank}'s launcher could not reach the job's store for more than "
+                f"{self._heartbeats.silent_seconds:g} s, so the other nodes took this node for lost, and {what}: this "
+                "node's workers are ended (they must not meet the job's group again) and this launcher leaves the "
+                "job, which goes on without it. Check this host's network.")
