@@ -51,6 +51,7 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
     ("generations.py", ("ddpkit.",)),  # the launcher and the group share it: no torch, only the secret
     ("variables.py", ("ddpkit.",)),  # names only: every part may import it
     ("store_keys.py", ("ddpkit.",)),  # the store's keys only: every part may import it
+    ("process_state.py", ("ddpkit.",)),  # the process's state only: every part may import it
     ("environments/", ("ddpkit.connection", "ddpkit.collectives", "ddpkit.parallel", "ddpkit.strategy",
                        "ddpkit.launching", "ddpkit.diagnostics")),
     ("hooks/", ("ddpkit.parallel", "ddpkit.strategy")),
@@ -72,9 +73,10 @@ def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) ->
         if not module.startswith(part):
             continue
         own_part = "ddpkit." + part.rstrip("/").removesuffix(".py").replace("/", ".")
-        for imported in imported_ddpkit_modules(module):  # every part may use the loggers, names, keys and secret
+        # Every part may use the loggers, names, keys, secret and process state.
+        for imported in imported_ddpkit_modules(module):
             if imported.startswith(own_part) or imported in ("ddpkit.logs", "ddpkit.variables", "ddpkit.store_keys",
-                                                             "ddpkit.job_secret"):
+                                                             "ddpkit.job_secret", "ddpkit.process_state"):
                 continue
             assert not imported.startswith(forbidden), f"{module} imports {imported}"
 
@@ -301,3 +303,48 @@ def test_every_store_key_is_spelled_in_one_module() -> None:
                     and " " not in node.value and any(fragment in node.value for fragment in _KEY_FRAGMENTS)]
     assert spelled == [], "spell them in ddpkit.store_keys"
 
+
+# Module-level objects that are not process state: a lock that only orders the launcher's console
+# lines, a stateless "no replacements" policy, and the one owner of process state itself.
+_NOT_PROCESS_STATE = {("launching/output.py", "_CONSOLE_LOCK"), ("launching/replacement.py", "NO_REPLACEMENTS"),
+                      ("process_state.py", "PROCESS")}
+_MUTABLE_FACTORIES = {"Event", "Lock", "RLock", "list", "dict", "set", "defaultdict", "deque"}
+
+
+def test_process_state_lives_in_one_object() -> None:
+    """What a process knows beyond any one object (a peer's failure seen, the store's host gone, the
+    connection's group, the hang watch...) is a field of ``ddpkit.process_state.PROCESS``, which tests
+    can reset: no module keeps a singleton of its own (an instance of its own class, an event, a lock,
+    an empty list, set or dict at module level)."""
+    found = []
+    for module in modules():
+        tree = ast.parse((PACKAGE / module).read_text())
+        own_classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+        for node in tree.body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [target.id for target in targets if isinstance(target, ast.Name) and target.id != "__all__"]
+            value = node.value
+            empty = isinstance(value, (ast.List, ast.Dict, ast.Set)) and not (
+                getattr(value, "elts", None) or getattr(value, "keys", None))
+            called = ""
+            if isinstance(value, ast.Call):
+                called = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+            singleton = empty or called in _MUTABLE_FACTORIES or called in own_classes
+            found += [f"{module}:{node.lineno} {name}" for name in names
+                      if singleton and (module, name) not in _NOT_PROCESS_STATE]
+    assert found == [], "keep it in ddpkit.process_state.ProcessState"
+
+
+def test_resetting_the_process_state_forgets_every_part() -> None:
+    from ddpkit.process_state import PROCESS, ProcessState
+
+    before = {name: id(part) for name, part in vars(PROCESS).items()}
+    PROCESS.failures.expect_lost = True
+    PROCESS.debug.sequences[1] = 5
+    PROCESS.refused_keys.add("a key")
+    PROCESS.reset()
+    assert not PROCESS.failures.expect_lost and PROCESS.debug.sequences == {} and PROCESS.refused_keys == set()
+    assert set(vars(PROCESS)) == set(vars(ProcessState())) == set(before)
+    assert all(id(part) != before[name] for name, part in vars(PROCESS).items() if part is not None)

@@ -40,6 +40,7 @@ from ddpkit.launching import nodes as nodes_module
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.spare_node import wait_as_spare
 from ddpkit.launching.store_client import BoundedStore, GaveUpWaiting, connect
+from ddpkit.process_state import PROCESS
 
 # Two ranks a node; rank 0 marks each step it finished, and every step takes a moment, so that the
 # test can kill a node in the middle of training.
@@ -349,12 +350,10 @@ def test_a_launchers_announcement_of_lost_ranks_is_what_the_survivors_read_as_a_
     _announce_loss(config, store.port, SECRET, 2, 5, "rank 1 (pid 7) was killed by SIGKILL")
     assert node_lost(store, secret, 2, 5) == "rank 1 (pid 7) was killed by SIGKILL"
     assert node_lost(store, secret, 2, 6) is None and node_lost(store, None, 2, 5) is None  # unsigned: none
-    state = failures._state
-    saved = (state.expect_lost, state.node_lost)
     try:
         assert failures.announced_loss(store) is None  # outside in-place recovery nothing is read
         failures.expect_lost_peers(lambda: node_lost(store, secret, 2, 5))
         lost = failures.announced_loss(store)
         assert isinstance(lost, failures.PeerLostError) and "rank 1 (pid 7) was killed by SIGKILL" in str(lost)
     finally:
-        state.expect_lost, state.node_lost = saved
+        PROCESS.reset()  # this test process expects no lost peers again

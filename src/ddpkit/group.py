@@ -73,6 +73,7 @@ from ddpkit.generations import (
 )
 from ddpkit.job_secret import JobSecret, RecordSigner, member_proof
 from ddpkit.logs import get_logger
+from ddpkit.process_state import PROCESS
 from ddpkit.signed_store import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
@@ -441,37 +442,25 @@ def _free_in_background(abandoned: list[Any]) -> None:
     (``ddpkit run``'s workers leave without finalising, ``diagnostics.exits``, and do not wait)."""
     freeing = threading.Thread(target=abandoned.clear, name="ddpkit-free-abandoned-group", daemon=True)
     freeing.start()
-    if not _freeing:
+    if not PROCESS.connection.freeing:
         atexit.register(_let_the_freeing_finish)
-    _freeing.append(freeing)
+    PROCESS.connection.freeing.append(freeing)
 
 
-# The threads ``_free_in_background`` started, and how long the process waits for them at its exit.
-_freeing: list[threading.Thread] = []
+# How long the process waits at its exit for the threads ``_free_in_background`` started.
 _FREEING_AT_EXIT_SECONDS = 5.0
 
 
 def _let_the_freeing_finish() -> None:
     deadline = time.monotonic() + _FREEING_AT_EXIT_SECONDS
-    for thread in _freeing:
+    for thread in PROCESS.connection.freeing:
         thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class _Connected:
-    """The group of this process's connection: torch's default group is one per process, and so
-    is ddpkit's account of it. Set by ``init_dist_connection``, cleared by ``destroy_dist_connection``."""
-
-    def __init__(self) -> None:
-        self.group: Group | None = None
-
-
-_connected = _Connected()
 
 
 def current_group() -> Group | None:
     """The group ``init_dist_connection`` formed (None without one, or when the process group
     was made by other code, e.g. a plain ``torch.distributed.init_process_group``)."""
-    group = _connected.group
+    group: Group | None = PROCESS.connection.group
     if group is not None and not dist.is_initialized():
         return None  # the connection ended without ddpkit (destroy_process_group called directly)
     return group
@@ -479,4 +468,4 @@ def current_group() -> Group | None:
 
 def set_current_group(group: Group | None) -> None:
     """For ``ddpkit.connection`` only: the group it formed, or None after tearing it down."""
-    _connected.group = group
+    PROCESS.connection.group = group

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpkit.logs import get_logger
+from ddpkit.process_state import PROCESS
 from ddpkit.store_keys import NAMESPACE, signed_namespace
 from ddpkit.variables import DDPKIT_JOB_SECRET, DDPKIT_JOB_SECRET_FILE
 
@@ -181,8 +182,8 @@ class RecordSigner:
         return None
 
     def _refuse(self, key: str, text: str) -> None:
-        if key not in _refused_keys and self.secret is not None:
-            _refused_keys.add(key)
+        if key not in PROCESS.refused_keys and self.secret is not None:
+            PROCESS.refused_keys.add(key)
             _log.warning(f"ddpkit: ignored a value under the store key {key!r} that does not carry this job's secret "
                          f"({self.secret.source}): a process outside the job wrote it. Its first bytes: "
                          f"{text[:80]!r}. Check who can reach the job's store port.")
@@ -230,7 +231,6 @@ _REPLACE_ATTEMPTS = 8
 
 # The keys under which this process ignored a forged value: each is said once per process, however
 # often a watch thread reads it.
-_refused_keys: set[str] = set()
 
 
 def member_proof(secret: JobSecret, scope: str, rank: int, nonces: bytes) -> bytes:

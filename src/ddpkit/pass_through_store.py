@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ddpkit.process_state import PROCESS
+
 __all__ = ["PassThroughStore", "kept"]
 
 
@@ -71,8 +73,6 @@ Wrapper = TypeVar("Wrapper", bound=PassThroughStore)
 
 def kept(store: Wrapper) -> Wrapper:
     """``store``, held until the process ends (see the module docstring)."""
-    _kept.append(store)
+    PROCESS.kept_stores.append(store)
     return store
 
-
-_kept: list[PassThroughStore] = []

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.process_state import PROCESS
 from ddpkit.variables import DDPKIT_DEBUG
 
 __all__ = ["CollectiveMismatchError", "Fingerprint", "call_site", "debug_enabled", "set_debug"]
@@ -65,35 +66,23 @@ class Fingerprint:
         return f"#{self.sequence} {self.operation}{tensor} at {self.call_site}"
 
 
-class _Settings:
-    """Whether debug mode is on (the environment unless set), and each group's sequence numbers."""
-
-    def __init__(self) -> None:
-        self.forced: bool | None = None
-        self.sequences: dict[int, int] = {}
-        self.depth = 0  # > 0 inside a fingerprinted collective: the collectives it makes are not checked
-
-
-_settings = _Settings()
-
-
 def set_debug(enabled: bool | None) -> None:
     """Turn debug mode on or off for this process (None: follow ``DDPKIT_DEBUG`` again). Every
     rank must make the same choice: the fingerprints are themselves a collective."""
-    _settings.forced = enabled
+    PROCESS.debug.forced = enabled
 
 
 def debug_enabled() -> bool:
-    if _settings.forced is not None:
-        return _settings.forced
+    if PROCESS.debug.forced is not None:
+        return PROCESS.debug.forced
     return os.environ.get(DDPKIT_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def fingerprint(operation: str, group: Any, tensor: Any = None, compare_shape: bool = True) -> Fingerprint:
     """This rank's fingerprint of the collective it is entering (and its next sequence number)."""
     key = id(group)
-    sequence = _settings.sequences.get(key, 0)
-    _settings.sequences[key] = sequence + 1
+    sequence = PROCESS.debug.sequences.get(key, 0)
+    PROCESS.debug.sequences[key] = sequence + 1
     dtype = shape = None
     if isinstance(tensor, torch.Tensor):
         dtype = str(tensor.dtype).replace("torch.", "")
@@ -122,12 +111,12 @@ class checking:
     """``with checking():`` marks the inside of a fingerprinted collective (nested ones are not checked)."""
 
     def __enter__(self) -> bool:
-        outermost = _settings.depth == 0
-        _settings.depth += 1
+        outermost = PROCESS.debug.depth == 0
+        PROCESS.debug.depth += 1
         return outermost
 
     def __exit__(self, *exc: object) -> None:
-        _settings.depth -= 1
+        PROCESS.debug.depth -= 1
 
 
 def call_site() -> str:

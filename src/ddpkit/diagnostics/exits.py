@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
+from ddpkit.process_state import PROCESS
+
 __all__ = ["leave", "leave_on_uncaught_exception"]
 
 
@@ -52,18 +54,10 @@ def leave(code: int, before_leaving: Callable[[], None] | None = None, wait_for_
     os._exit(code)
 
 
-class _Installed:
-    def __init__(self) -> None:
-        self.hook: Callable[[type[BaseException], BaseException, TracebackType | None], object] | None = None
-
-
-_installed = _Installed()
-
-
 def leave_on_uncaught_exception() -> None:
     """From now on, an uncaught exception in the main thread is reported as usual (by the hook in
     place before), then the process leaves with code 1 (``leave``). Idempotent."""
-    if _installed.hook is not None and sys.excepthook is _installed.hook:
+    if PROCESS.exception_hook is not None and sys.excepthook is PROCESS.exception_hook:
         return
     previous = sys.excepthook
 
@@ -71,4 +65,4 @@ def leave_on_uncaught_exception() -> None:
         previous(kind, value, trace)
         leave(1, wait_for_threads=False)
 
-    _installed.hook = sys.excepthook = report_then_leave
+    PROCESS.exception_hook = sys.excepthook = report_then_leave

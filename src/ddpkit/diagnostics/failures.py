@@ -38,7 +38,6 @@ import json
 import os
 import re
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -51,6 +50,7 @@ from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
 from ddpkit.job_secret import JobSecretError, RecordSigner, job_secret
+from ddpkit.process_state import PROCESS
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "announced_loss",
@@ -166,14 +166,14 @@ def record_failure(record: dict[str, object], publish: bool = True, tear_down: b
 
 def record_signer() -> RecordSigner:
     """How this process signs and checks its records in the default group's store."""
-    return RecordSigner(job_secret(), _default_scope() if _state.scope is None else _state.scope)
+    return RecordSigner(job_secret(), _default_scope() if PROCESS.failures.scope is None else PROCESS.failures.scope)
 
 
 def sign_records_in(scope: str) -> None:
     """Bind this process's records from now on to ``scope`` (``ddpkit.group``: the attempt and the
     generation of the group it formed), so that a record of another attempt or generation, copied
     into this one's keys, does not pass."""
-    _state.scope = scope
+    PROCESS.failures.scope = scope
 
 
 def _default_scope() -> str:
@@ -204,8 +204,8 @@ def peer_failure(probe_first: bool = False) -> CollectiveFailedError | None:
     if store is None:
         return None
     failure: CollectiveFailedError | None = (
-        _state.gone_error(store) or (store_host_gone() if probe_first else None) or _published_failure(store))
-    if failure is None and _state.expect_lost:
+        _gone_error(store) or (store_host_gone() if probe_first else None) or _published_failure(store))
+    if failure is None and PROCESS.failures.expect_lost:
         failure = _lost_peer(store)
     return failure
 
@@ -220,9 +220,9 @@ def raising(failure: CollectiveFailedError) -> CollectiveFailedError:
     - the failed rank, which may host the store, counts this rank among those that read its record.
     """
     leave_on_uncaught_exception()
-    _state.raised.set()
-    if type(failure) is PeerFailedError and not _state.seen:
-        _state.seen = True
+    PROCESS.failures.raised.set()
+    if type(failure) is PeerFailedError and not PROCESS.failures.seen:
+        PROCESS.failures.seen = True
         store = _default_store()
         if store is not None:
             with contextlib.suppress(RuntimeError):
@@ -247,13 +247,13 @@ def expect_lost_peers(node_lost: Callable[[], str | None] = lambda: None) -> Non
     vanished: ``note_lost_peer`` tells the others, and ``peer_failure`` answers ``PeerLostError``;
     so does ``node_lost`` saying why a node of the group was lost (``ddpkit.generations``: its
     ranks may be alive behind a link that went down, and no collective fails)."""
-    _state.expect_lost = True
-    _state.node_lost = node_lost
+    PROCESS.failures.expect_lost = True
+    PROCESS.failures.node_lost = node_lost
 
 
 def lost_peers_expected() -> bool:
     """Whether ``expect_lost_peers`` was called in this process."""
-    return _state.expect_lost
+    return PROCESS.failures.expect_lost
 
 
 def note_lost_peer(error: BaseException) -> PeerLostError:
@@ -271,7 +271,7 @@ def note_lost_peer(error: BaseException) -> PeerLostError:
 def announced_loss(store: Any) -> PeerLostError | None:
     """Under in-place recovery, the loss of a rank or node that a rank or a launcher announced in
     ``store`` (the group's), as the error to raise; None when none was, or outside in-place recovery."""
-    return _lost_peer(store) if _state.expect_lost else None
+    return _lost_peer(store) if PROCESS.failures.expect_lost else None
 
 
 def _lost_peer(store: Any) -> PeerLostError | None:
@@ -279,7 +279,7 @@ def _lost_peer(store: Any) -> PeerLostError | None:
     key = signer.key(LOST)
     try:
         note = signer.verify(key, store.get(key)) if store.check([key]) else None
-        if note is None and (node := _state.node_lost()) is not None:
+        if note is None and (node := PROCESS.failures.node_lost()) is not None:
             return PeerLostError(f"a node of the group was lost ({node}); in-place recovery replaces its ranks")
     except RuntimeError:
         return None
@@ -297,7 +297,7 @@ def failure_behind(error: RuntimeError) -> CollectiveFailedError | None:
     if isinstance(error, (PeerFailedError, PeerLostError)):
         return None
     failure = peer_failure(probe_first=True)
-    if failure is None and _state.expect_lost:
+    if failure is None and PROCESS.failures.expect_lost:
         failure = note_lost_peer(error)  # a rank vanished: in-place recovery replaces it
     return failure
 
@@ -360,15 +360,15 @@ def store_host_gone() -> StoreHostGoneError | None:
     address = _tcp_address(store)
     if address is None:
         return None
-    gone = _state.gone_error(store)
+    gone = _gone_error(store)
     if gone is not None:
         return gone
     try:
         socket.create_connection(address, timeout=_PROBE_SECONDS).close()
         return None
     except OSError as error:
-        _state.gone = (id(store), address, error.strerror or type(error).__name__, _store_host_name())
-    return _state.gone_error(store)
+        PROCESS.failures.gone = (id(store), address, error.strerror or type(error).__name__, _store_host_name())
+    return _gone_error(store)
 
 
 def _store_host_name() -> str:
@@ -422,28 +422,16 @@ def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -
 def peer_failure_raised(within: float = 0.0) -> bool:
     """Whether ddpkit has handed this process a ``PeerFailedError`` (it is on its way up the user's
     code), waiting up to ``within`` seconds for it to happen."""
-    return _state.raised.wait(within)
+    return PROCESS.failures.raised.wait(within)
 
 
-class _State:
-    def __init__(self) -> None:
-        self.seen = False  # this process has counted itself among the readers of the record
-        self.raised = threading.Event()
-        self.expect_lost = False  # in-place recovery: a collective failing without a record means a rank vanished
-        self.node_lost: Callable[[], str | None] = lambda: None  # why a node of the group was lost (expect_lost_peers)
-        self.scope: str | None = None  # what this process's records are bound to (sign_records_in)
-        # (id of the store, its address, why, who hosted it) once its host is gone
-        self.gone: tuple[int, tuple[str, int], str, str] | None = None
-
-    def gone_error(self, store: Any) -> StoreHostGoneError | None:
-        """A new ``StoreHostGoneError`` when ``store``'s host was found gone (a new error each time:
-        one raised twice would carry both tracebacks)."""
-        if self.gone is None or self.gone[0] != id(store):
-            return None
-        return StoreHostGoneError(*self.gone[1:])
-
-
-_state = _State()
+def _gone_error(store: Any) -> StoreHostGoneError | None:
+    """A new ``StoreHostGoneError`` when ``store``'s host was found gone (a new error each time:
+    one raised twice would carry both tracebacks)."""
+    gone = PROCESS.failures.gone
+    if gone is None or gone[0] != id(store):
+        return None
+    return StoreHostGoneError(*gone[1:])
 
 
 def _default_store() -> Any:

@@ -58,6 +58,7 @@ from ddpkit.diagnostics.failures import record_failure, record_signer
 from ddpkit.diagnostics.records import failure_record
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
+from ddpkit.process_state import PROCESS
 from ddpkit.variables import DDPKIT_HANG_ABORT_SECONDS, DDPKIT_HANG_SECONDS, DDPKIT_STACK_FILE
 
 __all__ = ["DEFAULT_HANG_SECONDS", "last_report", "watch_for_hangs"]
@@ -119,7 +120,7 @@ class HangWatch:
     def _run(self) -> None:
         while True:
             time.sleep(_POLL_SECONDS)
-            if _settings.watch is not self or _configured_seconds() <= 0:
+            if PROCESS.hangs.watch is not self or _configured_seconds() <= 0:
                 return  # turned off, or replaced by the watch of a new process group
             try:
                 self._check()
@@ -287,31 +288,22 @@ def _signalled_stack(pid: int, stack_file: str | None, between_reads: Callable[[
     return written
 
 
-class _Settings:
-    def __init__(self) -> None:
-        self.seconds: float | None = None  # set by watch_for_hangs; None: DDPKIT_HANG_SECONDS
-        self.watch: HangWatch | None = None
-
-
-_settings = _Settings()
-
-
 def watch_for_hangs(seconds: float | None) -> None:
     """Report collectives that wait longer than ``seconds`` (None: follow ``DDPKIT_HANG_SECONDS``,
     ``DEFAULT_HANG_SECONDS`` when unset; 0: off). Call it on every rank."""
     if seconds is not None and seconds < 0:
         raise ValueError(f"watch_for_hangs(seconds={seconds}): give a positive number of seconds, 0 or None.")
-    _settings.seconds = seconds
+    PROCESS.hangs.seconds = seconds
 
 
 def last_report() -> str:
     """The latest hang report of this process ('' when none)."""
-    return _settings.watch.report if _settings.watch is not None else ""
+    return PROCESS.hangs.watch.report if PROCESS.hangs.watch is not None else ""
 
 
 def _configured_seconds() -> float:
-    if _settings.seconds is not None:
-        return _settings.seconds
+    if PROCESS.hangs.seconds is not None:
+        return PROCESS.hangs.seconds
     return seconds_setting(DDPKIT_HANG_SECONDS, DEFAULT_HANG_SECONDS, WORKER_SECONDS_SETTINGS[DDPKIT_HANG_SECONDS])
 
 
@@ -322,10 +314,10 @@ def start_hang_watch() -> HangWatch | None:
     seconds = _configured_seconds()
     if seconds <= 0 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None  # off, or no one to wait for
-    watch = _settings.watch
+    watch: HangWatch | None = PROCESS.hangs.watch
     group = dist.distributed_c10d._get_default_group()
     if watch is None or watch.group() is not group or not watch.running():  # first use, a new group, or turned back on
-        watch = _settings.watch = HangWatch(seconds, group, dist.distributed_c10d._get_default_store())
+        watch = PROCESS.hangs.watch = HangWatch(seconds, group, dist.distributed_c10d._get_default_store())
     watch.seconds = seconds
     watch.abort_seconds = seconds_setting(DDPKIT_HANG_ABORT_SECONDS, 0.0,
                                            WORKER_SECONDS_SETTINGS[DDPKIT_HANG_ABORT_SECONDS])

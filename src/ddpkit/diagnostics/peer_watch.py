@@ -48,6 +48,7 @@ from ddpkit.diagnostics.failures import (
 )
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
+from ddpkit.process_state import PROCESS
 from ddpkit.variables import DDPKIT_PEER_FAILURE_EXIT_SECONDS
 
 __all__ = ["PEER_FAILED_EXIT_CODE", "abort_nccl_communicators", "watch_peers"]
@@ -150,30 +151,21 @@ def _exit_seconds() -> float:
                            WORKER_SECONDS_SETTINGS[DDPKIT_PEER_FAILURE_EXIT_SECONDS])
 
 
-class _Watches:
-    def __init__(self) -> None:
-        self.current: _PeerWatch | None = None
-        self.lock = threading.Lock()
-
-
-_watches = _Watches()
-
-
 def watch_peers() -> None:
     """Start the peer watch for the current default process group, unless it runs already. Cheap
     when it does: called at every ddpkit collective."""
-    watch = _watches.current
+    watch = PROCESS.peer_watch
     if watch is not None and watch.running() and watch.group() is _default_group():
         return
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
     if _exit_seconds() <= 0 and dist.get_backend() != "nccl":
         return  # nothing for it to do (and a malformed setting raised here, in the caller's thread)
-    with _watches.lock:
+    with PROCESS.peer_watch_lock:
         group = _default_group()
-        watch = _watches.current
+        watch = PROCESS.peer_watch
         if watch is None or not watch.running() or watch.group() is not group:
-            _watches.current = _PeerWatch(group, dist.distributed_c10d._get_default_store())
+            PROCESS.peer_watch = _PeerWatch(group, dist.distributed_c10d._get_default_store())
 
 
 def _default_group() -> Any:

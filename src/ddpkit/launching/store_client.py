@@ -35,6 +35,8 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from ddpkit.process_state import PROCESS
+
 __all__ = ["TRY_SECONDS", "BoundedStore", "GaveUpWaiting", "GiveUp", "StoreRequestTimeout", "StoreUnreachableError",
            "connect", "import_distributed", "never_give_up", "requests_left_unanswered"]
 
@@ -46,13 +48,11 @@ TRY_SECONDS = 2.0
 
 _QUIET_LEVEL = "FATAL"  # torch reads TORCH_CPP_LOG_LEVEL once, when it is first imported
 
-# Set once a request was left blocked in torch's client: a fact about this process's threads.
-_left_unanswered = threading.Event()
 
 
 def requests_left_unanswered() -> bool:
     """Whether a thread of this process is still blocked in a request the store never answered."""
-    return _left_unanswered.is_set()
+    return PROCESS.store_requests_unanswered.is_set()
 
 
 class GaveUpWaiting(RuntimeError):
@@ -91,7 +91,7 @@ class _Call:
         """The result (or the error raised) once it came within ``seconds``; otherwise
         ``StoreRequestTimeout(unanswered)``, the call's thread left blocked."""
         if not self._answered.wait(seconds):
-            _left_unanswered.set()
+            PROCESS.store_requests_unanswered.set()
             raise StoreRequestTimeout(unanswered)
         if self._error is not None:
             raise self._error
