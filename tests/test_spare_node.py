@@ -336,18 +336,18 @@ def test_a_rank_of_the_next_generation_is_held_by_the_first_process_of_the_job_t
 
 def test_a_launchers_announcement_of_lost_ranks_is_what_the_survivors_read_as_a_loss() -> None:
     """On NCCL a killed rank breaks nothing the survivors see: the launcher that replaces it says
-    so in the store (``launcher._announce_loss``), signed with the job's secret, under the attempt and
+    so in the store (``joining.announce_loss``), signed with the job's secret, under the attempt and
     generation the survivors are in; their ``announced_loss`` (read by the peer watch) is then a
     ``PeerLostError`` naming it."""
     from ddpkit.diagnostics import failures
     from ddpkit.environments import Recovery
     from ddpkit.launching.config import LaunchConfig
-    from ddpkit.launching.launcher import _announce_loss
+    from ddpkit.launching.joining import announce_loss
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     secret = JobSecret(SECRET["DDPKIT_JOB_SECRET"].encode(), "a test")
     config = LaunchConfig(nproc_per_node=2, backend="nccl", recovery=Recovery.IN_PLACE, max_restarts=1)
-    _announce_loss(config, store.port, SECRET, 2, 5, "rank 1 (pid 7) was killed by SIGKILL")
+    announce_loss(config, store.port, SECRET, 2, 5, "rank 1 (pid 7) was killed by SIGKILL")
     assert node_lost(store, secret, 2, 5) == "rank 1 (pid 7) was killed by SIGKILL"
     assert node_lost(store, secret, 2, 6) is None and node_lost(store, None, 2, 5) is None  # unsigned: none
     try:

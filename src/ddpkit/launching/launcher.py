@@ -37,20 +37,20 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import FrameType
 from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
-from ddpkit._network import find_free_port, gloo_interface_towards, listen_on, store_bind_address
+from ddpkit._network import find_free_port, gloo_interface_towards
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
-from ddpkit.generations import announce_node_lost, member_identity
+from ddpkit.generations import member_identity
 from ddpkit.job_secret import job_secret, new_job_secret
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
-from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
+from ddpkit.launching.joining import announce_loss, connect_nodes, host_rendezvous, host_store, join_rendezvous
+from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcesses
-from ddpkit.launching.rendezvous import RendezvousError, RendezvousSettings, claim_endpoint, join
+from ddpkit.launching.rendezvous import RendezvousError
 from ddpkit.launching.replacement import (
     NO_REPLACEMENTS,
     NoReplacements,
@@ -58,9 +58,9 @@ from ddpkit.launching.replacement import (
     ready_file,
 )
 from ddpkit.launching.spare_node import Takeover, wait_as_spare
-from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, connect
+from ddpkit.launching.store_client import GaveUpWaiting, connect
 from ddpkit.launching.store_host import StoreHost, StoreHostError
-from ddpkit.launching.watch import Signals, agree_across_nodes, failure_of, watch
+from ddpkit.launching.watch import Outcome, Signals, agree_across_nodes, watch
 from ddpkit.logs import get_logger
 from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.variables import (
@@ -198,218 +198,239 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     After a failure the workers are started again, up to ``config.max_restarts`` times, each time
     meeting on a new port (unless ``master_port`` is given, or the launchers host the store, whose
     workers' keys are cleared instead); a stop signal is never retried, and ends every wait on the
-    store (rendezvous, restart) within seconds.
+    store (rendezvous, restart) within seconds. The loop's phases: ``_LauncherRun``.
     """
     validate(config, script)
-    received: list[int] = []  # the stop and preemption signals, in order
-    stack_requests: list[float] = []
+    run = _LauncherRun(script, script_args, config, grace, poll_interval)
+    try:
+        code = run.join_the_job()
+        while code is None:  # one attempt (a spare node's wait for a place first), then its end
+            code = run.end_of(run.attempt())
+        return code
+    except GaveUpWaiting as stopped:  # in the rendezvous: no worker started yet
+        return run.gave_up(stopped, "no worker was started")
+    finally:
+        run.leave()
 
-    def note_signal(signum: int, _frame: FrameType | None) -> None:
-        received.append(signum)
 
-    def request_stacks(_signum: int, _frame: FrameType | None) -> None:
-        stack_requests.append(time.monotonic())
+@dataclasses.dataclass
+class _LauncherState:
+    """What the launcher's loop knows between attempts (``run_workers``)."""
 
-    defaults = performance_defaults(config.nproc_per_node, os.environ)
-    defaults.update(job_secret_for_workers(config.nnodes > 1 or config.rendezvous is not None, os.environ))
-    if config.backend == "nccl" and config.recovery is Recovery.IN_PLACE:
-        # On an error the NCCL watchdog aborts the communicator and leaves the process alive (its
-        # default tears the process down): a survivor's aborted collective must end in its recovery.
-        defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-    if "OMP_NUM_THREADS" in defaults:
-        _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
-                  f"{config.nproc_per_node} workers (set it yourself to choose).")
-    # Not restored at the return: the launcher's exit follows (``cli``), and a stop signal then (a
-    # scheduler's SIGTERM to every process of a job that just ended) has nothing left to stop.
-    for sig in stop_signals(config.preemption_signal):
-        signal.signal(sig, note_signal)
-    if config.preemption_signal != signal.SIGUSR1:
-        signal.signal(signal.SIGUSR1, request_stacks)
-    signals = Signals(received, stack_requests, config.preemption_signal)
-    store_host: StoreHost | None = None
-    nodes: NodeCoordination | None = None
+    config: LaunchConfig  # this node's, once the rendezvous gave it a node rank (or a spare took a place)
+    port: int = 0  # where the workers (and the launchers' store) meet
+    restart_count: int = 0  # the attempt: starts of the workers so far, replacements in place included
+    spare_node: bool = False  # this launcher waits for a lost node's place before it starts workers
+    takeover: Takeover | None = None  # the place a spare node took, for the attempt it starts
+    nodes: NodeCoordination | None = None  # the agreement with the other nodes' launchers
+    store_host: StoreHost | None = None  # the job's store, when this launcher hosts it
 
-    def stop_waiting() -> str | None:
+
+class _LauncherRun:
+    """One ``ddpkit run``: its signals, the workers' environment and the loop's state."""
+
+    def __init__(self, script: str, script_args: Sequence[str], config: LaunchConfig, grace: float,
+                 poll_interval: float) -> None:
+        self.grace, self.poll_interval = grace, poll_interval
+        self.received: list[int] = []  # the stop and preemption signals, in order
+        stack_requests: list[float] = []
+        self.state = _LauncherState(config)
+        defaults = performance_defaults(config.nproc_per_node, os.environ)
+        defaults.update(job_secret_for_workers(config.nnodes > 1 or config.rendezvous is not None, os.environ))
+        if config.backend == "nccl" and config.recovery is Recovery.IN_PLACE:
+            # On an error the NCCL watchdog aborts the communicator and leaves the process alive (its
+            # default tears the process down): a survivor's aborted collective must end in its recovery.
+            defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        if "OMP_NUM_THREADS" in defaults:
+            _log.info(f"ddpkit run: OMP_NUM_THREADS={defaults['OMP_NUM_THREADS']} for each of this node's "
+                      f"{config.nproc_per_node} workers (set it yourself to choose).")
+        self.defaults = defaults
+        # Not restored at the return: the launcher's exit follows (``cli``), and a stop signal then (a
+        # scheduler's SIGTERM to every process of a job that just ended) has nothing left to stop.
+        for sig in stop_signals(config.preemption_signal):
+            signal.signal(sig, lambda signum, _frame: self.received.append(signum))
+        if config.preemption_signal != signal.SIGUSR1:
+            signal.signal(signal.SIGUSR1, lambda _signum, _frame: stack_requests.append(time.monotonic()))
+        self.signals = Signals(self.received, stack_requests, config.preemption_signal)
+        self.command = worker_command(config.run_as, script, script_args)
+        self.spare_command = [*self.command[:3], SPARE, *self.command[3:]]
+        self.output = config.output  # with its log folder once the job is joined
+        self.replacements: Replacements | NoReplacements = NO_REPLACEMENTS  # the attempt's
+
+    def environment(self) -> dict[str, str]:
+        return {**self.defaults, **os.environ}
+
+    def stop_waiting(self) -> str | None:
         """Why a wait on the job's store ends early: a signal to the launcher, or its store host's end."""
-        if received:
-            return f"received {signal.Signals(received[0]).name}"
+        if self.received:
+            return f"received {signal.Signals(self.received[0]).name}"
+        store_host = self.state.store_host
         return store_host.failure() if store_host is not None else None
 
-    try:
-        restart_count = 0
-        spare_node = False
+    def join_the_job(self) -> int | None:
+        """Meet the other nodes at the rendezvous (when there is one), choose the port and host the
+        store when this launcher does; an exit code when the rendezvous failed, else None."""
+        state, config = self.state, self.state.config
         if config.rendezvous is not None:
-            store_host = _host_rendezvous(config.rendezvous, {**defaults, **os.environ})
+            state.store_host = host_rendezvous(config.rendezvous, self.environment())
             try:
-                config, nodes, spare_node = _join_rendezvous(config, config.rendezvous, store_host is not None,
-                                                             stop_waiting)
+                state.config, state.nodes, state.spare_node = join_rendezvous(
+                    config, config.rendezvous, state.store_host is not None, self.stop_waiting)
             except RendezvousError as error:
                 _log.error(f"ddpkit run: {error}")
                 return 1
+            config = state.config
         # A store the launchers host keeps one port for the whole run (attempts and generations have prefixes).
-        port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
-        defaults.update(_gloo_interface(config, port, os.environ))
+        state.port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
+        self.defaults.update(_gloo_interface(config, state.port, os.environ))
         if config.hosts_store and config.node_rank == 0 and config.rendezvous is None:
-            store_host = _host_store(config.master_addr, port, config.nnodes > 1, {**defaults, **os.environ})
-        output = config.output.with_log_dir()
-        command = worker_command(config.run_as, script, script_args)
-        spare_command = [*command[:3], SPARE, *command[3:]]
-        takeover: Takeover | None = None
-        while True:
-            if not config.hosts_store and restart_count and config.master_port is None:
-                port = find_free_port(config.master_addr)
-            log_folder = output.attempt_folder(config.node_rank, restart_count) if output.writes_files() else None
-            if log_folder is not None and not spare_node:
-                shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt, replaced
-            workers = WorkerProcesses("run", None if output.is_default() else output, log_folder)
-            try:
-                if spare_node and nodes is not None:
-                    spare_node = False
-                    try:
-                        takeover = wait_as_spare(
-                            nodes, functools.partial(workers.start_spare, spare_command, {**defaults, **os.environ}),
-                            config.nproc_per_node, stop_waiting)
-                    except GaveUpWaiting as stopped:  # a spare that stops takes nothing from the job
-                        _log.warning(f"ddpkit run: {stopped.reason} while waiting as a spare node: stopping (the job "
-                                     "goes on without this spare)")
-                        return 128 + received[0] if received else 1
-                    if takeover is None:
-                        _log.warning("ddpkit run: every node's launcher left the job: this spare node was not needed")
-                        return 0
-                    config = dataclasses.replace(config, node_rank=takeover.node_rank)
-                    restart_count = takeover.attempt
-                    nodes.beat_through(connect(config.master_addr, port, config.store_waits.read_timeout))
-                generation = takeover.generation if takeover is not None else 0
-                for local_rank in range(config.nproc_per_node):
-                    variables = rank_variables(config, port, local_rank, restart_count)
-                    rank = int(variables["RANK"])
-                    if config.recovery is Recovery.IN_PLACE:
-                        variables[DDPKIT_READY_FILE] = ready_file(workers.folder, generation, rank)
-                    if takeover is not None:
-                        variables[DDPKIT_GENERATION] = str(generation)
-                        workers.assign(takeover.spares[local_rank], variables, rank, local_rank)
-                    else:
-                        workers.start(command, {**defaults, **os.environ, **variables}, rank, local_rank)
-                if takeover is not None and nodes is not None:
-                    holders = {worker.rank: member_identity(worker.process.pid) for worker in workers.workers}
-                    if takeover.returns:
-                        nodes.world.bring_back(restart_count, generation, holders, takeover.why)
-                    else:
-                        nodes.world.hand_over(restart_count, generation, holders, takeover.why)
-                takeover = None
-                replacements: Replacements | NoReplacements = NO_REPLACEMENTS
-                if config.recovery is Recovery.IN_PLACE:
-                    replacements = Replacements(
-                        workers, spare_command, {**defaults, **os.environ},
-                        functools.partial(rank_variables, config, port, restart_count=restart_count),
-                        budget=config.max_restarts - restart_count, generation=generation,
-                        next_generation=nodes.world.next_generation if nodes is not None and nodes.in_place else None,
-                        announce_loss=functools.partial(_announce_loss, config, port, {**defaults, **os.environ},
-                                                        restart_count) if config.backend == "nccl" else None)
-                if config.coordinates_nodes and nodes is None:
-                    nodes = _connect_nodes(config, port, workers, stop_waiting)
-                outcome = watch(workers, signals, grace, poll_interval, replacements, nodes, store_host)
-                if nodes is not None:
-                    outcome = agree_across_nodes(nodes, outcome, grace)
-            except NodeContactLostError as error:
-                _log.error(f"ddpkit run: {error}\nddpkit run: all {config.nproc_per_node} workers of node "
-                           f"{config.node_rank} were stopped.")
-                return 1
-            except GaveUpWaiting as stopped:  # waiting for the other nodes' workers to finish too
-                return _gave_up(stopped, received, "the other nodes were not waited for", nodes)
-            finally:
-                workers.close(grace)
-            restart_count += replacements.used  # replacements spend the same budget
-            if outcome.cause is None:  # success, preempted, or stopped by a signal
-                if outcome.code == PREEMPTED_EXIT_CODE and nodes is not None and not received:
-                    # Saved and stopped, though no signal came here: say where the preemption came from.
-                    _log.warning(f"ddpkit run: the preemption came from {nodes.preemption_source()}")
-                return outcome.code
-            count = config.nproc_per_node
-            these = f"all {count} workers" + (f" of node {config.node_rank}" if config.nnodes > 1 else "")
-            print(f"ddpkit run: {outcome.cause}\nddpkit run: {these} were stopped.", file=sys.stderr, flush=True)
-            if outcome.stopped_elsewhere:
-                _log.error("ddpkit run: no restart after a stop signal on another node: ending the job.")
-                return outcome.code
-            store_gone = store_host is not None and store_host.failure() is not None
-            if restart_count >= config.max_restarts or received or store_gone:
-                if config.max_restarts:
-                    why = ("after a stop signal" if received else "without the job's store" if store_gone else
-                           f"left (--max-restarts={config.max_restarts})")
-                    _log.error(f"ddpkit run: no restart {why}: ending the job.")
-                return outcome.code
-            restart_count += 1
-            try:
-                _open_next_attempt(nodes, store_host, restart_count)
-            except GaveUpWaiting as stopped:
-                return _gave_up(stopped, received, "no restart", nodes)
-            except (TimeoutError, NodeContactLostError, StoreHostError) as error:
-                _log.error(f"ddpkit run: {error}")
-                return outcome.code
-            _log.warning(f"ddpkit run: restarting {these} (restart {restart_count} of "
-                         f"{config.max_restarts}); {DDPKIT_RESTART_COUNT}={restart_count}")
-    except GaveUpWaiting as stopped:  # in the rendezvous: no worker started yet
-        return _gave_up(stopped, received, "no worker was started")
-    finally:
+            state.store_host = host_store(config.master_addr, state.port, config.nnodes > 1, self.environment())
+        self.output = config.output.with_log_dir()
+        return None
+
+    def attempt(self) -> Outcome | int:
+        """Start this node's workers (a spare node: once it took a place) and watch them until this
+        attempt ends: its outcome, agreed with the other nodes, or the launcher's exit code."""
+        state, config = self.state, self.state.config
+        if not config.hosts_store and state.restart_count and config.master_port is None:
+            state.port = find_free_port(config.master_addr)
+        log_folder = self.output.attempt_folder(config.node_rank, state.restart_count) \
+            if self.output.writes_files() else None
+        if log_folder is not None and not state.spare_node:
+            shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt, replaced
+        workers = WorkerProcesses("run", None if self.output.is_default() else self.output, log_folder)
+        self.replacements = NO_REPLACEMENTS
+        try:
+            if state.spare_node and state.nodes is not None and (code := self._take_a_place(workers)) is not None:
+                return code
+            self._start(workers)
+            if config.coordinates_nodes and state.nodes is None:
+                state.nodes = connect_nodes(state.config, state.port, workers, self.stop_waiting)
+            outcome = watch(workers, self.signals, self.grace, self.poll_interval, self.replacements, state.nodes,
+                            state.store_host)
+            return agree_across_nodes(state.nodes, outcome, self.grace) if state.nodes is not None else outcome
+        except NodeContactLostError as error:
+            _log.error(f"ddpkit run: {error}\nddpkit run: all {config.nproc_per_node} workers of node "
+                       f"{state.config.node_rank} were stopped.")
+            return 1
+        except GaveUpWaiting as stopped:  # waiting for the other nodes' workers to finish too
+            return self.gave_up(stopped, "the other nodes were not waited for")
+        finally:
+            workers.close(self.grace)
+            state.restart_count += self.replacements.used  # replacements spend the same budget
+
+    def _take_a_place(self, workers: WorkerProcesses) -> int | None:
+        """As a spare node: start warm spares and wait until this launcher takes a lost or removed
+        node's place (None: go on, as that node), or the job ends without it (the exit code)."""
+        state = self.state
+        assert state.nodes is not None  # (the caller's check)
+        state.spare_node = False
+        try:
+            state.takeover = wait_as_spare(
+                state.nodes, functools.partial(workers.start_spare, self.spare_command, self.environment()),
+                state.config.nproc_per_node, self.stop_waiting)
+        except GaveUpWaiting as stopped:  # a spare that stops takes nothing from the job
+            _log.warning(f"ddpkit run: {stopped.reason} while waiting as a spare node: stopping (the job "
+                         "goes on without this spare)")
+            return 128 + self.received[0] if self.received else 1
+        if state.takeover is None:
+            _log.warning("ddpkit run: every node's launcher left the job: this spare node was not needed")
+            return 0
+        state.config = dataclasses.replace(state.config, node_rank=state.takeover.node_rank)
+        state.restart_count = state.takeover.attempt
+        state.nodes.beat_through(connect(state.config.master_addr, state.port, state.config.store_waits.read_timeout))
+        return None
+
+    def _start(self, workers: WorkerProcesses) -> None:
+        """Start this node's workers (or hand a taken place's ranks to the warm spares), and the
+        replacement of lost ranks under in-place recovery."""
+        state, config = self.state, self.state.config
+        takeover, generation = state.takeover, state.takeover.generation if state.takeover is not None else 0
+        for local_rank in range(config.nproc_per_node):
+            variables = rank_variables(config, state.port, local_rank, state.restart_count)
+            rank = int(variables["RANK"])
+            if config.recovery is Recovery.IN_PLACE:
+                variables[DDPKIT_READY_FILE] = ready_file(workers.folder, generation, rank)
+            if takeover is not None:
+                variables[DDPKIT_GENERATION] = str(generation)
+                workers.assign(takeover.spares[local_rank], variables, rank, local_rank)
+            else:
+                workers.start(self.command, {**self.environment(), **variables}, rank, local_rank)
+        if takeover is not None and state.nodes is not None:
+            holders = {worker.rank: member_identity(worker.process.pid) for worker in workers.workers}
+            change = state.nodes.world.bring_back if takeover.returns else state.nodes.world.hand_over
+            change(state.restart_count, generation, holders, takeover.why)
+        state.takeover = None
+        if config.recovery is Recovery.IN_PLACE:
+            nodes = state.nodes
+            self.replacements = Replacements(
+                workers, self.spare_command, self.environment(),
+                functools.partial(rank_variables, config, state.port, restart_count=state.restart_count),
+                budget=config.max_restarts - state.restart_count, generation=generation,
+                next_generation=nodes.world.next_generation if nodes is not None and nodes.in_place else None,
+                announce_loss=functools.partial(announce_loss, config, state.port, self.environment(),
+                                                state.restart_count) if config.backend == "nccl" else None)
+
+    def end_of(self, outcome: Outcome | int) -> int | None:
+        """What follows an attempt: the launcher's exit code, or None once the next attempt is open
+        (a restart, within ``--max-restarts``)."""
+        if isinstance(outcome, int):
+            return outcome
+        state, config, nodes = self.state, self.state.config, self.state.nodes
+        if outcome.cause is None:  # success, preempted, or stopped by a signal
+            if outcome.code == PREEMPTED_EXIT_CODE and nodes is not None and not self.received:
+                # Saved and stopped, though no signal came here: say where the preemption came from.
+                _log.warning(f"ddpkit run: the preemption came from {nodes.preemption_source()}")
+            return outcome.code
+        count = config.nproc_per_node
+        these = f"all {count} workers" + (f" of node {config.node_rank}" if config.nnodes > 1 else "")
+        print(f"ddpkit run: {outcome.cause}\nddpkit run: {these} were stopped.", file=sys.stderr, flush=True)
+        if outcome.stopped_elsewhere:
+            _log.error("ddpkit run: no restart after a stop signal on another node: ending the job.")
+            return outcome.code
+        store_gone = state.store_host is not None and state.store_host.failure() is not None
+        if state.restart_count >= config.max_restarts or self.received or store_gone:
+            if config.max_restarts:
+                why = ("after a stop signal" if self.received else "without the job's store" if store_gone else
+                       f"left (--max-restarts={config.max_restarts})")
+                _log.error(f"ddpkit run: no restart {why}: ending the job.")
+            return outcome.code
+        state.restart_count += 1
+        try:
+            if nodes is not None:  # every node's launcher meets the others; node 0's clears the workers' keys
+                nodes.meet(state.restart_count, recovery_timeout_seconds())
+            elif state.store_host is not None:  # on one node, the store this launcher hosts forgets them
+                state.store_host.clear_worker_keys()
+        except GaveUpWaiting as stopped:
+            return self.gave_up(stopped, "no restart")
+        except (TimeoutError, NodeContactLostError, StoreHostError) as error:
+            _log.error(f"ddpkit run: {error}")
+            return outcome.code
+        _log.warning(f"ddpkit run: restarting {these} (restart {state.restart_count} of "
+                     f"{config.max_restarts}); {DDPKIT_RESTART_COUNT}={state.restart_count}")
+        return None
+
+    def gave_up(self, stopped: GaveUpWaiting, consequence: str) -> int:
+        """The exit code after a wait on the job's store was given up, said on stderr (and, after a
+        signal, to the other nodes' launchers: none restarts): 128 + the signal that asked the
+        launcher to stop, else 1 (the store host ended)."""
+        if self.received:
+            _log.warning(f"ddpkit run: {stopped.reason} while waiting on the job's store: stopping ({consequence}).")
+            if self.state.nodes is not None:
+                with contextlib.suppress(NodeContactLostError):
+                    self.state.nodes.announce_stop(stopped.reason)
+            return 128 + self.received[0]
+        _log.error(f"ddpkit run: {stopped.reason}\nddpkit run: {consequence}.")
+        return 1
+
+    def leave(self) -> None:
+        """Count this launcher out of the job (the one that hosts the store waits for the others) and stop the store."""
+        nodes, store_host = self.state.nodes, self.state.store_host
         if nodes is not None and nodes.node_rank >= 0:  # (a spare that took no node's place was never in the job)
             # After a stop signal here the others only need a moment to read it (announced at once).
-            nodes.leave(wait_seconds=_LEAVE_AFTER_SIGNAL_SECONDS if received else grace + 5.0)
+            nodes.leave(wait_seconds=_LEAVE_AFTER_SIGNAL_SECONDS if self.received else self.grace + 5.0)
         if store_host is not None:
             store_host.stop()
-
-
-def _gave_up(stopped: GaveUpWaiting, received: Sequence[int], consequence: str,
-             nodes: NodeCoordination | None = None) -> int:
-    """The exit code after a wait on the job's store was given up, said on stderr (and, after a
-    signal, to the other nodes' launchers: none restarts): 128 + the signal that asked the
-    launcher to stop, else 1 (the store host ended)."""
-    if received:
-        _log.warning(f"ddpkit run: {stopped.reason} while waiting on the job's store: stopping ({consequence}).")
-        if nodes is not None:
-            with contextlib.suppress(NodeContactLostError):
-                nodes.announce_stop(stopped.reason)
-        return 128 + received[0]
-    _log.error(f"ddpkit run: {stopped.reason}\nddpkit run: {consequence}.")
-    return 1
-
-
-def _open_next_attempt(nodes: NodeCoordination | None, store_host: StoreHost | None, attempt: int) -> None:
-    """Before the workers start again: every node's launcher meets the others (``launching.nodes``:
-    node 0's clears the workers' keys of the attempts before), or on one node the store this
-    launcher hosts forgets them."""
-    if nodes is not None:
-        nodes.meet(attempt, recovery_timeout_seconds())
-    elif store_host is not None:
-        store_host.clear_worker_keys()
-
-
-def _announce_loss(config: LaunchConfig, port: int, environment: Mapping[str, str], attempt: int, generation: int,
-                   why: str) -> None:
-    """Tell the workers of ``generation`` through the job's store that ranks were lost (``why``): on
-    NCCL a SIGKILLed peer closes nothing the survivors notice, and their kernels would wait for it
-    until the group's timeout. Their peer watch reads this, aborts their communicators, and they
-    recover (``diagnostics.peer_watch``)."""
-    store = connect(config.master_addr, port, config.store_waits.read_timeout)
-    announce_node_lost(store, job_secret(environment), attempt, generation, why)
-
-
-def _connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
-                   stop_waiting: GiveUp) -> NodeCoordination | None:
-    """This launcher's part in the agreement between the nodes (``launching.nodes``), connected
-    after its workers started, so that the import of torch's store client overlaps theirs.
-
-    None when it stopped waiting for the store because a signal came (``watch`` passes it on to
-    the workers) or every worker here ended meanwhile (their end is this node's outcome); a
-    failure of a worker meanwhile is ``NodeContactLostError``."""
-    try:
-        return NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes, config.store_waits,
-                                        functools.partial(failure_of, workers),
-                                        lambda: None not in workers.exit_codes(), stop_waiting)
-    except GaveUpWaiting as stopped:
-        _log.warning(f"ddpkit run: node {config.node_rank}'s launcher stopped waiting for the job's store at "
-                     f"{config.master_addr}:{port} ({stopped.reason}); the other nodes' launchers are not told how "
-                     "this node's workers end.")
-        return None
 
 
 def worker_command(run_as: RunAs, script: str, script_args: Sequence[str]) -> list[str]:
@@ -418,59 +439,6 @@ def worker_command(run_as: RunAs, script: str, script_args: Sequence[str]) -> li
         return [script, *script_args]
     return [sys.executable, "-m", "ddpkit.launching.worker", *(["-m"] if run_as is RunAs.MODULE else []), script,
             *script_args]
-
-
-def _host_store(address: str, port: int, across_nodes: bool, environment: Mapping[str, str]) -> StoreHost:
-    """The store host of node 0, listening only on the master address (``_network.store_bind_address``)."""
-    bind = store_bind_address(address, across_nodes)
-    try:
-        listener = listen_on(bind, port)
-    except OSError as error:
-        raise LaunchError(
-            f"the job's store cannot listen on {bind or 'every interface'} port {port} ({error.strerror or error}): "
-            "give --master-port a free port (or leave it out: ddpkit run picks one), and --master-addr an address of "
-            "this machine (node 0).") from None
-    store_host = StoreHost(address, port, environment, listener.fileno())
-    listener.close()  # the store host holds its own copy
-    return store_host
-
-
-def _host_rendezvous(rendezvous: RendezvousSettings, environment: Mapping[str, str]) -> StoreHost | None:
-    """The store host of the rendezvous when the endpoint is this host's and free (handed the socket
-    this launcher bound, so two launchers on one host cannot both host it); else None."""
-    listener = claim_endpoint(rendezvous.endpoint)
-    if listener is None:
-        return None
-    store_host = StoreHost(rendezvous.endpoint.host, rendezvous.endpoint.port, environment, listener.fileno())
-    listener.close()  # the store host holds its own copy
-    return store_host
-
-
-def _join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_store: bool,
-                     stop_waiting: GiveUp) -> tuple[LaunchConfig, NodeCoordination | None, bool]:
-    """Meet the other nodes' launchers at the endpoint: the job as a static one with this node's
-    rank and the world's number of nodes, the agreement between the launchers (several nodes, or
-    spare nodes), and whether this launcher is a spare node (``launching.spare_node``: it has no
-    node rank yet). ``stop_waiting`` ends the wait with ``GaveUpWaiting``."""
-    endpoint = rendezvous.endpoint
-    waits = config.store_waits
-    place, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting, config.max_nodes,
-                        beyond_max=may_wait_beyond_max if config.max_nodes is not None else None)
-    spare = place.node_rank is None
-    # With --nnodes MIN:MAX under in-place recovery the world may shrink to MIN nodes (``launching.nodes``).
-    shrinking = None if config.max_nodes is None else Shrinking(
-        min_nodes=config.nnodes, nproc_per_node=config.nproc_per_node, spares_possible=place.nnodes < config.max_nodes)
-    config = dataclasses.replace(config, node_rank=place.node_rank or 0, nnodes=place.nnodes,
-                                 master_addr=endpoint.host, master_port=endpoint.port)
-    nodes = None
-    if config.coordinates_nodes:
-        nodes = NodeCoordination(store, -1 if place.node_rank is None else place.node_rank, config.nnodes,
-                                 endpoint.host, endpoint.port, hosts_store=hosts_store, give_up=stop_waiting,
-                                 join_seconds=waits.join_timeout, in_place=config.recovery is Recovery.IN_PLACE,
-                                 shrinking=shrinking, node_losses_allowed=config.max_restarts)
-        if not spare:  # a spare says it is alive once it took a node's place
-            nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
-    return config, nodes, spare
 
 
 # How long the launcher that hosts the store keeps it for the others after it was told to stop.

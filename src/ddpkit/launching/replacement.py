@@ -88,7 +88,7 @@ class Replacements:
         place in a later one); ``next_generation``: where the next generation's number comes from
         when other nodes form generations too (``NodeWorld.next_generation``), else counted here;
         ``announce_loss(generation, why)``: tells the survivors of ``generation`` that ranks were lost,
-        when nothing else would (NCCL notices no peer that was killed: ``launcher._announce_loss``)."""
+        when nothing else would (NCCL notices no peer that was killed: ``joining.announce_loss``)."""
         self._workers, self._command, self._environment = workers, list(command), dict(environment)
         self._rank_variables = rank_variables  # local rank -> the variables of that worker
         self.budget = budget
