@@ -399,3 +399,27 @@ def test_no_environment_binds_connects_or_writes(monkeypatch: pytest.MonkeyPatch
         assert env.world_size() in (1, 2), kind
         assert variables == before, kind
     assert dict(os.environ) == process_environment
+
+
+# --- the launcher's facts: one contract ---------------------------------------------------------
+
+
+def test_the_launch_contract_says_what_each_launcher_told_and_nothing_for_the_others() -> None:
+    """``ddpkit run`` tells the attempt, the generation, the recovery, the hosted store and the backend;
+    torchrun its attempt under its static rendezvous; Slurm (like any other) nothing."""
+    from ddpkit.environments import Recovery
+    from ddpkit.environments.contract import LaunchContract, launch_contract
+    from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_GENERATION, DDPKIT_RECOVERY, DDPKIT_RESTART_COUNT
+
+    launched = LocalEnvironment({"MASTER_ADDR": "a", "MASTER_PORT": "5", "WORLD_SIZE": "2", "RANK": "1",
+                                 "LOCAL_RANK": "1", DDPKIT_LAUNCHED: "1", DDPKIT_RECOVERY: "in-place",
+                                 DDPKIT_GENERATION: "3", DDPKIT_RESTART_COUNT: "2", DDPKIT_BACKEND: "gloo"})
+    assert launch_contract(launched) == LaunchContract(attempt=2, generation=3, recovery=Recovery.IN_PLACE,
+                                                       hosted_store=True, backend="gloo")
+    assert launch_contract(launched).in_place
+    one_node = {**TORCHRUN, "WORLD_SIZE": "4", "RANK": "1", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert launch_contract(TorchElasticEnvironment(one_node)) == LaunchContract(attempt=2, torchrun_store_attempt=2)
+    slurm = SLURMEnvironment({"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                              "SLURM_NODELIST": "n1", "SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "2"})
+    assert launch_contract(slurm) == LaunchContract()

@@ -34,14 +34,11 @@ from ddpkit._network import gloo_interface_towards, listen_on, store_bind_addres
 from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
-    ChoosesBackend,
     ClusterEnvironment,
-    LocalEnvironment,
-    Recovery,
     SLURMEnvironment,
-    TorchElasticEnvironment,
     check_place,
 )
+from ddpkit.environments.contract import LaunchContract, launch_contract
 from ddpkit.group import Group, Membership, current_group, set_current_group
 from ddpkit.job_secret import job_secret
 from ddpkit.logs import get_logger
@@ -96,7 +93,8 @@ def init_dist_connection(
     if global_rank is not None or world_size is not None:  # the environment checked its own values
         check_place({"rank": "global_rank", "world": "world_size"}, {"rank": rank, "world": size},
                     "Check the values passed to init_dist_connection.")
-    backend = _backend(cluster_environment, torch_distributed_backend)
+    contract = launch_contract(cluster_environment)
+    backend = _backend(contract, torch_distributed_backend)
     if dist.is_initialized():
         _check_existing_group(rank, size, torch_distributed_backend)
         return
@@ -108,10 +106,10 @@ def init_dist_connection(
     store_given = "init_method" in kwargs or "store" in kwargs
     if size == 1 and not store_given:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
-    launcher_store, in_place, generation = (_launchers_store(cluster_environment, timeout)
+    launcher_store, in_place, generation = (_launchers_store(cluster_environment, contract, timeout)
                                             if size > 1 and not store_given else (None, False, 0))
-    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, _attempt(cluster_environment),
-                  in_place, secret)
+    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, contract.attempt, in_place,
+                  secret)
     if in_place and generation > 0:
         # A replacement, completing that generation (its place there from the generation's layout),
         # or a later one should that one be given up while it forms.
@@ -121,7 +119,7 @@ def init_dist_connection(
     if launcher_store is not None:
         kwargs["store"] = group.store_of(generation)
     elif size > 1 and not store_given:
-        store = _job_store(cluster_environment, rank, size, timeout)
+        store = _job_store(cluster_environment, contract, rank, size, timeout)
         if store is not None:
             kwargs["store"] = group.signed(store)
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
@@ -132,16 +130,16 @@ def init_dist_connection(
         _say_unauthenticated()
 
 
-def _launchers_store(environment: ClusterEnvironment, timeout: timedelta) -> tuple[Any, bool, int]:
+def _launchers_store(environment: ClusterEnvironment, contract: LaunchContract,
+                     timeout: timedelta) -> tuple[Any, bool, int]:
     """A client of the store ``ddpkit run`` hosts (it outlives any rank and any attempt; each attempt
     and each generation of the group has its own keys), whether the job recovers in place, and the
     generation this process joins; (None, False, 0) when the launcher hosts no store."""
-    if not (isinstance(environment, LocalEnvironment) and environment.hosted_store):
+    if not contract.hosted_store:
         return None, False, 0
     store = dist.TCPStore(  # type: ignore[attr-defined]
         environment.main_address, environment.main_port, is_master=False, timeout=timeout)
-    in_place = environment.recovery is Recovery.IN_PLACE
-    return store, in_place, environment.generation if in_place else 0
+    return store, contract.in_place, contract.generation if contract.in_place else 0
 
 
 def _require_distributed() -> None:
@@ -156,11 +154,10 @@ def _as_timedelta(timeout: timedelta | float) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
 
 
-def _backend(environment: ClusterEnvironment, given: str | None) -> str:
+def _backend(contract: LaunchContract, given: str | None) -> str:
     """``given``, else the launcher's (``ddpkit run --backend``), else NCCL with CUDA and Gloo without;
     NCCL without CUDA is refused, naming where it came from."""
-    chosen = environment.backend if isinstance(environment, ChoosesBackend) else None
-    backend = given or chosen or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = given or contract.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         source = ("torch_distributed_backend='nccl'" if given else
                   f"Backend 'nccl' ({DDPKIT_BACKEND}, from `ddpkit run --backend`)")
@@ -189,21 +186,12 @@ def _export_place(environment: ClusterEnvironment, rank: int, size: int, backend
             os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
-def _attempt(environment: ClusterEnvironment) -> int:
-    """The launcher's count of starts of the workers. Records are bound to it, so a record copied
-    from an earlier attempt into this one's store does not pass."""
-    if isinstance(environment, LocalEnvironment):
-        return environment.attempt
-    if isinstance(environment, TorchElasticEnvironment):
-        return environment.store_attempt or 0
-    return 0
-
-
-def _job_store(environment: ClusterEnvironment, rank: int, size: int, timeout: timedelta) -> Any:
+def _job_store(environment: ClusterEnvironment, contract: LaunchContract, rank: int, size: int,
+               timeout: timedelta) -> Any:
     """The store the ranks meet in when neither a launcher's nor the caller's is given: under
     torchrun's static rendezvous its store with keys of this attempt's own, under torchrun's agent
     store None (torch's ``env://`` connects to it), else rank 0's."""
-    if isinstance(environment, TorchElasticEnvironment) and environment.store_attempt is not None:
+    if contract.torchrun_store_attempt is not None:
         # torchrun's static rendezvous creates its store once and hands it to every attempt, and
         # torch's env:// keeps no keys per attempt: after --max-restarts started the workers again,
         # a rank could read a peer's address from the attempt before and fail to connect. Each
@@ -211,7 +199,7 @@ def _job_store(environment: ClusterEnvironment, rank: int, size: int, timeout: t
         # rendezvous's shared store).
         store = dist.TCPStore(  # type: ignore[attr-defined]
             environment.main_address, environment.main_port, is_master=False, timeout=timeout)
-        return dist.PrefixStore(store_keys.torchrun_attempt_prefix(environment.store_attempt), store)  # type: ignore[attr-defined]
+        return dist.PrefixStore(store_keys.torchrun_attempt_prefix(contract.torchrun_store_attempt), store)  # type: ignore[attr-defined]
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         return None
     return _rank_zeros_store(environment, rank, size, timeout)

@@ -16,6 +16,7 @@ import torch
 from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
 from ddpkit.environments import ClusterEnvironment, Recovery
+from ddpkit.environments.contract import launch_contract
 from ddpkit.logs import get_logger
 from ddpkit.recovery import InPlaceRecovery, Progress
 from ddpkit.training_state import TrackedState
@@ -44,7 +45,7 @@ class ResumableLoop:
         """This process's side of in-place recovery (made once) when the job runs with it: ``wanted``
         (``DDPStrategy(recovery=...)``), by default what the launcher told ``environment``. None
         without it, or alone; ``ValueError`` for a combination it cannot serve, before connecting."""
-        launched_in_place = getattr(environment, "recovery", None) is Recovery.IN_PLACE
+        launched_in_place = launch_contract(environment).in_place
         if (wanted or (Recovery.IN_PLACE if launched_in_place else None)) is not Recovery.IN_PLACE:
             return None
         if environment.world_size() < 2:

@@ -55,13 +55,13 @@ from ddpkit.data import shard
 from ddpkit.diagnostics.failures import PeerLostError, guard, record_failure
 from ddpkit.diagnostics.records import trace_record
 from ddpkit.environments import (
-    ChoosesBackend,
     ClusterEnvironment,
     LocalEnvironment,
     Recovery,
     detect_environment,
     restart_count,
 )
+from ddpkit.environments.contract import launch_contract
 from ddpkit.group import current_group
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, processes_to_start, start_local_ranks
@@ -201,8 +201,7 @@ class DDPStrategy(LightningPluginHooks):
     def _backend(self) -> str | None:
         """``process_group_backend``, else the launcher's choice (``ddpkit run --backend gloo`` lets
         ranks share a GPU), else NCCL for a CUDA root device; None leaves it to the connection."""
-        environment = self.cluster_environment
-        chosen = environment.backend if isinstance(environment, ChoosesBackend) else None
+        chosen = launch_contract(self.cluster_environment).backend
         return self.process_group_backend or chosen or ("nccl" if self.root_device.type == "cuda" else None)
 
     def configure_ddp(self, model: nn.Module) -> nn.Module:
@@ -231,7 +230,7 @@ class DDPStrategy(LightningPluginHooks):
         joined = None
         with guard():  # e.g. a model that does not fit on one rank's device: named on the others
             module = self.model_to_device(model)
-            if recovery is not None and optimizer is not None and int(getattr(self.cluster_environment, "generation", 0)) > 0:
+            if recovery is not None and optimizer is not None and launch_contract(self.cluster_environment).generation > 0:
                 joined = recovery.join(module, optimizer)  # a replacement: the survivors' state, before wrapping
             wrapped = self.configure_ddp(module)
         if optimizer is not None:
