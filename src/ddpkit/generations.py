@@ -148,21 +148,19 @@ def claim_rank(store: Any, secret: JobSecret | None, attempt: int, generation: i
 def announce_node_lost(store: Any, secret: JobSecret | None, attempt: int, generation: int, why: str) -> None:
     """Tell the workers of ``generation`` that a node of theirs was lost (``why``)."""
     signer, key = _node_lost_record(secret, attempt, generation)
-    store.set(key, signer.sign(key, why))
+    signer.write(store, key, why)
 
 
 def node_lost(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> str | None:
     """Why a node of ``generation`` was lost, when a spare node's launcher said so; else None."""
     signer, key = _node_lost_record(secret, attempt, generation)
-    if not store.check([key]):
-        return None
-    return signer.verify(key, store.get(key))
+    return signer.read(store, key)
 
 
 def write_layout(store: Any, secret: JobSecret | None, attempt: int, generation: int, layout: Layout) -> None:
     """Lay ``generation`` of the workers' group out as ``layout`` (a launcher that shrinks the world)."""
     signer, key = _record(secret, attempt, generation, store_keys.LAYOUT)
-    store.set(key, signer.sign(key, layout.to_json()))
+    signer.write(store, key, layout.to_json())
 
 
 def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: int, world_size: int) -> Layout:
@@ -170,7 +168,7 @@ def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: in
     world of ``world_size`` ranks as the job started (a forged record counts as none)."""
     for earlier in range(generation, 0, -1):
         signer, key = _record(secret, attempt, earlier, store_keys.LAYOUT)
-        if store.check([key]) and (text := signer.verify(key, store.get(key))) is not None:
+        if (text := signer.read(store, key)) is not None:
             return Layout.from_json(text)
     return Layout.initial(world_size)
 
@@ -179,28 +177,26 @@ def announce_growth(store: Any, secret: JobSecret | None, attempt: int, generati
     """Ask the workers of ``generation`` to form the next one, laid out with more members (``why``:
     who joins), at their next step boundary."""
     signer, key = _record(secret, attempt, generation, store_keys.GROW)
-    store.set(key, signer.sign(key, why))
+    signer.write(store, key, why)
 
 
 def growth_requested(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> str | None:
     """Who waits to join, when a launcher asked the workers of ``generation`` to grow; else None."""
     signer, key = _record(secret, attempt, generation, store_keys.GROW)
-    if not store.check([key]):
-        return None
-    return signer.verify(key, store.get(key))
+    return signer.read(store, key)
 
 
 def announce_finished(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> None:
     """Tell the ranks waiting to form ``generation`` (a node that asked to join) that the training
     ended before it formed: there is nothing left for them to train."""
     signer, key = _record(secret, attempt, generation, store_keys.FINISHED)
-    store.set(key, signer.sign(key, "finished"))
+    signer.write(store, key, "finished")
 
 
 def job_finished(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> bool:
     """Whether the training ended before ``generation`` formed (``announce_finished``)."""
     signer, key = _record(secret, attempt, generation, store_keys.FINISHED)
-    return bool(store.check([key])) and signer.verify(key, store.get(key)) is not None
+    return signer.read(store, key) is not None
 
 
 def _record(secret: JobSecret | None, attempt: int, generation: int, name: str) -> tuple[RecordSigner, str]:

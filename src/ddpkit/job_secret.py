@@ -181,6 +181,17 @@ class RecordSigner:
         self._refuse(key, text)
         return None
 
+    def read(self, store: Any, key: str) -> str | None:
+        """The payload the job wrote under ``key`` in ``store``; None when there is none, or it does
+        not carry the job secret's HMAC."""
+        if not store.check([key]):
+            return None
+        return self.verify(key, store.get(key))
+
+    def write(self, store: Any, key: str, payload: str) -> None:
+        """Write ``payload`` under ``key`` in ``store``, signed."""
+        store.set(key, self.sign(key, payload))
+
     def _refuse(self, key: str, text: str) -> None:
         if key not in PROCESS.refused_keys and self.secret is not None:
             PROCESS.refused_keys.add(key)

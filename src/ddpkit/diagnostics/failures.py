@@ -278,7 +278,7 @@ def _lost_peer(store: Any) -> PeerLostError | None:
     signer = record_signer()
     key = signer.key(LOST)
     try:
-        note = signer.verify(key, store.get(key)) if store.check([key]) else None
+        note = signer.read(store, key)
         if note is None and (node := PROCESS.failures.node_lost()) is not None:
             return PeerLostError(f"a node of the group was lost ({node}); in-place recovery replaces its ranks")
     except RuntimeError:
@@ -402,9 +402,7 @@ def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -
     try:
         if timeout is not None:
             store.set_timeout(timeout)
-        if not store.check([key]):
-            return None
-        payload = signer.verify(key, store.get(key))
+        payload = signer.read(store, key)
         if payload is None:
             return None
         record: dict[str, Any] = json.loads(payload)

@@ -238,15 +238,11 @@ class HangWatch:
         return f"{description} `py-spy dump --pid {pid}` shows where.\n"
 
     def _write(self, name: str, value: str) -> None:
-        key = self.signer.key(name)
-        self.store.set(key, self.signer.sign(key, value))
+        self.signer.write(self.store, self.signer.key(name), value)
 
     def _read(self, name: str) -> str | None:
         """The value of ``name`` one of the job's ranks wrote; None when there is none (or only a forged one)."""
-        key = self.signer.key(name)
-        if not self.store.check([key]):
-            return None
-        return self.signer.verify(key, self.store.get(key))
+        return self.signer.read(self.store, self.signer.key(name))
 
 
 def _process_state(pid: int) -> str | None:

@@ -55,15 +55,12 @@ class LauncherRecords:
         return self._signer.sign(key, value)
 
     def put(self, name: str, value: str, attempt: int | None = None) -> None:
-        key = self.key(name, attempt)
-        self.call("set", key, self._signer.sign(key, value))
+        self.call(self._signer.write, self.store, self.key(name, attempt), value)
 
     def read(self, name: str, attempt: int | None = None) -> str | None:
         """The value a launcher of the job wrote under ``name``; None when there is none (or a forged one)."""
-        key = self.key(name, attempt)
-        if not self.call("check", [key]):
-            return None
-        return self._signer.verify(key, self.call("get", key))
+        value: str | None = self.call(self._signer.read, self.store, self.key(name, attempt))
+        return value
 
     def has(self, name: str, attempt: int | None = None) -> bool:
         return self.read(name, attempt) is not None

@@ -291,7 +291,7 @@ class _Tickets:
     def draw(self) -> int:
         number = self._store.add(self._signer.key(store_keys.RENDEZVOUS_TICKETS), 1)
         key = self._ticket_key(number)
-        self._store.set(key, self._signer.sign(key, "arrived"))
+        self._signer.write(self._store, key, "arrived")
         return number
 
     def signed(self) -> list[int]:
@@ -299,8 +299,7 @@ class _Tickets:
         drawn = min(self._store.add(self._signer.key(store_keys.RENDEZVOUS_TICKETS), 0), self._nnodes + _EXTRA_TICKETS)
         for number in range(1, drawn + 1):
             key = self._ticket_key(number)
-            if (number not in self._signed and self._store.check([key])
-                    and self._signer.verify(key, self._store.get(key)) is not None):
+            if number not in self._signed and self._signer.read(self._store, key) is not None:
                 self._signed.add(number)
         return sorted(self._signed)
 
