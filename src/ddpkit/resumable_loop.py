@@ -9,21 +9,26 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import torch
+from torch import Tensor
 
+from ddpkit.agreement import PreemptionAgreement
 from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
-from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
+from ddpkit.diagnostics.failures import PeerLostError, failure_behind, guard, raised_by_torch_distributed, raising
 from ddpkit.environments import ClusterEnvironment, Recovery
 from ddpkit.environments.contract import launch_contract
 from ddpkit.logs import get_logger
+from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.recovery import InPlaceRecovery, Progress
 from ddpkit.training_state import TrackedState
 
-__all__ = ["ResumableLoop"]
+__all__ = ["LoopMethods", "ResumableLoop"]
 
 _log = get_logger("recovery")
+
+T = TypeVar("T")
 
 
 class ResumableLoop:
@@ -170,6 +175,67 @@ class ResumableLoop:
             raise lost
         self.recovery.recover()
         return self.recovery.replaced
+
+
+
+class LoopMethods:
+    """``DDPStrategy``'s training-loop methods over its ``ResumableLoop`` (``_loop``): ``epochs``,
+    ``batches``, ``step`` and ``backward``, the agreed preemption (``preempted``,
+    ``exit_preempted``), what the loop keeps (``track``) and whether it recovered
+    (``recovered_in_place``). A base class of the strategy's, as ``LightningPluginHooks`` is: the
+    loop's surface in the loop's module."""
+
+    _loop: ResumableLoop
+    _preemption: PreemptionAgreement | None
+
+    def teardown(self) -> None:
+        raise NotImplementedError
+
+    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
+        """``range(start, stop)`` in ``progress.epoch``; a replacement starts at the survivors' epoch."""
+        return self._loop.epochs(stop, start)
+
+    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
+        """``loader``'s batches of ``progress.epoch`` from ``skip`` on (``progress.batch``: the one in
+        hand); after an in-place recovery those since the last optimizer step come again."""
+        return self._loop.batches(loader, skip)
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """One training step; under in-place recovery a rank lost in it is replaced and the block
+        ends quietly (``ddpkit.resumable_loop.ResumableLoop``)."""
+        return self._loop.step()
+
+    def backward(self, loss: Tensor) -> None:
+        with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
+            loss.backward()
+
+    def preempted(self) -> bool:
+        """Whether the job is asked to stop: True on every rank at the same call once any rank got
+        SIGTERM or DDPKIT_PREEMPTION_SIGNAL (caught from the first call on). Call it once per step;
+        when True, save and ``exit_preempted()``. When it answers: ``ddpkit.agreement``."""
+        if self._preemption is None:
+            self._preemption = PreemptionAgreement()
+        return self._preemption.decide()
+
+    def exit_preempted(self) -> NoReturn:
+        """``teardown()``, then exit 75 (``PREEMPTED_EXIT_CODE``): ``ddpkit run`` never restarts it; run again to resume."""
+        self.teardown()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def track(self, name: str, obj: T) -> T:
+        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict()``: EMA weights, a
+        counter, a stateful data loader, a schedule made after ``setup``) under ``name`` as part of
+        the training state, and return it. Under ``ddpkit run --recovery in-place`` its state moves
+        to a replacement and is loaded on every rank that did not send it, as the model's; the
+        replica check compares it. Track the same names on every rank, before the training loop.
+        In a replacement, a state the survivors sent for ``name`` is loaded into ``obj`` here."""
+        self._loop.tracked.track(name, obj)
+        return obj
+
+    @property
+    def recovered_in_place(self) -> bool:
+        """Whether this process replaced a lost rank, or survived the loss of one (in-place recovery)."""
+        return self._loop.recovery is not None and self._loop.recovery.recovered
 
 
 def _release_frames(error: BaseException) -> None:

@@ -24,25 +24,26 @@ then uses the strategy's helpers, which need nothing else in any other mode:
                 ...
 
 The strategy holds a cluster environment, a device and the wrapped model, and delegates the
-work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks; it has no
-class hierarchy of its own. Processes come from a launcher (``ddpkit run``), a scheduler, or the
-script itself: run directly (``python train.py``) with several ``parallel_devices``, the script's
-process becomes local rank 0 and starts local ranks 1..N-1 by running the same command again.
+work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks; its two base
+classes are flat sets of methods, each in the module of its concern: Lightning's plugin hooks
+(``ddpkit.plugin_hooks``) and the training loop's (``ddpkit.resumable_loop.LoopMethods``).
+Processes come from a launcher (``ddpkit run``), a scheduler, or the script itself: run directly
+(``python train.py``) with several ``parallel_devices``, the script's process becomes local rank 0
+and starts local ranks 1..N-1 by running the same command again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from ddpkit.agreement import PreemptionAgreement
 from ddpkit.checkpoints import read_checkpoint, write_atomically
 from ddpkit.collective_call import collective_call
 from ddpkit.collectives import barrier, broadcast_object, sync_ddp_if_available
@@ -68,22 +69,19 @@ from ddpkit.launching.in_script import LocalRanks, processes_to_start, start_loc
 from ddpkit.logs import get_logger
 from ddpkit.parallel.wrapping import join, no_sync, wrap
 from ddpkit.plugin_hooks import LightningPluginHooks
-from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.replicas import ReplicaCheck, check_every
-from ddpkit.resumable_loop import ResumableLoop
+from ddpkit.resumable_loop import LoopMethods, ResumableLoop
 from ddpkit.training_state import Stateful, TrackedState
 
 __all__ = ["DDPStrategy"]
 
 _log = get_logger("recovery")
 
-T = TypeVar("T")
-
 # After teardown's barrier the other local ranks only have to disconnect and exit.
 _CHILD_EXIT_SECONDS = 30.0
 
 
-class DDPStrategy(LightningPluginHooks):
+class DDPStrategy(LightningPluginHooks, LoopMethods):
     """Multi-process data parallelism, one device per process (Lightning's ``DDPPlugin`` arguments).
 
     ``parallel_devices``: this node's devices by local rank (default: a CUDA device per local rank,
@@ -120,7 +118,7 @@ class DDPStrategy(LightningPluginHooks):
         self.ddp_kwargs = {"find_unused_parameters": False, **ddp_kwargs}
         self.model: nn.Module | None = None
         self._local_ranks: LocalRanks | None = None  # children started by this process (in-script launching)
-        self._preemption: PreemptionAgreement | None = None  # from the first preempted()
+        self._preemption = None  # the PreemptionAgreement, from the first preempted()
         self._recovery_wanted = None if recovery is None else Recovery.parse(
             recovery, "recovery", "or leave it out to follow ddpkit run --recovery")
         self._loop = ResumableLoop()
@@ -243,26 +241,11 @@ class DDPStrategy(LightningPluginHooks):
                 optimizer.register_step_post_hook(check.run)  # after the step hook that counts it
         return wrapped if optimizer is None else (wrapped, optimizer)
 
-    def track(self, name: str, obj: T) -> T:
-        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict()``: EMA weights, a
-        counter, a stateful data loader, a schedule made after ``setup``) under ``name`` as part of
-        the training state, and return it. Under ``ddpkit run --recovery in-place`` its state moves
-        to a replacement and is loaded on every rank that did not send it, as the model's; the
-        replica check compares it. Track the same names on every rank, before the training loop.
-        In a replacement, a state the survivors sent for ``name`` is loaded into ``obj`` here."""
-        self._loop.tracked.track(name, obj)
-        return obj
-
     def _replicated(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer
                     ) -> Callable[[], tuple[nn.Module, torch.optim.Optimizer, TrackedState]]:
         """What the replica check compares (``ddpkit.replicas``): the module, the optimizer and what is tracked."""
         module = getattr(wrapped, "module", wrapped)
         return lambda: (module, optimizer, self._loop.tracked)
-
-    @property
-    def recovered_in_place(self) -> bool:
-        """Whether this process replaced a lost rank, or survived the loss of one (in-place recovery)."""
-        return self._loop.recovery is not None and self._loop.recovery.recovered
 
     def setup_dataloader(self, loader: DataLoader[Any]) -> DataLoader[Any]:
         """``loader`` sharded over the data-parallel group, a new shuffle each pass (``ddpkit.data.shard``)."""
@@ -299,43 +282,12 @@ class DDPStrategy(LightningPluginHooks):
         ``join`` (torch's ``Join``, without ``shadow_step``, with ``use_torch_ddp=True``)."""
         return join(self.model, shadow_step)
 
-    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
-        """``range(start, stop)`` in ``progress.epoch``; a replacement starts at the survivors' epoch."""
-        return self._loop.epochs(stop, start)
-
-    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
-        """``loader``'s batches of ``progress.epoch`` from ``skip`` on (``progress.batch``: the one in
-        hand); after an in-place recovery those since the last optimizer step come again."""
-        return self._loop.batches(loader, skip)
-
-    def step(self) -> contextlib.AbstractContextManager[None]:
-        """One training step; under in-place recovery a rank lost in it is replaced and the block
-        ends quietly (``ddpkit.resumable_loop.ResumableLoop``)."""
-        return self._loop.step()
-
-    def backward(self, loss: Tensor) -> None:
-        with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
-            loss.backward()
-
     def reconciliate_processes(self, trace: str) -> None:
         """Report this process's failure, given as its formatted traceback: the other ranks raise
         ``PeerFailedError`` naming it, ``ddpkit run`` names it, local ranks started in-script end."""
         record_failure(trace_record(self.global_rank, trace))
         if self._local_ranks is not None:  # this process started the other local ranks: end them
             self._local_ranks.terminate()
-
-    def preempted(self) -> bool:
-        """Whether the job is asked to stop: True on every rank at the same call once any rank got
-        SIGTERM or DDPKIT_PREEMPTION_SIGNAL (caught from the first call on). Call it once per step;
-        when True, save and ``exit_preempted()``. When it answers: ``ddpkit.agreement``."""
-        if self._preemption is None:
-            self._preemption = PreemptionAgreement()
-        return self._preemption.decide()
-
-    def exit_preempted(self) -> NoReturn:
-        """``teardown()``, then exit 75 (``PREEMPTED_EXIT_CODE``): ``ddpkit run`` never restarts it; run again to resume."""
-        self.teardown()
-        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     # -- checkpoints and output ------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The gradient synchronisation of one ``DistributedDataParallel`` (torch's C++ Reducer has the same
 job): the buckets and the post-accumulate-grad hooks that fill them during backward, their
 reductions launched strictly in bucket order (the all-reduce, a comm hook, or ``reduce_function``),
-the wait and the copy back, the negotiation of parameters no rank used, and the reductions of zeros
+the wait and the copy back with the negotiation of parameters no rank used (``parallel.copy_back``),
+and the reductions of zeros
 by which a rank that ran out of data shadows the others (``DistributedDataParallel.join``).
 
 How a step goes is told in ``ddpkit.parallel.ddp``'s docstring; the module owns the wrapped model, its
@@ -33,6 +34,7 @@ from ddpkit.parallel.compiled_backward import (
     outside_dynamo,
     under_dynamo,
 )
+from ddpkit.parallel.copy_back import await_and_copy_back
 from ddpkit.parallel.sparse import average_sparse_gradients
 from ddpkit.parallel.step_state import StepState
 
@@ -365,7 +367,8 @@ class Reducer:
             self._reduce_with_custom_function(self._reduce_function)
         else:
             self._launch_complete_buckets()
-        self._await_and_copy_back(self._negotiation_needed())
+        await_and_copy_back(self.buckets, self.step, self._group, self._as_view, self._negotiation_needed(),
+                            self._wait_into_bucket)
         if self._sparse and self._world_size > 1:
             if self._weighting != 1.0:
                 for parameter in self._sparse:
@@ -398,74 +401,6 @@ class Reducer:
 
     def _negotiation_needed(self) -> bool:
         return self._owner.negotiate_grads and not self._owner.static_graph
-
-    def _launch_separate_negotiation(self) -> tuple[Tensor, Any]:
-        """Count, over ranks, who has a gradient for each parameter: one small asynchronous all-reduce,
-        needed when a comm hook or reduce_function reduces the gradients (they carry no bucket flags)."""
-        used = torch.tensor(
-            [p.grad is not None for bucket in self.buckets for p in bucket.parameters],
-            dtype=torch.int32, device=self.buckets[0].buffer.device,
-        )
-        return used, dist.all_reduce(used, group=self._group, async_op=True)
-
-    def _await_and_copy_back(self, negotiate: bool) -> None:
-        """Wait for each bucket in turn and copy its results back at once, so copying bucket i
-        overlaps with the reduction of the buckets after it (as torch's Reducer does)."""
-        separate = None
-        if negotiate and not self.step.elementwise and self.buckets:
-            # Its answer only matters for parameters no rank touched (rare): copy everything back
-            # first and undo those afterwards, rather than wait for it before the first copy.
-            separate = self._launch_separate_negotiation()
-        pending_by_bucket = {bucket.index: pending for bucket, pending in self.step.in_flight}
-        for bucket in self.buckets:
-            pending = pending_by_bucket.get(bucket.index)
-            if pending is not None:
-                self._wait_into_bucket(bucket, pending)
-            used = None  # None: every parameter of the bucket has a gradient somewhere
-            # With a gradient for every parameter here, every summed flag is positive: no need to
-            # read them (on a GPU the read would stall the CPU until the reduction has finished).
-            if negotiate and separate is None and bucket.index in self.step.buckets_missing_grads:
-                flags = bucket.flags.real.tolist()  # .real: complex buckets carry their flags as 1+0j
-                if min(flags) <= 0:
-                    used = [flag > 0 for flag in flags]
-            self._copy_back(bucket, used)
-        if separate is not None:
-            counts, work = separate
-            wait_for(work, self._group)
-            parameters = [p for bucket in self.buckets for p in bucket.parameters]
-            for parameter, count in zip(parameters, counts.tolist()):
-                if count == 0:
-                    parameter.grad = None  # no rank has a gradient: None, as without DDP
-
-    def _copy_back(self, bucket: Bucket, used: list[bool] | None) -> None:
-        targets, sources = [], []
-        for slot, (parameter, view) in enumerate(zip(bucket.parameters, bucket.views)):
-            if used is not None and not used[slot]:
-                continue  # no rank has a gradient: keep None, as without DDP
-            if parameter.grad is view:
-                continue
-            if parameter.grad is None or self._as_view:
-                parameter.grad = view if self._as_view else view.clone()
-            else:
-                targets.append(parameter.grad)
-                sources.append(view)
-        if not targets:
-            return
-        try:
-            torch._foreach_copy_(targets, sources)  # one call instead of one copy_ per parameter
-        except RuntimeError:
-            if all(target.layout == torch.strided for target in targets):
-                raise
-            self._copy_back_densifying(bucket, used)
-
-    def _copy_back_densifying(self, bucket: Bucket, used: list[bool] | None) -> None:
-        """The slow copy back, for a sparse gradient that went through a dense bucket: it comes back dense."""
-        for slot, (parameter, view) in enumerate(zip(bucket.parameters, bucket.views)):
-            if (used is None or used[slot]) and parameter.grad is not None and parameter.grad is not view:
-                if parameter.grad.layout == torch.strided:
-                    parameter.grad.copy_(view)
-                else:
-                    parameter.grad = view.clone()
 
     def reduce_zeros(self) -> bool:
         pending = []
