@@ -12,7 +12,10 @@ the same batches) in one of three set-ups, drawn at random:
 - one node, ``ddpkit run --nproc-per-node 2 --max-restarts 3`` (restart mode);
 - two nodes, a launcher with one worker each, ``--nnodes 2 --max-restarts 3``: each in a network
   namespace of its own on a bridge (``netns.Nodes``) when this runs as root with ``ip``, else on
-  loopback.
+  loopback;
+- a world that may shrink: two launchers with one worker each, ``--nnodes 1:2 --recovery in-place
+  --max-restarts 3`` at a c10d rendezvous whose store is ``ddpkit store`` outside the nodes
+  (loopback): a lost node is left out and the survivor trains its share too.
 
 and meets one to three faults, each at a random time of the run (a fault follows the one before
 within two seconds half of the time: during the recovery it started):
@@ -74,7 +77,8 @@ from netns import Nodes
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 EXACT = 1e-6
 KINDS = ["kill-worker", "kill-in-save", "kill-spare", "kill-launcher", "freeze", "link-down", "preempt", "disk-full"]
-SETUPS = ["in-place", "restart", "two-nodes"]
+SETUPS = ["in-place", "restart", "two-nodes", "shrink"]
+MULTI_NODE = ("two-nodes", "shrink")
 # What the job's output says when a fault of each kind ended it (any one of them).
 NAMED = {
     "kill-worker": ["SIGKILL"],
@@ -168,7 +172,18 @@ class Job:
                        "DDPKIT_HANG_ABORT_SECONDS": str(HANG_SECONDS), "DDPKIT_RECOVERY_TIMEOUT_SECONDS": "15",
                        "DDPKIT_JOB_SECRET": hashlib.sha256(str(folder).encode()).hexdigest(), "PYTHONUNBUFFERED": "1"}
         run = [sys.executable, "-m", "ddpkit", "run"]
-        if setup == "two-nodes":
+        self.store: subprocess.Popen[str] | None = None
+        if setup == "shrink":
+            self.store = subprocess.Popen([sys.executable, "-m", "ddpkit", "store", "--host", "127.0.0.1", "--port",
+                                           str(port)], cwd=folder, env=environment, text=True, start_new_session=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            if self.store.stdout is None or "serving" not in self.store.stdout.readline():
+                raise SystemExit(f"chaos: `ddpkit store` did not serve on port {port}")
+            commands = [[*run, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                         f"127.0.0.1:{port}", "--rdzv-id", f"chaos-{name}", "--rdzv-conf",
+                         "last_call_timeout=1,join_timeout=30", "--recovery", "in-place", "--max-restarts", "3", *train]
+                        for _ in (0, 1)]
+        elif setup == "two-nodes":
             address = namespaces.addresses[0] if namespaces else "127.0.0.1"
             commands = [([*(namespaces.prefix(node) if namespaces else []), *run,
                           "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", address,
@@ -216,8 +231,20 @@ class Job:
                 _signal(pid, signal.SIGCONT)
         for launcher in self.launchers:
             launcher.wait()
+        self.stop_store()
+
+    def stop_store(self) -> None:
+        """The ``ddpkit store`` of a world that may shrink, once the launchers ended."""
+        if self.store is not None and self.store.poll() is None:
+            self.store.terminate()
+            try:
+                self.store.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.store.kill()
+                self.store.wait()
 
     def text(self) -> tuple[str, str]:
+        self.stop_store()
         out, err = "", ""
         for stdout, stderr in self.outputs:
             stdout.seek(0)
@@ -351,8 +378,8 @@ def small_disk(folder: Path, wanted: bool) -> Iterator[Path | None]:
 def plan(index: int, chooser: random.Random, duration: float, namespaces: bool, disk: bool) -> Run:
     setup = chooser.choice(SETUPS)
     possible = [kind for kind in KINDS
-                if not (kind == "kill-spare" and setup != "in-place")
-                and not (kind == "kill-launcher" and setup != "two-nodes")
+                if not (kind == "kill-spare" and setup not in ("in-place", "shrink"))
+                and not (kind == "kill-launcher" and setup not in MULTI_NODE)
                 and not (kind == "link-down" and (setup != "two-nodes" or not namespaces))
                 and not (kind == "disk-full" and not disk)]
     faults: list[Fault] = []
@@ -432,7 +459,9 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
         else:
             preempted = all(code == 75 for code in codes)
             kinds = {fault.kind for fault in run.faults if fault.applied}
-            named = preempted or any(pattern in err for kind in kinds for pattern in NAMED[kind])
+            # Every launcher killed by the soak itself: no one was left to name anything.
+            all_killed = "kill-launcher" in kinds and all(code == -signal.SIGKILL for code in codes)
+            named = preempted or all_killed or any(pattern in err for kind in kinds for pattern in NAMED[kind])
             again = Job(folder, run.setup, ports[1], extra if preempted else [*train, "--resume"],
                         namespaces if run.setup == "two-nodes" else None, "again")
             finished_again = again.wait(bound)

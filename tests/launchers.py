@@ -87,7 +87,8 @@ STEPS, BATCH, WORLD, PAUSE_AT = 16, 4, 4, 5
 # ``one_process_reference`` knows every rank's batches) and a checkpoint saved every PAUSE_AT steps.
 # The rank PAUSED_RANK (as the launcher started it: node 1's first is 2) stops where PHASE says (forward,
 # allreduce, optimizer, save) in optimizer step PAUSE_AT + 1 and writes the file "paused": the test then
-# kills its node. PHASE may also list "where:S" entries ("forward:5,allreduce:9"): in optimizer step S + 1
+# kills its node ("connecting:0": before it forms the first generation of the group, so before it writes its
+# address). PHASE may also list "where:S" entries ("forward:5,allreduce:9"): in optimizer step S + 1
 # (a save: the one after step S) the process with that rank then, the first or a spare node's that took its
 # place, stops there and writes "paused<S>". With GATES (optimizer steps, "7,9"), every rank waits after each
 # of those steps S until the file "go-on<S>" exists. With JOINER_PAUSE (set for one joining launcher), its
@@ -120,7 +121,12 @@ PHASE_JOB = textwrap.dedent(
 
     import torch.distributed, ddpkit.recovery
     connect, gather = torch.distributed.init_process_group, ddpkit.recovery.all_gather_object
-    torch.distributed.init_process_group = lambda *args, **kwargs: (pause_joiner("connecting"), connect(*args, **kwargs))[1]
+    def connecting(*args, **kwargs):
+        pause_joiner("connecting")
+        pause("connecting")  # (in generation 0 too: "connecting:0")
+        return connect(*args, **kwargs)
+
+    torch.distributed.init_process_group = connecting
     ddpkit.recovery.all_gather_object = lambda *args: (pause_joiner("receiving"), gather(*args))[1]
 
     @elementwise_average

@@ -88,6 +88,34 @@ def test_without_a_spare_node_the_world_shrinks_at_the_same_global_batch_and_end
         store.wait()
 
 
+@pytest.mark.timeout(200)
+def test_a_node_lost_while_the_ranks_form_the_first_generation_shrinks_the_world_instead_of_hanging(
+        tmp_path: Path) -> None:
+    """Node 1 killed as its ranks start: its first rank stops before it forms the group (so it never
+    writes its address), and node 0's ranks wait for it inside torch's init_process_group. They
+    used to wait there for the group's whole timeout after the launchers had shrunk the world (the
+    chaos soak's shrink set-up hung); now the first generation is given up and they form the next
+    one alone, training node 1's shares too, and the run ends as one process."""
+    (tmp_path / "job.py").write_text(PHASE_JOB)
+    store = start_store(port := find_free_port())
+    try:
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", rdzv_id="shrink-at-start",
+                                    PHASE="connecting:0", PAUSED_RANK="2") for n in range(2)]
+        wait_for(lambda: (tmp_path / "paused0").exists(), "node 1's first rank to stop before it connects")
+        lost_launcher = node_of(tmp_path, 1)
+        kill_node(launchers[lost_launcher])
+        survivor = 1 - lost_launcher
+        code = end_all([launchers[survivor]], timeout=120)[0]
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(2))
+        assert code == 0, errors
+        err = text(tmp_path, f"launcher{survivor}.err")
+        assert "the world shrank to 2 ranks" in err and "generation 0 of the group was given up while it formed" in err
+        assert_as_one_process(tmp_path, errors)
+    finally:
+        store.kill()
+        store.wait()
+
+
 @pytest.mark.timeout(240)
 def test_a_second_node_lost_while_the_world_shrinks_is_left_out_too_and_the_run_ends_as_one_process(
         tmp_path: Path) -> None:

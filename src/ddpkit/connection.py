@@ -110,11 +110,14 @@ def init_dist_connection(
                                             if size > 1 and not store_given else (None, False, 0))
     group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, contract.attempt, in_place,
                   secret)
-    if in_place and generation > 0:
-        # A replacement, completing that generation (its place there from the generation's layout),
-        # or a later one should that one be given up while it forms.
+    if in_place:
         set_current_group(group)
-        group.form(generation, **kwargs)
+        if generation > 0:
+            # A replacement, completing that generation (its place there from the generation's layout),
+            # or a later one should that one be given up while it forms.
+            group.form(generation, **kwargs)
+        else:  # the first, or the next should a node be lost while the ranks start
+            group.form_first(**kwargs)
         return
     if launcher_store is not None:
         kwargs["store"] = group.store_of(generation)

@@ -281,6 +281,27 @@ class Group:
         self.install_diagnostics()
         return membership
 
+    def form_first(self, **init_options: Any) -> Membership:
+        """Under in-place recovery, form generation 0 as the launcher started the workers: every member
+        has the group's whole timeout to arrive (a start is slow: imports, data read before
+        ``setup``), but the wait ends as soon as the generation is given up (a node killed while the
+        ranks start, whose launcher never writes its address: the launchers shrink the world or a
+        spare node takes its place), and the next generation is formed instead (``form``)."""
+        store = forming(self.store_of(0), lambda: self._given_up(0), self._timeout.total_seconds())
+        try:
+            dist.init_process_group(self._backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=self._timeout, **init_options)
+        except Exception as failure:
+            why = self._given_up(0, wait=not isinstance(failure, GenerationAbandonedError))
+            if why is None:
+                raise
+            _log.warning(f"ddpkit: generation 0 of the group was given up while it formed ({why}); forming the next one")
+            self.abort()
+            return self.form(1, **init_options)
+        self.prove_members()
+        self.install_diagnostics()
+        return self._membership
+
     def _connect(self, membership: Membership, init_options: dict[str, Any]) -> None:
         """``init_process_group`` for ``membership``, through a store whose waits end when the
         generation is given up (``ddpkit.forming_store``). Connecting is bounded by the recovery
