@@ -110,14 +110,9 @@ def init_dist_connection(
                                             if size > 1 and not store_given else (None, False, 0))
     group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, contract.attempt, in_place,
                   secret)
-    if in_place:
+    if in_place:  # the first generation, a replacement's (its place from the layout), or the next one
         set_current_group(group)
-        if generation > 0:
-            # A replacement, completing that generation (its place there from the generation's layout),
-            # or a later one should that one be given up while it forms.
-            group.form(generation, **kwargs)
-        else:  # the first, or the next should a node be lost while the ranks start
-            group.form_first(**kwargs)
+        group.form_at_start(generation, **kwargs)
         return
     if launcher_store is not None:
         kwargs["store"] = group.store_of(generation)

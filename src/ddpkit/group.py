@@ -281,12 +281,15 @@ class Group:
         self.install_diagnostics()
         return membership
 
-    def form_first(self, **init_options: Any) -> Membership:
-        """Under in-place recovery, form generation 0 as the launcher started the workers: every member
+    def form_at_start(self, generation: int, **init_options: Any) -> Membership:
+        """Under in-place recovery, this process's first group: in a replacement, ``generation`` (or a
+        later one: ``form``). Else generation 0 as the launcher started the workers: every member
         has the group's whole timeout to arrive (a start is slow: imports, data read before
         ``setup``), but the wait ends as soon as the generation is given up (a node killed while the
         ranks start, whose launcher never writes its address: the launchers shrink the world or a
-        spare node takes its place), and the next generation is formed instead (``form``)."""
+        spare node takes its place), and the next generation is formed instead."""
+        if generation > 0:
+            return self.form(generation, **init_options)
         store = forming(self.store_of(0), lambda: self._given_up(0), self._timeout.total_seconds())
         try:
             dist.init_process_group(self._backend, store=store, rank=self.rank, world_size=self.world_size,
@@ -414,8 +417,8 @@ class Group:
         if self._secret is None or self.world_size == 1 or self._backend != "gloo":
             return
         scope = self._scope(self.generation)
-        drawn = b"".join(self._gather(os.urandom(_NONCE_BYTES), scope))
-        proofs = self._gather(member_proof(self._secret, scope, self.rank, drawn), scope)
+        drawn = b"".join(_gather_proofs(os.urandom(_NONCE_BYTES), self.world_size, scope))
+        proofs = _gather_proofs(member_proof(self._secret, scope, self.rank, drawn), self.world_size, scope)
         impostors = [rank for rank, given in enumerate(proofs)
                      if given != member_proof(self._secret, scope, rank, drawn)]
         if impostors:
@@ -423,22 +426,6 @@ class Group:
                 f"rank(s) {impostors} of the group just formed ({scope}) did not prove this job's secret "
                 f"({self._secret.source}): a process outside the job wrote itself into the store as that rank (anyone "
                 "who reaches the store's port can). Nothing was sent to it. Check who can reach the job's store port.")
-
-    def _gather(self, mine: bytes, scope: str) -> list[bytes]:
-        """Every member's ``mine`` (all of one length), by rank; ``MemberProofError`` when a member
-        does not take part within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
-        parts = [torch.empty(len(mine), dtype=torch.uint8) for _ in range(self.world_size)]
-        pending = dist.all_gather(parts, torch.frombuffer(bytearray(mine), dtype=torch.uint8), async_op=True)
-        seconds = recovery_timeout_seconds()
-        try:
-            wait_for(pending, within=seconds)
-        except TimeoutError:
-            leave_on_uncaught_exception()  # the gather stays pending in Gloo: exit without waiting for it
-            raise MemberProofError(
-                f"a member of the group just formed ({scope}) did not take part in proving the job's secret within "
-                f"{seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): a process outside the job most likely wrote "
-                "itself into the store as a member. Nothing was sent to it.") from None
-        return [bytes(part.tolist()) for part in parts]
 
     def _scope(self, generation: int) -> str:
         return generation_scope(self._attempt, generation)
@@ -449,6 +436,23 @@ class Group:
     def _arrivals(self, generation: int) -> str:
         """The key of the count of ``generation``'s members that arrived."""
         return self._prefix(generation) + store_keys.ARRIVED
+
+
+def _gather_proofs(mine: bytes, world_size: int, scope: str) -> list[bytes]:
+    """Every member's ``mine`` (all of one length), by rank; ``MemberProofError`` when a member
+    does not take part within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
+    parts = [torch.empty(len(mine), dtype=torch.uint8) for _ in range(world_size)]
+    pending = dist.all_gather(parts, torch.frombuffer(bytearray(mine), dtype=torch.uint8), async_op=True)
+    seconds = recovery_timeout_seconds()
+    try:
+        wait_for(pending, within=seconds)
+    except TimeoutError:
+        leave_on_uncaught_exception()  # the gather stays pending in Gloo: exit without waiting for it
+        raise MemberProofError(
+            f"a member of the group just formed ({scope}) did not take part in proving the job's secret within "
+            f"{seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): a process outside the job most likely wrote "
+            "itself into the store as a member. Nothing was sent to it.") from None
+    return [bytes(part.tolist()) for part in parts]
 
 
 def _free_in_background(abandoned: list[Any]) -> None:
