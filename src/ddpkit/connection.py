@@ -112,7 +112,7 @@ def init_dist_connection(
                   secret)
     if in_place:  # the first generation, a replacement's (its place from the layout), or the next one
         set_current_group(group)
-        group.form_at_start(generation, **kwargs)
+        group.form(generation, **kwargs)
         return
     if launcher_store is not None:
         kwargs["store"] = group.store_of(generation)

@@ -259,8 +259,12 @@ class Group:
         of ``init_process_group``'s arguments), have its members prove the job secret and start the
         diagnostics. A generation given up while it forms (a member died after it was counted in, as
         a joining node killed in its takeover: ``_given_up``) is left for the one after it, which
-        the launchers lay out, instead of waiting for the dead member until the group's timeout."""
-        membership = self.meet(generation)
+        the launchers lay out, instead of waiting for the dead member until the group's timeout.
+        Generation 0, the workers as the launcher started them, is not met first: every member has
+        the group's whole timeout to arrive (a start is slow: imports, data read before ``setup``),
+        and it is given up the same way (a node killed while its ranks start: the launchers shrink
+        the world or a spare node takes its place)."""
+        membership = self._membership if generation == 0 else self.meet(generation)
         while True:
             try:
                 self._connect(membership, init_options)
@@ -281,38 +285,18 @@ class Group:
         self.install_diagnostics()
         return membership
 
-    def form_at_start(self, generation: int, **init_options: Any) -> Membership:
-        """Under in-place recovery, this process's first group: in a replacement, ``generation`` (or a
-        later one: ``form``). Else generation 0 as the launcher started the workers: every member
-        has the group's whole timeout to arrive (a start is slow: imports, data read before
-        ``setup``), but the wait ends as soon as the generation is given up (a node killed while the
-        ranks start, whose launcher never writes its address: the launchers shrink the world or a
-        spare node takes its place), and the next generation is formed instead."""
-        if generation > 0:
-            return self.form(generation, **init_options)
-        store = forming(self.store_of(0), lambda: self._given_up(0), self._timeout.total_seconds())
-        try:
-            dist.init_process_group(self._backend, store=store, rank=self.rank, world_size=self.world_size,
-                                    timeout=self._timeout, **init_options)
-        except Exception as failure:
-            why = self._given_up(0, wait=not isinstance(failure, GenerationAbandonedError))
-            if why is None:
-                raise
-            _log.warning(f"ddpkit: generation 0 of the group was given up while it formed ({why}); forming the next one")
-            self.abort()
-            return self.form(1, **init_options)
-        self.prove_members()
-        self.install_diagnostics()
-        return self._membership
-
     def _connect(self, membership: Membership, init_options: dict[str, Any]) -> None:
         """``init_process_group`` for ``membership``, through a store whose waits end when the
         generation is given up (``ddpkit.forming_store``). Connecting is bounded by the recovery
         timeout too (a member that died once its address was out, or whose link went down, never
-        connects); the group's own timeout is set once it is formed."""
+        connects); the group's own timeout is set once it is formed. Generation 0 (not met first)
+        has the group's timeout for both."""
         generation = membership.generation
-        seconds = recovery_timeout_seconds()
-        connect_within = min(self._timeout, timedelta(seconds=seconds / _GLOO_CONNECT_WAITS))
+        if generation == 0:
+            seconds, connect_within = self._timeout.total_seconds(), self._timeout
+        else:
+            seconds = recovery_timeout_seconds()
+            connect_within = min(self._timeout, timedelta(seconds=seconds / _GLOO_CONNECT_WAITS))
         store = forming(self.store_of(generation), lambda: self._given_up(generation), seconds)
         dist.init_process_group(self._backend, store=store, rank=membership.rank, world_size=membership.world_size,
                                 timeout=connect_within, **init_options)
