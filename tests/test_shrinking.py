@@ -11,6 +11,7 @@ Real launchers and workers on Gloo, loopback."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -324,6 +325,26 @@ def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() 
     layout_key = next(key for key in store.list_keys() if key.endswith("generation/1/layout"))
     # What the workers read: node 1's ranks are the members, each with its own share and one of node 0's.
     assert Layout.from_json(store.get(layout_key).decode()) == Layout((2, 3), ((0, 2), (1, 3)))
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_waiting_for_the_nodes_is_refused_as_soon_as_the_world_shrinks_without_one() -> None:
+    """A node lost in a collective between steps fails the survivors' workers at once, and their
+    launcher goes to the restart barrier; the world shrinks without the lost node a heartbeat's
+    silence later. The launcher waiting there ends as soon as it does, saying why, instead of
+    waiting for the gone node until the recovery timeout."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    shrinking = Shrinking(min_nodes=1, nproc_per_node=2, spares_possible=False)
+    zero, one = (NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), rank, 2, "127.0.0.1",
+                                  store.port, in_place=True, shrinking=shrinking) for rank in (0, 1))
+    # Node 1 lost: the world's shrink without it, as the launcher that sees it silent writes it to the store.
+    shrink = threading.Timer(0.5, lambda: one.world.remove(1))
+    shrink.start()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="the world shrank without node\\(s\\) 1"):
+        zero.meet(1, 30.0)  # node 0's launcher restarts its failed workers
+    shrink.join()
+    assert time.monotonic() - started < 5.0
 
 
 class BeatingLaunchers:

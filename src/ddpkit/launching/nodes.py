@@ -342,14 +342,14 @@ class NodeCoordination:
         (a plain torch script's ``env://`` connection keeps no keys per attempt; the store may be
         any launcher's, or outside the nodes: ``ddpkit store``) and says the attempt is open; the
         others wait for that before they start workers."""
-        if removed := self.world.removed():
-            raise TimeoutError(
-                f"restart {attempt}: the world shrank without node(s) {', '.join(map(str, removed))} (in-place recovery "
-                "with --nnodes MIN:MAX), and a restart starts every node's workers as the rendezvous formed them. Run "
-                "the job again to restart it (with --checkpoint ... --resume in the example).")
+        self._refuse_a_shrunk_world(attempt)
         self.records.put(keys.of(keys.ARRIVED_NODE, self.node_rank), "1", attempt)
         deadline = time.monotonic() + timeout_seconds
         while True:
+            # Looked at on every pass: the world may shrink while this launcher waits (a node lost in
+            # a collective between steps fails the survivors' workers about as soon as it is gone,
+            # and the world shrinks without it a heartbeat's silence later).
+            self._refuse_a_shrunk_world(attempt)
             missing = [node for node in range(self.nnodes) if not self.records.has(keys.of(keys.ARRIVED_NODE, node), attempt)]
             if not missing:
                 break
@@ -375,6 +375,13 @@ class NodeCoordination:
             self._check_give_up()
             time.sleep(_POLL_SECONDS)
         self.records.attempt = attempt
+
+    def _refuse_a_shrunk_world(self, attempt: int) -> None:
+        if removed := self.world.removed():
+            raise TimeoutError(
+                f"restart {attempt}: the world shrank without node(s) {', '.join(map(str, removed))} (in-place recovery "
+                "with --nnodes MIN:MAX), and a restart starts every node's workers as the rendezvous formed them. Run "
+                "the job again to restart it (with --checkpoint ... --resume in the example).")
 
     def _nodes_that_said(self, name: str) -> list[int]:
         """The world's nodes that said ``name`` in the current attempt."""
