@@ -28,9 +28,9 @@ from _timing import interleaved_samples, paired_ratio  # benchmarks/ is on the p
 from ddp_step import build
 from torch import nn
 
-from ddpkit.agreement import StepAgreement
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
+from ddpkit.training.agreement import StepAgreement
 
 
 def measure(model_name: str, steps: int) -> dict[str, list[float]]:

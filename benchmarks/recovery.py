@@ -182,7 +182,7 @@ NODE_SCRIPT = textwrap.dedent(
     from torch import nn
     from torch.utils.data import DataLoader, Dataset
     import ddpkit
-    from ddpkit.group import current_group
+    from ddpkit.membership.group import current_group
 
     steps, width, data_world = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)

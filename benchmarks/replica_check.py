@@ -1,4 +1,4 @@
-"""What the replica check costs (``ddpkit.replicas``: after each in-place recovery, and every
+"""What the replica check costs (``ddpkit.training.replicas``: after each in-place recovery, and every
 ``DDPKIT_CHECK_REPLICAS`` optimizer steps).
 
     python benchmarks/replica_check.py [--steps N] [--models mlp lenet many many1000]
@@ -29,9 +29,9 @@ from ddp_step import build
 from torch import nn
 
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.replicas import compare_replicas, fingerprints
 from ddpkit.testing import WorkerPool
-from ddpkit.training_state import TrackedState
+from ddpkit.training.replicas import compare_replicas, fingerprints
+from ddpkit.training.state import TrackedState
 
 
 def measure(model_name: str, steps: int) -> dict[str, list[float]]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.environments import LocalEnvironment, find_free_port
-from ddpkit.strategy import DDPStrategy
+from ddpkit.training.strategy import DDPStrategy
 
 BATCH_PER_RANK = 4
 

@@ -26,10 +26,13 @@ def imported_ddpkit_modules(relative: str) -> set[str]:
     tree = ast.parse((PACKAGE / relative).read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "ddpkit":  # `from ddpkit import store_keys`
-            found.update(f"ddpkit.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
-            found.add(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ddpkit":
+            # `from ddpkit.store import keys` imports the module ddpkit.store.keys; `from ddpkit.store.keys
+            # import X` the module it names.
+            folder = PACKAGE.joinpath(*node.module.split(".")[1:])
+            for alias in node.names:
+                submodule = (folder / f"{alias.name}.py").is_file() or (folder / alias.name / "__init__.py").is_file()
+                found.add(f"{node.module}.{alias.name}" if submodule else node.module)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("ddpkit"))
     return found
@@ -45,28 +48,37 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
     assert unnamed == set(), "modules docs/architecture.md does not name"
 
 
+# The parts from the bottom up: the store (keys, secret, client, the wrappers a group forms through),
+# the diagnostics, the membership (connection, group, generations), communication, the DDP module
+# and hooks, the training loop's side; the launcher beside them all, importing none of the worker's.
+_BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "ddpkit.parallel", "ddpkit.hooks",
+                    "ddpkit.training", "ddpkit.launching", "ddpkit.environments")
+
+
 @pytest.mark.parametrize(("part", "forbidden"), [
-    ("diagnostics/", ("ddpkit.",)),  # imports nothing else of ddpkit but the loggers, the variables and the secret
-    ("job_secret.py", ("ddpkit.",)),  # the launcher and the diagnostics read it: no torch, nothing that imports it
-    ("generations.py", ("ddpkit.",)),  # the launcher and the group share it: no torch, only the secret
+    ("store/", _BELOW_THE_STORE),  # every part reads the store through it: it imports none of them
+    ("diagnostics/", ("ddpkit.",)),  # imports nothing else of ddpkit but the loggers, the variables, keys and secret
+    ("store/job_secret.py", ("ddpkit.",)),  # the launcher and the diagnostics read it: no torch
+    ("membership/generations.py", ("ddpkit.",)),  # the launcher and the group share it: no torch, only the secret
     ("variables.py", ("ddpkit.",)),  # names only: every part may import it
-    ("store_keys.py", ("ddpkit.",)),  # the store's keys only: every part may import it
+    ("store/keys.py", ("ddpkit.",)),  # the store's keys only: every part may import it
     ("process_state.py", ("ddpkit.",)),  # the process's state only: every part may import it
-    ("environments/", ("ddpkit.connection", "ddpkit.collectives", "ddpkit.parallel", "ddpkit.strategy",
+    ("membership/", ("ddpkit.comm", "ddpkit.parallel", "ddpkit.hooks", "ddpkit.training", "ddpkit.launching")),
+    ("environments/", ("ddpkit.membership.connection", "ddpkit.comm", "ddpkit.parallel", "ddpkit.training",
                        "ddpkit.launching", "ddpkit.diagnostics")),
-    ("hooks/", ("ddpkit.parallel", "ddpkit.strategy")),
+    ("comm/", ("ddpkit.parallel", "ddpkit.hooks", "ddpkit.training", "ddpkit.launching")),
+    ("hooks/", ("ddpkit.parallel", "ddpkit.training")),
     ("logs.py", ("ddpkit.",)),
-    ("preemption.py", ("ddpkit.",)),  # the launcher imports it: no torch, nothing that imports it
+    ("environments/preemption.py", ("ddpkit.",)),  # the launcher imports it: no torch, nothing that imports it
     ("_allocator.py", ("ddpkit.",)),  # the launcher imports it too
-    ("agreement.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.launching")),
-    ("recovery.py", ("ddpkit.strategy", "ddpkit.launching", "ddpkit.resumable_loop")),  # the loop uses it, not back
-    ("resumable_loop.py", ("ddpkit.strategy", "ddpkit.launching")),  # the strategy uses it, not the other way
-    ("state_transfer.py", ("ddpkit.strategy", "ddpkit.launching", "ddpkit.recovery", "ddpkit.parallel")),
-    ("collectives.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.hooks")),
-    ("collective_call.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.hooks")),
-    ("connection.py", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.collective")),
-    ("parallel/", ("ddpkit.strategy", "ddpkit.launching")),
-    ("launching/", ("ddpkit.parallel", "ddpkit.strategy", "ddpkit.collective")),
+    ("training/agreement.py", ("ddpkit.parallel", "ddpkit.training.strategy", "ddpkit.launching")),
+    ("training/recovery.py", ("ddpkit.training.strategy", "ddpkit.launching",
+                              "ddpkit.training.resumable_loop")),  # the loop uses it, not back
+    ("training/resumable_loop.py", ("ddpkit.training.strategy", "ddpkit.launching")),  # the strategy uses it
+    ("training/state_transfer.py", ("ddpkit.training.strategy", "ddpkit.launching", "ddpkit.training.recovery",
+                                    "ddpkit.parallel")),
+    ("parallel/", ("ddpkit.training", "ddpkit.launching")),
+    ("launching/", ("ddpkit.parallel", "ddpkit.training.strategy", "ddpkit.comm")),
 ])
 def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) -> None:
     for module in modules():
@@ -75,8 +87,8 @@ def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) ->
         own_part = "ddpkit." + part.rstrip("/").removesuffix(".py").replace("/", ".")
         # Every part may use the loggers, names, keys, secret and process state.
         for imported in imported_ddpkit_modules(module):
-            if imported.startswith(own_part) or imported in ("ddpkit.logs", "ddpkit.variables", "ddpkit.store_keys",
-                                                             "ddpkit.job_secret", "ddpkit.process_state"):
+            if imported.startswith(own_part) or imported in ("ddpkit.logs", "ddpkit.variables", "ddpkit.store.keys",
+                                                             "ddpkit.store.job_secret", "ddpkit.process_state"):
                 continue
             assert not imported.startswith(forbidden), f"{module} imports {imported}"
 
@@ -96,14 +108,14 @@ def test_every_ddpkit_variable_is_spelled_in_one_module() -> None:
 
 
 def test_collectives_and_connection_know_no_module() -> None:
-    for module in ("collectives.py", "collective_call.py", "connection.py"):
+    for module in ("comm/collectives.py", "comm/collective_call.py", "membership/connection.py"):
         assert "nn.Module" not in (PACKAGE / module).read_text(), module
 
 
 def test_the_launcher_imports_neither_the_ddp_module_nor_the_strategy() -> None:
     """What `ddpkit run` and a worker's bootstrap import before the user's script starts."""
     code = ("import sys, ddpkit.launching.cli, ddpkit.launching.worker; "
-            "print(sorted(m for m in sys.modules if m in ('ddpkit.parallel.ddp', 'ddpkit.strategy')))")
+            "print(sorted(m for m in sys.modules if m in ('ddpkit.parallel.ddp', 'ddpkit.training.strategy')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -155,11 +167,11 @@ def test_no_two_modules_import_each_other_through_any_path() -> None:
 
 
 def test_the_primitives_below_the_seam_import_only_the_waits() -> None:
-    assert imported_ddpkit_modules("primitives.py") == {"ddpkit.diagnostics.waits"}
+    assert imported_ddpkit_modules("comm/primitives.py") == {"ddpkit.diagnostics.waits"}
 
 
 # torch.distributed's collectives and point-to-point calls, as ``dist.<name>``, and the primitives
-# below the seam (``ddpkit.primitives``) that run one.
+# below the seam (``ddpkit.comm.primitives``) that run one.
 _COLLECTIVES = {
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
     "reduce_scatter_tensor", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "gather", "scatter",
@@ -170,12 +182,14 @@ _PRIMITIVES = {"all_gather_stacked", "all_gather_bytes"}
 # Functions whose collectives run outside any ``collective_call`` block of their own, and why that
 # is right. A new collective anywhere else fails the test below.
 _OUTSIDE_THE_SEAM_ON_PURPOSE = {
-    "collective_call.py:_check_fingerprints": "the seam's own fingerprint exchange, in collective_call.__enter__",
-    "collectives.py:AllGatherGrad.forward": "runs in all_gather_ddp_if_available's @collective seam",
-    "collectives.py:_exchange_with_peers": "the uneven gather's forward (in gather_all_tensors' seam) and backward (its own)",
-    "collectives.py:_exchange_shapes": "called by gather_all_tensors, in its @collective seam",
-    "connection.py:destroy_dist_connection": "the teardown's barrier: nothing is left to name or recover there",
-    "group.py:_gather_proofs": "the member proof while the group forms, before its diagnostics exist; bounded by itself",
+    "comm/collective_call.py:_check_fingerprints": "the seam's own fingerprint exchange, in collective_call.__enter__",
+    "comm/collectives.py:AllGatherGrad.forward": "runs in all_gather_ddp_if_available's @collective seam",
+    "comm/collectives.py:_exchange_with_peers":
+        "the uneven gather's forward (in gather_all_tensors' seam) and backward (its own)",
+    "comm/collectives.py:_exchange_shapes": "called by gather_all_tensors, in its @collective seam",
+    "membership/connection.py:destroy_dist_connection": "the teardown's barrier: nothing is left to name or recover there",
+    "membership/group.py:_gather_proofs":
+        "the member proof while the group forms, before its diagnostics exist; bounded by itself",
     "hooks/default.py:allreduce_hook": "a comm hook: launched by the reducer, awaited in its seam",
     "hooks/default.py:_compress_hook": "a comm hook: launched by the reducer, awaited in its seam",
     "parallel/ddp.py:DistributedDataParallel._broadcast_from": "called only in the 'DistributedDataParallel broadcast' seam",
@@ -225,7 +239,7 @@ def test_every_collective_runs_inside_the_seam_or_says_why_not() -> None:
     watch, debug fingerprints, a lost or failed peer named and recoverable)."""
     outside, listed = [], set()
     for module in modules():
-        if module == "primitives.py":  # their callers open the seam; they are checked here as collectives
+        if module == "comm/primitives.py":  # their callers open the seam; they are checked here as collectives
             continue
         for line, named, enclosing in _collective_sites(module):
             if _inside_the_seam(enclosing):
@@ -277,18 +291,18 @@ def test_no_module_function_or_class_grows_past_its_limit() -> None:
     assert fitting == set(), "these fit their limit now: take them off _STILL_ABOVE"
 
 
-# Fragments only a key of the job's store contains (its layout: ddpkit.store_keys's docstring).
+# Fragments only a key of the job's store contains (its layout: ddpkit.store.keys's docstring).
 _KEY_FRAGMENTS = ("attempt/", "generation/", "member/", "rendezvous/", "hang/", "pool/started", "torchrun/",
                   "launchers/", "ddpkit/")
 
 
 def test_every_store_key_is_spelled_in_one_module() -> None:
     """String constants (f-strings' parts too; docstrings and messages aside) that spell a path of
-    the job's store appear only in store_keys.py (a record's bare name, "failure", is one word of
+    the job's store appear only in store/keys.py (a record's bare name, "failure", is one word of
     text like any other: its constant is there too, and the modules import it)."""
     spelled = []
     for module in modules():
-        if module == "store_keys.py":
+        if module == "store/keys.py":
             continue
         tree = ast.parse((PACKAGE / module).read_text())
         docstrings = {id(node.body[0].value) for node in ast.walk(tree)
@@ -297,7 +311,7 @@ def test_every_store_key_is_spelled_in_one_module() -> None:
         spelled += [f"{module}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
                     if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
                     and " " not in node.value and any(fragment in node.value for fragment in _KEY_FRAGMENTS)]
-    assert spelled == [], "spell them in ddpkit.store_keys"
+    assert spelled == [], "spell them in ddpkit.store.keys"
 
 
 # Module-level objects that are not process state: a lock that only orders the launcher's console

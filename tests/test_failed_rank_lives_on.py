@@ -25,7 +25,7 @@ from helpers import start_bare_ranks, wait_then_end_all
 from torch import nn
 
 import ddpkit
-from ddpkit.collectives import barrier, sync_ddp
+from ddpkit.comm.collectives import barrier, sync_ddp
 from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.peer_watch import PEER_FAILED_EXIT_CODE
 from ddpkit.hooks import fp16_compress_hook

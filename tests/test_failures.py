@@ -92,7 +92,7 @@ def train_with_an_optimizer_and_a_failing_forward(failing_rank: int) -> tuple[st
 
 def test_a_failure_after_optimizer_steps_still_frees_the_peers() -> None:
     """torch._dynamo, imported by the first optimizer step while the group exists, kept the group
-    alive past guard()'s teardown; ddpkit.connection imports it before any group exists."""
+    alive past guard()'s teardown; ddpkit.membership.connection imports it before any group exists."""
     with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
         check(pool.run(train_with_an_optimizer_and_a_failing_forward, 1), 1)
 

@@ -198,7 +198,7 @@ def agree_without_synchronising() -> int:
     """Rank 1 raises its flag at call 10 of a loop of GPU steps; returns the call at which this
     rank was told to stop. On CUDA, torch's sync debug mode makes any operation that waits for the
     device raise (reading a CUDA tensor on the host, say); only the agreement's event is waited for."""
-    from ddpkit.agreement import StepAgreement
+    from ddpkit.training.agreement import StepAgreement
 
     device = this_device()
     agreement, weights = StepAgreement(round_interval_seconds=0), torch.randn(256, 256, device=device)

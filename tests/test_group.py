@@ -1,4 +1,4 @@
-"""The group object (``ddpkit.group``): one owner of the membership, one hook through which what caches
+"""The group object (``ddpkit.membership.group``): one owner of the membership, one hook through which what caches
 membership follows a new generation.
 
 Each case runs in processes of its own: forming a group under in-place recovery changes how the
@@ -31,7 +31,7 @@ HOOK_CONTRACT = textwrap.dedent(
     import gc, json
     from datetime import timedelta
     import torch.distributed as dist
-    from ddpkit.group import Group, Membership
+    from ddpkit.membership.group import Group, Membership
 
     group = Group(Membership(0, 0, 1), "gloo", timedelta(seconds=30), launcher_store=dist.HashStore(), in_place=True)
     dist.init_process_group("gloo", store=group.store_of(0), rank=0, world_size=1)
@@ -84,8 +84,8 @@ SHRINK = textwrap.dedent(
     import json, threading, time
     from datetime import timedelta
     import torch.distributed as dist
-    from ddpkit.generations import REMOVED, Layout, RankTakenError, announce_growth, claim_rank, write_layout
-    from ddpkit.group import Group, Membership
+    from ddpkit.membership.generations import REMOVED, Layout, RankTakenError, announce_growth, claim_rank, write_layout
+    from ddpkit.membership.group import Group, Membership
 
     store = dist.HashStore()
     group = Group(Membership(0, 2, 3), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
@@ -145,11 +145,11 @@ RANK = textwrap.dedent(
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-    from ddpkit.agreement import StepAgreement
-    from ddpkit.connection import destroy_dist_connection, init_dist_connection
-    from ddpkit.data import shard
+    from ddpkit.training.agreement import StepAgreement
+    from ddpkit.membership.connection import destroy_dist_connection, init_dist_connection
+    from ddpkit.training.data import shard
     from ddpkit.environments import LocalEnvironment
-    from ddpkit.group import current_group
+    from ddpkit.membership.group import current_group
     from ddpkit.parallel.ddp import DistributedDataParallel
 
     rank = int(os.environ["RANK"])
@@ -242,8 +242,8 @@ def test_after_the_group_is_formed_again_ddp_the_sampler_and_the_agreement_follo
 def test_a_sharded_loader_takes_its_share_anew_when_the_membership_changes() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ddpkit.data import shard
-    from ddpkit.group import Membership
+    from ddpkit.membership.group import Membership
+    from ddpkit.training.data import shard
 
     loader = shard(DataLoader(TensorDataset(torch.arange(10)), batch_size=2, shuffle=True), num_replicas=2, rank=1)
     loader.sampler.set_epoch(3)  # type: ignore[attr-defined]
@@ -264,7 +264,7 @@ SURVIVOR = textwrap.dedent(
     import json, sys, time
     from datetime import timedelta
     import torch.distributed as dist
-    from ddpkit.group import Group, Membership
+    from ddpkit.membership.group import Group, Membership
 
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
     group = Group(Membership(0, 0, 2), "gloo", timedelta(minutes=30), launcher_store=store, in_place=True)
@@ -283,8 +283,8 @@ DYING_JOINER = textwrap.dedent(
     import os, sys
     from datetime import timedelta
     import torch.distributed as dist
-    from ddpkit.generations import claim_rank, generation_prefix, member_identity
-    from ddpkit.group import Group, Membership
+    from ddpkit.membership.generations import claim_rank, generation_prefix, member_identity
+    from ddpkit.membership.group import Group, Membership
 
     class DiesOnceItsAddressIsOut(dist.Store):
         def __init__(self, store):
@@ -306,7 +306,7 @@ DYING_JOINER = textwrap.dedent(
 
 @pytest.mark.parametrize("died", ["before its address", "after its address"])
 def test_a_member_that_died_while_its_generation_formed_leaves_it_to_the_next_one(died: str) -> None:
-    from ddpkit.generations import REMOVED, Layout, announce_node_lost, claim_rank, generation_prefix, write_layout
+    from ddpkit.membership.generations import REMOVED, Layout, announce_node_lost, claim_rank, generation_prefix, write_layout
 
     port = find_free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True,  # type: ignore[attr-defined]

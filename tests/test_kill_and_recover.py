@@ -156,7 +156,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from torch import nn
     import ddpkit
-    import ddpkit.recovery
+    import ddpkit.training.recovery
 
     FAULT = os.environ["FAULT"]
     generation = int(os.environ.get("DDPKIT_GENERATION", "0"))
@@ -166,7 +166,7 @@ SCRIPT = textwrap.dedent(
     if FAULT == "survivor-dies-in-transfer" and rank == 2:
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        ddpkit.recovery.InPlaceRecovery._exchange = die
+        ddpkit.training.recovery.InPlaceRecovery._exchange = die
     torch.manual_seed(0)
     strategy = ddpkit.DDPStrategy()
     model, optimizer = strategy.setup(nn.Linear(8, 1), torch.optim.SGD(nn.Linear(8, 1).parameters(), lr=0.1))
@@ -332,7 +332,7 @@ def test_without_in_place_recovery_the_loop_helpers_are_range_and_the_loader() -
 def test_the_state_transfer_sends_tensors_as_bytes_and_rebuilds_the_state_exactly() -> None:
     # What a survivor sends a replacement: a model's state_dict (an OrderedDict carrying _metadata),
     # an optimizer's state, the RNG state; tensors of several dtypes, odd sizes, one not contiguous.
-    from ddpkit.state_transfer import _pack, _packed_size, _put_tensors_back, _set_tensors_apart, _unpack
+    from ddpkit.training.state_transfer import _pack, _packed_size, _put_tensors_back, _set_tensors_apart, _unpack
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
     optimizer = torch.optim.Adam(model.parameters())

@@ -22,7 +22,7 @@ from ddpkit._network import find_free_port
 from ddpkit.launching import watch as watch_module
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
-from ddpkit.launching.store_client import BoundedStore, connect
+from ddpkit.store.client import BoundedStore, connect
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 TRAINING = ("--epochs", "2", "--samples", "1024")  # 8 steps per epoch on 2 ranks

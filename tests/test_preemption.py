@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit.agreement import WAIT_AT_ONCE_SECONDS, StepAgreement
-from ddpkit.preemption import PREEMPTED_EXIT_CODE, PreemptionNotice, parse_signal, preemption_signals
+from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE, PreemptionNotice, parse_signal, preemption_signals
 from ddpkit.testing import WorkerPool
+from ddpkit.training.agreement import WAIT_AT_ONCE_SECONDS, StepAgreement
 
 # Trains a tiny model for STEPS steps (each sleeps STEP_SECONDS), resuming from ckpt.pt when it
 # exists; writes its step after each one, and at a preemption the step it stopped at and how

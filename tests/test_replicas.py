@@ -1,4 +1,4 @@
-"""The replica check (``ddpkit.replicas``) and the tracked training state (``ddpkit.training_state``):
+"""The replica check (``ddpkit.training.replicas``) and the tracked training state (``ddpkit.training.state``):
 fingerprints that tell any one changed element, a comparison across real ranks that raises on every
 rank naming what differs, ``DDPKIT_CHECK_REPLICAS`` in a plain loop, and ``DDPStrategy.track``'s
 checks and its late loading in a replacement (a schedule made after the state arrived)."""
@@ -12,9 +12,9 @@ import torch
 from helpers import strategy
 from torch import nn
 
-from ddpkit.replicas import ReplicaMismatchError, check_every, compare_replicas, fingerprints
 from ddpkit.testing import RankFailedError, WorkerPool
-from ddpkit.training_state import TrackedState, UntrackedStateError
+from ddpkit.training.replicas import ReplicaMismatchError, check_every, compare_replicas, fingerprints
+from ddpkit.training.state import TrackedState, UntrackedStateError
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer, TrackedState]:

@@ -34,18 +34,18 @@ from torch import nn
 from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ddpkit.data import EpochDataLoader, shard
 from ddpkit.environments import find_free_port
-from ddpkit.generations import Layout
-from ddpkit.group import Group, Membership, set_current_group
 from ddpkit.launching import heartbeats as heartbeats_module
 from ddpkit.launching.nodes import NodeCoordination, Shrinking
-from ddpkit.launching.store_client import BoundedStore, connect
+from ddpkit.membership.generations import Layout
+from ddpkit.membership.group import Group, Membership, set_current_group
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.recovery import InPlaceRecovery
-from ddpkit.resumable_loop import ResumableLoop
+from ddpkit.store.client import BoundedStore, connect
 from ddpkit.testing import WorkerPool
+from ddpkit.training.data import EpochDataLoader, shard
+from ddpkit.training.recovery import InPlaceRecovery
+from ddpkit.training.resumable_loop import ResumableLoop
 
 
 @pytest.mark.timeout(200)
@@ -157,7 +157,7 @@ def test_a_second_node_lost_while_the_world_shrinks_is_left_out_too_and_the_run_
 
 # -- what batch-dependent layers see -------------------------------------------------------------------
 # The world of three ranks shrank to two: rank 0 trains the shares 0 and 2 of each global batch, rank 1
-# the share 1 (a Membership as ddpkit.group forms it). Each survivor's batch is its shares' rows together.
+# the share 1 (a Membership as ddpkit.membership.group forms it). Each survivor's batch is its shares' rows together.
 SHARES, SHARE_ROWS, SHRUNK_STEPS = [(0, 2), (1,)], 4, 4
 
 

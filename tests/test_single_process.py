@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ddpkit.connection as connection
+import ddpkit.membership.connection as connection
 from ddpkit.distributed import (
     all_gather_ddp_if_available,
     barrier,

@@ -33,14 +33,14 @@ from launchers import (
 from torch.distributed import TCPStore
 
 from ddpkit.environments import find_free_port
-from ddpkit.generations import announce_node_lost, claim_rank, generation_prefix, node_lost
-from ddpkit.job_secret import JobSecret
 from ddpkit.launching import heartbeats as heartbeats_module
 from ddpkit.launching import nodes as nodes_module
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.spare_node import wait_as_spare
-from ddpkit.launching.store_client import BoundedStore, GaveUpWaiting, connect
+from ddpkit.membership.generations import announce_node_lost, claim_rank, generation_prefix, node_lost
 from ddpkit.process_state import PROCESS
+from ddpkit.store.client import BoundedStore, GaveUpWaiting, connect
+from ddpkit.store.job_secret import JobSecret
 
 # Two ranks a node; rank 0 marks each step it finished, and every step takes a moment, so that the
 # test can kill a node in the middle of training.
@@ -316,7 +316,7 @@ def test_a_spare_stopped_as_the_job_ends_says_it_was_stopped() -> None:
 
 
 def test_a_rank_of_the_next_generation_is_held_by_the_first_process_of_the_job_that_claims_it() -> None:
-    """What fences a lost node's workers out (``ddpkit.generations``): the spare's launcher holds the
+    """What fences a lost node's workers out (``ddpkit.membership.generations``): the spare's launcher holds the
     lost ranks for its workers before it says the node was lost; a claim by any other process then
     returns the holder, and a stranger's value (without the job secret) holds nothing."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit._network import find_free_port
-from ddpkit.launching.store_client import (
+from ddpkit.store.client import (
     BoundedStore,
     StoreRequestTimeout,
     StoreUnreachableError,
@@ -90,7 +90,7 @@ LAUNCHER = textwrap.dedent(
     import atexit, sys
     import ddpkit.__main__
     import ddpkit.launching.cli
-    from ddpkit.launching.store_client import BoundedStore, StoreRequestTimeout, connect
+    from ddpkit.store.client import BoundedStore, StoreRequestTimeout, connect
 
     def run():  # a launcher whose last request to the store went unanswered
         store = BoundedStore(connect("127.0.0.1", int(sys.argv[1]), 10), 0.5)

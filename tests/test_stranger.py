@@ -25,7 +25,7 @@ from helpers import example_summary
 from torch import nn
 
 from ddpkit.environments import find_free_port
-from ddpkit.job_secret import JobSecret, JobSecretError, RecordSigner, job_secret
+from ddpkit.store.job_secret import JobSecret, JobSecretError, RecordSigner, job_secret
 from ddpkit.testing import WorkerPool
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
@@ -353,7 +353,7 @@ def members_prove_with(secrets: tuple[bytes, bytes]) -> str:
     """Every rank of the pool's group proves the secret its ``secrets`` entry gives it."""
     import torch.distributed as dist
 
-    from ddpkit.group import Group, MemberProofError, Membership
+    from ddpkit.membership.group import Group, MemberProofError, Membership
 
     rank = dist.get_rank()
     group = Group(Membership(0, rank, 2), "gloo", timedelta(seconds=30), secret=JobSecret(secrets[rank], "test"))

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpkit.environments import LocalEnvironment
-from ddpkit.strategy import DDPStrategy
 from ddpkit.testing import WorkerPool
+from ddpkit.training.strategy import DDPStrategy
 
 SAMPLES, BATCH = 32, 4
 

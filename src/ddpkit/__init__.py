@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 # collectives before the script runs. ``__all__`` is derived from it; the imports for type
 # checkers below re-export the same names (tests/test_architecture.py checks that they agree).
 _PUBLIC = {
-    "ddpkit.data": ("even_batches",),
+    "ddpkit.training.data": ("even_batches",),
     "ddpkit.diagnostics.failures": ("CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError",
                                     "guard"),
     "ddpkit.distributed": ("AllGatherGrad", "all_gather_ddp_if_available", "all_gather_object", "barrier", "broadcast",
@@ -27,9 +27,9 @@ _PUBLIC = {
     "ddpkit.launching.launcher": ("launch",),
     "ddpkit.parallel.batchnorm": ("SyncBatchNorm",),
     "ddpkit.parallel.ddp": ("DistributedDataParallel",),
-    "ddpkit.replicas": ("ReplicaMismatchError",),
-    "ddpkit.strategy": ("DDPStrategy",),
-    "ddpkit.training_state": ("Stateful", "UntrackedStateError"),
+    "ddpkit.training.replicas": ("ReplicaMismatchError",),
+    "ddpkit.training.strategy": ("DDPStrategy",),
+    "ddpkit.training.state": ("Stateful", "UntrackedStateError"),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -37,7 +37,6 @@ __version__ = "0.1.0"
 __all__ = sorted(_MODULE_OF)  # derived from _PUBLIC
 
 if TYPE_CHECKING:
-    from ddpkit.data import even_batches as even_batches
     from ddpkit.diagnostics.failures import CollectiveFailedError as CollectiveFailedError
     from ddpkit.diagnostics.failures import PeerFailedError as PeerFailedError
     from ddpkit.diagnostics.failures import PeerLostError as PeerLostError
@@ -63,10 +62,11 @@ if TYPE_CHECKING:
     from ddpkit.launching.launcher import launch as launch
     from ddpkit.parallel.batchnorm import SyncBatchNorm as SyncBatchNorm
     from ddpkit.parallel.ddp import DistributedDataParallel as DistributedDataParallel
-    from ddpkit.replicas import ReplicaMismatchError as ReplicaMismatchError
-    from ddpkit.strategy import DDPStrategy as DDPStrategy
-    from ddpkit.training_state import Stateful as Stateful
-    from ddpkit.training_state import UntrackedStateError as UntrackedStateError
+    from ddpkit.training.data import even_batches as even_batches
+    from ddpkit.training.replicas import ReplicaMismatchError as ReplicaMismatchError
+    from ddpkit.training.state import Stateful as Stateful
+    from ddpkit.training.state import UntrackedStateError as UntrackedStateError
+    from ddpkit.training.strategy import DDPStrategy as DDPStrategy
 
 
 def __getattr__(name: str) -> Any:

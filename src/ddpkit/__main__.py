@@ -14,7 +14,7 @@ def main() -> int:
         print(f"ddpkit run: {problem}", file=sys.stderr)
         return 2
     from ddpkit.launching.cli import main as run
-    from ddpkit.launching.store_client import requests_left_unanswered
+    from ddpkit.store.client import requests_left_unanswered
 
     code = run()
     if requests_left_unanswered():

@@ -1,11 +1,11 @@
 """Process-group connection and collectives (Lightning's ``utilities.distributed`` API), in one place.
 
-The names live in ``ddpkit.connection`` (connecting), ``ddpkit.collectives`` (the collectives)
+The names live in ``ddpkit.membership.connection`` (connecting), ``ddpkit.comm.collectives`` (the collectives)
 and ``ddpkit.hooks.registration`` (``register_ddp_comm_hook``); this module gathers them under
 the name Lightning users know.
 """
 
-from ddpkit.collectives import (
+from ddpkit.comm.collectives import (
     AllGatherGrad,
     ReduceOpLike,
     all_gather_ddp_if_available,
@@ -17,7 +17,8 @@ from ddpkit.collectives import (
     sync_ddp,
     sync_ddp_if_available,
 )
-from ddpkit.connection import (
+from ddpkit.hooks.registration import register_ddp_comm_hook
+from ddpkit.membership.connection import (
     DEFAULT_TIMEOUT,
     destroy_dist_connection,
     distributed_available,
@@ -25,7 +26,6 @@ from ddpkit.connection import (
     get_world_size,
     init_dist_connection,
 )
-from ddpkit.hooks.registration import register_ddp_comm_hook
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -57,7 +57,7 @@ class ConnectionState:
     and so is ddpkit's account of it), and the threads freeing abandoned groups, which the
     process waits for a little at its exit."""
 
-    group: Any = None  # a ddpkit.group.Group (not imported: every part imports this module)
+    group: Any = None  # a ddpkit.membership.group.Group (not imported: every part imports this module)
     freeing: list[threading.Thread] = field(default_factory=list)
 
 

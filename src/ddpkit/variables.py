@@ -57,7 +57,7 @@ DDPKIT_RECOVERY_TIMEOUT_SECONDS = "DDPKIT_RECOVERY_TIMEOUT_SECONDS"
 #: "1" lets ``ddpkit run --recovery in-place`` run over NCCL, which has not yet run on a device
 #: (``benchmarks/gpu_check.py`` exercises it); without it the launcher refuses NCCL with in-place.
 DDPKIT_NCCL_IN_PLACE = "DDPKIT_NCCL_IN_PLACE"
-#: The job secret (``ddpkit.job_secret``): its value, or a file that holds it. ``ddpkit run`` on one
+#: The job secret (``ddpkit.store.job_secret``): its value, or a file that holds it. ``ddpkit run`` on one
 #: node makes one when neither is given and passes it to its workers in ``DDPKIT_JOB_SECRET``.
 DDPKIT_JOB_SECRET = "DDPKIT_JOB_SECRET"
 DDPKIT_JOB_SECRET_FILE = "DDPKIT_JOB_SECRET_FILE"
@@ -71,7 +71,7 @@ DDPKIT_DEBUG = "DDPKIT_DEBUG"
 #: Hang diagnosis: after how long a wait is reported, and after how much longer the job is ended.
 DDPKIT_HANG_SECONDS = "DDPKIT_HANG_SECONDS"
 DDPKIT_HANG_ABORT_SECONDS = "DDPKIT_HANG_ABORT_SECONDS"
-#: Every how many optimizer steps the ranks compare their replicas (``ddpkit.replicas``; 0 or unset:
+#: Every how many optimizer steps the ranks compare their replicas (``ddpkit.training.replicas``; 0 or unset:
 #: only after an in-place recovery).
 DDPKIT_CHECK_REPLICAS = "DDPKIT_CHECK_REPLICAS"
 #: How long a rank blocked in a call ddpkit cannot interrupt lives on after a peer's failure.

@@ -24,7 +24,7 @@ When rank 0 dies without a word (SIGKILL, the out-of-memory killer, its machine)
 with it: a collective that fails, or a read of the store that fails, then checks whether the
 store still accepts connections and raises ``StoreHostGoneError`` (a ``PeerFailedError``) naming it.
 
-With a job secret (``ddpkit.job_secret``), the records live under the job's key prefix and carry
+With a job secret (``ddpkit.store.job_secret``), the records live under the job's key prefix and carry
 the secret's HMAC, bound to their key and to the attempt and generation of the group
 (``sign_records_in``): a record that a process outside the job wrote is ignored (and said once),
 and cannot keep the job's own first failure from being published.
@@ -45,12 +45,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit import store_keys
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
-from ddpkit.job_secret import JobSecretError, RecordSigner, job_secret
 from ddpkit.process_state import PROCESS
+from ddpkit.store import keys as store_keys
+from ddpkit.store.job_secret import JobSecretError, RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "announced_loss",
@@ -59,7 +59,7 @@ __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHo
            "raised_by_torch_distributed", "raising", "publish_first", "read_failure_record", "record_exception",
            "record_failure", "record_signer", "sign_records_in", "store_host_gone", "uncaught_failure"]
 
-# The records' names under the job's key prefix (``RecordSigner.key``; spelled in ``ddpkit.store_keys``).
+# The records' names under the job's key prefix (``RecordSigner.key``; spelled in ``ddpkit.store.keys``).
 FAILURE = store_keys.FAILURE
 # Under in-place recovery: a rank of this group vanished (no record: killed); the first rank whose
 # collective failed says so, which frees the ranks still waiting on a live peer for the lost one.
@@ -170,7 +170,7 @@ def record_signer() -> RecordSigner:
 
 
 def sign_records_in(scope: str) -> None:
-    """Bind this process's records from now on to ``scope`` (``ddpkit.group``: the attempt and the
+    """Bind this process's records from now on to ``scope`` (``ddpkit.membership.group``: the attempt and the
     generation of the group it formed), so that a record of another attempt or generation, copied
     into this one's keys, does not pass."""
     PROCESS.failures.scope = scope
@@ -245,7 +245,7 @@ def _published_failure(store: Any) -> PeerFailedError | None:
 def expect_lost_peers(node_lost: Callable[[], str | None] = lambda: None) -> None:
     """From now on (in-place recovery), a collective that fails without any record means a rank
     vanished: ``note_lost_peer`` tells the others, and ``peer_failure`` answers ``PeerLostError``;
-    so does ``node_lost`` saying why a node of the group was lost (``ddpkit.generations``: its
+    so does ``node_lost`` saying why a node of the group was lost (``ddpkit.membership.generations``: its
     ranks may be alive behind a link that went down, and no collective fails)."""
     PROCESS.failures.expect_lost = True
     PROCESS.failures.node_lost = node_lost

@@ -53,12 +53,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit import store_keys
 from ddpkit.diagnostics.failures import record_failure, record_signer
 from ddpkit.diagnostics.records import failure_record
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
+from ddpkit.store import keys as store_keys
 from ddpkit.variables import DDPKIT_HANG_ABORT_SECONDS, DDPKIT_HANG_SECONDS, DDPKIT_STACK_FILE
 
 __all__ = ["DEFAULT_HANG_SECONDS", "last_report", "watch_for_hangs"]

@@ -10,7 +10,7 @@ failure record every ``_READ_SECONDS``, handles them:
   at once (``torch.distributed``'s abort of the process groups), so every pending NCCL
   operation ends with an error, which ddpkit turns into ``PeerFailedError``. Under in-place
   recovery the same happens when a rank's loss is announced (a SIGKILLed peer closes nothing that
-  NCCL notices: its launcher says so in the store, ``ddpkit.generations.announce_node_lost``), and
+  NCCL notices: its launcher says so in the store, ``ddpkit.membership.generations.announce_node_lost``), and
   the error becomes ``PeerLostError``: the survivors form the next generation.
 - **The store's host is gone** (rank 0 killed without a word): the read fails, and the watch
   makes ddpkit's waits raise ``StoreHostGoneError`` (and aborts NCCL communicators).

@@ -19,7 +19,7 @@ class Recovery(enum.Enum):
 
     #: The job ends, naming the root cause; with ``--max-restarts`` every worker starts again.
     FAIL_FAST = "fail-fast"
-    #: A worker killed by a signal is replaced by a spare while the others go on (``ddpkit.recovery``).
+    #: A worker killed by a signal is replaced by a spare while the others go on (``ddpkit.training.recovery``).
     IN_PLACE = "in-place"
 
     @classmethod

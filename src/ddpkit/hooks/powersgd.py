@@ -38,7 +38,7 @@ from torch import Tensor, nn
 # torch.distributed.GradBucket itself (the stubs do not re-export it), so torch's DDP accepts the annotation.
 from torch._C._distributed_c10d import GradBucket
 
-from ddpkit.collective_call import collective_call
+from ddpkit.comm.collective_call import collective_call
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.hooks.contract import GradBucket as DdpkitGradBucket
 from ddpkit.hooks.default import allreduce_hook

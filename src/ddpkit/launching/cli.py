@@ -11,8 +11,8 @@
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
 environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MASTER_ADDR,
 DDPKIT_MASTER_PORT, DDPKIT_BACKEND, DDPKIT_MAX_RESTARTS, DDPKIT_PREEMPTION_SIGNAL (which the
-workers read too: ``ddpkit.preemption``), DDPKIT_RECOVERY (the workers' too:
-``ddpkit.recovery``), DDPKIT_LOG_DIR, DDPKIT_REDIRECTS, DDPKIT_TEE, DDPKIT_LOCAL_RANKS_FILTER (where
+workers read too: ``ddpkit.environments.preemption``), DDPKIT_RECOVERY (the workers' too:
+``ddpkit.training.recovery``), DDPKIT_LOG_DIR, DDPKIT_REDIRECTS, DDPKIT_TEE, DDPKIT_LOCAL_RANKS_FILTER (where
 the workers' output goes: ``launching.output``); the switches DDPKIT_STANDALONE, DDPKIT_MODULE,
 DDPKIT_NO_PYTHON when 1. ``auto`` means one process per GPU, or one
 per CPU core without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit.environments import LocalEnvironment, Recovery, detect_environment
+from ddpkit.environments.preemption import parse_signal
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs
 from ddpkit.launching.launcher import run_workers, stop_signals, worker_command
 from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
@@ -43,7 +44,6 @@ from ddpkit.launching.rendezvous import (
 )
 from ddpkit.launching.store_host import serve_outside_nodes
 from ddpkit.logs import get_logger
-from ddpkit.preemption import parse_signal
 from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
 
 __all__ = ["main"]

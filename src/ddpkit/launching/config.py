@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ddpkit.diagnostics.settings import check_worker_seconds_settings, recovery_timeout_seconds
 from ddpkit.environments import Recovery
-from ddpkit.job_secret import JobSecretError, job_secret
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits
+from ddpkit.store.job_secret import JobSecretError, job_secret
 from ddpkit.variables import DDPKIT_NCCL_IN_PLACE
 
 __all__ = ["LaunchConfig", "LaunchError", "RunAs", "validate"]

@@ -14,10 +14,10 @@ import threading
 import time
 from typing import Any
 
-from ddpkit import store_keys as keys
 from ddpkit.launching.launcher_records import LauncherRecords
 from ddpkit.launching.node_claims import ClaimKind, claim_kind, claimant, launcher_of
 from ddpkit.logs import get_logger
+from ddpkit.store import keys
 
 __all__ = ["Heartbeats"]
 

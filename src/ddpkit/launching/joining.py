@@ -13,16 +13,16 @@ from collections.abc import Mapping
 
 from ddpkit._network import listen_on, store_bind_address
 from ddpkit.environments import Recovery
-from ddpkit.generations import announce_node_lost
-from ddpkit.job_secret import job_secret
 from ddpkit.launching.config import LaunchConfig, LaunchError
 from ddpkit.launching.nodes import NodeCoordination, Shrinking, may_wait_beyond_max
 from ddpkit.launching.processes import WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousSettings, claim_endpoint, join
-from ddpkit.launching.store_client import GaveUpWaiting, GiveUp, connect
 from ddpkit.launching.store_host import StoreHost
 from ddpkit.launching.watch import failure_of
 from ddpkit.logs import get_logger
+from ddpkit.membership.generations import announce_node_lost
+from ddpkit.store.client import GaveUpWaiting, GiveUp, connect
+from ddpkit.store.job_secret import job_secret
 
 __all__ = ["announce_loss", "connect_nodes", "host_rendezvous", "host_store", "join_rendezvous"]
 

@@ -11,11 +11,11 @@ is), and the exit code and summary are the last failure's.
 
 With ``--recovery in-place`` (``launching.replacement``) the launcher also runs the store
 (``launching.store_host``) and a warm spare; a worker killed by a signal is replaced by the spare
-while the others keep running (they re-form the group with it: ``ddpkit.recovery``), and each
+while the others keep running (they re-form the group with it: ``ddpkit.training.recovery``), and each
 replacement counts against ``--max-restarts``; any other failure goes the way above.
 
 SIGINT to the launcher ends every worker the same way and returns 130, without a restart.
-SIGTERM, or the signal chosen with ``--preemption-signal``, is a preemption (``ddpkit.preemption``):
+SIGTERM, or the signal chosen with ``--preemption-signal``, is a preemption (``ddpkit.environments.preemption``):
 each worker gets SIGTERM on its own process; a script that calls ``DDPStrategy.preempted()``
 saves and exits with 75 on every rank, and so does the launcher; a worker that SIGTERM ended (a
 script that does not) makes the launcher end the others and return 143 (128 + the signal). A
@@ -43,8 +43,7 @@ from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import find_free_port, gloo_interface_towards
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
-from ddpkit.generations import member_identity
-from ddpkit.job_secret import job_secret, new_job_secret
+from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
 from ddpkit.launching.joining import announce_loss, connect_nodes, host_rendezvous, host_store, join_rendezvous
 from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
@@ -58,11 +57,12 @@ from ddpkit.launching.replacement import (
     ready_file,
 )
 from ddpkit.launching.spare_node import Takeover, wait_as_spare
-from ddpkit.launching.store_client import GaveUpWaiting, connect
 from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.launching.watch import Outcome, Signals, agree_across_nodes, watch
 from ddpkit.logs import get_logger
-from ddpkit.preemption import PREEMPTED_EXIT_CODE
+from ddpkit.membership.generations import member_identity
+from ddpkit.store.client import GaveUpWaiting, connect
+from ddpkit.store.job_secret import job_secret, new_job_secret
 from ddpkit.variables import (
     DDPKIT_BACKEND,
     DDPKIT_GENERATION,

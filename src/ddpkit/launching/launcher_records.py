@@ -1,7 +1,7 @@
 """The launchers' signed records in the job's store: what ``launching.nodes`` and its parts read
-and write to agree across nodes (their names: ``ddpkit.store_keys``, under ``launchers/``).
+and write to agree across nodes (their names: ``ddpkit.store.keys``, under ``launchers/``).
 
-With a job secret every value carries its HMAC (``ddpkit.job_secret``) and a forged one reads as
+With a job secret every value carries its HMAC (``ddpkit.store.job_secret``) and a forged one reads as
 absent. A record one node writes for itself is ``name/<node>``, with an unsigned count beside it
 that only says when there may be something new to read. Every request is bounded
 (``BoundedStore``); a store that does not answer or is gone is ``NodeContactLostError``.
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ddpkit import store_keys as keys
-from ddpkit.job_secret import RecordSigner, job_secret
-from ddpkit.launching.store_client import BoundedStore, StoreRequestTimeout
+from ddpkit.store import keys
+from ddpkit.store.client import BoundedStore, StoreRequestTimeout
+from ddpkit.store.job_secret import RecordSigner, job_secret
 
 __all__ = ["LauncherRecords", "NodeContactLostError", "may_wait_beyond_max"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import enum
 
-from ddpkit import store_keys as keys
 from ddpkit.launching.launcher_records import LauncherRecords
+from ddpkit.store import keys
 
 __all__ = ["ClaimKind", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim", "spent_claim"]
 

@@ -2,7 +2,7 @@
 a spare node taking a lost node's place, the world shrinking without a lost node (``Shrinking``,
 ``--nnodes MIN:MAX``) and growing back when a spare brings a removed node back, each counted
 against the job's budget of lost nodes (``--max-restarts``) and each a new generation of the
-workers' group (``ddpkit.generations``), numbered once for the whole job.
+workers' group (``ddpkit.membership.generations``), numbered once for the whole job.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ddpkit import store_keys as keys
-from ddpkit.generations import REMOVED, announce_growth, announce_node_lost, claim_rank, layout_at, write_layout
-from ddpkit.job_secret import job_secret
 from ddpkit.launching.heartbeats import Heartbeats
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
 from ddpkit.launching.node_claims import ClaimKind, claim, claim_kind, claimant, shrink_claim, spent_claim
 from ddpkit.logs import get_logger
+from ddpkit.membership.generations import REMOVED, announce_growth, announce_node_lost, claim_rank, layout_at, write_layout
+from ddpkit.store import keys
+from ddpkit.store.job_secret import job_secret
 
 __all__ = ["NodeReplacedError", "NodeWorld", "Shrinking"]
 
@@ -178,7 +178,7 @@ class NodeWorld:
     def hand_over(self, attempt: int, generation: int, holders: Mapping[int, str], why: str) -> None:
         """As the spare node that took a lost node's place: hold its ranks in ``generation`` of the
         workers' group for this node's warm spares (``holders``: rank -> ``member_identity``), then
-        tell the workers of the generation before that a node was lost (``why``; ``ddpkit.generations``).
+        tell the workers of the generation before that a node was lost (``why``; ``ddpkit.membership.generations``).
         In this order: the lost node's workers, if its link comes back, find their ranks held and end."""
         records, secret = self._records, job_secret()
         for rank, holder in holders.items():

@@ -3,7 +3,7 @@
 Every node's launcher reaches the job's store, which node 0's launcher hosts
 (``launching.store_host``; the workers meet through it too, one key prefix per attempt), and the
 launchers agree through keys under ``<the job's prefix>launchers/attempt/A/``, A counting the
-starts of the workers as ``DDPKIT_RESTART_COUNT`` does. With a job secret (``ddpkit.job_secret``)
+starts of the workers as ``DDPKIT_RESTART_COUNT`` does. With a job secret (``ddpkit.store.job_secret``)
 every value they read carries its HMAC, and a forged one is ignored: a stranger who reaches the
 store cannot stop the job, fail an attempt or name its cause. Where a count would do, each
 launcher writes a signed key of its own, and a count (which cannot be signed) only says that
@@ -36,9 +36,9 @@ one may be there to read:
 - under in-place recovery with ``--nnodes MIN:MAX`` (``Shrinking``, ``launching.node_world``), a silent node that no spare
   node takes over while at least MIN nodes would remain is left out instead: the first survivor's
   launcher whose claim on its place wins lays the next generation of the workers' group out
-  without its ranks (``ddpkit.generations.Layout``: the survivors train the lost ranks' shares of
+  without its ranks (``ddpkit.membership.generations.Layout``: the survivors train the lost ranks' shares of
   the data too, so the global batch stays), holds those ranks for no process, and tells the
-  survivors' workers, which form that generation in place (``ddpkit.recovery``). The node is
+  survivors' workers, which form that generation in place (``ddpkit.training.recovery``). The node is
   *removed*: no launcher waits for it, counts it, or restarts it. A launcher that arrives later
   (``may_wait_beyond_max`` admits it beyond MAX) waits as a spare node and brings a removed node back
   (``bring_back``): the next generation laid out with its ranks again, each taking its own share
@@ -53,7 +53,7 @@ one may be there to read:
 
 ``NodeCoordination`` is the facade the launcher holds: the outcome of an attempt (failures, stops,
 root cause, the restart barrier, leaving) is its own; its parts are the signed records
-(``launching.launcher_records``, every key named in ``ddpkit.store_keys``), the heartbeats
+(``launching.launcher_records``, every key named in ``ddpkit.store.keys``), the heartbeats
 (``launching.heartbeats``), the claims on a silent node's place (``launching.node_claims``) and
 the world's nodes as they change (``NodeCoordination.world``: ``launching.node_world``).
 
@@ -74,13 +74,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit import store_keys as keys
 from ddpkit.launching.heartbeats import Heartbeats
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError, may_wait_beyond_max
 from ddpkit.launching.node_claims import ClaimKind, claim_kind
 from ddpkit.launching.node_world import NodeReplacedError, NodeWorld, Shrinking
 from ddpkit.launching.rendezvous import StoreWaits
-from ddpkit.launching.store_client import (
+from ddpkit.launching.store_host import clear_worker_keys
+from ddpkit.store import keys
+from ddpkit.store.client import (
     BoundedStore,
     GaveUpWaiting,
     GiveUp,
@@ -88,7 +89,6 @@ from ddpkit.launching.store_client import (
     connect,
     never_give_up,
 )
-from ddpkit.launching.store_host import clear_worker_keys
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "may_wait_beyond_max"]

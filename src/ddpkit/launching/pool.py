@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddpkit import store_keys
 from ddpkit.launching.processes import SERVE_FUNCTIONS, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
+from ddpkit.store import keys as store_keys
 from ddpkit.variables import DDPKIT_POOL_CONNECTION  # the worker's end of its pipe, a file descriptor it inherits
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool", "serve"]
@@ -91,8 +91,8 @@ def serve() -> None:
     import torch
     import torch.distributed as dist
 
-    from ddpkit.connection import destroy_dist_connection
     from ddpkit.diagnostics.failures import record_exception
+    from ddpkit.membership.connection import destroy_dist_connection
 
     torch.set_num_threads(setup.threads)
     if setup.backend == "nccl":

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpkit.diagnostics.records import read_error_record, record_time
+from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.output import OutputPlan, WorkerOutput
-from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE
 
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a

@@ -20,7 +20,7 @@ launcher to see it close writes the world's size, and everyone reads that one. L
 arrive after it closed, up to MAX in all, wait as spare nodes (``launching.spare_node``).
 
 Arrivals are tickets: a launcher draws the next number from a count and writes its ticket under
-it, signed with the job secret when there is one (``ddpkit.job_secret``); node ranks are the
+it, signed with the job secret when there is one (``ddpkit.store.job_secret``); node ranks are the
 order of the signed tickets, so a stranger who adds to the count or writes tickets of its own
 takes no node's place. The rendezvous id stays outside the job's prefix and unsigned: it is what
 tells a launcher of another job (with another secret) that the endpoint is taken.
@@ -37,9 +37,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddpkit import store_keys
-from ddpkit.job_secret import RecordSigner, job_secret
-from ddpkit.launching.store_client import (
+from ddpkit.logs import get_logger
+from ddpkit.store import keys as store_keys
+from ddpkit.store.client import (
     BoundedStore,
     GaveUpWaiting,
     GiveUp,
@@ -48,7 +48,7 @@ from ddpkit.launching.store_client import (
     connect,
     never_give_up,
 )
-from ddpkit.logs import get_logger
+from ddpkit.store.job_secret import RecordSigner, job_secret
 
 __all__ = ["DEFAULT_PORT", "Endpoint", "Place", "RendezvousError", "RendezvousSettings", "StoreWaits", "claim_endpoint",
            "join", "parse_endpoint", "parse_rdzv_conf"]

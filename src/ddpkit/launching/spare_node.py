@@ -10,10 +10,10 @@ When one goes silent (its launcher and workers killed, its host lost), the spare
 its warm spares the lost node's ranks in the next generation of the group
 (``NodeWorld.next_generation``). It holds those ranks of that generation for its warm
 spares, then tells the survivors' generation that a node was lost (``NodeWorld.hand_over``,
-``ddpkit.generations``): a node whose link went down closed no connection, and its ranks, alive
+``ddpkit.membership.generations``): a node whose link went down closed no connection, and its ranks, alive
 behind it, must find their places taken should the link come back. The survivors' workers, whose
-collectives failed (or were told), form that generation (``ddpkit.group``); they meet the new
-ranks there and hand them the state (``ddpkit.recovery``), as on one node. The other launchers see
+collectives failed (or were told), form that generation (``ddpkit.membership.group``); they meet the new
+ranks there and hand them the state (``ddpkit.training.recovery``), as on one node. The other launchers see
 the claim and do not end their workers; the lost node's launcher, if it answers again, finds
 that it was replaced and ends its own (``NodeReplacedError``).
 
@@ -21,7 +21,7 @@ When the world shrank without a node instead (no spare was waiting then: ``launc
 spare that waits later brings it back: its claim on the removed node's place (the first written
 wins) makes it that node, its warm spares take the node's ranks and shares of the data again in
 the group's next generation, and the survivors' workers form it at a step boundary they agree on
-(``NodeWorld.bring_back``, ``ddpkit.recovery``).
+(``NodeWorld.bring_back``, ``ddpkit.training.recovery``).
 
 When every node's launcher has left (the job finished or ended) the spare ends too: exit 0, and
 its warm spares are stopped. torch-free, as the launcher is (the store's client comes from
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.processes import WorkerProcess
-from ddpkit.launching.store_client import GaveUpWaiting, GiveUp
 from ddpkit.logs import get_logger
+from ddpkit.store.client import GaveUpWaiting, GiveUp
 
 __all__ = ["Takeover", "wait_as_spare"]
 

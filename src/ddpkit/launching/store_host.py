@@ -45,10 +45,10 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import IO, Any
 
-from ddpkit import store_keys
 from ddpkit._network import listen_on
-from ddpkit.job_secret import RecordSigner, job_secret
 from ddpkit.launching.processes import describe_exit
+from ddpkit.store import keys as store_keys
+from ddpkit.store.job_secret import RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_LAUNCHER_PID
 
 __all__ = ["StoreHost", "StoreHostError", "clear_worker_keys", "launcher_key_prefixes", "main", "serve_outside_nodes"]
@@ -150,7 +150,7 @@ def _last_line(path: str) -> str:
 
 def launcher_key_prefixes() -> tuple[str, ...]:
     """Keys that belong to the launchers (``launching.nodes``, ``launching.rendezvous``) and outlive
-    attempts: under the job's prefix (``ddpkit.job_secret``; the store host has the launcher's
+    attempts: under the job's prefix (``ddpkit.store.job_secret``; the store host has the launcher's
     environment), and the rendezvous id, which is outside it."""
     return store_keys.launcher_prefixes(RecordSigner(job_secret()).namespace)
 
@@ -177,7 +177,7 @@ def _serve(address: str, port: int, listen_fd: int | None) -> Any:
 def serve_outside_nodes(host: str, port: int) -> int:
     """``ddpkit store``: keep a job's store on ``host`` ("" for every interface) and ``port`` until
     SIGINT or SIGTERM; the exit code (2 when it cannot listen there)."""
-    from ddpkit.launching.store_client import import_distributed  # torch's C++ logging quiet: this process is a server
+    from ddpkit.store.client import import_distributed  # torch's C++ logging quiet: this process is a server
 
     try:
         listener = listen_on(host, port)

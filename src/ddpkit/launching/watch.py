@@ -18,12 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.launching.replacement import NO_REPLACEMENTS, NoReplacements, Replacements
 from ddpkit.launching.store_host import StoreHost
 from ddpkit.logs import get_logger
-from ddpkit.preemption import PREEMPTED_EXIT_CODE
 
 __all__ = ["Outcome", "Signals", "agree_across_nodes", "failure_of", "watch"]
 

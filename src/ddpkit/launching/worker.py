@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception, uncaught_failure
+from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.processes import SERVE_FUNCTIONS, SPARE
 from ddpkit.logs import get_logger
-from ddpkit.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE
 
 _log = get_logger("launching")
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> None:
 # What a spare imports ahead of the script: the strategy brings the DDP module, the collectives and
 # in-place recovery. The launcher's own rule (import no more than it needs) is about the launcher and
 # a worker before its script; a spare's whole point is to have imported them already.
-_WARM_MODULES = ("torch", "ddpkit.strategy")
+_WARM_MODULES = ("torch", "ddpkit.training.strategy")
 
 
 def _wait_for_a_rank() -> None:
@@ -185,7 +185,7 @@ def _tear_down_group() -> None:
     there is the peer's to report (this rank's script succeeded)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from ddpkit.connection import destroy_dist_connection
+    from ddpkit.membership.connection import destroy_dist_connection
 
     try:
         destroy_dist_connection()

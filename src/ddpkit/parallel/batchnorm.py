@@ -12,7 +12,7 @@ computes the same thing with plain collectives:
   input are all-reduced, so each rank's input gradient is the one-process input gradient of its
   rows. ``weight`` and ``bias`` get this rank's share (the sum over its own rows), which DDP
   then averages like any gradient, as with torch's SyncBatchNorm;
-- in a world that shrank (``ddpkit.group``) a rank that trains several shares of each global
+- in a world that shrank (``ddpkit.membership.group``) a rank that trains several shares of each global
   batch has its loss averaged over all their rows, so its output gradient is that much smaller
   than a rank's with one share: its sums count that many times in the all-reduce, and it divides
   the result back, so every rank's input gradient is still the one-process one (the DDP module
@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddpkit.collective_call import collective_call
+from ddpkit.comm.collective_call import collective_call
 from ddpkit.diagnostics.waits import run_collective
-from ddpkit.group import current_group
+from ddpkit.membership.group import current_group
 
 __all__ = ["SyncBatchNorm"]
 
@@ -115,7 +115,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 def _shares_held(group: Any) -> int:
     """How many shares of each global batch this rank trains in ``group``: more than one only in the
-    default group of a world that shrank (``ddpkit.group``)."""
+    default group of a world that shrank (``ddpkit.membership.group``)."""
     if group is not dist.group.WORLD or (current := current_group()) is None:
         return 1
     return len(current.membership.shares)

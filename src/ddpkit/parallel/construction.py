@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddpkit.collectives import all_gather_object
+from ddpkit.comm.collectives import all_gather_object
 
 __all__ = ["check_device", "check_membership", "check_same_module_everywhere", "to_device"]
 

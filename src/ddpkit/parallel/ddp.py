@@ -51,13 +51,13 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ddpkit._allocator import keep_freed_memory
-from ddpkit.collective_call import collective_call
-from ddpkit.collectives import all_gather_object
-from ddpkit.connection import distributed_available
+from ddpkit.comm.collective_call import collective_call
+from ddpkit.comm.collectives import all_gather_object
 from ddpkit.diagnostics.failures import guard
 from ddpkit.diagnostics.waits import run_collective
-from ddpkit.group import Membership, current_group
 from ddpkit.hooks.contract import check_comm_hook, check_pre_sync_hook, describe_hook, is_elementwise_average
+from ddpkit.membership.connection import distributed_available
+from ddpkit.membership.group import Membership, current_group
 from ddpkit.parallel.buckets import DEFAULT_CAP_BYTES
 from ddpkit.parallel.compiled_backward import fuse_compiled_reductions
 from ddpkit.parallel.construction import check_device, check_membership, check_same_module_everywhere, to_device
@@ -336,9 +336,9 @@ class DistributedDataParallel(nn.Module):
         return handle
 
     def _follow_membership(self, membership: Membership) -> None:
-        """A new generation of the default group (``ddpkit.group``): this rank's place in it."""
+        """A new generation of the default group (``ddpkit.membership.group``): this rank's place in it."""
         self._rank, self._world_size = membership.rank, membership.world_size
-        # A rank that trains lost ranks' shares too counts for them (``ddpkit.group``).
+        # A rank that trains lost ranks' shares too counts for them (``ddpkit.membership.group``).
         self._reducer.follow(membership.rank, membership.world_size, membership.weight)
 
     def bucket_order(self) -> tuple[list[str], bool]:

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ddpkit.collective_call import collective_call
-from ddpkit.collectives import broadcast_object
+from ddpkit.comm.collective_call import collective_call
+from ddpkit.comm.collectives import broadcast_object
 from ddpkit.diagnostics.debug import debug_enabled
 from ddpkit.diagnostics.failures import CollectiveFailedError, guard
 from ddpkit.diagnostics.waits import wait_for
@@ -113,7 +113,7 @@ class Reducer:
     def follow(self, rank: int, world_size: int, weight: float | None = None) -> None:
         """This rank's place in the group (at construction, and when the group is formed again), and
         its ``weight``: its part of the global batch, what its gradient counts for in the average
-        (1/world_size by default; more on a rank that trains a lost rank's share: ``ddpkit.group``)."""
+        (1/world_size by default; more on a rank that trains a lost rank's share: ``ddpkit.membership.group``)."""
         self._rank, self._world_size = rank, world_size
         self._scale = 1.0 / world_size if weight is None else weight
         # What a gradient is multiplied by before a reduction that averages over the group itself

@@ -1,6 +1,6 @@
 """The loop a training script runs through ``DDPStrategy``: ``epochs()``, ``batches()`` and
 ``step()``, which know where training is (``Progress``) and, under in-place recovery
-(``ddpkit.recovery``), turn a lost rank inside a step into a recovery and hand out again the
+(``ddpkit.training.recovery``), turn a lost rank inside a step into a recovery and hand out again the
 batches since the last optimizer step.
 """
 
@@ -14,15 +14,15 @@ from typing import Any, NoReturn, TypeVar
 import torch
 from torch import Tensor
 
-from ddpkit.agreement import PreemptionAgreement
-from ddpkit.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.diagnostics.failures import PeerLostError, failure_behind, guard, raised_by_torch_distributed, raising
 from ddpkit.environments import ClusterEnvironment, Recovery
 from ddpkit.environments.contract import launch_contract
+from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
-from ddpkit.preemption import PREEMPTED_EXIT_CODE
-from ddpkit.recovery import InPlaceRecovery, Progress
-from ddpkit.training_state import TrackedState
+from ddpkit.training.agreement import PreemptionAgreement
+from ddpkit.training.data import EpochDataLoader, ShareSampler, set_epoch
+from ddpkit.training.recovery import InPlaceRecovery, Progress
+from ddpkit.training.state import TrackedState
 
 __all__ = ["LoopMethods", "ResumableLoop"]
 
@@ -202,7 +202,7 @@ class LoopMethods:
 
     def step(self) -> contextlib.AbstractContextManager[None]:
         """One training step; under in-place recovery a rank lost in it is replaced and the block
-        ends quietly (``ddpkit.resumable_loop.ResumableLoop``)."""
+        ends quietly (``ddpkit.training.resumable_loop.ResumableLoop``)."""
         return self._loop.step()
 
     def backward(self, loss: Tensor) -> None:
@@ -212,7 +212,7 @@ class LoopMethods:
     def preempted(self) -> bool:
         """Whether the job is asked to stop: True on every rank at the same call once any rank got
         SIGTERM or DDPKIT_PREEMPTION_SIGNAL (caught from the first call on). Call it once per step;
-        when True, save and ``exit_preempted()``. When it answers: ``ddpkit.agreement``."""
+        when True, save and ``exit_preempted()``. When it answers: ``ddpkit.training.agreement``."""
         if self._preemption is None:
             self._preemption = PreemptionAgreement()
         return self._preemption.decide()
@@ -251,7 +251,7 @@ def _release_frames(error: BaseException) -> None:
 
 def _read_from(loader: Iterable[Any], epoch: int, batch: int) -> tuple[Iterator[Any], int]:
     """An iterator over ``loader``'s batches of ``epoch``, and the index of the first it gives:
-    ``batch`` when the loader's sampler can start there (``ddpkit.data.shard``'s), else 0 (the
+    ``batch`` when the loader's sampler can start there (``ddpkit.training.data.shard``'s), else 0 (the
     caller skips the batches before). The epoch is set for every pass, the first of the epoch or
     a re-read after a shrink: an ``EpochDataLoader`` counts its passes, and a second pass in the
     same epoch would otherwise shuffle as the next epoch."""

@@ -5,7 +5,7 @@ A scheduler that takes the machines back warns first: SIGTERM, then SIGKILL afte
 ahead of time (Slurm's ``--signal=USR1@90``). ``ddpkit run`` passes it on to its workers as
 SIGTERM; srun, mpirun or Kubernetes send it to every process themselves. In each worker a
 ``PreemptionNotice`` notes it, and ``DDPStrategy.preempted()`` turns the notes of all ranks into
-one decision taken at the same step everywhere (``ddpkit.agreement``), so that every rank saves
+one decision taken at the same step everywhere (``ddpkit.training.agreement``), so that every rank saves
 and exits with ``PREEMPTED_EXIT_CODE``; run again, the script resumes from that checkpoint.
 
 The signal besides SIGTERM comes from DDPKIT_PREEMPTION_SIGNAL: ``ddpkit run --preemption-signal``

@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ddpkit.collective_call import collective, collective_call
-from ddpkit.connection import distributed_available
-from ddpkit.diagnostics.waits import run_collective, wait_for
-from ddpkit.primitives import (
+from ddpkit.comm.collective_call import collective, collective_call
+from ddpkit.comm.primitives import (
     ProcessGroup,
     all_gather_bytes,
     all_gather_stacked,
     communication_device,
     group_rank_and_size,
 )
+from ddpkit.diagnostics.waits import run_collective, wait_for
+from ddpkit.membership.connection import distributed_available
 
 __all__ = [
     "AllGatherGrad",

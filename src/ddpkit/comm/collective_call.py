@@ -1,7 +1,7 @@
 """The one diagnostics seam: every ddpkit collective, and each gradient synchronisation of the
 DDP module, runs inside ``with collective_call(operation, group, tensor):`` (hang watch, debug-mode
 fingerprints, a peer's failure named instead of a connection error); ``collective`` runs a
-function of ``ddpkit.collectives`` inside one. Built on ``ddpkit.primitives`` (below it); the
+function of ``ddpkit.comm.collectives`` inside one. Built on ``ddpkit.comm.primitives`` (below it); the
 public collectives are built on it: no module of either imports the other's way back.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ddpkit.connection import distributed_available
+from ddpkit.comm.primitives import ProcessGroup, all_gather_bytes, all_gather_stacked, communication_device, group_rank_and_size
 from ddpkit.diagnostics.debug import (
     CollectiveMismatchError,
     call_site,
@@ -27,7 +27,7 @@ from ddpkit.diagnostics.debug import (
 from ddpkit.diagnostics.failures import failure_behind, raising
 from ddpkit.diagnostics.hangs import HangWatch, start_hang_watch
 from ddpkit.diagnostics.peer_watch import watch_peers
-from ddpkit.primitives import ProcessGroup, all_gather_bytes, all_gather_stacked, communication_device, group_rank_and_size
+from ddpkit.membership.connection import distributed_available
 
 __all__ = ["collective", "collective_call"]
 

@@ -1,7 +1,7 @@
 """Where one generation of the workers' group keeps its keys in the job's store, and the records that
 a spare node's launcher writes there for the workers (torch-free: the launcher imports it).
 
-Every formation of the group under in-place recovery (``ddpkit.group``) is a generation with keys of
+Every formation of the group under in-place recovery (``ddpkit.membership.group``) is a generation with keys of
 its own under ``generation_prefix``, its records bound to ``generation_scope`` by the job secret.
 When a spare node takes a lost node's place (``launching.spare_node``), its launcher writes two
 things there before its warm spares join:
@@ -34,8 +34,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit import store_keys
-from ddpkit.job_secret import JobSecret, RecordSigner, unsigned_namespace
+from ddpkit.store import keys as store_keys
+from ddpkit.store.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
 __all__ = ["REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth", "announce_node_lost",
            "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished", "layout_at",

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ddpkit.collectives import all_gather_ddp_if_available, all_gather_object
+from ddpkit.comm.collectives import all_gather_ddp_if_available, all_gather_object
 from ddpkit.logs import get_logger
-from ddpkit.training_state import TrackedState
+from ddpkit.training.state import TrackedState
 from ddpkit.variables import DDPKIT_CHECK_REPLICAS
 
 __all__ = ["ReplicaCheck", "ReplicaMismatchError", "check_every", "compare_replicas", "fingerprints"]

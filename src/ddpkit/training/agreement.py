@@ -29,12 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.collective_call import collective_call
-from ddpkit.connection import distributed_available
+from ddpkit.comm.collective_call import collective_call
+from ddpkit.comm.primitives import communication_device
 from ddpkit.diagnostics.waits import wait_for
-from ddpkit.group import Membership, current_group
-from ddpkit.preemption import PreemptionNotice, preemption_signals
-from ddpkit.primitives import communication_device
+from ddpkit.environments.preemption import PreemptionNotice, preemption_signals
+from ddpkit.membership.connection import distributed_available
+from ddpkit.membership.group import Membership, current_group
 
 __all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "PreemptionAgreement", "StepAgreement"]
 
@@ -137,7 +137,7 @@ class StepAgreement:
         return self._decided
 
     def _forget_pending_round(self, _: Membership) -> None:
-        """The group was formed again (``ddpkit.group``): the round on its way belonged to the
+        """The group was formed again (``ddpkit.membership.group``): the round on its way belonged to the
         abandoned one, whose collective will not complete. Agree afresh."""
         self._pending = None
         self._calls_until_round = self._calls_since_round = 0

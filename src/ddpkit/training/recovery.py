@@ -12,12 +12,12 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
 - **Survivors.** A collective of the step fails (the killed rank closed its connections; the
   first rank to see it tells the others through the store: ``PeerLostError``; a ``torch.distributed``
   call of the script's own fails with Gloo's error, which ``step()`` reads the same way), or a spare node's
-  launcher says that a node was lost (its link down: nothing was closed; ``ddpkit.generations``). ``step()`` catches
-  it, abandons the group and forms the next generation (``ddpkit.group.Group.reconfigure``): with the
+  launcher says that a node was lost (its link down: nothing was closed; ``ddpkit.membership.generations``). ``step()`` catches
+  it, abandons the group and forms the next generation (``ddpkit.membership.group.Group.reconfigure``): with the
   same ranks, replacements taking the lost ones' places, or, when the world shrank, without them.
   Then ``InPlaceRecovery.recover`` runs the exchange below and ``batches()`` hands out again the
   batches after the last optimizer step; a survivor that now trains lost ranks' shares of the data
-  too reads them from its loader anew, from that batch on (``ddpkit.data``).
+  too reads them from its loader anew, from that batch on (``ddpkit.training.data``).
 - **Between steps**, a rank lost during ``DDPStrategy.save_checkpoint`` is handled the same
   way by the survivors waiting in the save (see there); the replacement starts at the next
   batch, or at the next epoch once the loop has left ``batches()``. Any other collective
@@ -28,11 +28,11 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
 - **The exchange.** The ranks gather (is a replacement, optimizer steps taken); the survivor with
   the most steps (the lowest rank among equals) sends its state by broadcast: parameters,
   buffers as they were after its last optimizer step, optimizer state, the state of every object
-  the loop tracks (``ddpkit.training_state``: schedules, the ``GradScaler``, EMA weights...), the
+  the loop tracks (``ddpkit.training.state``: schedules, the ``GradScaler``, EMA weights...), the
   position (epoch, next batch), the step count, its RNG state as of that step, and the bucket order.
   Every other rank loads it, so a survivor whose last all-reduce failed while another's completed
   also continues from the later step: no step is lost and none is applied twice. No file is read.
-  The replicas are compared at the end of the next step trained (``ddpkit.replicas``).
+  The replicas are compared at the end of the next step trained (``ddpkit.training.replicas``).
 
 The commit point is the optimizer step (``register_step_post_hook``): the position moves past a
 batch when the optimizer has stepped on it, so with gradient accumulation the whole window is
@@ -51,15 +51,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.agreement import StepAgreement
-from ddpkit.collectives import all_gather_object
+from ddpkit.comm.collectives import all_gather_object
 from ddpkit.diagnostics.failures import PeerLostError
-from ddpkit.group import Group, current_group
 from ddpkit.logs import get_logger
+from ddpkit.membership.group import Group, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.replicas import ReplicaCheck
-from ddpkit.state_transfer import broadcast_state
-from ddpkit.training_state import TrackedState
+from ddpkit.training.agreement import StepAgreement
+from ddpkit.training.replicas import ReplicaCheck
+from ddpkit.training.state import TrackedState
+from ddpkit.training.state_transfer import broadcast_state
 from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["InPlaceRecovery", "Progress"]
@@ -227,7 +227,7 @@ class InPlaceRecovery:
 
     def at_step_boundary(self) -> None:
         """Between two optimizer steps (the loop calls it after each committed batch, on every rank):
-        compare the replicas when it is time (``ddpkit.replicas``); in a world that shrank, agree with
+        compare the replicas when it is time (``ddpkit.training.replicas``); in a world that shrank, agree with
         the other ranks whether a node waits to join, and when one does, form the next generation
         with it at this same boundary on every rank."""
         if self._replica_check is not None:

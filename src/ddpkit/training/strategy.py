@@ -26,7 +26,7 @@ then uses the strategy's helpers, which need nothing else in any other mode:
 The strategy holds a cluster environment, a device and the wrapped model, and delegates the
 work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks; its two base
 classes are flat sets of methods, each in the module of its concern: Lightning's plugin hooks
-(``ddpkit.plugin_hooks``) and the training loop's (``ddpkit.resumable_loop.LoopMethods``).
+(``ddpkit.training.plugin_hooks``) and the training loop's (``ddpkit.training.resumable_loop.LoopMethods``).
 Processes come from a launcher (``ddpkit run``), a scheduler, or the script itself: run directly
 (``python train.py``) with several ``parallel_devices``, the script's process becomes local rank 0
 and starts local ranks 1..N-1 by running the same command again.
@@ -44,15 +44,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from ddpkit.checkpoints import read_checkpoint, write_atomically
-from ddpkit.collective_call import collective_call
-from ddpkit.collectives import barrier, broadcast_object, sync_ddp_if_available
-from ddpkit.connection import (
-    destroy_dist_connection,
-    distributed_available,
-    init_dist_connection,
-)
-from ddpkit.data import shard
+from ddpkit.comm.collective_call import collective_call
+from ddpkit.comm.collectives import barrier, broadcast_object, sync_ddp_if_available
 from ddpkit.diagnostics.failures import PeerLostError, guard, record_failure
 from ddpkit.diagnostics.records import trace_record
 from ddpkit.environments import (
@@ -63,15 +56,22 @@ from ddpkit.environments import (
     restart_count,
 )
 from ddpkit.environments.contract import launch_contract
-from ddpkit.group import current_group
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, processes_to_start, start_local_ranks
 from ddpkit.logs import get_logger
+from ddpkit.membership.connection import (
+    destroy_dist_connection,
+    distributed_available,
+    init_dist_connection,
+)
+from ddpkit.membership.group import current_group
 from ddpkit.parallel.wrapping import join, no_sync, wrap
-from ddpkit.plugin_hooks import LightningPluginHooks
-from ddpkit.replicas import ReplicaCheck, check_every
-from ddpkit.resumable_loop import LoopMethods, ResumableLoop
-from ddpkit.training_state import Stateful, TrackedState
+from ddpkit.training.checkpoints import read_checkpoint, write_atomically
+from ddpkit.training.data import shard
+from ddpkit.training.plugin_hooks import LightningPluginHooks
+from ddpkit.training.replicas import ReplicaCheck, check_every
+from ddpkit.training.resumable_loop import LoopMethods, ResumableLoop
+from ddpkit.training.state import Stateful, TrackedState
 
 __all__ = ["DDPStrategy"]
 
@@ -129,7 +129,7 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
     @property
     def global_rank(self) -> int:
         """This process's rank in the group: the environment's, or the group's since the world shrank
-        (``ddpkit.group``; the launcher's ``RANK`` stays as it started the process)."""
+        (``ddpkit.membership.group``; the launcher's ``RANK`` stays as it started the process)."""
         group = current_group()
         return group.rank if group is not None else self.cluster_environment.global_rank()
 
@@ -243,12 +243,12 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
 
     def _replicated(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer
                     ) -> Callable[[], tuple[nn.Module, torch.optim.Optimizer, TrackedState]]:
-        """What the replica check compares (``ddpkit.replicas``): the module, the optimizer and what is tracked."""
+        """What the replica check compares (``ddpkit.training.replicas``): the module, the optimizer and what is tracked."""
         module = getattr(wrapped, "module", wrapped)
         return lambda: (module, optimizer, self._loop.tracked)
 
     def setup_dataloader(self, loader: DataLoader[Any]) -> DataLoader[Any]:
-        """``loader`` sharded over the data-parallel group, a new shuffle each pass (``ddpkit.data.shard``)."""
+        """``loader`` sharded over the data-parallel group, a new shuffle each pass (``ddpkit.training.data.shard``)."""
         follows = current_group() if self.data_parallel_group is None else None
         if follows is None:
             kwargs = self.distributed_sampler_kwargs
@@ -292,7 +292,7 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
     # -- checkpoints and output ------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | os.PathLike[str], state: dict[str, Any]) -> None:
-        """Rank 0 writes ``state`` atomically (``ddpkit.checkpoints``); all ranks wait. A rank lost in
+        """Rank 0 writes ``state`` atomically (``ddpkit.training.checkpoints``); all ranks wait. A rank lost in
         a save between steps is replaced in place, and when it was rank 0 the lowest survivor
         writes the file (the new rank 0, when the world shrank); a save inside ``step()`` is
         ``step()``'s to recover, and is not redone. Called after a step that was recovered (the code

@@ -1,7 +1,7 @@
 """Data for several ranks: ``shard`` (a loader's DistributedSampler, its epoch set at each pass)
 and ``even_batches`` (every rank stops at the shortest rank's number of batches).
 
-A loader ``shard`` made follows the group (``ddpkit.group``): when the world shrinks and this
+A loader ``shard`` made follows the group (``ddpkit.membership.group``): when the world shrinks and this
 rank trains lost ranks' shares too, each of its batches is the concatenation of those shares'
 batches (``ShareSampler``), the ones the ranks of the starting world read at that step, so the
 global batch, its samples and their order within each share stay those of the run without the
@@ -23,10 +23,10 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-from ddpkit.collectives import sync_ddp
-from ddpkit.connection import distributed_available
-from ddpkit.group import Group, Membership
-from ddpkit.primitives import communication_device
+from ddpkit.comm.collectives import sync_ddp
+from ddpkit.comm.primitives import communication_device
+from ddpkit.membership.connection import distributed_available
+from ddpkit.membership.group import Group, Membership
 
 __all__ = ["EpochDataLoader", "ShareSampler", "even_batches", "set_epoch", "shard"]
 
@@ -63,7 +63,7 @@ def shard(loader: DataLoader[Any], num_replicas: int, rank: int, group: Group | 
     each rank reads its own share; each pass over it shuffles for the next epoch
     (``EpochDataLoader``). A loader with a DistributedSampler already is returned as it is.
 
-    With ``group`` (``ddpkit.group``; ``DDPStrategy`` gives the default group's), the shares
+    With ``group`` (``ddpkit.membership.group``; ``DDPStrategy`` gives the default group's), the shares
     follow the group's membership when it is formed again: each rank's share is taken anew, and a
     rank that trains several shares (``shares``, ranks of ``num_replicas``; ``(rank,)`` by default)
     reads their batches as one.

@@ -1,4 +1,4 @@
-"""The store a group is formed through, with torch's own values signed (``ddpkit.job_secret``).
+"""The store a group is formed through, with torch's own values signed (``ddpkit.store.job_secret``).
 
 When torch forms a Gloo group, each rank writes its address under a key of the store and reads
 the others' (``set``, ``wait``, ``get``). Anyone who reaches the store can write an address under
@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ddpkit.job_secret import RecordSigner
-from ddpkit.pass_through_store import PassThroughStore, kept
+from ddpkit.store.job_secret import RecordSigner
+from ddpkit.store.pass_through import PassThroughStore, kept
 
 __all__ = ["SignedStore", "signed"]
 

@@ -10,18 +10,18 @@ torch's default process group does not say about itself:
 - the **membership**: generation, rank and world size (``Membership``);
 - ``abort()``: leave torch's group (a rank of it vanished) and free it in a thread of its own,
   since freeing waits for any collective of it still pending in a Gloo thread;
-- ``reconfigure()``: form the next generation, laid out as the launchers said (``ddpkit.generations``:
+- ``reconfigure()``: form the next generation, laid out as the launchers said (``ddpkit.membership.generations``:
   the same members, a replacement taking a lost rank's place, or fewer when the world shrank),
   once every member has arrived;
 - ``on_reconfigure(callback)``: **the one hook** through which whatever caches membership learns
   of a new generation. Called in registration order, after the new torch group exists and
   before anything else runs on it. Who registers: the diagnostics (the hang watch and the peer
   watch follow the new group), the DDP module (rank, world size, its Reducer's scale), the
-  sampler of ``ddpkit.data.shard`` (its share of the data), ``StepAgreement`` (a round pending on
+  sampler of ``ddpkit.training.data.shard`` (its share of the data), ``StepAgreement`` (a round pending on
   the abandoned group is dropped). A comm hook's state (PowerSGD's) does not: in-place recovery
   refuses a comm hook state, since it would not reach a replacement.
 
-With a job secret (``ddpkit.job_secret``), the group's keys live under the job's prefix, its
+With a job secret (``ddpkit.store.job_secret``), the group's keys live under the job's prefix, its
 records are bound to its attempt and generation, and every formation of it (at connection, and
 each ``reconfigure``) begins with ``prove_members``: each member proves over the group's own
 connections that it holds the secret, before anything is sent to it or unpickled from it (a
@@ -29,7 +29,7 @@ process outside the job that wrote itself into the store as a member is named, a
 stop).
 
 The membership knows two worlds. The **group**'s (rank, world size) is torch's: who sends to whom.
-The **data world** is the one the job started with (``ddpkit.generations.Layout``): each of its
+The **data world** is the one the job started with (``ddpkit.membership.generations.Layout``): each of its
 ranks trained one share of every global batch, and when the world shrinks a survivor trains the
 lost ranks' shares as well as its own (``Membership.shares``), so the global batch stays the same.
 A process is known across generations by its **job rank**, ``RANK`` as the launcher started it.
@@ -50,15 +50,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit import store_keys
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.failures import expect_lost_peers, sign_records_in
 from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import abort_nccl_communicators, watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
-from ddpkit.forming_store import GenerationAbandonedError, forming
-from ddpkit.generations import (
+from ddpkit.logs import get_logger
+from ddpkit.membership.generations import (
     Layout,
     RankTakenError,
     announce_finished,
@@ -71,10 +70,11 @@ from ddpkit.generations import (
     member_identity,
     node_lost,
 )
-from ddpkit.job_secret import JobSecret, RecordSigner, member_proof
-from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
-from ddpkit.signed_store import signed
+from ddpkit.store import keys as store_keys
+from ddpkit.store.forming import GenerationAbandonedError, forming
+from ddpkit.store.job_secret import JobSecret, RecordSigner, member_proof
+from ddpkit.store.signed import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["Group", "MemberProofError", "Membership", "current_group"]
@@ -180,7 +180,7 @@ class Group:
 
     def store_of(self, generation: int) -> Any:
         """The launcher's store under ``generation``'s prefix: that generation's torch group's store
-        (torch's values in it signed, with a job secret: ``ddpkit.signed_store``)."""
+        (torch's values in it signed, with a job secret: ``ddpkit.store.signed``)."""
         return self.signed(dist.PrefixStore(self._prefix(generation), self._launcher_store),  # type: ignore[attr-defined]
                            generation)
 
@@ -238,7 +238,7 @@ class Group:
 
     def reconfigure(self) -> Membership:
         """Abandon the current torch group and form the next generation as the launchers laid it out
-        (``ddpkit.generations.layout_at``: the same members, a replacement taking a lost rank's place,
+        (``ddpkit.membership.generations.layout_at``: the same members, a replacement taking a lost rank's place,
         or the survivors of a world that shrank) once every member has arrived (``form``); then tell
         every reaction. ``TimeoutError`` when not all arrive within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
         if not self._in_place:
@@ -287,7 +287,7 @@ class Group:
 
     def _connect(self, membership: Membership, init_options: dict[str, Any]) -> None:
         """``init_process_group`` for ``membership``, through a store whose waits end when the
-        generation is given up (``ddpkit.forming_store``). Connecting is bounded by the recovery
+        generation is given up (``ddpkit.store.forming``). Connecting is bounded by the recovery
         timeout too (a member that died once its address was out, or whose link went down, never
         connects); the group's own timeout is set once it is formed. Generation 0 (not met first)
         has the group's timeout for both."""
@@ -476,5 +476,5 @@ def current_group() -> Group | None:
 
 
 def set_current_group(group: Group | None) -> None:
-    """For ``ddpkit.connection`` only: the group it formed, or None after tearing it down."""
+    """For ``ddpkit.membership.connection`` only: the group it formed, or None after tearing it down."""
     PROCESS.connection.group = group

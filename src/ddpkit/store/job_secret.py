@@ -13,7 +13,7 @@ secret:
   attempt and generation of the group it belongs to) and its contents (``RecordSigner``); a record
   that fails is ignored, and said once;
 - every member of a group proves the secret before anything is sent to it or unpickled from it
-  (``member_proof``, used by ``ddpkit.group``).
+  (``member_proof``, used by ``ddpkit.membership.group``).
 
 Where the secret comes from (``job_secret``), in this order: ``DDPKIT_JOB_SECRET`` (the job's
 environment: what a scheduler passes to every node, e.g. a Kubernetes Secret), or the file named by
@@ -41,7 +41,7 @@ from typing import Any
 
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
-from ddpkit.store_keys import NAMESPACE, signed_namespace
+from ddpkit.store.keys import NAMESPACE, signed_namespace
 from ddpkit.variables import DDPKIT_JOB_SECRET, DDPKIT_JOB_SECRET_FILE
 
 __all__ = ["MIN_SECRET_CHARACTERS", "JobSecret", "JobSecretError", "RecordSigner", "job_secret", "member_proof",

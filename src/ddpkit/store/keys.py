@@ -2,7 +2,7 @@
 workers and the diagnostics all read it.
 
 The job's store (the launcher's, ``ddpkit store``'s, or rank 0's) holds, under the job's
-namespace (``NAMESPACE`` without a job secret; ``signed_namespace`` with one, ``ddpkit.job_secret``):
+namespace (``NAMESPACE`` without a job secret; ``signed_namespace`` with one, ``ddpkit.store.job_secret``):
 
     <namespace>attempt/<a>/generation/<g>/     one formation of the workers' group (``generation_prefix``)
         member/<rank>                           who holds a rank in it (``member``)

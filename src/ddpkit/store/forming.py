@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ddpkit.pass_through_store import PassThroughStore, kept
+from ddpkit.store.pass_through import PassThroughStore, kept
 
 __all__ = ["FormingStore", "GenerationAbandonedError", "forming"]
 

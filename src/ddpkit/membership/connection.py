@@ -9,11 +9,11 @@ one process and in many.
 Under in-place recovery (``ddpkit run --recovery in-place``), and when the launchers of several
 nodes restart together, the store is not rank 0's: the launcher hosts it
 (``launching/store_host.py``), so it outlives any rank, and each attempt and each generation of
-the group keeps its keys under a prefix of its own. Each connection makes a ``ddpkit.group.Group``
+the group keeps its keys under a prefix of its own. Each connection makes a ``ddpkit.membership.group.Group``
 (``current_group()``), which owns that store, the membership and its changes
 (``Group.reconfigure``), and starts the diagnostics that follow the group.
 
-With a job secret (``ddpkit.job_secret``; ``ddpkit run`` on one node makes one), the group's
+With a job secret (``ddpkit.store.job_secret``; ``ddpkit run`` on one node makes one), the group's
 members prove it to each other as the group forms, and ddpkit's records in the store are signed.
 A multi-process job without one runs as before, and rank 0 says so once.
 """
@@ -29,7 +29,6 @@ import torch
 import torch._dynamo  # noqa: F401  (imported before any process group exists; see below)
 import torch.distributed as dist
 
-from ddpkit import store_keys
 from ddpkit._network import gloo_interface_towards, listen_on, store_bind_address
 from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.waits import run_collective
@@ -39,9 +38,10 @@ from ddpkit.environments import (
     check_place,
 )
 from ddpkit.environments.contract import LaunchContract, launch_contract
-from ddpkit.group import Group, Membership, current_group, set_current_group
-from ddpkit.job_secret import job_secret
 from ddpkit.logs import get_logger
+from ddpkit.membership.group import Group, Membership, current_group, set_current_group
+from ddpkit.store import keys as store_keys
+from ddpkit.store.job_secret import job_secret
 from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_JOB_SECRET, DDPKIT_LAUNCHED
 
 __all__ = [

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ddpkit.collective_call import collective_call
-from ddpkit.collectives import broadcast_object
+from ddpkit.comm.collective_call import collective_call
+from ddpkit.comm.collectives import broadcast_object
+from ddpkit.comm.primitives import communication_device
 from ddpkit.diagnostics.waits import run_collective
-from ddpkit.primitives import communication_device
 
 __all__ = ["broadcast_state"]
 
