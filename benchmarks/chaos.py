@@ -25,7 +25,9 @@ within two seconds half of the time: during the recovery it started):
   example's ``--kill-during checkpoint-save``);
 - ``kill-spare``: SIGKILL to the warm spare (in-place recovery);
 - ``kill-launcher``: SIGKILL to a node's ``ddpkit run`` (two nodes; node 0's hosts the store; the
-  launchers wait 30 s for one another at the start, ``--rdzv-conf join_timeout=30``);
+  launchers wait 30 s for one another at the start, ``--rdzv-conf join_timeout=30``; in a world
+  that may shrink, not before both launchers are in the job: one killed before it arrives makes a
+  job of one node from the start, as ``--nnodes 1:2`` asks, whose result is another one);
 - ``freeze``: SIGSTOP to a rank for longer than the hang threshold (``DDPKIT_HANG_SECONDS`` and
   ``DDPKIT_HANG_ABORT_SECONDS`` are 3 here), SIGCONT after it if it still lives;
 - ``link-down``: node 1's network link down for 5 s (two nodes in namespaces);
@@ -166,7 +168,7 @@ class Job:
 
     def __init__(self, folder: Path, setup: str, port: int, extra: list[str], namespaces: Nodes | None,
                  name: str = "first") -> None:
-        self.folder, self.namespaces = folder, namespaces
+        self.folder, self.namespaces, self.setup = folder, namespaces, setup
         train = [str(EXAMPLE), *extra, "--checkpoint", str(folder / "checkpoint") + os.sep]
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "DDPKIT_HANG_SECONDS": str(HANG_SECONDS),
                        "DDPKIT_HANG_ABORT_SECONDS": str(HANG_SECONDS), "DDPKIT_RECOVERY_TIMEOUT_SECONDS": "15",
@@ -201,6 +203,17 @@ class Job:
 
     def running(self) -> bool:
         return any(launcher.poll() is None for launcher in self.launchers)
+
+    def formed(self) -> bool:
+        """Whether every launcher is in the job: in a world that may shrink, each said which node of
+        the rendezvous it is (elsewhere the launchers wait for one another: always true)."""
+        if self.setup != "shrink":
+            return True
+        said = []
+        for _, stderr in self.outputs:
+            with open(stderr.name) as text:
+                said.append(re.search(r"rendezvous .* complete: this is node \d+ of 2", text.read()) is not None)
+        return all(said)
 
     def wait(self, bound: float) -> bool:
         """Until every launcher ended (True) or ``bound`` seconds passed since the start (False)."""
@@ -300,7 +313,9 @@ class Injector(threading.Thread):
             for cleanup in [cleanup for cleanup in self.cleanups if cleanup[0] <= now]:
                 self.cleanups.remove(cleanup)
                 self._clean(cleanup[1], cleanup[2])
-            if pending and pending[0].at <= now:
+            # A launcher killed before it arrived makes a smaller job (--nnodes 1:2 starts with MIN, as
+            # torchrun's), not a loss: it waits until both are in the job.
+            if pending and pending[0].at <= now and (pending[0].kind != "kill-launcher" or self.job.formed()):
                 fault = pending.pop(0)
                 fault.applied = self._apply(fault, now)
             time.sleep(0.02)
