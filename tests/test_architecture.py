@@ -93,6 +93,20 @@ def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) ->
             assert not imported.startswith(forbidden), f"{module} imports {imported}"
 
 
+def test_only_the_lightning_folder_imports_lightning() -> None:
+    """Lightning is optional (``ddpkit[lightning]``): nothing else of ddpkit imports it, or the folder."""
+    importing = []
+    for module in modules():
+        if module.startswith("lightning/"):
+            continue
+        tree = ast.parse((PACKAGE / module).read_text())
+        names = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        names |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        importing += [f"{module}: {name}" for name in sorted(names)
+                      if name.split(".")[0] in ("lightning", "pytorch_lightning") or name.startswith("ddpkit.lightning")]
+    assert importing == []
+
+
 def test_every_ddpkit_variable_is_spelled_in_one_module() -> None:
     """``DDPKIT_*`` names as string literals (messages too; docstrings aside) only in variables.py."""
     spelled = []

@@ -1,0 +1,185 @@
+"""``ddpkit.lightning.DDPStrategy``: Lightning's ``DDPStrategy`` for ``Trainer(strategy=...)``, training
+with ddpkit's parts.
+
+    trainer = Trainer(strategy=ddpkit.lightning.DDPStrategy(), accelerator="cpu", devices=2)
+
+It takes Lightning's ``DDPStrategy`` arguments and the seeds' ``DDPPlugin`` ones (``num_nodes``,
+``sync_batchnorm``, ``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``, DDP's own keyword
+arguments), and changes what it does underneath, not what Lightning sees:
+
+- the connection is ddpkit's (``init_dist_connection``: the launcher's store, the job secret, the
+  peer and hang watches), with the place of ddpkit's cluster environments (``DdpkitEnvironment``);
+- the model is wrapped in ddpkit's ``DistributedDataParallel`` (torch's with ``use_torch_ddp=True``),
+  a comm hook registered on any device and backend, batch norm synchronised by ddpkit's;
+- the barrier, broadcast, reduce and all-gather that Lightning calls (``self.log(sync_dist=True)``,
+  ``ModelCheckpoint``, the fit loop) are ddpkit's collectives: a rank that fails, in
+  ``training_step`` or anywhere else, is named on every other rank within seconds instead of
+  leaving them waiting in a collective for the group's timeout;
+- SIGTERM to ``ddpkit run`` stops every rank after the same optimizer step, saves a checkpoint and
+  exits 75 (``ddpkit.lightning.preemption``), and ``ckpt_path="last"`` resumes at that batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Generator
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout  # Lightning's default timeout
+
+from ddpkit.comm.collectives import all_gather_ddp_if_available, barrier, broadcast_object, sync_ddp_if_available
+from ddpkit.diagnostics.failures import record_failure
+from ddpkit.diagnostics.records import trace_record
+from ddpkit.environments import detect_environment
+from ddpkit.environments.contract import launch_contract
+from ddpkit.hooks.registration import register_ddp_comm_hook
+from ddpkit.launching.launcher import job_secret_for_workers
+from ddpkit.lightning.environment import DdpkitEnvironment
+from ddpkit.lightning.layer_sync import DdpkitSyncBatchNorm
+from ddpkit.lightning.preemption import PreemptionStop, ResumableBatches
+from ddpkit.membership.connection import distributed_available, init_dist_connection
+from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.wrapping import no_sync
+
+__all__ = ["DDPStrategy"]
+
+
+class DDPStrategy(LightningDDPStrategy):
+    """Lightning's ``DDPStrategy`` with ddpkit underneath (see the module's docstring).
+
+    ``use_torch_ddp=True`` wraps with torch's DDP instead (ddpkit's connection, collectives and
+    failure naming stay). ``cluster_environment``: a Lightning environment, or by default ddpkit's
+    detected one. ``num_nodes`` and ``sync_batchnorm``, the seeds' ``DDPPlugin`` arguments, are
+    the Trainer's in Lightning 2: ``sync_batchnorm=True`` here is ``Trainer(sync_batchnorm=True)``, and
+    a ``num_nodes`` that is not the Trainer's is refused naming both."""
+
+    def __init__(self, *args: Any, use_torch_ddp: bool = False, num_nodes: int | None = None,
+                 sync_batchnorm: bool = False, **kwargs: Any) -> None:
+        # cluster_environment: by keyword, or Lightning's third positional argument
+        if kwargs.get("cluster_environment") is None and (len(args) < 3 or args[2] is None):
+            kwargs["cluster_environment"] = DdpkitEnvironment()
+        super().__init__(*args, **kwargs)
+        self.use_torch_ddp = use_torch_ddp
+        self._sync_batchnorm_wanted = sync_batchnorm
+        self._num_nodes_wanted = num_nodes
+        if num_nodes is not None:
+            self.num_nodes = num_nodes
+
+    # -- connecting ------------------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        """Lightning starts the local ranks when nothing else did (``python train.py``, ``devices=N``):
+        they inherit a new job secret, as the ranks ``ddpkit run`` starts on one node do."""
+        super()._configure_launcher()
+        assert self.cluster_environment is not None  # set in __init__, or by the Trainer
+        if not self.cluster_environment.creates_processes_externally and self.num_processes * self.num_nodes > 1:
+            os.environ.update(job_secret_for_workers(self.num_nodes > 1, os.environ))
+
+    def setup_distributed(self) -> None:
+        """Connect through ddpkit at the place Lightning computed (``set_world_ranks``)."""
+        if self._num_nodes_wanted is not None and self._num_nodes_wanted != self.num_nodes:
+            raise ValueError(
+                f"DDPStrategy(num_nodes={self._num_nodes_wanted}) but Trainer(num_nodes={self.num_nodes}): Lightning 2 "
+                f"takes the number of nodes from the Trainer. Pass Trainer(num_nodes={self._num_nodes_wanted}) (and "
+                "leave it out of the strategy).")
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        if distributed_available():
+            return
+        environment = detect_environment()  # read now: Lightning's own launcher sets MASTER_PORT and LOCAL_RANK
+        if launch_contract(environment).in_place:
+            raise ValueError(
+                "ddpkit run --recovery in-place cannot recover a rank inside Lightning's Trainer.fit yet: a lost "
+                "rank would end the job. Run it with --recovery fail-fast (the default) and --max-restarts N, and "
+                "resume with trainer.fit(..., ckpt_path=\"last\") and ModelCheckpoint(save_last=True).")
+        rank = world = None
+        if (environment.global_rank(), environment.world_size()) != (self.global_rank, self.world_size):
+            rank, world = self.global_rank, self.world_size  # Lightning started the ranks and placed them
+        # Lightning's default (torch's 30 minutes) is left to ddpkit's; a timeout the user gave is kept.
+        timeout = {} if self._timeout in (None, default_pg_timeout) else {"timeout": self._timeout}
+        init_dist_connection(environment, self._process_group_backend, global_rank=rank, world_size=world, **timeout)
+
+    # -- the model -------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self._sync_batchnorm_wanted or isinstance(self._layer_sync, TorchSyncBatchNorm):
+            self._layer_sync = DdpkitSyncBatchNorm(self.root_device)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
+        if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, PreemptionStop) for c in callbacks):
+            callbacks.append(PreemptionStop())
+        super().setup(trainer)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader as ``ResumableBatches``: a run resumed from a checkpoint taken mid-epoch
+        (a preemption's, or ``ModelCheckpoint``'s) skips the batches the epoch already trained."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or isinstance(dataloader, ResumableBatches):
+            return dataloader
+        return ResumableBatches(dataloader, lambda: _trained_in_epoch(trainer))
+
+    def _setup_model(self, model: nn.Module) -> Any:
+        if self.use_torch_ddp:
+            return super()._setup_model(model)
+        return DistributedDataParallel(model, **self._ddp_kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        """The comm hook on any device and backend (Lightning registers one on CUDA only, and drops it
+        silently elsewhere)."""
+        assert self.model is not None  # configure_ddp wrapped it just before
+        register_ddp_comm_hook(self.model, ddp_comm_state=self._ddp_comm_state, ddp_comm_hook=self._ddp_comm_hook,
+                               ddp_comm_wrapper=self._ddp_comm_wrapper)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradients accumulate locally inside (``accumulate_grad_batches``): either DDP's ``no_sync``."""
+        with no_sync(self.model):
+            yield
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self.use_torch_ddp:
+            super().pre_backward(closure_loss)  # ddpkit's DDP needs no preparation for manual backward
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.use_torch_ddp:
+            super().post_backward(closure_loss)
+
+    def teardown(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module  # Lightning unwraps torch's DDP only
+        super().teardown()
+
+    # -- the collectives Lightning calls ---------------------------------------------------------
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src=src)
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    def reconciliate_processes(self, trace: str) -> None:
+        """The seeds' ``DDPPlugin.reconciliate_processes``: report this process's failure, given as its
+        formatted traceback; the other ranks raise ``PeerFailedError`` naming it."""
+        record_failure(trace_record(self.global_rank, trace))
+
+
+def _trained_in_epoch(trainer: pl.Trainer) -> tuple[int, int]:
+    """(epoch, batches of it whose optimizer step is done), as the fit loop counts them."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker at run time
+    return trainer.current_epoch, progress.processed  # type: ignore[attr-defined]

@@ -1,0 +1,136 @@
+"""A Lightning script as users write it, for tests/test_lightning.py: a LightningModule with batch
+norm, AdamW and a per-step learning-rate schedule, ``accumulate_grad_batches``, gradient clipping,
+``self.log(..., sync_dist=True)`` in training and validation, ``ModelCheckpoint(save_last=True)``,
+Lightning's own DistributedSampler, two epochs.
+
+    python lightning_job.py OUT STRATEGY     # under `ddpkit run --nproc-per-node 2` (or alone: reference)
+
+STRATEGY: ``ddpkit`` (``ddpkit.lightning.DDPStrategy()``), ``plugin`` (the seeds' ``DDPPlugin`` with
+its Lightning 1.4 arguments), ``ddp`` (Lightning's), or ``reference``: one process training on
+the concatenated batches (twice the rows per batch), which every other one must equal.
+``FAIL_AT=RANK:BATCH`` makes that rank raise in ``training_step`` at that batch of the first epoch.
+``PREEMPT_AT=BATCH``: rank 0 sends SIGTERM to ``ddpkit run`` at that batch of the first epoch (and
+every batch then takes 0.2 s more, so that the signal arrives long before the run ends);
+``RESUME=1``: ``trainer.fit(..., ckpt_path="last")``. Rank 0 saves the final parameters and
+buffers to OUT/final.pt. (No bias before the batch norm: its gradient is rounding noise, which
+AdamW would turn into steps of full size.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+
+ROWS, BATCH_PER_RANK, FEATURES = 64, 4, 8
+
+
+class Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.fail_at = tuple(int(part) for part in os.environ["FAIL_AT"].split(":")) if os.environ.get("FAIL_AT") else None
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.fail_at == (self.global_rank, batch_idx) and self.current_epoch == 0:
+            raise ValueError(f"boom in training_step at batch {batch_idx}")
+        if os.environ.get("PREEMPT_AT") and not os.environ.get("RESUME"):
+            if (self.global_rank, self.current_epoch, batch_idx) == (0, 0, int(os.environ["PREEMPT_AT"])):
+                os.kill(int(os.environ["DDPKIT_LAUNCHER_PID"]), signal.SIGTERM)
+            time.sleep(0.2)
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_start(self) -> None:
+        wrapped = self.trainer.strategy.model
+        hook = getattr(getattr(wrapped, "_reducer", None), "comm_hook", None)  # ddpkit's DDP keeps it there
+        self.wrapped_in = (f"{type(wrapped).__module__}.{type(wrapped).__name__} with comm hook "
+                           f"{getattr(hook, '__name__', hook)}")
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, object]:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, FEATURES, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(ROWS, 1, generator=generator))
+
+
+class ConcatenatedShards(Sampler[int]):
+    """The reference's order: each batch is the two ranks' batches one after the other, as Lightning's
+    DistributedSampler deals them (it shuffles a distributed training set whatever the loader says,
+    with the seed PL_GLOBAL_SEED, 0 here, and the epoch)."""
+
+    def __init__(self, dataset: TensorDataset, world: int = 2) -> None:
+        self.dataset, self.world, self.epoch = dataset, world, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[int]:
+        shards = []
+        for rank in range(self.world):
+            sampler = DistributedSampler(self.dataset, num_replicas=self.world, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(self.epoch)
+            shards.append(list(sampler))
+        for start in range(0, len(shards[0]), BATCH_PER_RANK):
+            for shard in shards:
+                yield from shard[start:start + BATCH_PER_RANK]
+
+
+def strategy_for(name: str) -> object:
+    if name == "ddpkit":
+        import ddpkit.lightning
+
+        return ddpkit.lightning.DDPStrategy()
+    if name == "plugin":  # the seeds' Lightning 1.4 DDPPlugin, with its arguments: only the import changed
+        from ddpkit.hooks import allreduce_hook  # ddpkit's: bit-identical to no hook
+        from ddpkit.lightning import DDPPlugin
+
+        return DDPPlugin(parallel_devices=[torch.device("cpu")] * 2, num_nodes=1, cluster_environment=None,
+                         sync_batchnorm=True, ddp_comm_state=None, ddp_comm_hook=allreduce_hook, ddp_comm_wrapper=None,
+                         find_unused_parameters=False)
+    return name  # "ddp", or "auto" for the reference
+
+
+def main(out: str, name: str) -> None:
+    reference = name == "reference"
+    devices = 1 if reference else int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
+    batch = BATCH_PER_RANK * (2 if reference else 1)
+    trainer = pl.Trainer(
+        strategy=strategy_for("auto" if reference else name), accelerator="cpu", devices=devices, max_epochs=2,
+        accumulate_grad_batches=2, gradient_clip_val=0.5, sync_batchnorm=not reference,
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True)],
+        default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        deterministic=True)
+    module = Regression()
+    training = DataLoader(data(), batch_size=batch, sampler=ConcatenatedShards(data()) if reference else None)
+    trainer.fit(module, training, DataLoader(data(), batch_size=batch), ckpt_path="last" if os.environ.get("RESUME") else None)
+    if trainer.is_global_zero:
+        torch.save(module.state_dict(), os.path.join(out, "final.pt"))
+    print(f"rank {trainer.global_rank} of {trainer.world_size}: done with {type(trainer.strategy).__module__}."
+          f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
