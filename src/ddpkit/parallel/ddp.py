@@ -52,16 +52,16 @@ from torch.utils.hooks import RemovableHandle
 
 from ddpkit._allocator import keep_freed_memory
 from ddpkit.comm.collective_call import collective_call
-from ddpkit.comm.collectives import all_gather_object
 from ddpkit.diagnostics.failures import guard
 from ddpkit.diagnostics.waits import run_collective
-from ddpkit.hooks.contract import check_comm_hook, check_pre_sync_hook, describe_hook, is_elementwise_average
+from ddpkit.hooks.contract import check_comm_hook, check_pre_sync_hook, is_elementwise_average
 from ddpkit.membership.connection import distributed_available
 from ddpkit.membership.group import Membership, current_group
 from ddpkit.parallel.buckets import DEFAULT_CAP_BYTES
 from ddpkit.parallel.compiled_backward import fuse_compiled_reductions
 from ddpkit.parallel.construction import check_device, check_membership, check_same_module_everywhere, to_device
-from ddpkit.parallel.reducer import SYNCHRONISATION, Reducer, TensorsFunction
+from ddpkit.parallel.join import check_join_supported, shadow_until_all_joined
+from ddpkit.parallel.reducer import Reducer, TensorsFunction
 from ddpkit.parallel.sparse import sparse_gradient_parameters
 from ddpkit.parallel.step_state import StepState
 
@@ -264,7 +264,7 @@ class DistributedDataParallel(nn.Module):
         declared ``elementwise_average`` (ddpkit's allreduce, fp16 and bf16 are), ``reduce_function``
         and one-argument hooks are not supported here.
         """
-        self._check_join_supported()
+        check_join_supported(self._reducer, self._reduce_function is not None)
         self._reducer.joining = True
         try:
             yield  # an exception leaves without shadowing: the job is failing anyway (see ddpkit.diagnostics.failures)
@@ -272,38 +272,8 @@ class DistributedDataParallel(nn.Module):
             self._reducer.joining = False
         if self._world_size > 1:
             with guard():
-                self._shadow_until_all_joined(shadow_step)
-
-    def _check_join_supported(self) -> None:
-        if self._reducer.sparse_count:
-            raise ValueError(
-                "DistributedDataParallel.join() cannot shadow the reduction of sparse gradients "
-                f"({self._reducer.sparse_count} embedding weight(s) with sparse=True). Stop every rank at the shortest one with "
-                "ddpkit.even_batches(loader), or use sparse=False."
-            )
-        if not self._reducer.averages_elementwise or self._reducer.pre_sync_hooks:
-            used = ("reduce_function" if self._reduce_function is not None else
-                    "a one-argument comm hook" if self._reducer.pre_sync_hooks else
-                    f"the comm hook {describe_hook(self._reducer.comm_hook)}")
-            raise ValueError(
-                f"DistributedDataParallel.join() cannot shadow reductions made by {used}: it supports no hook, "
-                "ddpkit.hooks' allreduce_hook, fp16_compress_hook and bf16_compress_hook, and hooks declared "
-                "@ddpkit.hooks.elementwise_average. For uneven data with "
-                "other reductions, stop every rank at the shortest one with ddpkit.even_batches(loader)."
-            )
-
-    def _shadow_until_all_joined(self, shadow_step: Callable[[], object] | None) -> None:
-        while self._shadow_step():
-            if shadow_step is not None:
-                shadow_step()
-        steps = all_gather_object(self._reducer.step.synced_backwards, self.process_group)
-        self._broadcast_state(source=steps.index(max(steps)))
-
-    def _shadow_step(self) -> bool:
-        """Take part in one reduction with zero gradients and flags; True if some rank still trains."""
-        with collective_call(SYNCHRONISATION, self.process_group):  # the same as a real backward's
-            return self._reducer.reduce_zeros()
-
+                shadow_until_all_joined(self._reducer, self.process_group, shadow_step,
+                                        lambda source: self._broadcast_state(source=source))
 
     def register_comm_hook(self, *args: Any, **kwargs: Any) -> RemovableHandle | None:
         """``register_comm_hook(hook)``: ``hook(ddp_module)`` runs before each synchronisation and
