@@ -41,6 +41,7 @@ The module (this file) owns the wrapped model, its checks and broadcasts at cons
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -64,6 +65,7 @@ from ddpkit.parallel.join import check_join_supported, shadow_until_all_joined
 from ddpkit.parallel.reducer import Reducer, TensorsFunction
 from ddpkit.parallel.sparse import sparse_gradient_parameters
 from ddpkit.parallel.step_state import StepState
+from ddpkit.parallel.step_timings import StepTimings
 
 __all__ = ["DistributedDataParallel"]
 
@@ -123,6 +125,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = bool(kwargs.get("gradient_as_bucket_view", True))
         #: When False (inside ``no_sync``), backward accumulates gradients locally.
         self.require_backward_grad_sync = True
+        self._optimizer_timed = False  # time_optimizer was called: timings() splits the optimizer step off
         self._reduce_function = reduce_function
         self._broadcast_function = broadcast_function
         self._rank, self._world_size = check_membership(process_group)
@@ -208,6 +211,9 @@ class DistributedDataParallel(nn.Module):
     @torch.compiler.disable(recursive=False)  # type: ignore[untyped-decorator]  # torch's decorator is unannotated
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Everything stays in this one frame: with recursive=False, Dynamo compiles the frames it calls.
+        clock, started = self._reducer.clock, time.perf_counter()
+        if clock.first_forward is None and torch.is_grad_enabled():  # an evaluation's forward is no step's
+            clock.first_forward = started
         with guard():  # an error here is published to the other ranks (see ddpkit.diagnostics.failures)
             if self.broadcast_buffers and self._reducer.step.buffers_stale:
                 self._sync_buffers()  # forwards without backward (evaluation) since the last sync
@@ -216,7 +222,10 @@ class DistributedDataParallel(nn.Module):
                 self._reducer.compiled_reductions_fused = fuse_compiled_reductions(self._reducer.bucket_cap)
             if self.device.type != "cpu":
                 args, kwargs = to_device((args, kwargs), self.device)
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        if clock.first_forward is not None:
+            clock.forward_seconds += time.perf_counter() - started
+        return output
 
     def _sync_buffers(self) -> None:
         if self._buffer_slots:
@@ -242,6 +251,20 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def timings(self, last: int | None = None) -> StepTimings:
+        """Where this rank's last steps went, phase by phase (``ddpkit.parallel.step_timings``): medians
+        over the last ``last`` steps (up to 100 are kept). Compare them across ranks to find a slow
+        one: its own ``forward``/``backward`` are longer, and the others wait for it in
+        ``communication``. ``optimizer``/``data`` once ``time_optimizer`` was called."""
+        return self._reducer.clock.timings(last, optimizer_timed=self._optimizer_timed)
+
+    def time_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Time ``optimizer``'s steps as a phase of their own (``DDPStrategy.setup`` does it)."""
+        clock = self._reducer.clock
+        optimizer.register_step_pre_hook(lambda *_: clock.optimizer_started())
+        optimizer.register_step_post_hook(lambda *_: clock.optimizer_ended())
+        self._optimizer_timed = True
 
     @contextlib.contextmanager
     def join(self, shadow_step: Callable[[], object] | None = None) -> Iterator[None]:

@@ -37,6 +37,7 @@ from ddpkit.parallel.compiled_backward import (
 from ddpkit.parallel.copy_back import await_and_copy_back
 from ddpkit.parallel.sparse import average_sparse_gradients
 from ddpkit.parallel.step_state import StepState
+from ddpkit.parallel.step_timings import StepClock
 
 __all__ = ["SYNCHRONISATION", "ReducedModule", "Reducer"]
 
@@ -103,6 +104,7 @@ class Reducer:
         # What changes every step lives in a plain object: writing attributes of an nn.Module goes
         # through its registration checks, several microseconds each.
         self.step = StepState()
+        self.clock = StepClock()  # where this rank's steps go (DistributedDataParallel.timings)
         self.buckets: list[Bucket] = []
         self.launch_order: list[str] = []
         self._hook_handles: list[RemovableHandle] = []
@@ -340,10 +342,12 @@ class Reducer:
         """End of backward: complete, launch and await every bucket; copy results back."""
         self.step.synced_backwards += 1
         fingerprint = self.step.debug and self._world_size > 1
+        self.clock.synchronisation_started()
         try:
             # guard(): an error of this rank's is published to the other ranks (ddpkit.diagnostics.failures)
             with collective_call(SYNCHRONISATION, self._group, fingerprint=fingerprint), guard():
                 self._synchronise()
+            self.clock.synchronisation_ended()
         finally:
             self.step.end_backward()
             for bucket in self.buckets:

@@ -19,6 +19,8 @@ from ddpkit.environments import ClusterEnvironment, Recovery
 from ddpkit.environments.contract import launch_contract
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
+from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.step_timings import StepTimings
 from ddpkit.training.agreement import PreemptionAgreement
 from ddpkit.training.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.training.recovery import InPlaceRecovery, Progress
@@ -187,6 +189,7 @@ class LoopMethods:
 
     _loop: ResumableLoop
     _preemption: PreemptionAgreement | None
+    model: torch.nn.Module | None
 
     def teardown(self) -> None:
         raise NotImplementedError
@@ -231,6 +234,16 @@ class LoopMethods:
         In a replacement, a state the survivors sent for ``name`` is loaded into ``obj`` here."""
         self._loop.tracked.track(name, obj)
         return obj
+
+    def timings(self, last: int | None = None) -> StepTimings:
+        """Where this rank's last steps went, phase by phase: the DDP module's ``timings`` (between,
+        forward, backward, communication), with the optimizer step and the rest of ``between`` (the
+        data loader, the loop's code) apart. A slow rank has the longest forward or backward (or
+        data), and the others wait for it in communication: compare them across ranks."""
+        if not isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError(f"strategy.timings() comes from ddpkit's DistributedDataParallel; the model is "
+                               f"{type(self.model).__name__}. Call setup(model, optimizer) first, without use_torch_ddp=True.")
+        return self.model.timings(last)
 
     @property
     def recovered_in_place(self) -> bool:

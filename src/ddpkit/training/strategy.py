@@ -65,6 +65,7 @@ from ddpkit.membership.connection import (
     init_dist_connection,
 )
 from ddpkit.membership.group import current_group
+from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import join, no_sync, wrap
 from ddpkit.training.checkpoints import read_checkpoint, write_atomically
 from ddpkit.training.data import shard
@@ -233,6 +234,8 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
             wrapped = self.configure_ddp(module)
         if optimizer is not None:
             self._loop.count_steps(optimizer)
+            if isinstance(wrapped, DistributedDataParallel):
+                wrapped.time_optimizer(optimizer)
             check = ReplicaCheck(check_every(), self._replicated(wrapped, optimizer), lambda: self.progress.steps,
                                  buffers=bool(getattr(wrapped, "broadcast_buffers", False)) and not self.use_torch_ddp)
             if recovery is not None:
