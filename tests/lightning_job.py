@@ -57,6 +57,10 @@ class Regression(pl.LightningModule):
         self.wrapped_in = (f"{type(wrapped).__module__}.{type(wrapped).__name__} with comm hook "
                            f"{getattr(hook, '__name__', hook)}")
 
+    def on_train_end(self) -> None:
+        timings = getattr(self.trainer.strategy, "timings", None)  # ddpkit's strategies have them
+        self.timed = "" if timings is None else f", {timings().steps} steps timed"
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
@@ -129,7 +133,7 @@ def main(out: str, name: str) -> None:
     if trainer.is_global_zero:
         torch.save(module.state_dict(), os.path.join(out, "final.pt"))
     print(f"rank {trainer.global_rank} of {trainer.world_size}: done with {type(trainer.strategy).__module__}."
-          f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}", flush=True)
+          f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}{module.timed}", flush=True)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from ddpkit.lightning.layer_sync import DdpkitSyncBatchNorm
 from ddpkit.lightning.preemption import PreemptionStop, ResumableBatches
 from ddpkit.membership.connection import distributed_available, init_dist_connection
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.step_timings import StepTimings
 from ddpkit.parallel.wrapping import no_sync
 
 __all__ = ["DDPStrategy"]
@@ -117,6 +118,18 @@ class DDPStrategy(LightningDDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, PreemptionStop) for c in callbacks):
             callbacks.append(PreemptionStop())
         super().setup(trainer)
+        if isinstance(self.model, DistributedDataParallel):
+            for optimizer in self.optimizers:
+                self.model.time_optimizer(optimizer)
+
+    def timings(self, last: int | None = None) -> StepTimings:
+        """Where this rank's last steps went, phase by phase (``DistributedDataParallel.timings``, the
+        optimizer step apart): compare them across ranks to find a slow one."""
+        if not isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError("strategy.timings() comes from ddpkit's DistributedDataParallel, which wraps the model "
+                               f"while the Trainer fits; the model is {type(self.model).__name__} now (not fitting, or "
+                               "use_torch_ddp=True).")
+        return self.model.timings(last)
 
     def process_dataloader(self, dataloader: object) -> object:
         """The training loader as ``ResumableBatches``: a run resumed from a checkpoint taken mid-epoch
