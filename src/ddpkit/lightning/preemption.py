@@ -80,8 +80,10 @@ def checkpoint_path(trainer: pl.Trainer) -> tuple[str, str]:
 class ResumableBatches:
     """A training loader whose state is how many batches of which epoch were trained, so that a run
     resumed from a checkpoint taken mid-epoch skips them (Lightning restores a loader's state when it
-    has ``state_dict``/``load_state_dict``). Anything else is the wrapped loader's (its sampler, whose
-    epoch Lightning sets, its length).
+    has ``state_dict``/``load_state_dict``). They are read and dropped: the sampler's order is the
+    loader's business, and a loader whose batches cost much to make pays for those once. Anything
+    else is the wrapped loader's (its sampler, whose epoch Lightning sets, its length);
+    ``trainer.train_dataloader`` is this object, not a ``DataLoader``.
 
     ``position()`` says (epoch, batches trained in it) as the Trainer counts them."""
 
