@@ -39,7 +39,7 @@ from ddpkit.store.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
 __all__ = ["REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth", "announce_node_lost",
            "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished", "layout_at",
-           "member_identity", "node_lost", "rank_claimed", "write_layout"]
+           "member_identity", "node_lost", "announce_waiting", "waiting_for", "write_layout"]
 
 
 #: The holder of a rank that the world shrank without (``claim_rank``): no process is it, so a lost
@@ -145,11 +145,18 @@ def claim_rank(store: Any, secret: JobSecret | None, attempt: int, generation: i
     return RecordSigner(secret, generation_scope(attempt, generation)).write_first(store, key, holder)
 
 
-def rank_claimed(store: Any, secret: JobSecret | None, attempt: int, generation: int, rank: int) -> str | None:
-    """Which process of the job claimed ``rank`` in ``generation`` (``claim_rank``), or None (a
-    stranger's value counts as none)."""
-    key = generation_prefix(secret, attempt, generation) + store_keys.member(rank)
-    return RecordSigner(secret, generation_scope(attempt, generation)).read(store, key)
+def announce_waiting(store: Any, secret: JobSecret | None, attempt: int, generation: int, holder: str) -> None:
+    """Say that a process of the job (``holder``, the first to say it) waits for ``generation`` to form:
+    a generation before it that is still forming will not (a member of it was replaced)."""
+    signer, key = _record(secret, attempt, generation, store_keys.WAITING)
+    signer.write_first(store, key, holder)
+
+
+def waiting_for(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> str | None:
+    """Which process of the job waits for ``generation`` (``announce_waiting``), or None: signed, so
+    that a stranger's write counts as none (the count of arrivals beside it cannot be signed)."""
+    signer, key = _record(secret, attempt, generation, store_keys.WAITING)
+    return signer.read(store, key)
 
 
 def announce_node_lost(store: Any, secret: JobSecret | None, attempt: int, generation: int, why: str) -> None:

@@ -58,10 +58,10 @@ from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.logs import get_logger
 from ddpkit.membership.generations import (
-    REMOVED,
     Layout,
     RankTakenError,
     announce_finished,
+    announce_waiting,
     claim_rank,
     generation_prefix,
     generation_scope,
@@ -70,7 +70,7 @@ from ddpkit.membership.generations import (
     layout_at,
     member_identity,
     node_lost,
-    rank_claimed,
+    waiting_for,
 )
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
@@ -314,22 +314,11 @@ class Group:
             why = node_lost(self._launcher_store, self._secret, self._attempt, generation)
             if why is not None:
                 return why
-            if self._waits_for(generation + 1) is not None:
+            if waiting_for(self._launcher_store, self._secret, self._attempt, generation + 1) is not None:
                 return f"a process waits for generation {generation + 1} already: a member of {generation} was replaced"
             if time.monotonic() > deadline:
                 return None
             time.sleep(_LAYOUT_LOOK_SECONDS)
-
-    def _waits_for(self, generation: int) -> str | None:
-        """A process of the job counted in for ``generation`` (by its signed claim of a rank there), or
-        None. The count of arrivals is only the hint: anyone who reaches the store can add to it."""
-        if self._launcher_store.add(self._arrivals(generation), 0) == 0:
-            return None
-        for rank in range(self._started_world):
-            holder = rank_claimed(self._launcher_store, self._secret, self._attempt, generation, rank)
-            if holder is not None and holder != REMOVED:
-                return holder
-        return None
 
     def meet(self, generation: int) -> Membership:
         """Claim this process's rank in ``generation``, count it in and wait until every member of
@@ -386,6 +375,7 @@ class Group:
                 f"not by this process ({this_process}): this node was taken for lost (its launcher could not be "
                 "reached), and a spare node took its ranks or the world shrank without them. This process ends; the "
                 "job goes on without it.")
+        announce_waiting(self._launcher_store, self._secret, self._attempt, generation, this_process)
         return self._launcher_store.add(self._arrivals(generation), 1), self._layout(generation)
 
     def finish(self) -> None:

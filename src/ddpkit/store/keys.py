@@ -32,7 +32,7 @@ __all__ = [
     "ARRIVED", "ARRIVED_NODE", "BEAT", "CAUSE", "FAILED", "GENERATION_COUNT", "JOB_WIDE", "LEFT", "NODE_LOSSES", "OPEN",
     "PREEMPTED", "REMOVED_NODE", "STOP", "SUCCEEDED", "count_of", "launcher_record", "node_return", "of", "takeover",
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
-    "NODE_LOST", "PEER_LOST", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
+    "NODE_LOST", "PEER_LOST", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS", "WAITING",
     "generation_prefix", "hang_process", "hang_progress", "hang_stack", "launcher_prefixes", "member",
     "pool_started", "rendezvous_ticket", "signed_namespace", "torchrun_attempt_prefix",
 ]
@@ -62,6 +62,7 @@ GROW = "grow"
 FINISHED = "finished"
 NODE_LOST = "node_lost"
 ARRIVED = "arrived"
+WAITING = "waiting"
 
 # -- the diagnostics' records (in the group's store) --------------------------------------------
 
