@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import Tensor, nn
 
-from ddpkit.parallel.batchnorm import SyncBatchNorm
+from ddpkit.parallel.batchnorm import SyncBatchNorm, share_batch_norm_state
 
 __all__ = ["DdpkitSyncBatchNorm"]
 
@@ -28,14 +28,7 @@ class DdpkitSyncBatchNorm(LayerSync):
         if isinstance(model, (SyncBatchNorm, nn.SyncBatchNorm)):
             converted = _AnyBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
                                       model.track_running_stats)
-            if model.affine:
-                with torch.no_grad():
-                    converted.weight = model.weight
-                    converted.bias = model.bias
-            converted.running_mean = model.running_mean
-            converted.running_var = model.running_var
-            converted.num_batches_tracked = model.num_batches_tracked
-            converted.training = model.training
+            share_batch_norm_state(model, converted)
         for name, child in model.named_children():
             converted.add_module(name, self.revert(child))
         return converted

@@ -42,7 +42,7 @@ from ddpkit.comm.collective_call import collective_call
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.membership.group import current_group
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "share_batch_norm_state"]
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -98,19 +98,25 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, process_group, bias=module.bias is not None)
-            if module.affine:
-                with torch.no_grad():
-                    converted.weight = module.weight
-                    converted.bias = module.bias
-            converted.running_mean = module.running_mean
-            converted.running_var = module.running_var
-            converted.num_batches_tracked = module.num_batches_tracked
-            converted.training = module.training
-            if hasattr(module, "qconfig"):
-                converted.qconfig = module.qconfig
+            share_batch_norm_state(module, converted)
         for name, child in module.named_children():
             converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
         return converted
+
+
+def share_batch_norm_state(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target``, a batch norm made to replace ``source``, its parameters and buffers (the same
+    tensors, not copies), its mode and its quantisation config."""
+    if getattr(source, "affine", False):
+        with torch.no_grad():
+            target.weight = source.weight
+            target.bias = source.bias
+    target.running_mean = source.running_mean
+    target.running_var = source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+    target.training = source.training
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig
 
 
 def _shares_held(group: Any) -> int:
