@@ -18,7 +18,7 @@ class DdpkitEnvironment(LightningClusterEnvironment):
     Where the processes come from a launcher or a scheduler, their place is the environment's, and
     a Trainer whose ``devices`` and ``num_nodes`` make another world is refused before anything
     connects. Where they do not (``python train.py`` with ``devices=N``), Lightning starts the
-    local ranks and sets each one's place, as with its own environment; a port is chosen once."""
+    local ranks and sets each one's place, as with its own environment, at a port chosen here."""
 
     def __init__(self, environment: ClusterEnvironment | None = None) -> None:
         super().__init__()
@@ -26,6 +26,9 @@ class DdpkitEnvironment(LightningClusterEnvironment):
         self._world_size = self.environment.world_size()
         self._global_rank = self.environment.global_rank()
         self._port = self.environment.main_port
+        if self._port == 0 and not self.environment.creates_processes_externally:
+            # Nobody chose one: Lightning's launcher hands this one to the ranks it starts.
+            self._port = find_free_port()
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -37,8 +40,6 @@ class DdpkitEnvironment(LightningClusterEnvironment):
 
     @property
     def main_port(self) -> int:
-        if self._port == 0:  # nobody chose one: Lightning's launcher hands this one to the ranks it starts
-            self._port = find_free_port()
         return self._port
 
     @staticmethod
