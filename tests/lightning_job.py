@@ -11,7 +11,14 @@ the concatenated batches (twice the rows per batch), which every other one must 
 ``FAIL_AT=RANK:BATCH`` makes that rank raise in ``training_step`` at that batch of the first epoch.
 ``PREEMPT_AT=BATCH``: rank 0 sends SIGTERM to ``ddpkit run`` at that batch of the first epoch (and
 every batch then takes 0.2 s more, so that the signal arrives long before the run ends);
-``RESUME=1``: ``trainer.fit(..., ckpt_path="last")``. Rank 0 saves the final parameters and
+``RESUME=1``: ``trainer.fit(..., ckpt_path="last")``. ``KILL_AT=RANK:BATCH:PHASE`` (under ``ddpkit run
+--recovery in-place``): that rank SIGKILLs itself at that batch of the first epoch (or of ``EPOCH``
+with ``RANK:BATCH:PHASE:EPOCH``), in its forward
+(``forward``) or at the start of its backward (``backward``), once in the job (a file in OUT says
+it happened: the replacement, which runs the script again, does not), or in its ``validation`` step.
+``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
+``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
+before the forward. Rank 0 saves the final parameters and
 buffers to OUT/final.pt. (No bias before the batch norm: its gradient is rounding noise, which
 AdamW would turn into steps of full size.)"""
 
@@ -36,8 +43,12 @@ class Regression(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(FEATURES, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        dropout = [nn.Dropout(0.25)] if os.environ.get("DROPOUT") else []
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), *dropout,
+                                 nn.Linear(16, 1))
         self.fail_at = tuple(int(part) for part in os.environ["FAIL_AT"].split(":")) if os.environ.get("FAIL_AT") else None
+        rank, batch, self.kill_phase, *epoch = os.environ.get("KILL_AT", "-1:-1:forward").split(":")
+        self.kill_at, self.kill_epoch = (int(rank), int(batch)), int(epoch[0]) if epoch else 0
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.fail_at == (self.global_rank, batch_idx) and self.current_epoch == 0:
@@ -47,7 +58,17 @@ class Regression(pl.LightningModule):
                 os.kill(int(os.environ["DDPKIT_LAUNCHER_PID"]), signal.SIGTERM)
             time.sleep(0.2)
         x, y = batch
+        kill = (self.kill_at == (self.global_rank, batch_idx) and self.current_epoch == self.kill_epoch
+                and not os.path.exists(KILLED))
+        if kill:
+            open(KILLED, "w").close()
+            if self.kill_phase == "forward":
+                os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("OWN_COLLECTIVE"):  # the user's own, through torch.distributed, before the forward's
+            torch.distributed.all_reduce(torch.ones(1))
         loss = nn.functional.mse_loss(self.net(x), y)
+        if kill:  # at the start of the backward: after this rank's forward collectives, before its backward's
+            loss.register_hook(lambda gradient: os.kill(os.getpid(), signal.SIGKILL))
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -63,6 +84,10 @@ class Regression(pl.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
+        if (self.kill_phase == "validation" and self.kill_at == (self.global_rank, batch_idx)
+                and self.current_epoch == self.kill_epoch and not os.path.exists(KILLED)):
+            open(KILLED, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, object]:
@@ -117,7 +142,12 @@ def strategy_for(name: str) -> object:
     return name  # "ddp", or "auto" for the reference
 
 
+KILLED = ""  # the file that says a rank was killed (main sets it)
+
+
 def main(out: str, name: str) -> None:
+    global KILLED
+    KILLED = os.path.join(out, "killed")
     reference = name == "reference"
     devices = 1 if reference else int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
     batch = BATCH_PER_RANK * (2 if reference else 1)

@@ -26,10 +26,11 @@ JOB = Path(__file__).resolve().parent / "lightning_job.py"
 QUIET = {"PYTHONWARNINGS": "ignore"}
 
 
-def run_job(folder: Path, strategy: str, nproc: int = 2, **variables: str) -> subprocess.CompletedProcess[str]:
+def run_job(folder: Path, strategy: str, nproc: int = 2, launcher: tuple[str, ...] = (),
+            **variables: str) -> subprocess.CompletedProcess[str]:
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(JOB), str(folder), strategy] if strategy == "reference" else [
-        sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", str(nproc), str(JOB), str(folder), strategy]
+        sys.executable, "-m", "ddpkit", "run", *launcher, "--nproc-per-node", str(nproc), str(JOB), str(folder), strategy]
     return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=150,
                           env={**os.environ, **QUIET, **variables})
 
@@ -144,11 +145,71 @@ def test_a_number_of_nodes_the_trainer_does_not_have_is_refused_naming_both() ->
         strategy.setup_distributed()
 
 
-def test_in_place_recovery_inside_trainer_fit_is_refused_before_connecting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not built yet (issue 50, item 3): a lost rank would end the job, so it is said at the start."""
-    for name, value in {"DDPKIT_LAUNCHED": "1", "DDPKIT_RECOVERY": "in-place", "WORLD_SIZE": "1", "RANK": "0",
-                        "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("rank", "batch", "phase", "own"), [(1, 5, "forward", ""), (1, 4, "backward", ""),
+                                                          (0, 5, "backward", ""), (1, 4, "forward", "1")])
+def test_a_rank_killed_inside_trainer_fit_is_replaced_in_place_and_the_fit_ends_as_one_process(
+        tmp_path: Path, one_process: dict[str, torch.Tensor], rank: int, batch: int, phase: str, own: str) -> None:
+    """Batches 4 and 5 are one window of ``accumulate_grad_batches=2``. Killed in batch 5's forward:
+    the survivor loses it in the synchronised batch norm inside ``optimizer_step`` and trains batch 4
+    again; in batch 4's backward: outside ``optimizer_step``, in the batch norm's backward; in batch
+    5's backward: in the gradients' all-reduce, with rank 0 (the one that saves) replaced; in batch
+    4's forward with a collective of the user's own first: Gloo's error in the user's call."""
+    result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
+                     KILL_AT=f"{rank}:{batch}:{phase}", OWN_COLLECTIVE=own)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert re.search(rf"rank {rank} \(local rank {rank}, pid \d+\) was killed by signal SIGKILL; the spare", result.stderr), \
+        result.stderr[-4000:]
+    assert "recovered in place" in result.stderr and "restarting all" not in result.stderr, result.stderr[-4000:]
+    assert ("a collective of the step's own code failed" in result.stderr) == bool(own), result.stderr[-4000:]
+    for survivor in (0, 1):
+        assert f"rank {survivor} of 2: done with ddpkit.lightning.strategy.DDPStrategy" in result.stdout, result.stdout
+    trained = torch.load(tmp_path / "final.pt")
+    largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
+    assert largest < 1e-6, largest
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_draws_the_random_numbers_the_lost_rank_would_have_drawn(tmp_path: Path) -> None:
+    """With dropout the run equals no single process: it must equal the same job without the fault,
+    which it does only when the replacement's random state is the lost rank's at the batch it starts
+    at: mid-epoch (killed in batch 5, batch 4 trained again), and at the first batch of an epoch."""
+    fault_free = run_job(tmp_path / "fault_free", "ddpkit", DROPOUT="1")
+    assert fault_free.returncode == 0, fault_free.stderr[-4000:]
+    expected = torch.load(tmp_path / "fault_free" / "final.pt")
+    for where in ("5:backward:0", "0:forward:1"):
+        folder = tmp_path / where.replace(":", "_")
+        result = run_job(folder, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
+                         KILL_AT=f"1:{where}", DROPOUT="1")
+        assert result.returncode == 0 and "recovered in place" in result.stderr, result.stderr[-4000:]
+        trained = torch.load(folder / "final.pt")
+        largest = max((trained[name].double() - expected[name].double()).abs().max().item() for name in expected)
+        assert largest < 1e-6, (where, largest)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_in_validation_under_in_place_recovery_restarts_every_worker_which_resume(
+        tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
+    """Outside the training step nothing is trained again: the survivor's collective fails, and the
+    launcher restarts every worker (here before the first checkpoint: the fit starts over)."""
+    result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
+                     KILL_AT="1:1:validation", RESUME="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "PeerLostError" in result.stderr and "restarting all 2 workers" in result.stderr, result.stderr[-4000:]
+    trained = torch.load(tmp_path / "final.pt")
+    largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
+    assert largest < 1e-6, largest
+
+
+def test_in_place_recovery_inside_trainer_fit_refuses_what_it_cannot_carry_before_connecting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"DDPKIT_LAUNCHED": "1", "DDPKIT_RECOVERY": "in-place", "WORLD_SIZE": "2", "RANK": "0",
+                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")])
-    with pytest.raises(ValueError, match="cannot recover a rank inside Lightning's Trainer.fit yet"):
+    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, use_torch_ddp=True)
+    with pytest.raises(ValueError, match="cannot recover a rank inside Trainer.fit with use_torch_ddp=True"):
+        strategy.setup_distributed()
+    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, ddp_comm_state=object())
+    with pytest.raises(ValueError, match="a comm hook's state"):
         strategy.setup_distributed()

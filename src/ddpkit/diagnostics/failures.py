@@ -116,7 +116,8 @@ class StoreHostGoneError(PeerFailedError):
 
 @contextlib.contextmanager
 def guard() -> Iterator[None]:
-    """Publish an exception raised inside the block to every rank, then re-raise it.
+    """Publish an exception raised inside the block to every rank, then re-raise it (one that a
+    ``torch.distributed`` call failed with because a peer failed or was lost: that failure instead).
 
     The other ranks then fail at once with ``PeerFailedError`` naming this rank and its
     exception, instead of waiting for the process-group timeout. This rank's process group is
@@ -127,6 +128,12 @@ def guard() -> Iterator[None]:
     except (CollectiveFailedError, CollectiveMismatchError):
         raise  # a consequence of another rank's failure (published there), or raised on every rank alike
     except BaseException as error:
+        # A torch.distributed call of the script's own (a collective in the model's forward, which
+        # Lightning's training_step is) that failed because a peer failed or was lost: not this
+        # rank's failure, and under in-place recovery one the step recovers from.
+        behind = failure_behind(error) if isinstance(error, RuntimeError) and raised_by_torch_distributed(error) else None
+        if behind is not None:
+            raise raising(behind) from error
         record_exception(error)
         raise
 

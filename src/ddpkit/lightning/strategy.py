@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
@@ -36,19 +37,21 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout  # Lightning's default timeout
 
 from ddpkit.comm.collectives import all_gather_ddp_if_available, barrier, broadcast_object, sync_ddp_if_available
-from ddpkit.diagnostics.failures import record_failure
+from ddpkit.diagnostics.failures import PeerLostError, record_failure
 from ddpkit.diagnostics.records import trace_record
 from ddpkit.environments import detect_environment
 from ddpkit.environments.contract import launch_contract
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.launcher import job_secret_for_workers
 from ddpkit.lightning.environment import DdpkitEnvironment
+from ddpkit.lightning.in_place import REPLACEMENT_CHECKPOINT, ReplacementLauncher, TrainerRecovery, lost_peer
 from ddpkit.lightning.layer_sync import DdpkitSyncBatchNorm
 from ddpkit.lightning.preemption import PreemptionStop, ResumableBatches
 from ddpkit.membership.connection import distributed_available, init_dist_connection
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.step_timings import StepTimings
 from ddpkit.parallel.wrapping import no_sync
+from ddpkit.training.resumable_loop import release_frames
 
 __all__ = ["DDPStrategy"]
 
@@ -73,6 +76,8 @@ class DDPStrategy(LightningDDPStrategy):
         self._num_nodes_wanted = num_nodes
         if num_nodes is not None:
             self.num_nodes = num_nodes
+        # Under ddpkit run --recovery in-place (made when connecting): a lost rank replaced in the step.
+        self._in_place: TrainerRecovery | None = None
 
     # -- connecting ------------------------------------------------------------------------------
 
@@ -83,6 +88,9 @@ class DDPStrategy(LightningDDPStrategy):
         assert self.cluster_environment is not None  # set in __init__, or by the Trainer
         if not self.cluster_environment.creates_processes_externally and self.num_processes * self.num_nodes > 1:
             os.environ.update(job_secret_for_workers(self.num_nodes > 1, os.environ))
+        contract = launch_contract(detect_environment())
+        if contract.in_place and contract.generation > 0:  # a replacement: its fit resumes from the survivors' state
+            self._launcher = ReplacementLauncher(self._launcher)
 
     def setup_distributed(self) -> None:
         """Connect through ddpkit at the place Lightning computed (``set_world_ranks``)."""
@@ -97,17 +105,31 @@ class DDPStrategy(LightningDDPStrategy):
         if distributed_available():
             return
         environment = detect_environment()  # read now: Lightning's own launcher sets MASTER_PORT and LOCAL_RANK
-        if launch_contract(environment).in_place:
-            raise ValueError(
-                "ddpkit run --recovery in-place cannot recover a rank inside Lightning's Trainer.fit yet: a lost "
-                "rank would end the job. Run it with --recovery fail-fast (the default) and --max-restarts N, and "
-                "resume with trainer.fit(..., ckpt_path=\"last\") and ModelCheckpoint(save_last=True).")
+        contract = launch_contract(environment)
+        if contract.in_place and self.world_size > 1:
+            self._refuse_what_in_place_cannot_carry()
+            self._in_place = TrainerRecovery()
         rank = world = None
         if (environment.global_rank(), environment.world_size()) != (self.global_rank, self.world_size):
             rank, world = self.global_rank, self.world_size  # Lightning started the ranks and placed them
         # Lightning's default (torch's 30 minutes) is left to ddpkit's; a timeout the user gave is kept.
         timeout = {} if self._timeout in (None, default_pg_timeout) else {"timeout": self._timeout}
         init_dist_connection(environment, self._process_group_backend, global_rank=rank, world_size=world, **timeout)
+        if self._in_place is not None and contract.generation > 0:
+            self._in_place.receive()
+
+    def _refuse_what_in_place_cannot_carry(self) -> None:
+        """What in-place recovery inside ``Trainer.fit`` does not serve, refused before connecting."""
+        module = self.lightning_module
+        why = ("use_torch_ddp=True: recovery rebuilds ddpkit's DistributedDataParallel" if self.use_torch_ddp else
+               "a comm hook's state (ddp_comm_state, e.g. PowerSGD's error feedback) does not reach a replacement"
+               if self._ddp_comm_state is not None else
+               "manual optimization (automatic_optimization = False): the strategy cannot train a step again"
+               if module is not None and not module.automatic_optimization else None)
+        if why is not None:
+            raise ValueError(f"ddpkit run --recovery in-place cannot recover a rank inside Trainer.fit with {why}. "
+                             "Run with --recovery fail-fast (the default) and --max-restarts N, and resume with "
+                             "trainer.fit(..., ckpt_path=\"last\") and ModelCheckpoint(save_last=True).")
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -121,6 +143,69 @@ class DDPStrategy(LightningDDPStrategy):
         if isinstance(self.model, DistributedDataParallel):
             for optimizer in self.optimizers:
                 self.model.time_optimizer(optimizer)
+            if self._in_place is not None and trainer.state.fn == TrainerFn.FITTING:
+                self._in_place.attach(trainer, self.model, self.optimizers[0])
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A file, as Lightning's; in a replacement, ``REPLACEMENT_CHECKPOINT``: the state the survivors sent."""
+        if checkpoint_path == REPLACEMENT_CHECKPOINT and self._in_place is not None:
+            return self._in_place.checkpoint()
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    # -- the step, trained again after a lost rank was replaced ------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._in_place is not None:
+            self._in_place.batch_started(batch, batch_idx)
+        super().on_train_batch_start(batch, batch_idx)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's; under in-place recovery a rank lost in it is replaced, and it runs again."""
+        if self._in_place is None:
+            return super().training_step(*args, **kwargs)
+        self._in_place.joining = False  # a replacement's collectives go to the group from its first step on
+        return self._recovering(lambda: super(DDPStrategy, self).training_step(*args, **kwargs))
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's; under in-place recovery a rank lost in it (the gradients' all-reduce, a
+        synchronised batch norm's backward) is replaced, and the batch in hand trained again."""
+        if self._in_place is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except (PeerLostError, RuntimeError) as error:
+            if self._in_place.recovering or lost_peer(error) is None:
+                raise  # (lost again while the window is trained again: the recovery starts over)
+            release_frames(error)  # the failed collective's frames hold the group about to be abandoned
+        self._recover(train_in_hand=True)
+        return closure_loss
+
+    def _recovering(self, step: Callable[[], Any]) -> Any:
+        """``step()``, run again after each recovery from a rank lost in it."""
+        assert self._in_place is not None  # the callers' test
+        while True:
+            try:
+                return step()
+            except (PeerLostError, RuntimeError) as error:
+                if self._in_place.recovering or lost_peer(error) is None:
+                    raise  # (lost again while the window is trained again: the recovery starts over)
+                release_frames(error)  # the failed collective's frames hold the group about to be abandoned
+            self._recover(train_in_hand=False)
+
+    def _recover(self, train_in_hand: bool) -> None:
+        """Recover from a lost rank (and from each one lost while the window is trained again), and
+        train the batch in hand again when ``train_in_hand`` (else the caller does)."""
+        assert self._in_place is not None  # made when connecting; the callers' test
+        while True:
+            try:
+                self._in_place.recover()
+                if train_in_hand:
+                    self._in_place.train_in_hand()
+                return
+            except (PeerLostError, RuntimeError) as error:
+                if lost_peer(error) is None:
+                    raise
+                release_frames(error)
 
     def timings(self, last: int | None = None) -> StepTimings:
         """Where this rank's last steps went, phase by phase (``DistributedDataParallel.timings``, the
@@ -172,18 +257,27 @@ class DDPStrategy(LightningDDPStrategy):
 
     # -- the collectives Lightning calls ---------------------------------------------------------
 
+    # A replacement joining under in-place recovery runs them locally until its first training step:
+    # the survivors, inside their step, run none of the set-up's (``ddpkit.lightning.in_place``).
+
+    def _joining(self) -> bool:
+        return self._in_place is not None and self._in_place.joining
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier()
+        if not self._joining():
+            barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src=src)
+        return obj if self._joining() else broadcast_object(obj, src=src)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor):
+        if isinstance(tensor, Tensor) and not self._joining():
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self._joining():
+            return torch.stack([tensor] * self.world_size)
         return all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     def reconciliate_processes(self, trace: str) -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,7 @@ from ddpkit.training.state import TrackedState
 from ddpkit.training.state_transfer import broadcast_state
 from ddpkit.variables import DDPKIT_READY_FILE
 
-__all__ = ["InPlaceRecovery", "Progress"]
+__all__ = ["Exchange", "InPlaceRecovery", "Progress", "exchange_state"]
 
 _log = get_logger("recovery")
 
@@ -288,20 +289,13 @@ class InPlaceRecovery:
 
     def _exchange(self, module: nn.Module, optimizer: torch.optim.Optimizer, replacement: bool) -> dict[str, Any]:
         """Pick the sender (the survivor with the most optimizer steps) and give every rank its state."""
-        ranks = all_gather_object((replacement, self.progress.steps))
-        candidates = [rank for rank, (is_replacement, _) in enumerate(ranks) if not is_replacement]
-        self._replaced = [rank for rank, (is_replacement, _) in enumerate(ranks) if is_replacement]
-        if not candidates:
-            raise RuntimeError("in-place recovery: every rank of the new generation is a replacement; no rank holds "
-                               "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
-        sender = max(candidates, key=lambda rank: (ranks[rank][1], -rank))
-        mine = torch.distributed.get_rank() == sender
-        state: dict[str, Any] = broadcast_state(self._state(module, optimizer) if mine else None, sender)
-        if mine:
+        exchange = exchange_state(replacement, self.progress.steps, lambda: self._state(module, optimizer))
+        self._replaced = exchange.replaced
+        if exchange.sent:
             self._restore_snapshot(module)
         else:
-            self._load(state, module, optimizer)
-        return state
+            self._load(exchange.state, module, optimizer)
+        return exchange.state
 
     def _state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model_state = module.state_dict()
@@ -329,6 +323,34 @@ class InPlaceRecovery:
         self._rng = state["rng"]
         torch.set_rng_state(self._rng)
         self._keep_buffers(module)  # nothing yet in a replacement: attach() takes them after this
+
+
+@dataclass
+class Exchange:
+    """What ``exchange_state`` did on this rank: the state every rank now holds, whether this rank
+    sent it, the ranks that replaced lost ones, and each rank's optimizer steps (-1: a replacement)."""
+
+    state: dict[str, Any]
+    sent: bool
+    replaced: list[int]
+    steps: list[int]
+
+
+def exchange_state(replacement: bool, steps: int, state: Callable[[], dict[str, Any]]) -> Exchange:
+    """The exchange of a new generation, on every rank of it: the ranks gather (is a replacement,
+    optimizer steps taken), and the survivor with the most steps (the lowest rank among equals)
+    sends ``state()`` (called on that rank only) to every other by one ``broadcast_state``.
+    ``RuntimeError`` when every rank is a replacement (no rank holds the state)."""
+    ranks = all_gather_object((replacement, -1 if replacement else steps))
+    candidates = [rank for rank, (is_replacement, _) in enumerate(ranks) if not is_replacement]
+    replaced = [rank for rank, (is_replacement, _) in enumerate(ranks) if is_replacement]
+    if not candidates:
+        raise RuntimeError("in-place recovery: every rank of the new generation is a replacement; no rank holds "
+                           "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
+    sender = max(candidates, key=lambda rank: (ranks[rank][1], -rank))
+    mine = torch.distributed.get_rank() == sender
+    sent: dict[str, Any] = broadcast_state(state() if mine else None, sender)
+    return Exchange(sent, mine, replaced, [taken for _, taken in ranks])
 
 
 _LOST = "a rank was lost"

@@ -26,7 +26,7 @@ from ddpkit.training.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.training.recovery import InPlaceRecovery, Progress
 from ddpkit.training.state import TrackedState
 
-__all__ = ["LoopMethods", "ResumableLoop"]
+__all__ = ["LoopMethods", "ResumableLoop", "release_frames"]
 
 _log = get_logger("recovery")
 
@@ -151,7 +151,7 @@ class ResumableLoop:
         except PeerLostError as lost:
             if self.recovery is None:
                 raise
-            _release_frames(lost)
+            release_frames(lost)
             self.recovery.recover()
             self.step_recovered = True
         except RuntimeError as error:
@@ -163,7 +163,7 @@ class ResumableLoop:
             if self.recovery is None or not isinstance(failure, PeerLostError):
                 raise raising(failure) from error
             _log.warning(f"ddpkit: a collective of the step's own code failed: {failure}")
-            _release_frames(error)
+            release_frames(error)
             self.recovery.recover()
             self.step_recovered = True
         finally:
@@ -251,7 +251,7 @@ class LoopMethods:
         return self._loop.recovery is not None and self._loop.recovery.recovered
 
 
-def _release_frames(error: BaseException) -> None:
+def release_frames(error: BaseException) -> None:
     """Clear the local variables of the finished frames in ``error``'s tracebacks (and its causes'):
     the failed collective's frames hold the group that is about to be abandoned, which must be
     freed for its connections to close (``Group.abort``), while the exception is still alive."""

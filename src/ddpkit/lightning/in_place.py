@@ -1,0 +1,302 @@
+"""In-place recovery inside ``Trainer.fit``: under ``ddpkit run --recovery in-place`` a lost rank is
+replaced by the launcher's warm spare while the other ranks keep their processes and their Trainer.
+
+- **The commit point** is the optimizer step, as in ddpkit's own loop (``ddpkit.training.recovery``):
+  each rank keeps its buffers as of its last step, the batches handed to ``training_step`` since
+  then (the accumulation window, ``accumulate_grad_batches`` of them), and its random state as the
+  window's first batch began (after the loader drew the epoch's order: the point the replacement
+  reaches too).
+- **The survivors** meet the loss inside the step: in ``training_step`` (a synchronised batch norm,
+  a metric logged with ``sync_dist``, a collective of the user's own) or in ``backward`` (the
+  gradients' all-reduce, a synchronised batch norm's). The strategy catches it there, and ``TrainerRecovery.recover``
+  forms the group's next generation with the replacement, sends it Lightning's whole checkpoint
+  (``dump_checkpoint``: model, optimizer, schedules, loops, callbacks, precision plugin, the
+  loader's position) as of the last optimizer step, rebuilds the DDP module's synchronisation, and
+  trains the window's earlier batches again; then the step goes on with the batch in hand.
+- **The replacement** runs the script from the top. Its ``trainer.fit`` loads the received state as
+  from a checkpoint (``ReplacementLauncher`` gives it ``ckpt_path=REPLACEMENT_CHECKPOINT``), and the
+  fit loop starts at the window's first batch, reading its loader from there (``ResumableBatches``).
+  Until its first ``training_step`` its Lightning collectives stay local: the survivors, inside
+  their step, run none of the set-up's barriers and broadcasts. The collectives of the two sides
+  pair one for one: the state's exchange, the DDP module's construction (``resynchronise`` on the
+  survivors), and for every batch of the window Lightning's per-batch broadcast, the forward's and
+  the backward's.
+
+What a lost rank computed for itself only is gone: the replacement takes the sender's random state
+(the lost rank's own when Lightning seeded every rank alike, its default), and metrics logged in the
+batches trained again count twice in the survivors' epoch means.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerFn
+
+from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
+from ddpkit.logs import get_logger
+from ddpkit.membership.group import Group, current_group
+from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.wrapping import no_sync
+from ddpkit.training.recovery import exchange_state
+from ddpkit.training.replicas import ReplicaCheck, check_every
+from ddpkit.training.state import TrackedState
+from ddpkit.variables import DDPKIT_READY_FILE
+
+__all__ = ["REPLACEMENT_CHECKPOINT", "ReplacementLauncher", "TrainerRecovery", "lost_peer"]
+
+_log = get_logger("recovery")
+
+#: The ``ckpt_path`` a replacement's ``trainer.fit`` loads: the state the survivors sent.
+REPLACEMENT_CHECKPOINT = "ddpkit://in-place-recovery"
+# Beside Lightning's keys in the checkpoint a survivor sends: what the replacement needs beyond it.
+_EXTRA = "ddpkit_in_place"
+
+
+def lost_peer(error: BaseException) -> PeerLostError | None:
+    """The loss of a peer behind ``error``: ``error`` itself, or the loss a ``torch.distributed`` call
+    of the user's own failed on; None for anything else. A failure a peer published instead is
+    raised, named (``PeerFailedError``)."""
+    own = error.__cause__ if isinstance(error, PeerLostError) else error  # (``guard`` raises the loss from it)
+    if isinstance(own, RuntimeError) and raised_by_torch_distributed(own):
+        failure = error if isinstance(error, PeerLostError) else failure_behind(own)
+        if failure is not None and not isinstance(failure, PeerLostError):
+            raise raising(failure) from error
+        if failure is not None:
+            _log.warning(f"ddpkit: a collective of the step's own code failed: {failure}")
+        return failure
+    return error if isinstance(error, PeerLostError) else None
+
+
+class ReplacementLauncher(_Launcher):
+    """A replacement's launcher (processes are ``ddpkit run``'s): its first ``trainer.fit`` resumes
+    from the state the survivors send (``ckpt_path=REPLACEMENT_CHECKPOINT``), whatever path the
+    script gives; everything else runs as the launcher it stands in for (``original``) would."""
+
+    def __init__(self, original: _Launcher | None) -> None:
+        self.original = original
+        self._used = False
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        parameters = inspect.signature(function).parameters
+        if not self._used and trainer is not None and trainer.state.fn == TrainerFn.FITTING and "ckpt_path" in parameters:
+            self._used = True
+            bound = inspect.signature(function).bind(*args, **kwargs)
+            bound.arguments["ckpt_path"] = REPLACEMENT_CHECKPOINT
+            args, kwargs = bound.args, bound.kwargs
+        if self.original is not None:
+            return self.original.launch(function, *args, trainer=trainer, **kwargs)
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        if self.original is not None:
+            self.original.kill(signum)
+
+
+class TrainerRecovery:
+    """One rank's side of in-place recovery inside ``Trainer.fit`` (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        #: A replacement before its first ``training_step``: Lightning's collectives stay local.
+        self.joining = False
+        #: Inside ``recover`` (the window trained again): a rank lost there starts the recovery over.
+        self.recovering = False
+        self._received: dict[str, Any] | None = None
+        self._trainer: pl.Trainer | None = None
+        self._model: DistributedDataParallel | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._rng: dict[str, Any] = {}
+        # (batch, batch_idx) handed to training_step since the last optimizer step, the one in hand last.
+        self._window: list[tuple[Any, int]] = []
+        self._replica_check: ReplicaCheck | None = None
+        self._in_commit = False  # inside the optimizer step's hook: the step counts as taken
+
+    # -- a replacement ----------------------------------------------------------------------------
+
+    def receive(self) -> None:
+        """In a replacement, once connected: the survivors' checkpoint, held for ``checkpoint()``."""
+        self._received = exchange_state(True, -1, dict).state
+        self.joining = True
+        _log.warning("ddpkit: replacing a lost rank in place: received the survivors' training state; the fit "
+                     "loop starts at their last optimizer step")
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What ``strategy.load_checkpoint(REPLACEMENT_CHECKPOINT)`` returns: the received checkpoint."""
+        if self._received is None:
+            raise RuntimeError(f"{REPLACEMENT_CHECKPOINT} is the state a replacement receives from the survivors under "
+                               "ddpkit run --recovery in-place; this process received none. Pass a checkpoint file.")
+        return self._received
+
+    # -- every rank -------------------------------------------------------------------------------
+
+    def attach(self, trainer: pl.Trainer, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        """Follow ``optimizer``'s steps (each one commits the window) and keep what a recovery starts
+        from; then tell the launcher, through the ready file, that this rank can take part in one."""
+        self._trainer, self._model, self._optimizer = trainer, model, optimizer
+        if self._received is not None:
+            extra = self._received[_EXTRA]
+            model.adopt_bucket_order(extra["bucket_order"], extra["bucket_order_may_change"])
+        self._buffers = [buffer.detach().clone() for buffer in model.module.buffers()]
+        self._rng = _collect_rng_states()
+        tracked = TrackedState()  # Lightning's schedules and loops travel in its checkpoint, not compared
+        self._replica_check = ReplicaCheck(check_every(), lambda: (model.module, optimizer, tracked),
+                                           lambda: trainer.global_step + self._in_commit, buffers=model.broadcast_buffers)
+        optimizer.register_step_post_hook(self._commit)
+        ready_file = os.environ.get(DDPKIT_READY_FILE)
+        if ready_file:
+            with open(ready_file, "w", encoding="utf-8") as handle:
+                handle.write("ready\n")
+
+    def batch_started(self, batch: Any, batch_idx: int) -> None:
+        """The fit loop hands ``batch`` to ``training_step`` next (``strategy.on_train_batch_start``)."""
+        if self._received is not None:  # a replacement's first batch: the sender's random state at this point
+            _set_rng_states(self._received[_EXTRA]["rng"])
+            self._received = None  # (its state loaded: the memory goes)
+            if self._replica_check is not None:
+                self._replica_check.recovered(_formed())
+        if not self._window:  # the window's first batch: the random state its training starts from
+            self._rng = _collect_rng_states()
+        self._window.append((batch, batch_idx))
+
+    def _commit(self, *_: Any) -> None:
+        self._window.clear()
+        if self._model is not None:
+            for kept, buffer in zip(self._buffers, self._model.module.buffers()):
+                kept.copy_(buffer)
+        if self._replica_check is not None:  # after a recovery (and every DDPKIT_CHECK_REPLICAS steps)
+            self._in_commit = True
+            try:
+                self._replica_check.run()
+            finally:
+                self._in_commit = False
+
+    # -- a survivor -------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """In a survivor, inside the step of the batch in hand: form the next generation with the
+        replacement, bring every rank to the last optimizer step, and train the window's earlier
+        batches again; the caller then trains the batch in hand again."""
+        trainer, model, optimizer = self._trainer, self._model, self._optimizer
+        group = current_group()
+        if trainer is None or model is None or optimizer is None or group is None:
+            raise RuntimeError("in-place recovery inside Trainer.fit: the strategy was not set up under ddpkit run "
+                               "--recovery in-place (no model, optimizer or group to recover).")
+        self.recovering = True
+        try:
+            self._recover(trainer, model, optimizer, group)
+        finally:
+            self.recovering = False
+
+    def _recover(self, trainer: pl.Trainer, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 group: Group) -> None:
+        before = group.membership
+        _log.warning(f"ddpkit: a rank was lost; forming generation {before.generation + 1} of the group")
+        self._restore_snapshot()  # as of the last optimizer step: what the sender sends, and what every rank redoes from
+        while True:
+            after = group.reconfigure()
+            if after.world_size != before.world_size:
+                raise RuntimeError(
+                    f"in-place recovery inside Trainer.fit: the group has {after.world_size} ranks now, not "
+                    f"{before.world_size}, and Lightning's sampler cannot hand a lost rank's shares to the others. "
+                    "Run with a spare node, or without --nnodes MIN:MAX.")
+            try:
+                exchange = exchange_state(False, trainer.global_step, lambda: self._checkpoint_to_send(trainer, model))
+                break
+            except PeerLostError:  # a member of the new generation lost before it held the state: the next one
+                _log.warning(f"ddpkit: a rank of generation {after.generation} of the group was lost while the training "
+                             f"state was sent; forming generation {after.generation + 1}")
+        behind = [rank for rank, steps in enumerate(exchange.steps) if 0 <= steps != trainer.global_step]
+        if behind:
+            raise RuntimeError(
+                f"in-place recovery inside Trainer.fit: the surviving ranks stopped at different optimizer steps "
+                f"({dict(enumerate(exchange.steps))}; -1: a replacement), and the Trainer of a rank cannot skip to "
+                "another's step. Restart from the last checkpoint (ddpkit run --max-restarts N).")
+        extra = exchange.state[_EXTRA]
+        model.resynchronise(extra["bucket_order"], extra["bucket_order_may_change"])
+        optimizer.zero_grad(set_to_none=True)
+        window = list(self._window)  # kept until the step: a second loss before it trains them again too
+        for batch, batch_idx in window[:-1]:
+            self.per_batch_broadcast(trainer)
+            with no_sync(model):
+                redo_batch(trainer, optimizer, batch, batch_idx)
+        self.per_batch_broadcast(trainer)
+        if self._replica_check is not None:
+            self._replica_check.recovered(_formed())
+        _log.warning(f"ddpkit: recovered in place: generation {after.generation}, training again from optimizer step "
+                     f"{trainer.global_step} (epoch {trainer.current_epoch}, {len(window) - 1} batch(es) of the "
+                     "window before the one in hand)")
+
+    def train_in_hand(self) -> None:
+        """Train the batch in hand again (after ``recover``: its ``training_step`` and backward, whose
+        first try failed), synchronised or not as the backward that failed was."""
+        assert self._trainer is not None and self._optimizer is not None  # attach()
+        batch, batch_idx = self._window[-1]
+        redo_batch(self._trainer, self._optimizer, batch, batch_idx)
+
+    def _restore_snapshot(self) -> None:
+        assert self._model is not None
+        with torch.no_grad():
+            for kept, buffer in zip(self._buffers, self._model.module.buffers()):
+                buffer.copy_(kept)
+        _set_rng_states(self._rng)
+
+    def _checkpoint_to_send(self, trainer: pl.Trainer, model: DistributedDataParallel) -> dict[str, Any]:
+        """Lightning's checkpoint as of the last optimizer step: the loops' counters and the loader's
+        position moved back over the batches of the window trained since (the one in hand included)."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        _move_back(checkpoint, len(self._window) - 1)
+        order, may_change = model.bucket_order()
+        checkpoint[_EXTRA] = {"rng": self._rng, "bucket_order": order, "bucket_order_may_change": may_change}
+        return checkpoint
+
+    @staticmethod
+    def per_batch_broadcast(trainer: pl.Trainer) -> None:
+        """Lightning's broadcast at the start of every batch (whether a rank got SIGTERM), which the
+        replacement runs before each batch it trains: the survivors run it before each batch they
+        train again, so that the two sides' collectives pair up."""
+        broadcast = getattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", None)
+        if broadcast is not None and torch.distributed.is_initialized() and trainer.world_size > 1:
+            broadcast()
+
+
+def _formed() -> str:
+    """How the replica check names the last recovery, in the same words on every rank."""
+    group = current_group()
+    return f"the in-place recovery that formed generation {group.generation if group is not None else 0} of the group"
+
+
+def redo_batch(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, batch: Any, batch_idx: int) -> None:
+    """Train ``batch`` again as the fit loop trained it: Lightning's closure of the batch (its
+    ``training_step``, the loss scaled for the accumulation, the window's ``zero_grad`` on its first
+    batch, the backward through the strategy with its hooks)."""
+    loop = trainer.fit_loop.epoch_loop
+    closure = loop.automatic_optimization._make_closure(loop._build_kwargs(OrderedDict(), batch, batch_idx),
+                                                        optimizer, batch_idx)
+    closure()
+    closure.consume_result()
+
+
+def _move_back(checkpoint: dict[str, Any], batches: int) -> None:
+    """Count ``batches`` fewer trained in the checkpoint's training loop: its progress (every
+    counter at the batches done, as after an optimizer step) and ``ResumableBatches``' position."""
+    loop = checkpoint["loops"]["fit_loop"]
+    progress = loop["epoch_loop.batch_progress"]
+    for counts in (progress["total"], progress["current"]):
+        done = counts["processed"] - batches
+        counts.update(ready=done, started=done, processed=done, completed=done)
+    for state in loop["state_dict"].get("combined_loader", []) or []:
+        if isinstance(state, dict) and set(state) == {"epoch", "batches_trained"}:
+            state["batches_trained"] -= batches
