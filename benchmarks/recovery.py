@@ -130,18 +130,28 @@ def completed(folder: Path, rank: int) -> list[tuple[int, float]]:
 
 def run(mode: str, ranks: int, steps: int, kill: bool, seed: int) -> dict[str, Any] | None:
     """One run; None when it did not finish."""
-    folder = Path(tempfile.mkdtemp(prefix=f"ddpkit-recovery-{mode}-"))
-    (folder / "train.py").write_text(SCRIPT)
     chooser = random.Random(seed)
     # After a step that a checkpoint save follows, the kill lands in the save (between steps).
     kill_after = chooser.randrange(5, steps - 9)
     victim = chooser.randrange(ranks)
+    return run_script(mode, SCRIPT, command(mode, ranks, steps), kill_after if kill else None, victim)
+
+
+def run_script(mode: str, script: str, argv: list[str], kill_after: int | None, victim: int,
+               timeout: float = 600) -> dict[str, Any] | None:
+    """Run ``argv`` in a temporary folder holding ``script`` as train.py (it writes ``pid.RANK`` and a
+    ``steps.RANK`` line per step, rank 0 ``final.pt``), SIGKILL rank ``victim`` once it completed step
+    ``kill_after`` (None: no kill); the seconds to its successor's next step, the steps trained twice
+    and a copy of ``final.pt`` (``final_file``). None when it did not finish (within ``timeout``
+    seconds: then it and every process it started are killed)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"ddpkit-recovery-{mode}-"))
+    (folder / "train.py").write_text(script)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    process = subprocess.Popen(command(mode, ranks, steps), cwd=folder, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
     result: dict[str, Any] = {}
     try:
-        if kill:
+        if kill_after is not None:
             while not any(step >= kill_after for step, _ in completed(folder, victim)):
                 if process.poll() is not None:
                     return None
@@ -149,11 +159,15 @@ def run(mode: str, ranks: int, steps: int, kill: bool, seed: int) -> dict[str, A
             killed_at_step = max(step for step, _ in completed(folder, victim))
             os.kill(int((folder / f"pid.{victim}").read_text()), signal.SIGKILL)
             killed = time.time()
-        _, stderr = process.communicate(timeout=600)
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"  {mode}: not finished after {timeout:.0f} s", file=sys.stderr)
+            return None
         if process.returncode != 0 or not (folder / "final.pt").exists():
             print(f"  {mode}: exit {process.returncode}\n{stderr[-1500:]}", file=sys.stderr)
             return None
-        if kill:
+        if kill_after is not None:
             after = [(step, moment) for step, moment in completed(folder, victim) if moment > killed]
             result["seconds"] = after[0][1] - killed
             result["trained_twice"] = killed_at_step + 1 - after[0][0]
@@ -162,8 +176,9 @@ def run(mode: str, ranks: int, steps: int, kill: bool, seed: int) -> dict[str, A
         result["final_file"] = str(kept)
         return result
     finally:
-        if process.poll() is None:
-            process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # and any worker it left behind
+        process.wait()
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -201,6 +201,21 @@ def test_a_rank_killed_in_validation_under_in_place_recovery_restarts_every_work
     assert largest < 1e-6, largest
 
 
+@pytest.mark.parametrize(("imports", "expected"), [("import lightning.pytorch as pl", "warm"),
+                                                 ("from pytorch_lightning import Trainer", "warm"),
+                                                 ("import torch", "cold")])
+def test_the_warm_spare_of_a_script_that_imports_lightning_has_imported_it_before_the_script_runs(
+        tmp_path: Path, imports: str, expected: str) -> None:
+    """Importing Lightning takes longer than the rest of a replacement's way back into the step."""
+    script = tmp_path / "train.py"
+    script.write_text(f"import sys\nprint('warm' if 'lightning.pytorch' in sys.modules else 'cold')\n"
+                      f"if False:\n    {imports}\n")
+    spare = subprocess.run([sys.executable, "-m", "ddpkit.launching.worker", "--spare", str(script)], input="{}\n",
+                           capture_output=True, text=True, timeout=120)
+    assert spare.returncode == 0, spare.stderr[-3000:]
+    assert spare.stdout.strip() == expected
+
+
 def test_in_place_recovery_inside_trainer_fit_refuses_what_it_cannot_carry_before_connecting(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {"DDPKIT_LAUNCHED": "1", "DDPKIT_RECOVERY": "in-place", "WORLD_SIZE": "2", "RANK": "0",

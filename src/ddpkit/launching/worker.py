@@ -3,7 +3,8 @@
 for ``ddpkit run`` and in-script launching, ``python -m ddpkit.launching.worker --serve-functions`` for
 the function pool of ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``);
 ``python -m ddpkit.launching.worker --spare script.py [args]`` for the warm spare of in-place
-recovery, which imports torch and ddpkit's training parts, then waits for the launcher to write
+recovery, which imports torch and ddpkit's training parts (and ddpkit's strategy for Lightning's
+Trainer, with Lightning, when the script imports Lightning), then waits for the launcher to write
 the variables of the rank it replaces (one JSON line on its standard input) and runs the script.
 
 Before running the script as ``__main__`` (or serving the pool) it (1) asks the kernel to send SIGTERM when the launcher
@@ -18,11 +19,13 @@ has ended, finishes the process itself (``_finish``), so that a clean script exi
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import faulthandler
 import gc
 import importlib
+import importlib.util
 import io
 import itertools
 import json
@@ -77,7 +80,7 @@ def main(argv: list[str]) -> None:
     die_with_launcher()
     if argv[0] == SPARE:
         argv = argv[1:]
-        _wait_for_a_rank()
+        _wait_for_a_rank(argv)
     # What exists now (the bootstrap, and torch, which it imported) lives until the process
     # ends: out of the collector's way, it costs no time in the script's full collections, nor
     # in the look for open files and the collection when the script has ended.
@@ -116,18 +119,46 @@ def main(argv: list[str]) -> None:
 # in-place recovery. The launcher's own rule (import no more than it needs) is about the launcher and
 # a worker before its script; a spare's whole point is to have imported them already.
 _WARM_MODULES = ("torch", "ddpkit.training.strategy")
+# And for a script that imports Lightning, ddpkit's strategy for its Trainer (Lightning with it):
+# importing Lightning takes longer than the rest of a replacement's way back into the step.
+_LIGHTNING = frozenset({"lightning", "pytorch_lightning"})
 
 
-def _wait_for_a_rank() -> None:
-    """The warm spare: import what a training script needs (seconds, done ahead), then wait for the
-    launcher to name the rank this process replaces; leave quietly when the launcher closes the pipe."""
+def _wait_for_a_rank(argv: list[str]) -> None:
+    """The warm spare: import what the training script ``argv`` needs (seconds, done ahead), then wait
+    for the launcher to name the rank this process replaces; leave quietly when the launcher closes the pipe."""
     for name in _WARM_MODULES:
         importlib.import_module(name)
+    if _LIGHTNING & imported_packages(argv):
+        with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
+            importlib.import_module("ddpkit.lightning")
     line = sys.stdin.readline()
     if not line.strip():
         os._exit(0)
     os.environ.update(json.loads(line))
     sys.stdin = open(os.devnull, encoding="utf-8")  # the pipe was the launcher's, not the script's input
+
+
+def imported_packages(argv: list[str]) -> set[str]:
+    """The top-level packages the script of ``argv`` (a path, or ``-m module``) imports anywhere in
+    its source, read without running it; empty when its source cannot be read."""
+    try:
+        if argv[0] == "-m":
+            spec = importlib.util.find_spec(argv[1])
+            path = spec.origin if spec is not None else None
+        else:
+            path = argv[0]
+        with open(path or "", "rb") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError, ImportError):
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
 
 
 def _exit_code(exit_request: SystemExit) -> int:
