@@ -15,10 +15,11 @@ every batch then takes 0.2 s more, so that the signal arrives long before the ru
 --recovery in-place``): that rank SIGKILLs itself at that batch of the first epoch (or of ``EPOCH``
 with ``RANK:BATCH:PHASE:EPOCH``), in its forward
 (``forward``) or at the start of its backward (``backward``), once in the job (a file in OUT says
-it happened: the replacement, which runs the script again, does not), or in its ``validation`` step.
+it happened: the replacement, which runs the script again, does not), after it (``batch_end``: in
+``on_train_batch_end``, between steps), or in its ``validation`` step.
 ``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
 ``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
-before the forward. Rank 0 saves the final parameters and
+before the forward; ``OWN_COLLECTIVE_AT_EPOCH_END=1``: one in ``on_train_epoch_end``. Rank 0 saves the final parameters and
 buffers to OUT/final.pt. (No bias before the batch norm: its gradient is rounding noise, which
 AdamW would turn into steps of full size.)"""
 
@@ -58,8 +59,8 @@ class Regression(pl.LightningModule):
                 os.kill(int(os.environ["DDPKIT_LAUNCHER_PID"]), signal.SIGTERM)
             time.sleep(0.2)
         x, y = batch
-        kill = (self.kill_at == (self.global_rank, batch_idx) and self.current_epoch == self.kill_epoch
-                and not os.path.exists(KILLED))
+        kill = (self.kill_phase in ("forward", "backward") and self.kill_at == (self.global_rank, batch_idx)
+                and self.current_epoch == self.kill_epoch and not os.path.exists(KILLED))
         if kill:
             open(KILLED, "w").close()
             if self.kill_phase == "forward":
@@ -81,6 +82,17 @@ class Regression(pl.LightningModule):
     def on_train_end(self) -> None:
         timings = getattr(self.trainer.strategy, "timings", None)  # ddpkit's strategies have them
         self.timed = "" if timings is None else f", {timings().steps} steps timed"
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if (self.kill_phase == "batch_end" and self.kill_at == (self.global_rank, batch_idx)
+                and self.current_epoch == self.kill_epoch and not os.path.exists(KILLED)):
+            open(KILLED, "w").close()
+            time.sleep(1)  # the other ranks finish the step and wait in what follows it
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_epoch_end(self) -> None:
+        if os.environ.get("OWN_COLLECTIVE_AT_EPOCH_END"):  # the user's own, between steps
+            torch.distributed.all_reduce(torch.ones(1))
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

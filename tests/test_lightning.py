@@ -147,14 +147,18 @@ def test_a_number_of_nodes_the_trainer_does_not_have_is_refused_naming_both() ->
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("rank", "batch", "phase", "own"), [(1, 5, "forward", ""), (1, 4, "backward", ""),
-                                                          (0, 5, "backward", ""), (1, 4, "forward", "1")])
+                                                          (0, 5, "backward", ""), (1, 4, "forward", "1"),
+                                                          (1, 7, "batch_end", ""), (1, 1, "validation", "")])
 def test_a_rank_killed_inside_trainer_fit_is_replaced_in_place_and_the_fit_ends_as_one_process(
         tmp_path: Path, one_process: dict[str, torch.Tensor], rank: int, batch: int, phase: str, own: str) -> None:
     """Batches 4 and 5 are one window of ``accumulate_grad_batches=2``. Killed in batch 5's forward:
     the survivor loses it in the synchronised batch norm inside ``optimizer_step`` and trains batch 4
     again; in batch 4's backward: outside ``optimizer_step``, in the batch norm's backward; in batch
     5's backward: in the gradients' all-reduce, with rank 0 (the one that saves) replaced; in batch
-    4's forward with a collective of the user's own first: Gloo's error in the user's call."""
+    4's forward with a collective of the user's own first: Gloo's error in the user's call; after the
+    epoch's last step: the survivor loses it between steps (the DDP module's buffer broadcast in
+    validation; its metrics and the epoch's checkpoint then its own) and recovers at the next
+    epoch's first step; in validation: the same."""
     result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
                      KILL_AT=f"{rank}:{batch}:{phase}", OWN_COLLECTIVE=own)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -188,14 +192,29 @@ def test_a_replacement_draws_the_random_numbers_the_lost_rank_would_have_drawn(t
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_killed_in_validation_under_in_place_recovery_restarts_every_worker_which_resume(
+def test_a_rank_lost_after_the_last_step_leaves_the_job_ending_with_zero(
         tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
-    """Outside the training step nothing is trained again: the survivor's collective fails, and the
-    launcher restarts every worker (here before the first checkpoint: the fit starts over)."""
+    """No training step is left to recover at: the survivors finish, and the replacement, waiting for
+    a generation that will not form, is told that nothing is left to train."""
     result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
-                     KILL_AT="1:1:validation", RESUME="1")
+                     KILL_AT="1:7:batch_end:1")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "PeerLostError" in result.stderr and "restarting all 2 workers" in result.stderr, result.stderr[-4000:]
+    assert "the training ended before generation 1 of the group formed" in result.stderr, result.stderr[-4000:]
+    trained = torch.load(tmp_path / "final.pt")
+    largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
+    assert largest < 1e-6, largest
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_lost_in_the_users_own_collective_between_steps_restarts_every_worker_which_resume(
+        tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
+    """What in place does not cover: a ``torch.distributed`` call of the user's own outside the
+    step (``on_train_epoch_end``, at the end of the second epoch). The survivor ends, the launcher
+    restarts every worker, and the fit resumes from the first epoch's checkpoint."""
+    result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
+                     KILL_AT="1:7:batch_end:1", OWN_COLLECTIVE_AT_EPOCH_END="1", RESUME="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "restarting all 2 workers" in result.stderr and "Restored all states" in result.stderr, result.stderr[-4000:]
     trained = torch.load(tmp_path / "final.pt")
     largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
     assert largest < 1e-6, largest

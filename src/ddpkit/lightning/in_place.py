@@ -113,6 +113,8 @@ class TrainerRecovery:
         self.joining = False
         #: Inside ``recover`` (the window trained again): a rank lost there starts the recovery over.
         self.recovering = False
+        #: A rank was lost between steps (``lost_between_steps``): the next training step recovers first.
+        self.lost = False
         self._received: dict[str, Any] | None = None
         self._trainer: pl.Trainer | None = None
         self._model: DistributedDataParallel | None = None
@@ -171,15 +173,25 @@ class TrainerRecovery:
             self._rng = _collect_rng_states()
         self._window.append((batch, batch_idx))
 
+    def lost_between_steps(self, lost: PeerLostError) -> None:
+        """A rank was lost outside a training step (the step's optimizer step is done): the survivors
+        go on alone until the next training step, which recovers first, and the replacement starts
+        at that batch; meanwhile Lightning's collectives stay local (a save, validation's metrics)."""
+        if not self.lost:
+            _log.warning(f"ddpkit: {lost}; recovering at the next training step")
+        self.lost = True
+
     def _commit(self, *_: Any) -> None:
         self._window.clear()
         if self._model is not None:
             for kept, buffer in zip(self._buffers, self._model.module.buffers()):
                 kept.copy_(buffer)
-        if self._replica_check is not None:  # after a recovery (and every DDPKIT_CHECK_REPLICAS steps)
+        if self._replica_check is not None and not self.lost:  # after a recovery, every DDPKIT_CHECK_REPLICAS steps
             self._in_commit = True
             try:
                 self._replica_check.run()
+            except PeerLostError as lost:  # (the step is done: the next one recovers)
+                self.lost_between_steps(lost)
             finally:
                 self._in_commit = False
 
@@ -235,6 +247,7 @@ class TrainerRecovery:
         self.per_batch_broadcast(trainer)
         if self._replica_check is not None:
             self._replica_check.recovered(_formed())
+        self.lost = False
         _log.warning(f"ddpkit: recovered in place: generation {after.generation}, training again from optimizer step "
                      f"{trainer.global_step} (epoch {trainer.current_epoch}, {len(window) - 1} batch(es) of the "
                      "window before the one in hand)")

@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
 from ddpkit.training.agreement import PreemptionAgreement
@@ -31,9 +32,12 @@ class PreemptionStop(Callback):
     """After each optimizer step, the ranks' agreement on a preemption signal; on it, the checkpoint
     and exit 75 (``SystemExit``, which Lightning lets through after its teardown)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_peer_lost: Callable[[PeerLostError], bool] | None = None) -> None:
         self._agreement: PreemptionAgreement | None = None
         self._last_step = -1
+        # Under in-place recovery, a rank lost in the agreement's round: the strategy recovers at the
+        # next training step (True), and this step is no preemption.
+        self._on_peer_lost = on_peer_lost
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._agreement = PreemptionAgreement()  # after Lightning installed its handlers: this one wins
@@ -44,7 +48,13 @@ class PreemptionStop(Callback):
         if self._agreement is None or trainer.global_step == self._last_step:
             return  # between the micro-batches of an accumulated step: no step to stop after
         self._last_step = trainer.global_step
-        if not self._agreement.decide():
+        try:
+            preempted = self._agreement.decide()
+        except PeerLostError as lost:
+            if self._on_peer_lost is None or not self._on_peer_lost(lost):
+                raise
+            return
+        if not preempted:
             return
         path, resume = checkpoint_path(trainer)
         trainer.save_checkpoint(path)

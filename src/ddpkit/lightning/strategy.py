@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -55,6 +55,8 @@ from ddpkit.training.resumable_loop import release_frames
 
 __all__ = ["DDPStrategy"]
 
+T = TypeVar("T")
+
 
 class DDPStrategy(LightningDDPStrategy):
     """Lightning's ``DDPStrategy`` with ddpkit underneath (see the module's docstring).
@@ -78,6 +80,7 @@ class DDPStrategy(LightningDDPStrategy):
             self.num_nodes = num_nodes
         # Under ddpkit run --recovery in-place (made when connecting): a lost rank replaced in the step.
         self._in_place: TrainerRecovery | None = None
+        self._in_step = False  # inside training_step or backward (``_stepping``)
 
     # -- connecting ------------------------------------------------------------------------------
 
@@ -138,7 +141,7 @@ class DDPStrategy(LightningDDPStrategy):
             self._layer_sync = DdpkitSyncBatchNorm(self.root_device)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
         if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, PreemptionStop) for c in callbacks):
-            callbacks.append(PreemptionStop())
+            callbacks.append(PreemptionStop(on_peer_lost=self._peer_lost_between_steps))
         super().setup(trainer)
         if isinstance(self.model, DistributedDataParallel):
             for optimizer in self.optimizers:
@@ -164,7 +167,34 @@ class DDPStrategy(LightningDDPStrategy):
         if self._in_place is None:
             return super().training_step(*args, **kwargs)
         self._in_place.joining = False  # a replacement's collectives go to the group from its first step on
-        return self._recovering(lambda: super(DDPStrategy, self).training_step(*args, **kwargs))
+        if self._in_place.lost:  # a rank lost since the last step: recover before this one
+            self._recover(train_in_hand=False)
+        with self._stepping():
+            return self._recovering(lambda: super(DDPStrategy, self).training_step(*args, **kwargs))
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's; under in-place recovery, after a rank was lost between steps, this rank's own
+        (the module's ``validation_step``, without the DDP module's buffer broadcast), its metrics local."""
+        in_place = self._in_place
+        if in_place is not None and not in_place.lost:
+            try:
+                return super().validation_step(*args, **kwargs)
+            except PeerLostError as lost:  # (the DDP module's buffer broadcast, a collective of the user's own)
+                self._peer_lost_between_steps(lost)
+        if in_place is None:
+            return super().validation_step(*args, **kwargs)
+        assert self.lightning_module is not None  # connected before any step
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Generator[None, None, None]:
+        """Inside ``training_step`` or ``backward``: a rank lost in a collective is the step's to recover from."""
+        outer, self._in_step = self._in_step, True
+        try:
+            yield
+        finally:
+            self._in_step = outer
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's; under in-place recovery a rank lost in it (the gradients' all-reduce, a
@@ -172,7 +202,8 @@ class DDPStrategy(LightningDDPStrategy):
         if self._in_place is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._stepping():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         except (PeerLostError, RuntimeError) as error:
             if self._in_place.recovering or lost_peer(error) is None:
                 raise  # (lost again while the window is trained again: the recovery starts over)
@@ -257,28 +288,45 @@ class DDPStrategy(LightningDDPStrategy):
 
     # -- the collectives Lightning calls ---------------------------------------------------------
 
-    # A replacement joining under in-place recovery runs them locally until its first training step:
-    # the survivors, inside their step, run none of the set-up's (``ddpkit.lightning.in_place``).
-
-    def _joining(self) -> bool:
-        return self._in_place is not None and self._in_place.joining
+    # Under in-place recovery they run locally while a rank cannot take part: in a replacement until
+    # its first training step (the survivors, inside their step, run none of its set-up's), and in a
+    # survivor that lost a rank between steps (in a preemption round, a checkpoint's save,
+    # validation) until its next training step, which recovers first (``ddpkit.lightning.in_place``).
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not self._joining():
-            barrier()
+        self._collective(barrier, lambda: None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj if self._joining() else broadcast_object(obj, src=src)
+        return self._collective(lambda: broadcast_object(obj, src=src), lambda: obj)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, Tensor) and not self._joining():
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return self._collective(lambda: sync_ddp_if_available(tensor, group, reduce_op=reduce_op), lambda: tensor)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self._joining():
-            return torch.stack([tensor] * self.world_size)
-        return all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return self._collective(lambda: all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads),
+                                lambda: torch.stack([tensor] * self.world_size))
+
+    def _collective(self, call: Callable[[], T], local: Callable[[], T]) -> T:
+        in_place = self._in_place
+        if in_place is None or self._in_step:
+            return call()  # (in a step, a lost rank is the step's to recover from)
+        if in_place.joining or in_place.lost:
+            return local()
+        try:
+            return call()
+        except PeerLostError as lost:
+            self._peer_lost_between_steps(lost)
+            return local()
+
+    def _peer_lost_between_steps(self, lost: PeerLostError) -> bool:
+        """A rank lost outside a training step: recovered at the next one (True), under in-place recovery."""
+        if self._in_place is None:
+            return False
+        release_frames(lost)
+        self._in_place.lost_between_steps(lost)
+        return True
 
     def reconciliate_processes(self, trace: str) -> None:
         """The seeds' ``DDPPlugin.reconciliate_processes``: report this process's failure, given as its

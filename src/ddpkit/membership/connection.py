@@ -30,7 +30,6 @@ import torch._dynamo  # noqa: F401  (imported before any process group exists; s
 import torch.distributed as dist
 
 from ddpkit._network import gloo_interface_towards, listen_on, store_bind_address
-from ddpkit.diagnostics.failures import PeerFailedError
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
     ClusterEnvironment,
@@ -290,8 +289,8 @@ def destroy_dist_connection() -> None:
     if dist.get_world_size() > 1:
         try:
             run_collective(dist.barrier)
-        except PeerFailedError:
-            pass  # a rank failed (and said so): there is no clean exit to wait for
+        except RuntimeError:
+            pass  # a rank failed (and said so: PeerFailedError) or was lost: there is no clean exit to wait for
     if (group := current_group()) is not None:
         group.finish()  # a node waiting to join finds no step left: it is told so
     dist.destroy_process_group()

@@ -379,10 +379,11 @@ class Group:
         return self._launcher_store.add(self._arrivals(generation), 1), self._layout(generation)
 
     def finish(self) -> None:
-        """The training ended in this generation (every rank passed the last barrier): when a node
-        asked to join it, whose ranks wait for the next generation and will find no step boundary,
-        tell them that nothing is left to train (they end with 0)."""
-        if self._in_place and self.rank == 0 and self.growth_requested() is not None:
+        """The training ended in this generation: ranks that wait for the next one (a node that asked
+        to join, or the replacement of a rank lost after the last step) will find no step to form it
+        at; tell them that nothing is left to train (they end with 0). Every rank that ends says so:
+        rank 0 may be the lost one."""
+        if self._in_place:
             announce_finished(self._launcher_store, self._secret, self._attempt, self.generation + 1)
 
     def growth_requested(self) -> str | None:
