@@ -29,11 +29,12 @@ batches trained again count twice in the survivors' epoch means.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -48,12 +49,15 @@ from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import no_sync
 from ddpkit.training.recovery import exchange_state
 from ddpkit.training.replicas import ReplicaCheck, check_every
+from ddpkit.training.resumable_loop import release_frames
 from ddpkit.training.state import TrackedState
 from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["REPLACEMENT_CHECKPOINT", "ReplacementLauncher", "TrainerRecovery", "lost_peer"]
 
 _log = get_logger("recovery")
+
+T = TypeVar("T")
 
 #: The ``ckpt_path`` a replacement's ``trainer.fit`` loads: the state the survivors sent.
 REPLACEMENT_CHECKPOINT = "ddpkit://in-place-recovery"
@@ -125,6 +129,7 @@ class TrainerRecovery:
         self._window: list[tuple[Any, int]] = []
         self._replica_check: ReplicaCheck | None = None
         self._in_commit = False  # inside the optimizer step's hook: the step counts as taken
+        self._in_step = False  # inside training_step or backward: a lost rank is the step's to recover from
 
     # -- a replacement ----------------------------------------------------------------------------
 
@@ -173,13 +178,96 @@ class TrainerRecovery:
             self._rng = _collect_rng_states()
         self._window.append((batch, batch_idx))
 
-    def lost_between_steps(self, lost: PeerLostError) -> None:
+    def lost_between_steps(self, lost: PeerLostError) -> bool:
         """A rank was lost outside a training step (the step's optimizer step is done): the survivors
         go on alone until the next training step, which recovers first, and the replacement starts
-        at that batch; meanwhile Lightning's collectives stay local (a save, validation's metrics)."""
+        at that batch; meanwhile Lightning's collectives stay local (a save, validation's metrics).
+        True: it is taken care of (``PreemptionStop``'s ``on_peer_lost``)."""
+        release_frames(lost)  # the failed collective's frames hold the group about to be abandoned
         if not self.lost:
             _log.warning(f"ddpkit: {lost}; recovering at the next training step")
         self.lost = True
+        return True
+
+    # -- the strategy's steps and collectives under in-place recovery -------------------------------
+
+    def training_step(self, step: Callable[[], T]) -> T:
+        """``step()`` (Lightning's ``training_step``), after a recovery from a rank lost since the last
+        step, and again after each recovery from a rank lost in it."""
+        self.joining = False  # a replacement's collectives go to the group from its first step on
+        if self.lost:
+            self._recover_until_done(train_in_hand=False)
+        with self._stepping():
+            while True:
+                try:
+                    return step()
+                except (PeerLostError, RuntimeError) as error:
+                    self._take_loss(error)
+                self._recover_until_done(train_in_hand=False)
+
+    def backward(self, backward: Callable[[], torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """``backward()`` (Lightning's); after a rank lost in it, the recovery and the batch in hand
+        trained again (its new loss's backward done there)."""
+        try:
+            with self._stepping():
+                return backward()
+        except (PeerLostError, RuntimeError) as error:
+            self._take_loss(error)
+        self._recover_until_done(train_in_hand=True)
+        return loss
+
+    def validation_step(self, step: Callable[[], T], own: Callable[[], T]) -> T:
+        """``step()`` (Lightning's ``validation_step``), or ``own()`` (the module's, without the DDP
+        module's collectives) once a rank was lost between steps."""
+        if not self.lost:
+            try:
+                return step()
+            except PeerLostError as lost:  # (the DDP module's buffer broadcast, a collective of the user's own)
+                self.lost_between_steps(lost)
+        return own()
+
+    def collective(self, call: Callable[[], T], local: Callable[[], T]) -> T:
+        """One of Lightning's collectives (``call``), or ``local()`` while this rank cannot take part
+        with the others: a replacement before its first step, a survivor that lost a rank between
+        steps. In a step a lost rank is the step's to recover from."""
+        if self._in_step:
+            return call()
+        if self.joining or self.lost:
+            return local()
+        try:
+            return call()
+        except PeerLostError as lost:
+            self.lost_between_steps(lost)
+            return local()
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        outer, self._in_step = self._in_step, True
+        try:
+            yield
+        finally:
+            self._in_step = outer
+
+    def _take_loss(self, error: BaseException) -> None:
+        """Return when ``error`` is the loss of a peer that this step recovers from (else raise it): not
+        inside ``recover``, where a rank lost again starts the recovery over."""
+        if self.recovering or lost_peer(error) is None:
+            raise error
+        release_frames(error)
+
+    def _recover_until_done(self, train_in_hand: bool) -> None:
+        """``recover``, again after each rank lost while the window is trained again; then the batch
+        in hand trained again when ``train_in_hand`` (else the caller trains it)."""
+        while True:
+            try:
+                self.recover()
+                if train_in_hand:
+                    self.train_in_hand()
+                return
+            except (PeerLostError, RuntimeError) as error:
+                if lost_peer(error) is None:
+                    raise
+                release_frames(error)
 
     def _commit(self, *_: Any) -> None:
         self._window.clear()

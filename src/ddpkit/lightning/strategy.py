@@ -37,21 +37,20 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout  # Lightning's default timeout
 
 from ddpkit.comm.collectives import all_gather_ddp_if_available, barrier, broadcast_object, sync_ddp_if_available
-from ddpkit.diagnostics.failures import PeerLostError, record_failure
+from ddpkit.diagnostics.failures import record_failure
 from ddpkit.diagnostics.records import trace_record
 from ddpkit.environments import detect_environment
 from ddpkit.environments.contract import launch_contract
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.launcher import job_secret_for_workers
 from ddpkit.lightning.environment import DdpkitEnvironment
-from ddpkit.lightning.in_place import REPLACEMENT_CHECKPOINT, ReplacementLauncher, TrainerRecovery, lost_peer
+from ddpkit.lightning.in_place import REPLACEMENT_CHECKPOINT, ReplacementLauncher, TrainerRecovery
 from ddpkit.lightning.layer_sync import DdpkitSyncBatchNorm
 from ddpkit.lightning.preemption import PreemptionStop, ResumableBatches
 from ddpkit.membership.connection import distributed_available, init_dist_connection
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.step_timings import StepTimings
 from ddpkit.parallel.wrapping import no_sync
-from ddpkit.training.resumable_loop import release_frames
 
 __all__ = ["DDPStrategy"]
 
@@ -80,7 +79,6 @@ class DDPStrategy(LightningDDPStrategy):
             self.num_nodes = num_nodes
         # Under ddpkit run --recovery in-place (made when connecting): a lost rank replaced in the step.
         self._in_place: TrainerRecovery | None = None
-        self._in_step = False  # inside training_step or backward (``_stepping``)
 
     # -- connecting ------------------------------------------------------------------------------
 
@@ -141,7 +139,8 @@ class DDPStrategy(LightningDDPStrategy):
             self._layer_sync = DdpkitSyncBatchNorm(self.root_device)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
         if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, PreemptionStop) for c in callbacks):
-            callbacks.append(PreemptionStop(on_peer_lost=self._peer_lost_between_steps))
+            on_peer_lost = None if self._in_place is None else self._in_place.lost_between_steps
+            callbacks.append(PreemptionStop(on_peer_lost=on_peer_lost))
         super().setup(trainer)
         if isinstance(self.model, DistributedDataParallel):
             for optimizer in self.optimizers:
@@ -164,79 +163,33 @@ class DDPStrategy(LightningDDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's; under in-place recovery a rank lost in it is replaced, and it runs again."""
+        step = super().training_step
         if self._in_place is None:
-            return super().training_step(*args, **kwargs)
-        self._in_place.joining = False  # a replacement's collectives go to the group from its first step on
-        if self._in_place.lost:  # a rank lost since the last step: recover before this one
-            self._recover(train_in_hand=False)
-        with self._stepping():
-            return self._recovering(lambda: super(DDPStrategy, self).training_step(*args, **kwargs))
+            return step(*args, **kwargs)
+        return self._in_place.training_step(lambda: step(*args, **kwargs))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's; under in-place recovery, after a rank was lost between steps, this rank's own
         (the module's ``validation_step``, without the DDP module's buffer broadcast), its metrics local."""
-        in_place = self._in_place
-        if in_place is not None and not in_place.lost:
-            try:
-                return super().validation_step(*args, **kwargs)
-            except PeerLostError as lost:  # (the DDP module's buffer broadcast, a collective of the user's own)
-                self._peer_lost_between_steps(lost)
-        if in_place is None:
-            return super().validation_step(*args, **kwargs)
+        step = super().validation_step
+        if self._in_place is None:
+            return step(*args, **kwargs)
         assert self.lightning_module is not None  # connected before any step
-        with self.precision_plugin.val_step_context():
-            return self.lightning_module.validation_step(*args, **kwargs)
+        module = self.lightning_module
 
-    @contextlib.contextmanager
-    def _stepping(self) -> Generator[None, None, None]:
-        """Inside ``training_step`` or ``backward``: a rank lost in a collective is the step's to recover from."""
-        outer, self._in_step = self._in_step, True
-        try:
-            yield
-        finally:
-            self._in_step = outer
+        def own() -> Any:
+            with self.precision_plugin.val_step_context():
+                return module.validation_step(*args, **kwargs)
+
+        return self._in_place.validation_step(lambda: step(*args, **kwargs), own)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's; under in-place recovery a rank lost in it (the gradients' all-reduce, a
         synchronised batch norm's backward) is replaced, and the batch in hand trained again."""
+        backward = super().backward
         if self._in_place is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        try:
-            with self._stepping():
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except (PeerLostError, RuntimeError) as error:
-            if self._in_place.recovering or lost_peer(error) is None:
-                raise  # (lost again while the window is trained again: the recovery starts over)
-            release_frames(error)  # the failed collective's frames hold the group about to be abandoned
-        self._recover(train_in_hand=True)
-        return closure_loss
-
-    def _recovering(self, step: Callable[[], Any]) -> Any:
-        """``step()``, run again after each recovery from a rank lost in it."""
-        assert self._in_place is not None  # the callers' test
-        while True:
-            try:
-                return step()
-            except (PeerLostError, RuntimeError) as error:
-                if self._in_place.recovering or lost_peer(error) is None:
-                    raise  # (lost again while the window is trained again: the recovery starts over)
-                release_frames(error)  # the failed collective's frames hold the group about to be abandoned
-            self._recover(train_in_hand=False)
-
-    def _recover(self, train_in_hand: bool) -> None:
-        """Recover from a lost rank (and from each one lost while the window is trained again), and
-        train the batch in hand again when ``train_in_hand`` (else the caller does)."""
-        assert self._in_place is not None  # made when connecting; the callers' test
-        while True:
-            try:
-                self._in_place.recover()
-                if train_in_hand:
-                    self._in_place.train_in_hand()
-                return
-            except (PeerLostError, RuntimeError) as error:
-                if lost_peer(error) is None:
-                    raise
-                release_frames(error)
+            return backward(closure_loss, optimizer, *args, **kwargs)
+        return self._in_place.backward(lambda: backward(closure_loss, optimizer, *args, **kwargs), closure_loss)
 
     def timings(self, last: int | None = None) -> StepTimings:
         """Where this rank's last steps went, phase by phase (``DistributedDataParallel.timings``, the
@@ -309,24 +262,7 @@ class DDPStrategy(LightningDDPStrategy):
                                 lambda: torch.stack([tensor] * self.world_size))
 
     def _collective(self, call: Callable[[], T], local: Callable[[], T]) -> T:
-        in_place = self._in_place
-        if in_place is None or self._in_step:
-            return call()  # (in a step, a lost rank is the step's to recover from)
-        if in_place.joining or in_place.lost:
-            return local()
-        try:
-            return call()
-        except PeerLostError as lost:
-            self._peer_lost_between_steps(lost)
-            return local()
-
-    def _peer_lost_between_steps(self, lost: PeerLostError) -> bool:
-        """A rank lost outside a training step: recovered at the next one (True), under in-place recovery."""
-        if self._in_place is None:
-            return False
-        release_frames(lost)
-        self._in_place.lost_between_steps(lost)
-        return True
+        return call() if self._in_place is None else self._in_place.collective(call, local)
 
     def reconciliate_processes(self, trace: str) -> None:
         """The seeds' ``DDPPlugin.reconciliate_processes``: report this process's failure, given as its
