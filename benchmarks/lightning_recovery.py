@@ -26,14 +26,12 @@ killed). Figures, with the command, in benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import textwrap
 from typing import Any
 
-import torch
-from recovery import difference, report, run_script
+from recovery import compare_modes, run_script
 
 from ddpkit.environments import find_free_port
 
@@ -116,25 +114,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["in-place", "restart", "torchrun"],
                         choices=["in-place", "restart", "torchrun"])
     args = parser.parse_args()
-    clean = run("fault-free", args.steps, kill=False, seed=0)
-    if clean is None:
-        raise SystemExit("the fault-free run did not finish")
-    reference = torch.load(str(clean["final_file"]), weights_only=True)
-    os.remove(str(clean["final_file"]))
-    print(f"Lightning Trainer, 2 ranks, {args.steps} steps, kill -9 of a random rank after a random step, "
-          f"{args.runs} runs per mode (interleaved)")
-    outcomes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
-    failures = dict.fromkeys(args.modes, 0)
-    for index in range(args.runs):
-        for mode in random.Random(index).sample(args.modes, len(args.modes)):
-            outcome = run(mode, args.steps, kill=True, seed=2000 + index)
-            if outcome is None:
-                failures[mode] += 1
-                continue
-            outcome["difference"] = difference(str(outcome.pop("final_file")), reference)
-            outcomes[mode].append(outcome)
-    report(outcomes, failures, "the fault-free run")
-
+    compare_modes(lambda mode, kill, seed: run(mode, args.steps, kill, seed), args.modes, args.runs, 2000,
+                  f"Lightning Trainer, 2 ranks, {args.steps} steps, kill -9 of a random rank after a random step, "
+                  f"{args.runs} runs per mode (interleaved)")
 
 if __name__ == "__main__":
     main()

@@ -54,6 +54,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -421,26 +422,11 @@ def main_nodes(args: argparse.Namespace) -> None:
         with contextlib.ExitStack() as stack:
             namespaces = stack.enter_context(Nodes(nodes)) if args.netns else None
             where = "network namespaces on a bridge" if args.netns else "loopback"
-            clean = run_nodes("shrink", nodes, args.steps, args.width, kill=False, seed=0, namespaces=namespaces)
-            if clean is None:
-                raise SystemExit(f"the fault-free run of {nodes} nodes did not finish")
-            reference = torch.load(str(clean["final_file"]), weights_only=True)
-            os.remove(str(clean["final_file"]))
-            print(f"{nodes} nodes x 2 ranks ({where}), 8x{args.width} MLP, {args.steps} steps, kill -9 of a random "
-                  f"node after a random step, {args.runs} runs per mode (interleaved)", flush=True)
-            outcomes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.node_modes}
-            failures = dict.fromkeys(args.node_modes, 0)
-            for index in range(args.runs):
-                for mode in random.Random(index).sample(args.node_modes, len(args.node_modes)):
-                    outcome = run_nodes(mode, nodes, args.steps, args.width, kill=True, seed=1000 * nodes + index,
-                                        namespaces=namespaces)
-                    if outcome is None:
-                        failures[mode] += 1
-                        continue
-                    outcome["difference"] = difference(str(outcome.pop("final_file")), reference)
-                    outcomes[mode].append(outcome)
-            report(outcomes, failures, "the fault-free run")
-
+            compare_modes(lambda mode, kill, seed, nodes=nodes, namespaces=namespaces: run_nodes(
+                "shrink" if mode == "fault-free" else mode, nodes, args.steps, args.width, kill=kill, seed=seed,
+                namespaces=namespaces), args.node_modes, args.runs, 1000 * nodes,
+                f"{nodes} nodes x 2 ranks ({where}), 8x{args.width} MLP, {args.steps} steps, kill -9 of a random node "
+                f"after a random step, {args.runs} runs per mode (interleaved)")
 
 def report(outcomes: dict[str, list[dict[str, Any]]], failures: dict[str, int], reference: str) -> None:
     for mode, done in outcomes.items():
@@ -472,24 +458,33 @@ def main() -> None:
         main_nodes(args)
         return
     for ranks in args.ranks:
-        clean = run("fault-free", ranks, args.steps, kill=False, seed=0)
-        if clean is None:
-            raise SystemExit(f"the fault-free run on {ranks} ranks did not finish")
-        reference = torch.load(str(clean["final_file"]), weights_only=True)
-        os.remove(str(clean["final_file"]))
-        print(f"{ranks} ranks, {args.steps} steps, kill -9 of a random rank after a random step, {args.runs} runs per "
-              "mode (interleaved)")
-        outcomes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
-        failures = dict.fromkeys(args.modes, 0)
-        for index in range(args.runs):
-            for mode in random.Random(index).sample(args.modes, len(args.modes)):
-                outcome = run(mode, ranks, args.steps, kill=True, seed=1000 * ranks + index)
-                if outcome is None:
-                    failures[mode] += 1
-                    continue
-                outcome["difference"] = difference(str(outcome.pop("final_file")), reference)
-                outcomes[mode].append(outcome)
-        report(outcomes, failures, "the fault-free run")
+        compare_modes(lambda mode, kill, seed, ranks=ranks: run(mode, ranks, args.steps, kill, seed), args.modes,
+                      args.runs, 1000 * ranks, f"{ranks} ranks, {args.steps} steps, kill -9 of a random rank after a "
+                      f"random step, {args.runs} runs per mode (interleaved)")
+
+
+def compare_modes(run_mode: Callable[[str, bool, int], dict[str, Any] | None], modes: list[str], runs: int,
+                  first_seed: int, header: str) -> None:
+    """The fault-free run (``run_mode("fault-free", False, 0)``), ``header``, then ``runs`` rounds of every
+    mode with a kill, the modes interleaved in each round (seeds ``first_seed``, ``first_seed + 1``...);
+    the report."""
+    clean = run_mode("fault-free", False, 0)
+    if clean is None:
+        raise SystemExit(f"the fault-free run did not finish ({header})")
+    reference = torch.load(str(clean["final_file"]), weights_only=True)
+    os.remove(str(clean["final_file"]))
+    print(header, flush=True)
+    outcomes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    failures = dict.fromkeys(modes, 0)
+    for index in range(runs):
+        for mode in random.Random(index).sample(modes, len(modes)):
+            outcome = run_mode(mode, True, first_seed + index)
+            if outcome is None:
+                failures[mode] += 1
+                continue
+            outcome["difference"] = difference(str(outcome.pop("final_file")), reference)
+            outcomes[mode].append(outcome)
+    report(outcomes, failures, "the fault-free run")
 
 
 if __name__ == "__main__":
