@@ -47,7 +47,7 @@ from ddpkit.logs import get_logger
 from ddpkit.membership.group import Group, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import no_sync
-from ddpkit.training.recovery import exchange_state
+from ddpkit.training.recovery import BufferSnapshot, exchange_state
 from ddpkit.training.replicas import ReplicaCheck, check_every
 from ddpkit.training.resumable_loop import release_frames
 from ddpkit.training.state import TrackedState
@@ -94,10 +94,11 @@ class ReplacementLauncher(_Launcher):
         return True
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        parameters = inspect.signature(function).parameters
-        if not self._used and trainer is not None and trainer.state.fn == TrainerFn.FITTING and "ckpt_path" in parameters:
+        signature = inspect.signature(function)
+        if (not self._used and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                and "ckpt_path" in signature.parameters):
             self._used = True
-            bound = inspect.signature(function).bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
             bound.arguments["ckpt_path"] = REPLACEMENT_CHECKPOINT
             args, kwargs = bound.args, bound.kwargs
         if self.original is not None:
@@ -123,8 +124,8 @@ class TrainerRecovery:
         self._trainer: pl.Trainer | None = None
         self._model: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._buffers: list[torch.Tensor] = []
-        self._rng: dict[str, Any] = {}
+        self._buffers = BufferSnapshot()
+        self._rng: dict[str, Any] = {}  # taken as each window's first batch begins (``batch_started``)
         # (batch, batch_idx) handed to training_step since the last optimizer step, the one in hand last.
         self._window: list[tuple[Any, int]] = []
         self._replica_check: ReplicaCheck | None = None
@@ -156,8 +157,7 @@ class TrainerRecovery:
         if self._received is not None:
             extra = self._received[_EXTRA]
             model.adopt_bucket_order(extra["bucket_order"], extra["bucket_order_may_change"])
-        self._buffers = [buffer.detach().clone() for buffer in model.module.buffers()]
-        self._rng = _collect_rng_states()
+        self._buffers = BufferSnapshot(model.module)
         tracked = TrackedState()  # Lightning's schedules and loops travel in its checkpoint, not compared
         self._replica_check = ReplicaCheck(check_every(), lambda: (model.module, optimizer, tracked),
                                            lambda: trainer.global_step + self._in_commit, buffers=model.broadcast_buffers)
@@ -265,15 +265,12 @@ class TrainerRecovery:
                     self.train_in_hand()
                 return
             except (PeerLostError, RuntimeError) as error:
-                if lost_peer(error) is None:
-                    raise
-                release_frames(error)
+                self._take_loss(error)
 
     def _commit(self, *_: Any) -> None:
         self._window.clear()
         if self._model is not None:
-            for kept, buffer in zip(self._buffers, self._model.module.buffers()):
-                kept.copy_(buffer)
+            self._buffers.keep(self._model.module)
         if self._replica_check is not None and not self.lost:  # after a recovery, every DDPKIT_CHECK_REPLICAS steps
             self._in_commit = True
             try:
@@ -349,9 +346,7 @@ class TrainerRecovery:
 
     def _restore_snapshot(self) -> None:
         assert self._model is not None
-        with torch.no_grad():
-            for kept, buffer in zip(self._buffers, self._model.module.buffers()):
-                buffer.copy_(kept)
+        self._buffers.restore(self._model.module)
         _set_rng_states(self._rng)
 
     def _checkpoint_to_send(self, trainer: pl.Trainer, model: DistributedDataParallel) -> dict[str, Any]:

@@ -63,7 +63,7 @@ from ddpkit.training.state import TrackedState
 from ddpkit.training.state_transfer import broadcast_state
 from ddpkit.variables import DDPKIT_READY_FILE
 
-__all__ = ["Exchange", "InPlaceRecovery", "Progress", "exchange_state"]
+__all__ = ["BufferSnapshot", "Exchange", "InPlaceRecovery", "Progress", "exchange_state"]
 
 _log = get_logger("recovery")
 
@@ -75,6 +75,25 @@ class Progress:
     epoch: int = 0  # the epoch in progress
     batch: int = -1  # index, within the epoch, of the batch in hand (-1: none yet)
     steps: int = 0  # optimizer steps taken (equal on every rank; a replacement takes the survivors' count)
+
+
+class BufferSnapshot:
+    """A module's buffers as of the last optimizer step: a forward that failed, or is trained again
+    after a recovery, may have moved them (a batch norm's running statistics)."""
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        self.kept: list[torch.Tensor] = [] if module is None else [b.detach().clone() for b in module.buffers()]
+
+    def keep(self, module: nn.Module) -> None:
+        """Copy ``module``'s buffers as they are now into the snapshot."""
+        for kept, buffer in zip(self.kept, module.buffers()):
+            kept.copy_(buffer)
+
+    def restore(self, module: nn.Module) -> None:
+        """Put the snapshot back into ``module``'s buffers."""
+        with torch.no_grad():
+            for kept, buffer in zip(self.kept, module.buffers()):
+                buffer.copy_(kept)
 
 
 class InPlaceRecovery:
@@ -97,7 +116,7 @@ class InPlaceRecovery:
         self._replaced: list[int] = []
         self._model: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._buffers = BufferSnapshot()
         self._rng = torch.get_rng_state()
         self._growth: _GrowthWatch | None = None  # in a world that shrank: whether a node waits to join
         # Whether the tracked state was checked since the start or the last recovery (``before_step``),
@@ -184,7 +203,7 @@ class InPlaceRecovery:
             raise ValueError("in-place recovery needs ddpkit's DistributedDataParallel: drop use_torch_ddp=True, or "
                              "use ddpkit run --recovery fail-fast.")
         self._model, self._optimizer = model, optimizer
-        self._buffers = [buffer.detach().clone() for buffer in model.module.buffers()]
+        self._buffers = BufferSnapshot(model.module)
         self._replica_check = replica_check
         if joined_state is not None:
             model.adopt_bucket_order(joined_state["bucket_order"], joined_state["bucket_order_may_change"])
@@ -200,13 +219,8 @@ class InPlaceRecovery:
         progress = self.progress
         self._resume = (progress.epoch, progress.batch + 1)
         if self._model is not None:
-            self._keep_buffers(self._model.module)
+            self._buffers.keep(self._model.module)
         self._rng = torch.get_rng_state()
-
-    def _keep_buffers(self, module: nn.Module) -> None:
-        """Copy ``module``'s buffers as they are now into the snapshot a redo starts from."""
-        for kept, buffer in zip(self._buffers, module.buffers()):
-            kept.copy_(buffer)
 
     def before_step(self) -> None:
         """At the start of a step (``ResumableLoop.step``): once after the start and after each
@@ -300,7 +314,7 @@ class InPlaceRecovery:
     def _state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model_state = module.state_dict()
         buffer_names = [name for name, _ in module.named_buffers()]
-        for name, kept in zip(buffer_names, self._buffers):
+        for name, kept in zip(buffer_names, self._buffers.kept):
             if name in model_state:
                 model_state[name] = kept  # as of the last optimizer step: the failed forward may have moved them
         order, may_change = self._model.bucket_order() if self._model is not None else ([], True)
@@ -309,9 +323,7 @@ class InPlaceRecovery:
                 "bucket_order_may_change": may_change}
 
     def _restore_snapshot(self, module: nn.Module) -> None:
-        with torch.no_grad():
-            for kept, buffer in zip(self._buffers, module.buffers()):
-                buffer.copy_(kept)
+        self._buffers.restore(module)
         torch.set_rng_state(self._rng)
 
     def _load(self, state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -322,7 +334,7 @@ class InPlaceRecovery:
         self.progress.steps = int(state["steps"])
         self._rng = state["rng"]
         torch.set_rng_state(self._rng)
-        self._keep_buffers(module)  # nothing yet in a replacement: attach() takes them after this
+        self._buffers.keep(module)  # nothing yet in a replacement: attach() takes them after this
 
 
 @dataclass
