@@ -30,7 +30,7 @@ TRAINING = ("--epochs", "2", "--samples", "1024")  # 8 steps per epoch on 2 rank
 # Rank 1 fails in every start it is told to (FAIL_STARTS); otherwise both ranks train a little.
 FLAKY = textwrap.dedent(
     """
-    import os, time
+    import atexit, os, time
     import torch
     import ddpkit
 
@@ -38,6 +38,7 @@ FLAKY = textwrap.dedent(
     rank, start = int(os.environ["RANK"]), int(os.environ["DDPKIT_RESTART_COUNT"])
     open(f"started{rank}.{start}", "w").close()
     if rank == 1 and str(start) in os.environ["FAIL_STARTS"].split(","):
+        atexit.register(time.sleep, float(os.environ.get("SLOW_EXIT", "0")))  # a slow teardown after the error
         raise ValueError(f"broken in start {start}")
     for _ in range(int(os.environ.get("STEPS", "3"))):
         total = ddpkit.sync_ddp(torch.ones(1), reduce_op="sum").item()
@@ -117,6 +118,22 @@ def test_with_the_restarts_spent_every_node_ends_with_the_same_root_cause(tmp_pa
         assert "restart 1 of 1" in err and err.rstrip().endswith("no restart left (--max-restarts=1): ending the job.")
     assert sorted(path.name for path in tmp_path.glob("started*")) == ["started0.0", "started0.1", "started1.0",
                                                                       "started1.1"]
+
+
+def test_a_failed_rank_slow_to_exit_is_named_on_every_node_though_another_node_ended_its_worker_first(
+        tmp_path: Path) -> None:
+    """Rank 1 raises, tells its peers, then takes seconds to exit (its teardown): node 0's rank fails
+    at once on the news, node 0's launcher ends the attempt, and node 1's launcher ends rank 1 before
+    it exited by itself. Rank 1's recorded exception is still its node's own failure: every node names
+    it. Before, node 1 took its end for node 0's doing and published no cause, so both nodes named
+    rank 0's PeerFailedError (seen in CI, where a loaded machine made rank 1's exit slow)."""
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    results = finish(start_nodes(tmp_path, ["flaky.py"], FAIL_STARTS="0", SLOW_EXIT="5"), timeout=60)
+    for node, (code, _, err) in enumerate(results):
+        assert code == 0 and f"restarting all 1 workers of node {node} (restart 1 of 1)" in err, err[-3000:]
+        where = "on node 1: " if node == 0 else ""
+        assert re.search(rf"ddpkit run: {where}rank 1 \(local rank 0, pid \d+\) failed first with ValueError: broken "
+                         r"in start 0", err), err[-3000:]
 
 
 def test_a_stop_signal_on_one_node_stops_every_node_without_a_restart(tmp_path: Path) -> None:

@@ -157,6 +157,12 @@ class WorkerProcesses:
         return [worker for worker in (self.workers if among is None else among)
                 if worker.process.poll() not in (None, 0, PREEMPTED_EXIT_CODE, *also_fine)]
 
+    def recorded_before(self, moment: float) -> list[WorkerProcess]:
+        """The workers that recorded an exception before ``moment`` (as ``time.time()``): failures of
+        their own, whether they then exited by themselves or were ended by the launcher."""
+        return [worker for worker in self.workers
+                if (record := read_error_record(worker.error_file)) is not None and record_time(record) < moment]
+
     def exit_codes(self) -> list[int | None]:
         """Each worker's exit code (minus the signal that ended it), None while it runs."""
         return [worker.process.poll() for worker in self.workers]

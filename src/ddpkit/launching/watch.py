@@ -120,13 +120,16 @@ def _failure(workers: WorkerProcesses, failed: list[WorkerProcess], grace: float
              nodes: NodeCoordination | None) -> Outcome | None:
     """The outcome when a worker here failed, or another node's launcher ended the job; else None."""
     if not failed and nodes is not None and nodes.ended_elsewhere():
+        told_at = time.time()
         # A worker here killed at the same moment may not have been reaped yet when its peers on
         # other nodes noticed: its own failure, not theirs, is then the root cause.
         failed = _failures_within(workers, _SETTLE_SECONDS, poll_interval, also_fine)
         if not failed:
             # A launcher slow to poll (a loaded machine) can pass that settle without seeing it:
-            # a worker that had ended before the launcher signalled it still failed by itself.
-            failed = workers.failed(also_fine, among=workers.end(grace))
+            # a worker that had ended before the launcher signalled it still failed by itself, and
+            # so did one that recorded its exception before the news came but was slow to exit
+            # (its peers elsewhere failed at once on that exception, published in the store).
+            failed = workers.failed(also_fine, among=workers.end(grace)) or workers.recorded_before(told_at)
             if not failed:
                 return Outcome(1, "another node's launcher ended the workers", elsewhere=True)
     if not failed:
