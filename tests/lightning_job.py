@@ -17,6 +17,9 @@ with ``RANK:BATCH:PHASE:EPOCH``), in its forward
 (``forward``) or at the start of its backward (``backward``), once in the job (a file in OUT says
 it happened: the replacement, which runs the script again, does not), after it (``batch_end``: in
 ``on_train_batch_end``, between steps), or in its ``validation`` step.
+``PAUSE_AT=RANK:BATCH``: that rank writes OUT/paused at that batch of the first epoch, in its forward,
+and waits there until the test kills its node (once in the job: a process that takes its place goes on).
+Each node runs ``LOCAL_WORLD_SIZE`` ranks (``num_nodes``: the world over that).
 ``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
 ``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
 before the forward; ``OWN_COLLECTIVE_AT_EPOCH_END=1``: one in ``on_train_epoch_end``. Rank 0 saves the final parameters and
@@ -65,6 +68,10 @@ class Regression(pl.LightningModule):
             open(KILLED, "w").close()
             if self.kill_phase == "forward":
                 os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("PAUSE_AT") and self.current_epoch == 0 and not os.path.exists(PAUSED):
+            if (self.global_rank, batch_idx) == tuple(int(part) for part in os.environ["PAUSE_AT"].split(":")):
+                open(PAUSED, "w").close()
+                time.sleep(600)  # the other ranks wait in the synchronised batch norm's forward
         if os.environ.get("OWN_COLLECTIVE"):  # the user's own, through torch.distributed, before the forward's
             torch.distributed.all_reduce(torch.ones(1))
         loss = nn.functional.mse_loss(self.net(x), y)
@@ -154,17 +161,19 @@ def strategy_for(name: str) -> object:
     return name  # "ddp", or "auto" for the reference
 
 
-KILLED = ""  # the file that says a rank was killed (main sets it)
+KILLED = PAUSED = ""  # the files that say a rank was killed, and a rank paused for its node's kill (main sets them)
 
 
 def main(out: str, name: str) -> None:
-    global KILLED
-    KILLED = os.path.join(out, "killed")
+    global KILLED, PAUSED
+    KILLED, PAUSED = os.path.join(out, "killed"), os.path.join(out, "paused")
     reference = name == "reference"
     devices = 1 if reference else int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
+    num_nodes = 1 if reference else int(os.environ.get("WORLD_SIZE", devices)) // devices
     batch = BATCH_PER_RANK * (2 if reference else 1)
     trainer = pl.Trainer(
-        strategy=strategy_for("auto" if reference else name), accelerator="cpu", devices=devices, max_epochs=2,
+        strategy=strategy_for("auto" if reference else name), accelerator="cpu", devices=devices, num_nodes=num_nodes,
+        max_epochs=2,
         accumulate_grad_batches=2, gradient_clip_val=0.5, sync_batchnorm=not reference,
         callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True)],
         default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,

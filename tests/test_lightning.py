@@ -17,9 +17,10 @@ import torch
 
 pytest.importorskip("lightning", reason="Lightning is in the test extra: pip install -e '.[test]'")
 
+from launchers import end_all, kill_node, node_of, start_launcher, start_store, text, wait_for  # noqa: E402
 from lightning.fabric.plugins.environments import TorchElasticEnvironment  # noqa: E402
 
-from ddpkit.environments import LocalEnvironment  # noqa: E402
+from ddpkit.environments import LocalEnvironment, find_free_port  # noqa: E402
 from ddpkit.lightning import DdpkitEnvironment, DDPStrategy  # noqa: E402
 
 JOB = Path(__file__).resolve().parent / "lightning_job.py"
@@ -218,6 +219,75 @@ def test_a_rank_lost_in_the_users_own_collective_between_steps_restarts_every_wo
     trained = torch.load(tmp_path / "final.pt")
     largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
     assert largest < 1e-6, largest
+
+
+# The script each node's launcher runs (tests/launchers.py starts ``job.py`` in the test's folder).
+NODE_JOB = (f"import os, runpy, sys\nimport lightning.pytorch\n"
+            f"sys.argv = [{str(JOB)!r}, os.getcwd(), 'ddpkit']\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def start_two_nodes(folder: Path, port: int, nnodes: str, **variables: str) -> list[subprocess.Popen[bytes]]:
+    """Two launchers of one rank each that form the job (``Trainer(devices=1, num_nodes=2)``)."""
+    (folder / "job.py").write_text(NODE_JOB)
+    job = {"rdzv_id": "lightning-nodes", "nproc_per_node": 1, **QUIET, **variables}
+    launchers = [start_launcher(folder, port, f"launcher{n}", nnodes, **job) for n in range(2)]
+    wait_for(lambda: all("complete: this is node" in text(folder, f"launcher{n}.err") for n in range(2)),
+             "the rendezvous to close with two nodes")
+    return launchers
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_node_takes_over_a_node_lost_inside_trainer_fit_and_the_fit_ends_as_one_process(
+        tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
+    """Two nodes of one rank and a spare node (``--nnodes 2:3 --recovery in-place``): node 1 is
+    killed, its launcher with its rank, while the rank is in batch 5's forward (the other waits in
+    the synchronised batch norm); the spare node's warm spare takes rank 1, receives the Trainer's
+    state from rank 0, which kept its process, and the fit ends as one process."""
+    store = start_store(port := find_free_port())
+    try:
+        first = start_two_nodes(tmp_path, port, "2:3", PAUSE_AT="1:5")
+        spare = start_launcher(tmp_path, port, "launcher2", "2:3", rdzv_id="lightning-nodes", nproc_per_node=1,
+                               **QUIET, PAUSE_AT="1:5")
+        wait_for(lambda: "waits as a spare node" in text(tmp_path, "launcher2.err"), "the spare node to wait")
+        wait_for(lambda: (tmp_path / "paused").exists(), "rank 1 to stop in batch 5", timeout=120)
+        node1 = node_of(tmp_path, 1)
+        kill_node(first[node1])
+        codes = end_all([first[1 - node1], spare], timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-4000:]}" for n in range(3))
+        assert codes == [0, 0], errors
+        assert "node 1's launcher went silent; this spare node takes its place" in text(tmp_path, "launcher2.err"), errors
+        assert "recovered in place" in text(tmp_path, f"launcher{1 - node1}.err"), errors
+        out = text(tmp_path, f"launcher{1 - node1}.out") + text(tmp_path, "launcher2.out")
+        for rank in (0, 1):
+            assert f"rank {rank} of 2: done with ddpkit.lightning.strategy.DDPStrategy" in out, out
+    finally:
+        store.kill()
+        store.wait()
+    trained = torch.load(tmp_path / "final.pt")
+    largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
+    assert largest < 1e-6, largest
+
+
+@pytest.mark.timeout(300)
+def test_a_world_that_shrinks_inside_trainer_fit_ends_the_job_in_seconds_saying_why(tmp_path: Path) -> None:
+    """``--nnodes 1:2`` and no spare node: the world shrinks without node 1, which Lightning's sampler
+    cannot follow (it would deal a lost rank's shares to nobody): the survivor ends, naming it."""
+    store = start_store(port := find_free_port())
+    try:
+        first = start_two_nodes(tmp_path, port, "1:2", PAUSE_AT="1:5")
+        wait_for(lambda: (tmp_path / "paused").exists(), "rank 1 to stop in batch 5", timeout=120)
+        node1 = node_of(tmp_path, 1)
+        kill_node(first[node1])
+        killed = time.monotonic()
+        (code,) = end_all([first[1 - node1]], timeout=120)
+        elapsed = time.monotonic() - killed
+    finally:
+        store.kill()
+        store.wait()
+    err = text(tmp_path, f"launcher{1 - node1}.err")
+    assert code == 1 and "the group has 1 ranks now, not 2, and Lightning's sampler cannot hand a lost rank's shares " \
+        "to the others. Run with a spare node" in err, err[-4000:]
+    assert elapsed < 30, err[-4000:]
 
 
 @pytest.mark.parametrize(("imports", "expected"), [("import lightning.pytorch as pl", "warm"),
