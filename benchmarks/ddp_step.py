@@ -30,7 +30,9 @@ the machine cancels out; that is the number to quote). A second line gives the l
 sync`` + ``raw all-reduce`` of the same round (on two shared cores overlap hides nothing, so a
 step cannot beat compute plus one all-reduce of every gradient byte), and each DDP's step over
 it, median of the per-round ratios. ``--variants`` adds ddpkit with ``gradient_as_bucket_view=False``
-(``ddpkit copies``: torch's default layout, a ``.grad`` of its own copied back each step), to weigh the option.
+(``ddpkit copies``: torch's default layout, a ``.grad`` of its own copied back each step), to weigh the option,
+and ddpkit with its step windows written for ``ddpkit run --report-every 1`` (``ddpkit windows``: each step
+handed to a ``WindowRecorder``, a line written every second), whose cost it prints over ``ddpkit`` per round.
 
 A third line gives each DDP's **host time** per step (median): from ``zero_grad`` until
 ``optimizer.step()`` returns, before the CUDA synchronise. On a GPU that is what the host spends
@@ -44,10 +46,14 @@ The measured figures, with the command, are in benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,6 +66,7 @@ from torch import nn
 
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.testing import WorkerPool
+from ddpkit.variables import DDPKIT_METRICS_FILE, DDPKIT_METRICS_SECONDS
 
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
@@ -146,12 +153,28 @@ def measure(model_name: str, steps: int, device_type: str, variants: bool = Fals
     if peer is not None:
         methods["ppe DDP"] = trainer(peer(copy()), "ppe DDP")
     methods["ddpkit"] = trainer(DistributedDataParallel(copy(), device_ids=device_ids), "ddpkit")
+    windows_folder = tempfile.mkdtemp()  # where "ddpkit windows" writes, kept until the samples are taken
     if variants:  # the default keeps .grad in the buckets; this is torch's default layout
         methods["ddpkit copies"] = trainer(
             DistributedDataParallel(copy(), device_ids=device_ids, gradient_as_bucket_view=False), "ddpkit copies")
+        with _windows_to(os.path.join(windows_folder, f"rank{rank}.windows")):
+            methods["ddpkit windows"] = trainer(DistributedDataParallel(copy(), device_ids=device_ids), "ddpkit windows")
 
     samples = interleaved_samples(methods, steps)
+    shutil.rmtree(windows_folder)
     return {"step": samples, "host": {name: times[WARMUP_ROUNDS:] for name, times in host.items()}}
+
+
+@contextlib.contextmanager
+def _windows_to(path: str) -> Iterator[None]:
+    """A DDP module made inside writes its step windows to ``path`` every second, as under
+    ``ddpkit run --report-every 1`` (the step clock reads the variables when it is made)."""
+    os.environ.update({DDPKIT_METRICS_FILE: path, DDPKIT_METRICS_SECONDS: "1"})
+    try:
+        yield
+    finally:
+        for name in (DDPKIT_METRICS_FILE, DDPKIT_METRICS_SECONDS):
+            os.environ.pop(name, None)
 
 
 def limit_line(samples: dict[str, list[float]]) -> str:
@@ -202,6 +225,10 @@ def main() -> None:
             print(f"{model_name:6s} {line}  | ddpkit/torch {ratio:.2f} (per round {paired:.2f}, "
                   f"quartiles {lower:.2f}-{upper:.2f}){peer}", flush=True)
             print(f"{'':6s} {limit_line(samples)}", flush=True)
+            if "ddpkit windows" in samples:
+                cost, low, high = paired_ratio(samples, "ddpkit windows", "ddpkit")
+                print(f"{'':6s} step windows (--report-every 1): ddpkit windows/ddpkit per round {cost:.3f} "
+                      f"(quartiles {low:.3f}-{high:.3f})", flush=True)
             host_medians = {name: statistics.median(times) for name, times in host.items()}
             print(f"{'':6s} host per step: " + ", ".join(f"{name} {ms:.2f}" for name, ms in host_medians.items())
                   + f"; ddpkit/torch {host_medians['ddpkit'] / host_medians['torch DDP']:.2f}", flush=True)

@@ -111,7 +111,7 @@ def test_a_long_run_matches_one_process_to_the_last_bit() -> None:
 def test_a_preempted_run_saves_mid_epoch_and_the_same_command_finishes_it(tmp_path: Path) -> None:
     """Issue 14, item 3: SIGTERM to `ddpkit run` saves in the middle of an epoch and exits 75; the
     same command run again resumes at that batch and ends with the uninterrupted run's parameters."""
-    common = ["--epochs", "10", "--samples", "2048"]
+    common = ["--epochs", "16", "--samples", "2048"]  # epochs of tenths of seconds: room for a loaded machine
     whole = run_example(*common, "--checkpoint", str(tmp_path / "whole.pt"), "--no-check-reference")
     checkpoint = tmp_path / "preempted" / "checkpoint.pt"
     command = [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", str(EXAMPLE), *common,
@@ -124,7 +124,9 @@ def test_a_preempted_run_saves_mid_epoch_and_the_same_command_finishes_it(tmp_pa
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 75, err
     stopped = re.search(r"preempted: saved epoch (\d+) batch (\d+)", out)
-    assert stopped is not None and int(stopped[1]) < 10, out
+    # Exit 75 says it stopped before the end; CI once saw the signal land in epoch 10 (of 10 then),
+    # its test process starved for a moment after epoch 1's checkpoint appeared.
+    assert stopped is not None and int(stopped[1]) < 16, out
     again = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr
     assert example_summary(again.stdout)["resumed"] == {"checkpoint": str(checkpoint), "epoch": int(stopped[1]) - 1,

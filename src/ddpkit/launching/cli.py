@@ -1,11 +1,13 @@
 """``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``);
-``ddpkit store``: keep a job's store outside the training nodes (``launching.store_host``).
+``ddpkit store``: keep a job's store outside the training nodes (``launching.store_host``);
+``ddpkit report FILE [--plot out.png]``: what ``ddpkit run --metrics FILE`` wrote (``launching.report``).
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
                [--master-port P] [--standalone] [--rdzv-backend c10d --rdzv-endpoint HOST[:PORT]
                --rdzv-id ID [--rdzv-conf join_timeout=S]] [--backend gloo|nccl] [--max-restarts N]
                [--preemption-signal SIG] [--recovery fail-fast|in-place]
                [--log-dir DIR] [-r|--redirects S] [-t|--tee S] [--local-ranks-filter R,..]
+               [--report-every S] [--metrics FILE] [--straggler-factor F]
                [-m|--module | --no-python] script.py [script args...]
 
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
@@ -42,6 +44,7 @@ from ddpkit.launching.rendezvous import (
     parse_endpoint,
     parse_rdzv_conf,
 )
+from ddpkit.launching.report import report
 from ddpkit.launching.store_host import serve_outside_nodes
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
@@ -117,6 +120,13 @@ def _parser() -> argparse.ArgumentParser:
           help="streams written to the log files and to the console, each line prefixed with [rank<N>]: (values "
                "as --redirects)")
     _flag(run, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
+    _flag(run, "report-every", default="60",
+          help="seconds between two lines of the job's health (steps/s, step time, the slowest rank and phase); 0: none")
+    _flag(run, "metrics", default=None,
+          help="a file to append each window's per-rank step phases, stragglers and recoveries to (JSON lines; "
+               "ddpkit report FILE reads it)")
+    _flag(run, "straggler-factor", default="1.2",
+          help="how much slower than the others' median a rank's compute or data wait must stay to be named")
     run.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     store = commands.add_parser(
@@ -125,6 +135,10 @@ def _parser() -> argparse.ArgumentParser:
              "so that losing any training node leaves it")
     store.add_argument("--host", default="", help="the address to listen on (default: every interface)")
     store.add_argument("--port", default=str(DEFAULT_PORT), help=f"the port (default {DEFAULT_PORT}, torchrun's c10d port)")
+    report = commands.add_parser("report", allow_abbrev=False,
+                                 help="what the file of ddpkit run --metrics says: each window, the stragglers")
+    report.add_argument("file", help="the file ddpkit run --metrics appended to")
+    report.add_argument("--plot", default=None, help="draw the step time and phases per rank to this image (matplotlib)")
     return parser
 
 
@@ -255,6 +269,16 @@ def _output_plan(args: argparse.Namespace, nproc_per_node: int, argv: Sequence[s
         raise LaunchError(str(error)) from None
 
 
+def _number(flag: str, value: str, argv: Sequence[str], least: float, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not number >= least or number == float("inf"):
+        raise LaunchError(f"{_origin(flag, argv)}={value!r} is not {what}.")
+    return number
+
+
 def _backend(value: str | None, argv: Sequence[str]) -> str | None:
     if value not in (None, "", *_BACKENDS):  # argparse checks choices on the command line, not defaults
         raise LaunchError(f"{_origin('backend', argv)}={value!r} is not a backend; use one of {', '.join(_BACKENDS)}.")
@@ -290,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "store":
         return _serve_store(args)
+    if args.command == "report":
+        return report(args.file, args.plot)
     for name, value in vars(args).items():  # argparse gives `--flag=--` as an empty list: no value at all
         if isinstance(value, list) and name != "script_args":
             print(f"ddpkit run: --{name.replace('_', '-')} was given '--', which is no value for it (it ends the flags). "
@@ -368,6 +394,11 @@ def _launch_config(args: argparse.Namespace, launcher_argv: Sequence[str],
         output=_output_plan(args, nproc_per_node, launcher_argv),
         rendezvous=rendezvous,
         store_waits=_store_waits(args.rdzv_conf),
+        report_every=_number("report-every", args.report_every, launcher_argv, 0.0,
+                             "a number of seconds: give 0 (no health line) or more, e.g. 60"),
+        metrics=args.metrics or None,
+        straggler_factor=_number("straggler-factor", args.straggler_factor, launcher_argv, 1.0,
+                                 "a factor of 1 or more (a rank this much slower than the others is named), e.g. 1.2"),
     )
 
 

@@ -64,6 +64,18 @@ class LaunchConfig:
     # ``--nnodes MIN:MAX``'s MAX (None: a fixed number): the rendezvous may close with up to MAX
     # nodes, and launchers beyond the world wait as spare nodes (``launching.rendezvous``).
     max_nodes: int | None = None
+    # The job's health (``launching.health``): a line every ``report_every`` seconds (0: none), each
+    # window appended to the file ``metrics`` (None: none), and the factor that names a straggler.
+    report_every: float = 60.0
+    metrics: str | None = None
+    straggler_factor: float = 1.2
+
+    @property
+    def window_seconds(self) -> float | None:
+        """The length of the workers' step windows (``diagnostics.step_windows``); None: none asked for."""
+        if self.report_every > 0:
+            return self.report_every
+        return 60.0 if self.metrics is not None else None
 
     @property
     def world_size(self) -> int:

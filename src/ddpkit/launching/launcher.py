@@ -45,6 +45,7 @@ from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
+from ddpkit.launching.health import JobHealth, SharedWindows
 from ddpkit.launching.joining import announce_loss, connect_nodes, host_rendezvous, host_store, join_rendezvous
 from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.launching.pool import RankFailedError, WorkerPool
@@ -256,6 +257,10 @@ class _LauncherRun:
         self.spare_command = [*self.command[:3], SPARE, *self.command[3:]]
         self.output = config.output  # with its log folder once the job is joined
         self.replacements: Replacements | NoReplacements = NO_REPLACEMENTS  # the attempt's
+        # The job's health line, metrics and stragglers (``launching.health``), across attempts.
+        self.health = None if config.window_seconds is None else JobHealth(
+            config.window_seconds, config.report_every > 0, config.metrics, config.straggler_factor,
+            recoveries=lambda: self.state.restart_count + self.replacements.used)
 
     def environment(self) -> dict[str, str]:
         return {**self.defaults, **os.environ}
@@ -298,7 +303,8 @@ class _LauncherRun:
             if self.output.writes_files() else None
         if log_folder is not None and not state.spare_node:
             shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt, replaced
-        workers = WorkerProcesses("run", None if self.output.is_default() else self.output, log_folder)
+        workers = WorkerProcesses("run", None if self.output.is_default() else self.output, log_folder,
+                                  config.window_seconds)
         self.replacements = NO_REPLACEMENTS
         try:
             if state.spare_node and state.nodes is not None and (code := self._take_a_place(workers)) is not None:
@@ -306,8 +312,12 @@ class _LauncherRun:
             self._start(workers)
             if config.coordinates_nodes and state.nodes is None:
                 state.nodes = connect_nodes(state.config, state.port, workers, self.stop_waiting)
+            if self.health is not None:
+                self.health.node = state.config.node_rank  # a spare node took its place's
+                if state.nodes is not None:  # node 0's launcher reports every node's ranks
+                    self.health.shared = SharedWindows(state.nodes.records, state.nodes.world.nodes)
             outcome = watch(workers, self.signals, self.grace, self.poll_interval, self.replacements, state.nodes,
-                            state.store_host)
+                            state.store_host, self.health)
             return agree_across_nodes(state.nodes, outcome, self.grace) if state.nodes is not None else outcome
         except NodeContactLostError as error:
             _log.error(f"ddpkit run: {error}\nddpkit run: all {config.nproc_per_node} workers of node "

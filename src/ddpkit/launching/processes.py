@@ -8,7 +8,8 @@ their workers here, so every worker is started, ended and blamed the same way:
   process group also ends its children (DataLoader workers, say);
 - it is told ``DDPKIT_LAUNCHER_PID`` (it dies with the process that started it),
   ``DDPKIT_ERROR_FILE`` (where it records its first failure: ``diagnostics.failures.record_failure``)
-  and ``DDPKIT_STACK_FILE`` (where it writes its threads' stacks on SIGUSR1);
+  ``DDPKIT_STACK_FILE`` (where it writes its threads' stacks on SIGUSR1) and, when the launcher
+  reports the job's health, ``DDPKIT_METRICS_FILE`` (its step windows: ``launching.health``);
 - when several fail, ``root_cause`` picks the one whose failure caused the others', from those records.
 """
 
@@ -29,7 +30,13 @@ from typing import Any
 from ddpkit.diagnostics.records import read_error_record, record_time
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.output import OutputPlan, WorkerOutput
-from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE
+from ddpkit.variables import (
+    DDPKIT_ERROR_FILE,
+    DDPKIT_LAUNCHER_PID,
+    DDPKIT_METRICS_FILE,
+    DDPKIT_METRICS_SECONDS,
+    DDPKIT_STACK_FILE,
+)
 
 # The argument that makes a worker serve the function pool (``launching.pool``) instead of a
 # script. Here rather than in ``launching.worker``, which imports torch: the launcher does not.
@@ -59,6 +66,7 @@ class WorkerProcess:
     process: subprocess.Popen[bytes]
     error_file: str  # where it records its first failure (DDPKIT_ERROR_FILE)
     stack_file: str  # where it appends its stacks on SIGUSR1 (DDPKIT_STACK_FILE)
+    metrics_file: str = ""  # where it appends its step windows (DDPKIT_METRICS_FILE), when asked for
     reaped: bool = False  # its process group has been killed and the process waited for
     output: WorkerOutput | None = None  # where its streams go, unless to the launcher's own
 
@@ -72,8 +80,10 @@ class WorkerProcesses:
     ``close`` (or leaving the ``with`` block) ends the workers still running and removes the folder.
     """
 
-    def __init__(self, purpose: str, output: OutputPlan | None = None, log_folder: str | None = None) -> None:
+    def __init__(self, purpose: str, output: OutputPlan | None = None, log_folder: str | None = None,
+                 window_seconds: float | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix=f"ddpkit-{purpose}-")
+        self._window_seconds = window_seconds  # the workers' step windows (``launching.health``); None: none
         # Where the workers' streams go (``launching.output``; None: the launcher's own), and the
         # folder of this start's log files, one subfolder per local rank (or spare).
         self._output, self._log_folder = output, log_folder
@@ -108,6 +118,10 @@ class WorkerProcesses:
         error_file, stack_file = (os.path.join(self.folder, f"{name}.{kind}") for kind in ("json", "stacks"))
         variables = {DDPKIT_LAUNCHER_PID: str(os.getpid()), DDPKIT_ERROR_FILE: error_file,
                      DDPKIT_STACK_FILE: stack_file}
+        metrics_file = ""
+        if self._window_seconds is not None:
+            metrics_file = os.path.join(self.folder, f"{name}.windows")
+            variables.update({DDPKIT_METRICS_FILE: metrics_file, DDPKIT_METRICS_SECONDS: f"{self._window_seconds:g}"})
         output = None
         if self._output is not None:
             spare = rank < 0  # its rank, and so its routing, comes when it takes one
@@ -121,7 +135,7 @@ class WorkerProcesses:
         process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True, **popen)
         if output is not None:
             output.started(process)
-        return WorkerProcess(local_rank, rank, process, error_file, stack_file, output=output)
+        return WorkerProcess(local_rank, rank, process, error_file, stack_file, metrics_file, output=output)
 
     def replace(self, lost: WorkerProcess, spare: WorkerProcess, variables: Mapping[str, str]) -> None:
         """Give ``lost``'s rank to ``spare``, which then runs the script with ``variables`` added to its

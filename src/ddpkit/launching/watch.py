@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
+from ddpkit.launching.health import JobHealth
 from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.launching.replacement import NO_REPLACEMENTS, NoReplacements, Replacements
@@ -65,13 +66,14 @@ class Outcome:
 
 def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interval: float,
           replacements: Replacements | NoReplacements = NO_REPLACEMENTS, nodes: NodeCoordination | None = None,
-          store_host: StoreHost | None = None) -> Outcome:
+          store_host: StoreHost | None = None, health: JobHealth | None = None) -> Outcome:
     """Poll the workers until all succeed (0), all saved and stopped after a preemption (75), a stop
     signal comes (128 + its number) or one fails (1, and the description of the root cause,
     after every worker was stopped). Under in-place recovery (``replacements``) a worker that can
     be replaced is, and the watch goes on. With ``nodes``, a failure or stop signal here is
     announced to the other nodes' launchers before the workers are ended, and one announced by
-    them ends this node's workers (1). A ``store_host`` that ends fails the job at once (1)."""
+    them ends this node's workers (1). A ``store_host`` that ends fails the job at once (1). ``health``
+    reads the workers' step windows as they come (``launching.health``)."""
     count = len(workers.workers)
     preemption: int | None = None
     while True:
@@ -104,6 +106,8 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
                    or _problem(workers, grace, replacements, store_host) or _all_ended(workers, grace, preemption))
         if outcome is not None:
             return outcome
+        if health is not None:
+            health.poll([worker.metrics_file for worker in workers.workers], len(workers.workers))
         time.sleep(poll_interval)
 
 

@@ -15,7 +15,8 @@ the end of one gradient synchronisation to the end of the next:
   the reduction not hidden behind its backward, then the copy back.
 
 Four clock readings a step (``time.perf_counter``) and one small record: nothing measurable beside
-a step (``benchmarks/ddp_step.py`` runs with them)."""
+a step (``benchmarks/ddp_step.py`` runs with them). Under ``ddpkit run --report-every``/``--metrics``
+each step also goes to a ``WindowRecorder`` (``diagnostics.step_windows``), for the launcher."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, fields
+
+from ddpkit.diagnostics.step_windows import WindowRecorder
 
 __all__ = ["PHASES", "StepClock", "StepTimings"]
 
@@ -63,6 +66,7 @@ class StepClock:
         self._optimizer_in_step = 0.0
         self._optimizer_start: float | None = None
         self._sync_start = 0.0
+        self.recorder = WindowRecorder.from_environment()  # None unless the launcher asked for windows
 
     def synchronisation_started(self) -> None:
         self._sync_start = time.perf_counter()
@@ -74,6 +78,9 @@ class StepClock:
             backward = max(0.0, self._sync_start - first - self.forward_seconds)
             self._steps.append((first - last, self.forward_seconds, backward, now - self._sync_start))
             self._optimizer.append(self._optimizer_in_step)
+            if self.recorder is not None:
+                self.recorder.add(now, first - last, self.forward_seconds, backward, now - self._sync_start,
+                                  self._optimizer_in_step)
         self._last_sync_end, self.first_forward, self.forward_seconds, self._optimizer_in_step = now, None, 0.0, 0.0
 
     def optimizer_started(self) -> None:

@@ -105,6 +105,7 @@ JOB_WIDE = -1
 BEAT, LEFT, REMOVED_NODE, FAILED, SUCCEEDED = "beat", "left", "removed", "failed", "succeeded"
 CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "stop", "open"
 NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
+HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``launching.health``)
 
 
 def launcher_record(name: str, attempt: int) -> str:

@@ -1,0 +1,265 @@
+"""The job's health as ``ddpkit run`` sees it (issue 49): each window, the ranks' step phases
+(``diagnostics.step_windows``, read from the files the workers append to) make one line on the
+console (``--report-every``), one JSON line in ``--metrics FILE`` (``JobWindow``: the format
+``ddpkit report`` and the tests read), and the stragglers are named.
+
+A straggler is a rank whose own compute (forward + backward) or data wait (between steps, the
+optimizer step apart) is above the other ranks' median by ``--straggler-factor`` (1.2) in
+``CONFIRM_WINDOWS`` windows in a row, by at least ``MIN_SHARE`` of the step: a difference of
+microseconds in a phase of microseconds is noise, not a slow rank. It is named once, and again
+only when that changes (another phase, or no longer slow). The others' waits are not compared:
+a synchronised step makes every other rank wait for the slow one in the gradients' all-reduce.
+
+torch-free, as the launcher is.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ddpkit.diagnostics.step_windows import RankWindow, read_windows
+from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
+from ddpkit.logs import get_logger
+from ddpkit.store import keys
+
+__all__ = ["CONFIRM_WINDOWS", "MIN_SHARE", "JobHealth", "JobWindow", "SharedWindows", "Straggler", "compare_ranks",
+           "read_job_windows"]
+
+_log = get_logger("launching")
+
+#: Windows in a row a rank must be slow in before it is named (and well again before that is said).
+CONFIRM_WINDOWS = 2
+#: The least a slow phase must exceed the others' median by, as a share of the step.
+MIN_SHARE = 0.05
+#: The phases compared across ranks, and how the console names them.
+PHASE_NAMES = {"compute": "compute (forward + backward)", "data": "data wait (between steps, the optimizer apart)"}
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank slower than the others in one phase: by ``factor`` over their median, since ``since``."""
+
+    rank: int
+    node: int
+    host: str
+    phase: str  # a key of PHASE_NAMES
+    factor: float
+    since: float  # the start of the first window it was slow in (seconds since the epoch)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} (node {self.node}, host {self.host}): its {PHASE_NAMES[self.phase]} is "
+                f"{self.factor:.2f}x the other ranks' median since {_clock(self.since)}")
+
+
+@dataclass(frozen=True)
+class JobWindow:
+    """One window of the job: one line of ``--metrics``."""
+
+    start: float
+    seconds: float
+    steps_per_second: float
+    step_median: float
+    step_p90: float
+    ranks: list[dict[str, Any]]  # RankWindow's fields, with "node" and "host"
+    slowest: dict[str, Any] | None  # a Straggler's fields, whether or not over the factor
+    stragglers: list[dict[str, Any]]  # those named (Straggler's fields)
+    recoveries: int  # restarts and in-place replacements so far in the job
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    def rank_windows(self) -> list[RankWindow]:
+        return [RankWindow.from_dict(rank) for rank in self.ranks]
+
+    def line(self) -> str:
+        """The console's health line."""
+        slowest = ""
+        if self.slowest is not None:
+            slow = Straggler(**self.slowest)
+            slowest = (f"; slowest rank {slow.rank} (node {slow.node}): {slow.phase} {slow.factor:.2f}x the others' "
+                       "median")
+        return (f"ddpkit run: health {_clock(self.start)} +{self.seconds:g}s: {len(self.ranks)} ranks, "
+                f"{self.steps_per_second:.1f} steps/s, step {1000 * self.step_median:.1f} ms "
+                f"(p90 {1000 * self.step_p90:.1f} ms){slowest}")
+
+
+def read_job_windows(path: str) -> list[JobWindow]:
+    """Every window in a ``--metrics`` file (lines that are not one are passed over)."""
+    windows = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                windows.append(JobWindow(**json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+    return windows
+
+
+def compare_ranks(ranks: Sequence[RankWindow]) -> list[tuple[int, str, float, float]]:
+    """Each rank's phases against the other ranks' median: (rank, phase, factor, excess over the
+    median as a share of the step), the largest factor first."""
+    if len(ranks) < 2:
+        return []
+    step = statistics.median(rank.step for rank in ranks)
+    compared = []
+    for rank in ranks:
+        others = [other for other in ranks if other.rank != rank.rank]
+        for phase in PHASE_NAMES:
+            value, usual = getattr(rank, phase), statistics.median(getattr(other, phase) for other in others)
+            factor = value / usual if usual > 0 else (float("inf") if value > 0 else 1.0)
+            compared.append((rank.rank, phase, factor, (value - usual) / step if step > 0 else 0.0))
+    return sorted(compared, key=lambda entry: (entry[3] >= MIN_SHARE, entry[2]), reverse=True)
+
+
+class SharedWindows:
+    """Across nodes (the launchers' records in the job's store, ``launcher_records``): every node's
+    launcher publishes its ranks' windows, and node 0's reads them all and reports the job's."""
+
+    def __init__(self, records: LauncherRecords, world: Callable[[], list[int]]) -> None:
+        self.records, self.world = records, world
+
+    def publish(self, start: float, node: int, host: str, windows: Iterable[RankWindow]) -> None:
+        value = json.dumps({"host": host, "windows": [asdict(window) for window in windows]})
+        self.records.put(keys.of(f"{keys.HEALTH}/{start:.0f}", node), value, keys.JOB_WIDE)
+
+    def collect(self, start: float) -> dict[int, tuple[str, list[RankWindow]]]:
+        """What the nodes of the world published for the window ``start``, by node."""
+        published = {}
+        for node in self.world():
+            value = self.records.read(keys.of(f"{keys.HEALTH}/{start:.0f}", node), keys.JOB_WIDE)
+            if value is not None:
+                record = json.loads(value)
+                published[node] = (str(record["host"]), [RankWindow.from_dict(window) for window in record["windows"]])
+        return published
+
+
+@dataclass
+class _Watched:
+    """A (rank, phase) slow in ``count`` windows in a row since ``since``."""
+
+    since: float
+    count: int = 0
+
+
+@dataclass
+class JobHealth:
+    """Reads the workers' window files, and each window prints the health line, appends to the
+    metrics file and names the stragglers (see the module docstring)."""
+
+    seconds: float  # the windows' length
+    report: bool  # print the health line (--report-every > 0)
+    metrics_path: str | None  # --metrics
+    factor: float  # --straggler-factor
+    node: int = 0
+    recoveries: Callable[[], int] = lambda: 0
+    host: str = field(default_factory=socket.gethostname)
+    _offsets: dict[str, int] = field(default_factory=dict)
+    _pending: dict[float, dict[int, RankWindow]] = field(default_factory=dict)
+    _done: float = 0.0  # the start of the last window reported
+    _watched: dict[tuple[int, str], _Watched] = field(default_factory=dict)
+    _named: dict[tuple[int, str], Straggler] = field(default_factory=dict)
+    _well: dict[tuple[int, str], int] = field(default_factory=dict)  # a named one's windows in a row not slow
+    _next_read: float = 0.0
+    shared: SharedWindows | None = None  # across nodes: set once the launchers' agreement is connected
+    _published: float = 0.0  # the start of the last window published to the other nodes
+
+    def poll(self, files: Iterable[str], ranks: int, now: float | None = None) -> None:
+        """Read what the workers wrote (``files``, of this node's ``ranks`` ranks) and report each
+        window that every rank wrote, or that ended a whole window ago; cheap between reads.
+        Across nodes (``shared``), each node publishes its ranks' windows and node 0 reports."""
+        now = time.time() if now is None else now
+        if now < self._next_read:
+            return
+        self._next_read = now + min(1.0, self.seconds / 4)
+        for path in files:
+            windows, self._offsets[path] = read_windows(path, self._offsets.get(path, 0))
+            for window in windows:
+                if window.start > self._done:
+                    self._pending.setdefault(window.start, {})[window.rank] = window
+        for start in sorted(self._pending):
+            written, late = self._pending[start], now >= start + 2 * self.seconds + 1.0
+            if len(written) < ranks and not late:
+                break  # later windows wait for this one: the console stays in order
+            placed = {rank: (self.node, self.host) for rank in written}
+            if self.shared is not None:
+                try:
+                    if start > self._published:
+                        self.shared.publish(start, self.node, self.host, written.values())
+                        self._published = start
+                    published = self.shared.collect(start) if self.node == 0 else {}
+                    if self.node == 0 and len(published) < len(self.shared.world()) and not late:
+                        break
+                except NodeContactLostError:
+                    return  # the store is gone: the watch's own checks end the attempt, not the report
+                if self.node == 0:
+                    written = {window.rank: window for node in sorted(published) for window in published[node][1]}
+                    placed = {window.rank: (node, host) for node, (host, windows) in published.items()
+                              for window in windows}
+            del self._pending[start]
+            self._done = start
+            if self.shared is None or self.node == 0:
+                self.window(sorted(written.values(), key=lambda window: window.rank), placed)
+
+    def window(self, ranks: list[RankWindow], placed: dict[int, tuple[int, str]] | None = None) -> JobWindow:
+        """Report one window of ``ranks``' records (all of the same start), each rank on the node
+        and host ``placed`` says (by default this launcher's)."""
+        placed = placed or {}
+        first = ranks[0]
+        compared = compare_ranks(ranks)
+        slowest = None
+        if compared:
+            rank, phase, factor, _ = compared[0]
+            slowest = Straggler(rank, *placed.get(rank, (self.node, self.host)), phase, round(factor, 3), first.start)
+        self._name_stragglers(compared, first.start, placed)
+        job = JobWindow(
+            start=first.start, seconds=first.seconds,
+            steps_per_second=statistics.median(rank.steps for rank in ranks) / first.seconds,
+            step_median=statistics.median(rank.step for rank in ranks), step_p90=max(rank.step_p90 for rank in ranks),
+            ranks=[{**asdict(rank), **dict(zip(("node", "host"), placed.get(rank.rank, (self.node, self.host)),
+                                                   strict=True))} for rank in ranks],
+            slowest=None if slowest is None else asdict(slowest),
+            stragglers=[asdict(straggler) for straggler in self._named.values()], recoveries=self.recoveries())
+        if self.report:
+            _log.warning(job.line())
+        if self.metrics_path is not None:
+            try:
+                with open(self.metrics_path, "a", encoding="utf-8") as handle:
+                    handle.write(job.to_json() + "\n")
+            except OSError as error:
+                _log.error(f"ddpkit run: --metrics {self.metrics_path}: cannot append to it ({error}); the job goes "
+                           "on without it. Give a file in a folder that exists and that you can write to.")
+                self.metrics_path = None
+        return job
+
+    def _name_stragglers(self, compared: list[tuple[int, str, float, float]], start: float,
+                         placed: dict[int, tuple[int, str]]) -> None:
+        slow = {(rank, phase): factor for rank, phase, factor, share in compared
+                if factor >= self.factor and share >= MIN_SHARE}
+        for key in list(self._watched):
+            if key not in slow:
+                del self._watched[key]
+        for key, factor in slow.items():
+            watched = self._watched.setdefault(key, _Watched(start))
+            watched.count += 1
+            if watched.count >= CONFIRM_WINDOWS and key not in self._named:
+                node, host = placed.get(key[0], (self.node, self.host))
+                straggler = Straggler(key[0], node, host, key[1], round(factor, 3), watched.since)
+                self._named[key] = straggler
+                _log.warning(f"ddpkit run: straggler: {straggler.describe()}")
+        for key in list(self._named):
+            self._well[key] = 0 if key in slow else self._well.get(key, 0) + 1
+            if self._well[key] < CONFIRM_WINDOWS:
+                continue
+            straggler, _ = self._named.pop(key), self._well.pop(key)
+            _log.warning(f"ddpkit run: rank {straggler.rank} (node {straggler.node}) is no longer a straggler: its "
+                         f"{PHASE_NAMES[straggler.phase]} is within {self.factor:g}x the others' median again")
+
+
+def _clock(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(seconds))

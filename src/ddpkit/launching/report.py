@@ -1,0 +1,74 @@
+"""``ddpkit report FILE [--plot out.png]``: what a ``ddpkit run --metrics FILE`` job's windows say
+(``launching.health``): one line per window, the stragglers named, and with ``--plot`` the step time
+and each phase per rank over time (matplotlib, which ``ddpkit run`` itself does not need)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+from ddpkit.launching.health import PHASE_NAMES, JobWindow, Straggler, read_job_windows
+
+__all__ = ["plot_windows", "report"]
+
+#: The phases drawn, one panel each, after the step time.
+PLOTTED = ("step", "forward", "backward", "communication", "data")
+
+
+def report(path: str, plot: str | None = None) -> int:
+    """Print ``path``'s windows (and draw them to ``plot``); the exit code."""
+    try:
+        windows = read_job_windows(path)
+    except OSError as error:
+        print(f"ddpkit report: cannot read {path} ({error}). Give the file of ddpkit run --metrics.", file=sys.stderr)
+        return 2
+    if not windows:
+        print(f"ddpkit report: {path} holds no window of ddpkit run --metrics (a job shorter than one window, "
+              "--report-every, writes none).", file=sys.stderr)
+        return 1
+    for window in windows:
+        print(window.line().removeprefix("ddpkit run: "))
+    named: dict[tuple[int, str], Straggler] = {}
+    for window in windows:
+        for fields in window.stragglers:
+            named.setdefault((fields["rank"], fields["phase"]), Straggler(**fields))
+    for straggler in named.values():
+        print(f"straggler: {straggler.describe()}")
+    print(f"{len(windows)} windows, {len(named)} stragglers named, {windows[-1].recoveries} recoveries")
+    if plot is not None:
+        try:
+            plot_windows(windows, plot)
+        except ImportError:
+            print("ddpkit report: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
+        print(f"plot: {plot}")
+    return 0
+
+
+def plot_windows(windows: Sequence[JobWindow], path: str) -> None:
+    """Step time and each phase per rank over the windows, one panel each, to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({rank["rank"] for window in windows for rank in window.ranks})
+    origin = windows[0].start
+    figure, axes = plt.subplots(len(PLOTTED), 1, figsize=(9, 2.2 * len(PLOTTED)), sharex=True)
+    for axis, phase in zip(axes, PLOTTED, strict=True):
+        for rank in ranks:
+            points = [(window.start - origin, 1000 * entry[phase]) for window in windows for entry in window.ranks
+                      if entry["rank"] == rank]
+            axis.plot([x for x, _ in points], [y for _, y in points], marker=".", label=f"rank {rank}")
+        axis.set_ylabel(f"{PHASE_NAMES.get(phase, phase).split(' (')[0]} (ms)")
+        for window in windows:
+            if window.stragglers:
+                axis.axvspan(window.start - origin, window.start - origin + window.seconds, color="red", alpha=0.08)
+    axes[0].legend(loc="upper right", fontsize="small", ncol=min(4, len(ranks)))
+    axes[0].set_title(f"ddpkit report: median per window, from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(origin))}"
+                      " (red: a straggler named)")
+    axes[-1].set_xlabel("seconds")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

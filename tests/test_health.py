@@ -1,0 +1,110 @@
+"""The job's health (issue 49): each rank's step windows (``diagnostics.step_windows``), the
+launcher's view of them (``launching.health``: the health line, the metrics file, stragglers
+named) and ``ddpkit report``. Here on records made up to the point; tests/test_stragglers.py runs
+real jobs with a rank made slow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.diagnostics.step_windows import RankWindow, WindowRecorder, read_windows
+from ddpkit.launching.health import JobHealth, compare_ranks, read_job_windows
+from ddpkit.launching.report import report
+
+
+def window(rank: int, start: float, forward: float = 0.010, backward: float = 0.020, data: float = 0.002,
+           communication: float = 0.005) -> RankWindow:
+    step = data + 0.001 + forward + backward + communication
+    return RankWindow(rank, start, 1.0, 50, data + 0.001, forward, backward, communication, 0.001, data, step, step * 1.1)
+
+
+def test_a_rank_writes_one_line_per_window_once_the_next_windows_first_step_ends(tmp_path: Path) -> None:
+    path = str(tmp_path / "rank.windows")
+    recorder = WindowRecorder(path, 2.0, to_wall=0.0)  # perf_counter readings are wall-clock time here
+    for ended, forward in [(100.5, 0.01), (100.9, 0.03), (101.9, 0.02), (102.1, 0.5), (102.5, 0.5)]:
+        recorder.add(ended, between=0.004, forward=forward, backward=0.02, communication=0.001, optimizer=0.001)
+    windows, offset = read_windows(path, 0)
+    assert len(windows) == 1 and offset == Path(path).stat().st_size  # 102-104 has not ended yet
+    (first,) = windows
+    assert (first.start, first.seconds, first.steps) == (100.0, 2.0, 3)
+    assert first.forward == pytest.approx(0.02) and first.compute == pytest.approx(0.04)
+    assert first.data == pytest.approx(0.003) and first.step == pytest.approx(0.045)
+    assert read_windows(path, offset) == ([], offset)
+    with open(path, "a") as handle:  # a line still being written is left for the next read
+        handle.write('{"rank": 0, "start"')
+    assert read_windows(path, offset) == ([], offset)
+
+
+def test_the_rank_slower_in_its_compute_or_its_data_comes_first_and_noise_below_the_share_does_not() -> None:
+    compared = compare_ranks([window(0, 0), window(1, 0, forward=0.025), window(2, 0)])
+    assert compared[0][:2] == (1, "compute") and compared[0][2] == pytest.approx(1.5)
+    compared = compare_ranks([window(0, 0, data=0.0001), window(1, 0, data=0.00015)])
+    rank, phase, factor, share = next(entry for entry in compared if entry[1] == "data" and entry[0] == 1)
+    assert factor == pytest.approx(1.5) and share < 0.01  # 1.5x of almost nothing
+    health = JobHealth(1.0, False, None, 1.2)
+    jobs = [health.window([window(0, start, data=0.0001), window(1, start, data=0.00015)]) for start in range(4)]
+    assert not any(job.stragglers for job in jobs)
+
+
+def test_a_straggler_is_named_after_two_windows_once_and_said_well_after_two_more(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    health = JobHealth(1.0, True, str(metrics), 1.2, node=0, recoveries=lambda: 1)
+    slow = [False, True, True, True, False, False, False]
+    for start, rank1_slow in enumerate(slow):
+        health.window([window(0, start), window(1, start, backward=0.045 if rank1_slow else 0.021)])
+    lines = capfd.readouterr().err.splitlines()  # ddpkit's logger writes to stderr's descriptor
+    named = [line for line in lines if "run: straggler:" in line]
+    assert len(named) == 1 and named[0].startswith("ddpkit run: straggler: rank 1 (node 0, host ")
+    assert "its compute (forward + backward) is 1.83x the other ranks' median since" in named[0]
+    assert lines.index(named[0]) == 2  # in the second slow window, before its health line
+    well = [line for line in lines if "no longer a straggler" in line]
+    assert len(well) == 1 and lines.index(well[0]) == 6  # in the second window well again
+    health_lines = [line for line in lines if line.startswith("ddpkit run: health ")]
+    assert len(health_lines) == 7 and "2 ranks, 50.0 steps/s, step 38.5 ms (p90 42.9 ms)" in health_lines[0]
+    assert "slowest rank 1 (node 0): compute 1.83x the others' median" in health_lines[1]
+    windows = read_job_windows(str(metrics))
+    assert len(windows) == 7 and [bool(job.stragglers) for job in windows] == [False, False, True, True, True, False,
+                                                                                False]
+    assert windows[2].stragglers[0]["since"] == 1.0 and windows[2].recoveries == 1
+    assert [rank.rank for rank in windows[0].rank_windows()] == [0, 1]
+
+
+def test_the_launcher_reports_a_window_once_every_rank_wrote_it_or_a_window_later(tmp_path: Path) -> None:
+    files = [str(tmp_path / f"rank{rank}.windows") for rank in (0, 1)]
+    health = JobHealth(1.0, False, str(tmp_path / "metrics.jsonl"), 1.2)
+    for rank, path in enumerate(files):
+        with open(path, "w") as handle:
+            handle.write(window(rank, 100.0).to_json() + "\n" + (window(rank, 101.0).to_json() + "\n" if rank else ""))
+    health.poll(files, 2, now=102.2)
+    assert [job.start for job in read_job_windows(str(tmp_path / "metrics.jsonl"))] == [100.0]
+    health.poll(files, 2, now=104.5)  # rank 0 never wrote 101 (lost): reported without it
+    assert [len(job.ranks) for job in read_job_windows(str(tmp_path / "metrics.jsonl"))] == [2, 1]
+
+
+def test_ddpkit_report_prints_each_window_and_the_stragglers_and_plots_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    health = JobHealth(1.0, False, str(metrics), 1.2)
+    for start in range(4):
+        health.window([window(0, start), window(1, start, data=0.030)])
+    assert report(str(metrics), str(tmp_path / "plot.png")) == 0
+    out = capsys.readouterr().out
+    assert out.count("health ") == 4 and "straggler: rank 1 (node 0, host" in out and "data wait" in out
+    assert "4 windows, 1 stragglers named, 0 recoveries" in out
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+    assert report(str(tmp_path / "missing.jsonl")) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value", "said"), [("--report-every", "-1", "is not a number of seconds"),
+                                                     ("--straggler-factor", "0.5", "is not a factor of 1 or more")])
+def test_a_health_flag_out_of_range_is_refused_naming_it(tmp_path: Path, flag: str, value: str, said: str) -> None:
+    (tmp_path / "train.py").write_text("")
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", flag, value, str(tmp_path / "train.py")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"{flag}='{value}' {said}" in result.stderr, result.stderr
