@@ -19,7 +19,8 @@ from ddpkit.launching.report import report
 def window(rank: int, start: float, forward: float = 0.010, backward: float = 0.020, data: float = 0.002,
            communication: float = 0.005) -> RankWindow:
     step = data + 0.001 + forward + backward + communication
-    return RankWindow(rank, start, 1.0, 50, data + 0.001, forward, backward, communication, 0.001, data, step, step * 1.1)
+    return RankWindow(rank, start, 1.0, 50, data + 0.001, forward, backward, communication, 0.001, data, step, step * 1.1,
+                      covered=0.5)
 
 
 def test_a_rank_writes_one_line_per_window_once_the_next_windows_first_step_ends(tmp_path: Path) -> None:
@@ -33,6 +34,7 @@ def test_a_rank_writes_one_line_per_window_once_the_next_windows_first_step_ends
     assert (first.start, first.seconds, first.steps) == (100.0, 2.0, 3)
     assert first.forward == pytest.approx(0.02) and first.compute == pytest.approx(0.04)
     assert first.data == pytest.approx(0.003) and first.step == pytest.approx(0.045)
+    assert first.covered == pytest.approx(0.035 + 0.055 + 0.045)  # the three steps' time, not the window's
     assert read_windows(path, offset) == ([], offset)
     with open(path, "a") as handle:  # a line still being written is left for the next read
         handle.write('{"rank": 0, "start"')
@@ -65,7 +67,7 @@ def test_a_straggler_is_named_after_two_windows_once_and_said_well_after_two_mor
     well = [line for line in lines if "no longer a straggler" in line]
     assert len(well) == 1 and lines.index(well[0]) == 6  # in the second window well again
     health_lines = [line for line in lines if line.startswith("ddpkit run: health ")]
-    assert len(health_lines) == 7 and "2 ranks, 50.0 steps/s, step 38.5 ms (p90 42.9 ms)" in health_lines[0]
+    assert len(health_lines) == 7 and "2 ranks, 100.0 steps/s, step 38.5 ms (p90 42.9 ms)" in health_lines[0]
     assert "slowest rank 1 (node 0): compute 1.83x the others' median" in health_lines[1]
     windows = read_job_windows(str(metrics))
     assert len(windows) == 7 and [bool(job.stragglers) for job in windows] == [False, False, True, True, True, False,

@@ -11,7 +11,8 @@ without talking to each other. A step costs one list append; a window one line w
 A ``RankWindow`` line (one JSON object; times in seconds, phases medians over the window's steps):
 ``{"rank": 1, "start": 1795770600.0, "seconds": 60.0, "steps": 812, "between": ..., "forward": ...,
 "backward": ..., "communication": ..., "optimizer": ... or null, "data": ..., "step": ...,
-"step_p90": ...}``. ``compute`` is forward + backward: the rank's own work in a step.
+"step_p90": ..., "covered": ...}`` (``covered``: the seconds the window's steps took together).
+``compute`` is forward + backward: the rank's own work in a step.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RankWindow:
     data: float  # between minus the optimizer step: the data loader and the loop's own code
     step: float
     step_p90: float
+    covered: float  # the seconds its steps took together: less than ``seconds`` in a run's first and last windows
 
     @property
     def compute(self) -> float:
@@ -59,7 +61,7 @@ class RankWindow:
         return cls(int(value["rank"]), float(value["start"]), float(value["seconds"]), int(value["steps"]),
                    float(value["between"]), float(value["forward"]), float(value["backward"]),
                    float(value["communication"]), None if value.get("optimizer") is None else float(value["optimizer"]),
-                   float(value["data"]), float(value["step"]), float(value["step_p90"]))
+                   float(value["data"]), float(value["step"]), float(value["step_p90"]), float(value["covered"]))
 
 
 def read_windows(path: str, offset: int) -> tuple[list[RankWindow], int]:
@@ -122,7 +124,7 @@ class WindowRecorder:
         window = RankWindow(
             _rank(), self._window_start, self.seconds, len(steps), between, forward, backward, communication,
             optimizer if timed else None, statistics.median(step[0] - step[4] for step in steps),
-            statistics.median(totals), totals[min(len(totals) - 1, int(0.9 * len(totals)))])
+            statistics.median(totals), totals[min(len(totals) - 1, int(0.9 * len(totals)))], sum(totals))
         try:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(window.to_json() + "\n")

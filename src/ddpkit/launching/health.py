@@ -219,7 +219,8 @@ class JobHealth:
         self._name_stragglers(compared, first.start, placed)
         job = JobWindow(
             start=first.start, seconds=first.seconds,
-            steps_per_second=statistics.median(rank.steps for rank in ranks) / first.seconds,
+            # Over the time the steps took, not the window's: a run's first and last windows are partly idle.
+            steps_per_second=statistics.median(rank.steps / rank.covered if rank.covered > 0 else 0.0 for rank in ranks),
             step_median=statistics.median(rank.step for rank in ranks), step_p90=max(rank.step_p90 for rank in ranks),
             ranks=[{**asdict(rank), **dict(zip(("node", "host"), placed.get(rank.rank, (self.node, self.host)),
                                                    strict=True))} for rank in ranks],
