@@ -5,6 +5,7 @@ real jobs with a rank made slow."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ def window(rank: int, start: float, forward: float = 0.010, backward: float = 0.
            communication: float = 0.005) -> RankWindow:
     step = data + 0.001 + forward + backward + communication
     return RankWindow(rank, start, 1.0, 50, data + 0.001, forward, backward, communication, 0.001, data, step, step * 1.1,
-                      covered=0.5)
+                      covered=0.9)
 
 
 def test_a_rank_writes_one_line_per_window_once_the_next_windows_first_step_ends(tmp_path: Path) -> None:
@@ -67,13 +68,20 @@ def test_a_straggler_is_named_after_two_windows_once_and_said_well_after_two_mor
     well = [line for line in lines if "no longer a straggler" in line]
     assert len(well) == 1 and lines.index(well[0]) == 6  # in the second window well again
     health_lines = [line for line in lines if line.startswith("ddpkit run: health ")]
-    assert len(health_lines) == 7 and "2 ranks, 100.0 steps/s, step 38.5 ms (p90 42.9 ms)" in health_lines[0]
+    assert len(health_lines) == 7 and "2 ranks, 55.6 steps/s, step 38.5 ms (p90 42.9 ms)" in health_lines[0]
     assert "slowest rank 1 (node 0): compute 1.83x the others' median" in health_lines[1]
     windows = read_job_windows(str(metrics))
     assert len(windows) == 7 and [bool(job.stragglers) for job in windows] == [False, False, True, True, True, False,
                                                                                 False]
     assert windows[2].stragglers[0]["since"] == 1.0 and windows[2].recoveries == 1
     assert [rank.rank for rank in windows[0].rank_windows()] == [0, 1]
+
+
+def test_a_window_the_steps_did_not_fill_names_nobody(tmp_path: Path) -> None:
+    """A run's first window holds its start-up: a rank that started later, or imported slower, is no straggler."""
+    health = JobHealth(1.0, False, None, 1.2)
+    partial = dataclasses.replace(window(1, 0, backward=0.1), covered=0.3)
+    assert not any(health.window([window(0, start), partial]).stragglers for start in range(4))
 
 
 def test_the_launcher_reports_a_window_once_every_rank_wrote_it_or_a_window_later(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ console (``--report-every``), one JSON line in ``--metrics FILE`` (``JobWindow``
 A straggler is a rank whose own compute (forward + backward) or data wait (between steps, the
 optimizer step apart) is above the other ranks' median by ``--straggler-factor`` (1.2) in
 ``CONFIRM_WINDOWS`` windows in a row, by at least ``MIN_SHARE`` of the step: a difference of
-microseconds in a phase of microseconds is noise, not a slow rank. It is named once, and again
+microseconds in a phase of microseconds is noise, not a slow rank. Only windows the steps filled
+(``FILLED``) count: not a run's first (its start-up) or last, nor one with a recovery. It is named once, and again
 only when that changes (another phase, or no longer slow). The others' waits are not compared:
 a synchronised step makes every other rank wait for the slow one in the gradients' all-reduce.
 
@@ -37,6 +38,8 @@ _log = get_logger("launching")
 CONFIRM_WINDOWS = 2
 #: The least a slow phase must exceed the others' median by, as a share of the step.
 MIN_SHARE = 0.05
+#: The share of a window its steps must fill for the window to name stragglers.
+FILLED = 0.8
 #: The phases compared across ranks, and how the console names them.
 PHASE_NAMES = {"compute": "compute (forward + backward)", "data": "data wait (between steps, the optimizer apart)"}
 
@@ -212,11 +215,15 @@ class JobHealth:
         placed = placed or {}
         first = ranks[0]
         compared = compare_ranks(ranks)
+        # A window its steps did not fill (the run's first, with its start-up, and last; one with a
+        # recovery) names nobody: its medians are of a few steps, or of steps unlike the others.
+        filled = all(rank.covered >= FILLED * rank.seconds for rank in ranks)
         slowest = None
         if compared:
             rank, phase, factor, _ = compared[0]
             slowest = Straggler(rank, *placed.get(rank, (self.node, self.host)), phase, round(factor, 3), first.start)
-        self._name_stragglers(compared, first.start, placed)
+        if filled:
+            self._name_stragglers(compared, first.start, placed)
         job = JobWindow(
             start=first.start, seconds=first.seconds,
             # Over the time the steps took, not the window's: a run's first and last windows are partly idle.
