@@ -2,7 +2,7 @@
 slow in the middle of a run is named, with the right phase, within a couple of windows.
 
     python benchmarks/stragglers.py [--clean N] [--slowed N] [--report-every S] [--steps STEPS]
-                                    [--slow-after S]
+                                    [--slow-after S] [--straggler-factor F]
 
 Every run is ``tests/stragglers_job.py`` (ddpkit's loop on an MLP) under ``ddpkit run
 --nproc-per-node 2 --report-every S``, the clean and slowed runs alternating (these machines are
@@ -41,14 +41,15 @@ class Run:
     named_at: float | None = None
 
 
-def one_run(slowed: bool, report_every: float, steps: int, slow_after: float) -> Run:
+def one_run(slowed: bool, report_every: float, steps: int, slow_after: float, factor: float) -> Run:
     run = Run()
     busy: subprocess.Popen[bytes] | None = None
     environment = {**os.environ, "STEPS": str(steps), **({"PIN": "1"} if slowed else {})}
     with tempfile.TemporaryDirectory() as folder:
         launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "--report-every",
-                                     f"{report_every:g}", str(JOB)], cwd=folder, env=environment, text=True,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     f"{report_every:g}", "--straggler-factor", f"{factor:g}", str(JOB)],
+                                    cwd=folder, env=environment, text=True, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE)
         first_health = threading.Event()
 
         def read() -> None:
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--report-every", type=float, default=1.0, help="the window, seconds (default 1)")
     parser.add_argument("--steps", type=int, default=2000, help="steps a run (default 2000: about 10 s here)")
     parser.add_argument("--slow-after", type=float, default=2.5, help="seconds after the first health line")
+    parser.add_argument("--straggler-factor", type=float, default=1.2, help="ddpkit run's (default 1.2, its default)")
     args = parser.parse_args()
     if (os.cpu_count() or 1) < 2:
         parser.error("needs two cores: one per rank, the busy process on rank 1's")
@@ -107,8 +109,10 @@ def main() -> None:
     for index in range(max(args.clean, args.slowed)):
         for kind, count in (("clean", args.clean), ("slowed", args.slowed)):
             if index < count:
-                runs[kind].append(one_run(kind == "slowed", args.report_every, args.steps, args.slow_after))
-    print(f"ddpkit run --nproc-per-node 2 --report-every {args.report_every:g}, tests/stragglers_job.py, "
+                runs[kind].append(one_run(kind == "slowed", args.report_every, args.steps, args.slow_after,
+                                          args.straggler_factor))
+    print(f"ddpkit run --nproc-per-node 2 --report-every {args.report_every:g} --straggler-factor "
+          f"{args.straggler_factor:g}, tests/stragglers_job.py, "
           f"{args.steps} steps a run")
     for kind, done in runs.items():
         if done:

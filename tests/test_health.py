@@ -56,7 +56,7 @@ def test_the_rank_slower_in_its_compute_or_its_data_comes_first_and_noise_below_
 def test_a_straggler_is_named_after_two_windows_once_and_said_well_after_two_more(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    health = JobHealth(1.0, True, str(metrics), 1.2, node=0, recoveries=lambda: 1)
+    health = JobHealth(2.5, True, str(metrics), 1.2, node=0, recoveries=lambda: 1)  # two windows are 5 s
     slow = [False, True, True, True, False, False, False]
     for start, rank1_slow in enumerate(slow):
         health.window([window(0, start), window(1, start, backward=0.045 if rank1_slow else 0.021)])
@@ -75,6 +75,15 @@ def test_a_straggler_is_named_after_two_windows_once_and_said_well_after_two_mor
                                                                                 False]
     assert windows[2].stragglers[0]["since"] == 1.0 and windows[2].recoveries == 1
     assert [rank.rank for rank in windows[0].rank_windows()] == [0, 1]
+
+
+def test_with_short_windows_a_rank_must_be_slow_for_five_seconds_to_be_named() -> None:
+    """A spell of a busy host (seconds, either rank) is not a straggler; one that stays is."""
+    health = JobHealth(1.0, False, None, 1.2)
+    slow = [window(0, start) if start % 4 < 3 else window(0, start, backward=0.05) for start in range(4)] * 3
+    assert not any(health.window([rank0, window(1, 0)]).stragglers for rank0 in slow)
+    named = [bool(health.window([window(0, start), window(1, start, backward=0.05)]).stragglers) for start in range(6)]
+    assert named == [False, False, False, False, True, True]
 
 
 def test_a_window_the_steps_did_not_fill_names_nobody(tmp_path: Path) -> None:
@@ -99,7 +108,7 @@ def test_the_launcher_reports_a_window_once_every_rank_wrote_it_or_a_window_late
 def test_ddpkit_report_prints_each_window_and_the_stragglers_and_plots_them(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    health = JobHealth(1.0, False, str(metrics), 1.2)
+    health = JobHealth(2.5, False, str(metrics), 1.2)
     for start in range(4):
         health.window([window(0, start), window(1, start, data=0.030)])
     assert report(str(metrics), str(tmp_path / "plot.png")) == 0

@@ -5,7 +5,7 @@ console (``--report-every``), one JSON line in ``--metrics FILE`` (``JobWindow``
 
 A straggler is a rank whose own compute (forward + backward) or data wait (between steps, the
 optimizer step apart) is above the other ranks' median by ``--straggler-factor`` (1.2) in
-``CONFIRM_WINDOWS`` windows in a row, by at least ``MIN_SHARE`` of the step: a difference of
+``CONFIRM_WINDOWS`` windows in a row (and ``CONFIRM_SECONDS``), by at least ``MIN_SHARE`` of the step: a difference of
 microseconds in a phase of microseconds is noise, not a slow rank. Only windows the steps filled
 (``FILLED``) count: not a run's first (its start-up) or last, nor one with a recovery. It is named once, and again
 only when that changes (another phase, or no longer slow). The others' waits are not compared:
@@ -17,6 +17,7 @@ torch-free, as the launcher is.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import statistics
 import time
@@ -29,13 +30,15 @@ from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostEr
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
 
-__all__ = ["CONFIRM_WINDOWS", "MIN_SHARE", "JobHealth", "JobWindow", "SharedWindows", "Straggler", "compare_ranks",
-           "read_job_windows"]
+__all__ = ["CONFIRM_SECONDS", "CONFIRM_WINDOWS", "MIN_SHARE", "JobHealth", "JobWindow", "SharedWindows", "Straggler",
+           "compare_ranks", "read_job_windows"]
 
 _log = get_logger("launching")
 
-#: Windows in a row a rank must be slow in before it is named (and well again before that is said).
+#: Windows in a row a rank must be slow in before it is named (and well again before that is said),
+#: and the least time they must cover: with short windows a spell of a busy host is not a straggler.
 CONFIRM_WINDOWS = 2
+CONFIRM_SECONDS = 5.0
 #: The least a slow phase must exceed the others' median by, as a share of the step.
 MIN_SHARE = 0.05
 #: The share of a window its steps must fill for the window to name stragglers.
@@ -245,6 +248,11 @@ class JobHealth:
                 self.metrics_path = None
         return job
 
+    @property
+    def confirm_windows(self) -> int:
+        """Windows in a row that name a straggler, or say it is well again."""
+        return max(CONFIRM_WINDOWS, math.ceil(CONFIRM_SECONDS / self.seconds))
+
     def _name_stragglers(self, compared: list[tuple[int, str, float, float]], start: float,
                          placed: dict[int, tuple[int, str]]) -> None:
         slow = {(rank, phase): factor for rank, phase, factor, share in compared
@@ -255,14 +263,14 @@ class JobHealth:
         for key, factor in slow.items():
             watched = self._watched.setdefault(key, _Watched(start))
             watched.count += 1
-            if watched.count >= CONFIRM_WINDOWS and key not in self._named:
+            if watched.count >= self.confirm_windows and key not in self._named:
                 node, host = placed.get(key[0], (self.node, self.host))
                 straggler = Straggler(key[0], node, host, key[1], round(factor, 3), watched.since)
                 self._named[key] = straggler
                 _log.warning(f"ddpkit run: straggler: {straggler.describe()}")
         for key in list(self._named):
             self._well[key] = 0 if key in slow else self._well.get(key, 0) + 1
-            if self._well[key] < CONFIRM_WINDOWS:
+            if self._well[key] < self.confirm_windows:
                 continue
             straggler, _ = self._named.pop(key), self._well.pop(key)
             _log.warning(f"ddpkit run: rank {straggler.rank} (node {straggler.node}) is no longer a straggler: its "
