@@ -209,7 +209,7 @@ class JobHealth:
                               for window in windows}
             del self._pending[start]
             self._done = start
-            if self.shared is None or self.node == 0:
+            if written and (self.shared is None or self.node == 0):
                 self.window(sorted(written.values(), key=lambda window: window.rank), placed)
 
     def window(self, ranks: list[RankWindow], placed: dict[int, tuple[int, str]] | None = None) -> JobWindow:
