@@ -134,15 +134,15 @@ class SharedWindows:
         value = json.dumps({"host": host, "windows": [asdict(window) for window in windows]})
         self.records.put(keys.of(f"{keys.HEALTH}/{start:.0f}", node), value, keys.JOB_WIDE)
 
-    def collect(self, start: float) -> dict[int, tuple[str, list[RankWindow]]]:
-        """What the nodes of the world published for the window ``start``, by node."""
-        published = {}
-        for node in self.world():
+    def collect(self, start: float) -> tuple[dict[int, tuple[str, list[RankWindow]]], list[int]]:
+        """What the nodes of the world published for the window ``start``, by node, and the world's nodes."""
+        published, world = {}, self.world()
+        for node in world:
             value = self.records.read(keys.of(f"{keys.HEALTH}/{start:.0f}", node), keys.JOB_WIDE)
             if value is not None:
                 record = json.loads(value)
                 published[node] = (str(record["host"]), [RankWindow.from_dict(window) for window in record["windows"]])
-        return published
+        return published, world
 
 
 @dataclass
@@ -198,8 +198,8 @@ class JobHealth:
                     if start > self._published:
                         self.shared.publish(start, self.node, self.host, written.values())
                         self._published = start
-                    published = self.shared.collect(start) if self.node == 0 else {}
-                    if self.node == 0 and len(published) < len(self.shared.world()) and not late:
+                    published, world = self.shared.collect(start) if self.node == 0 else ({}, [])
+                    if len(published) < len(world) and not late:
                         break
                 except NodeContactLostError:
                     return  # the store is gone: the watch's own checks end the attempt, not the report

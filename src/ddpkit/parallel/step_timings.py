@@ -76,11 +76,11 @@ class StepClock:
         first, last = self.first_forward, self._last_sync_end
         if first is not None and last is not None and first >= last:  # a whole step: its start is known
             backward = max(0.0, self._sync_start - first - self.forward_seconds)
-            self._steps.append((first - last, self.forward_seconds, backward, now - self._sync_start))
+            phases = (first - last, self.forward_seconds, backward, now - self._sync_start)
+            self._steps.append(phases)
             self._optimizer.append(self._optimizer_in_step)
             if self.recorder is not None:
-                self.recorder.add(now, first - last, self.forward_seconds, backward, now - self._sync_start,
-                                  self._optimizer_in_step)
+                self.recorder.add(now, *phases, self._optimizer_in_step)
         self._last_sync_end, self.first_forward, self.forward_seconds, self._optimizer_in_step = now, None, 0.0, 0.0
 
     def optimizer_started(self) -> None:
