@@ -80,6 +80,7 @@ from ddpkit.launching.node_claims import ClaimKind, claim_kind
 from ddpkit.launching.node_world import NodeReplacedError, NodeWorld, Shrinking
 from ddpkit.launching.rendezvous import StoreWaits
 from ddpkit.launching.store_host import clear_worker_keys
+from ddpkit.logs import get_logger
 from ddpkit.store import keys
 from ddpkit.store.client import (
     BoundedStore,
@@ -90,6 +91,8 @@ from ddpkit.store.client import (
     never_give_up,
 )
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
+
+_log = get_logger("launching")
 
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "may_wait_beyond_max"]
 
@@ -345,7 +348,10 @@ class NodeCoordination:
         self._refuse_a_shrunk_world(attempt)
         self.records.put(keys.of(keys.ARRIVED_NODE, self.node_rank), "1", attempt)
         deadline = time.monotonic() + timeout_seconds
+        said_waiting = False
         while True:
+            # A stop signal comes first: its exit code (128 + the signal) says the user ended the job.
+            self._check_give_up()
             # Looked at on every pass: the world may shrink while this launcher waits (a node lost in
             # a collective between steps fails the survivors' workers about as soon as it is gone,
             # and the world shrinks without it a heartbeat's silence later).
@@ -353,6 +359,10 @@ class NodeCoordination:
             missing = [node for node in range(self.nnodes) if not self.records.has(keys.of(keys.ARRIVED_NODE, node), attempt)]
             if not missing:
                 break
+            if not said_waiting:  # a launcher that waits says for whom, once
+                _log.info(f"ddpkit run: restart {attempt}: waiting for the launchers of node(s) "
+                          f"{', '.join(map(str, missing))} (up to {timeout_seconds:g} s, {DDPKIT_RECOVERY_TIMEOUT_SECONDS})")
+                said_waiting = True
             stopped = self.stop_reason(attempt - 1)
             ended = [node for node in missing if self.world.said_left(node)]
             silent = self.silent_node()
@@ -363,7 +373,6 @@ class NodeCoordination:
                     f"restart {attempt}: the launchers of node(s) {', '.join(map(str, missing))} did not come back "
                     f"{why}; every node's `ddpkit run` needs the same --nnodes and --max-restarts, and their output "
                     "says why they ended.")
-            self._check_give_up()
             time.sleep(_POLL_SECONDS)
         if self.node_rank == 0:
             self.records.call(clear_worker_keys, self.records.store)
