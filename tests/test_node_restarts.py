@@ -280,7 +280,9 @@ def test_a_node_whose_launcher_is_killed_while_the_group_forms_ends_the_others_w
 def test_a_node_whose_launcher_is_killed_mid_training_saves_and_the_others_name_it(tmp_path: Path) -> None:
     """SIGKILL to node 1's launcher: the kernel sends its worker SIGTERM (``die_with_launcher``), which
     saves with the others as for a preemption (no work lost, exit 75). Node 0's launcher, which no
-    signal reached, says where the preemption came from: node 1's launcher, gone silent."""
+    signal reached, says where the preemption came from: node 1's launcher, gone silent, or (on a
+    loaded machine, where node 1's launcher still imports torch when its worker saved an epoch)
+    node 1's workers, whose launcher never reached the store."""
     launchers = start_nodes(tmp_path, [str(EXAMPLE), "--epochs", "4", "--samples", "32768", "--checkpoint",
                                        str(tmp_path) + os.sep])
     deadline = time.monotonic() + 60
@@ -291,8 +293,9 @@ def test_a_node_whose_launcher_is_killed_mid_training_saves_and_the_others_name_
     code0, _, err0 = finish(launchers[:1], timeout=60)[0]
     launchers[1].wait()
     assert code0 == 75, err0[-3000:]
-    assert "the preemption came from the workers of a lost launcher" in err0, err0[-3000:]
-    assert "node 1's launcher went silent" in err0, err0[-3000:]
+    source, = (line for line in err0.splitlines() if "the preemption came from" in line)
+    assert ("the workers of a lost launcher" in source and "node 1's launcher went silent" in source
+            or "the workers of node(s) 1, whose launcher never reached the job's store" in source), err0[-3000:]
 
 
 def test_a_node_that_never_arrives_ends_the_others_after_the_join_timeout(tmp_path: Path) -> None:

@@ -289,8 +289,20 @@ class NodeCoordination:
             if (silent := self.silent_node()) is not None:
                 return f"the workers of a lost launcher, which saved as for a preemption: {silent}"
             if time.monotonic() > deadline:
+                # A launcher killed while it still imported torch or reached the store never beat:
+                # its workers had SIGTERM from the kernel as well.
+                if unheard := self._nodes_never_heard():
+                    return (f"the workers of node(s) {', '.join(map(str, unheard))}, whose launcher never reached "
+                            "the job's store: lost before it did (its workers had SIGTERM when it died), or "
+                            "signalled by a user there")
                 return "no launcher: a worker was signalled by itself"
             time.sleep(0.1)
+
+    def _nodes_never_heard(self) -> list[int]:
+        """The world's other nodes whose launcher never beat, nor said it left."""
+        left = set(self.world.nodes_left())
+        return [node for node in self.world.nodes() if node != self.node_rank and node not in left
+                and self.heartbeats.last_beat(node) is None]
 
     def stop_reason(self, attempt: int | None = None) -> str | None:
         """Why another launcher stopped the job (no restart), when one did."""
