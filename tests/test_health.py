@@ -86,6 +86,17 @@ def test_with_short_windows_a_rank_must_be_slow_for_five_seconds_to_be_named() -
     assert named == [False, False, False, False, True, True]
 
 
+def test_a_straggler_whose_node_is_replaced_is_watched_afresh_and_named_again_if_its_replacement_is_slow() -> None:
+    """``--stragglers replace`` (``JobHealth.on_named``): each straggler named is handed on once; when
+    its node is being replaced, its ranks' record starts again, so a slow replacement is named anew."""
+    asked: list[tuple[int, int]] = []
+    health = JobHealth(2.5, False, None, 1.2, on_named=lambda straggler: asked.append((straggler.rank, straggler.node)) or True)
+    placed = {0: (0, "a"), 1: (1, "b")}
+    named = [bool(health.window([window(0, start), window(1, start, backward=0.045)], placed).stragglers)
+             for start in range(5)]
+    assert asked == [(1, 1), (1, 1)] and named == [False, True, False, True, False]
+
+
 def test_a_window_the_steps_did_not_fill_names_nobody(tmp_path: Path) -> None:
     """A run's first window holds its start-up: a rank that started later, or imported slower, is no straggler."""
     health = JobHealth(1.0, False, None, 1.2)

@@ -7,7 +7,7 @@
                --rdzv-id ID [--rdzv-conf join_timeout=S]] [--backend gloo|nccl] [--max-restarts N]
                [--preemption-signal SIG] [--recovery fail-fast|in-place]
                [--log-dir DIR] [-r|--redirects S] [-t|--tee S] [--local-ranks-filter R,..]
-               [--report-every S] [--metrics FILE] [--straggler-factor F]
+               [--report-every S] [--metrics FILE] [--straggler-factor F] [--stragglers name|replace]
                [-m|--module | --no-python] script.py [script args...]
 
 Flags follow torchrun's names (the underscore spellings work too). Each can also come from the
@@ -127,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                "ddpkit report FILE reads it)")
     _flag(run, "straggler-factor", default="1.2",
           help="how much slower than the others' median a rank's compute or data wait must stay to be named")
+    _flag(run, "stragglers", default="name", choices=["name", "replace"],
+          help="what a straggler costs: name it (the default), or replace its node by a waiting spare node "
+               "(with --recovery in-place across nodes; the others' workers go on)")
     run.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     store = commands.add_parser(
@@ -255,6 +258,14 @@ def _recovery(value: str, argv: Sequence[str]) -> Recovery:
         return Recovery.parse(value, _origin("recovery", argv), "the default is fail-fast")
     except ValueError as error:
         raise LaunchError(str(error)) from None
+
+
+def _stragglers(value: str, argv: Sequence[str]) -> bool:
+    """Whether stragglers' nodes are replaced; argparse checks the command line's choice, not DDPKIT_STRAGGLERS's."""
+    if value.strip().lower() not in ("name", "replace"):
+        raise LaunchError(f"{_origin('stragglers', argv)}={value!r}: give name (stragglers are named) or replace "
+                          "(a straggler's node is handed to a waiting spare node).")
+    return value.strip().lower() == "replace"
 
 
 def _output_plan(args: argparse.Namespace, nproc_per_node: int, argv: Sequence[str]) -> OutputPlan:
@@ -399,6 +410,7 @@ def _launch_config(args: argparse.Namespace, launcher_argv: Sequence[str],
         metrics=args.metrics or None,
         straggler_factor=_number("straggler-factor", args.straggler_factor, launcher_argv, 1.0,
                                  "a factor of 1 or more (a rank this much slower than the others is named), e.g. 1.2"),
+        replace_stragglers=_stragglers(args.stragglers, launcher_argv),
     )
 
 

@@ -69,6 +69,9 @@ class LaunchConfig:
     report_every: float = 60.0
     metrics: str | None = None
     straggler_factor: float = 1.2
+    # ``--stragglers replace``: node 0's launcher asks a straggler's node to step aside for a spare
+    # node (``launching.straggler_replacement``); otherwise (``name``) stragglers are named only.
+    replace_stragglers: bool = False
 
     @property
     def window_seconds(self) -> float | None:
@@ -103,6 +106,8 @@ def validate(config: LaunchConfig, script: str) -> None:
     _check_node_range(config)
     if config.recovery is Recovery.IN_PLACE:
         _check_in_place(config)
+    if config.replace_stragglers:
+        _check_replace_stragglers(config)
     try:
         check_worker_seconds_settings()
         job_secret()
@@ -163,6 +168,21 @@ def _check_in_place(config: LaunchConfig) -> None:
             "next generation's formed as torch documents, but that path has run on CPUs only. Set "
             f"{DDPKIT_NCCL_IN_PLACE}=1 to use it (benchmarks/gpu_check.py checks it on a machine with two GPUs), or "
             "use --backend gloo, or --recovery fail-fast with --max-restarts.")
+
+
+def _check_replace_stragglers(config: LaunchConfig) -> None:
+    """``--stragglers replace`` hands a node to a spare node in place, and needs the windows that name it."""
+    one_node = config.nnodes == 1 and config.max_nodes is None  # (stragglers are named only: the launcher says so)
+    if config.recovery is not Recovery.IN_PLACE and not one_node:
+        raise LaunchError(
+            f"--stragglers replace with --recovery {config.recovery.value}: a straggling node is handed to a spare "
+            "node while the others' workers go on, which is in-place recovery. Add --recovery in-place (with "
+            "--nnodes MIN:MAX --rdzv-backend c10d and a spare node), or use --stragglers name.")
+    if config.window_seconds is None:
+        raise LaunchError(
+            f"--stragglers replace with --report-every {config.report_every:g} and no --metrics: stragglers are "
+            "named from the ranks' step windows, which neither asks for. Give --report-every S (e.g. 60) or "
+            "--metrics FILE.")
 
 
 def _check_static_place(config: LaunchConfig) -> None:

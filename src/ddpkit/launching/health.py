@@ -173,6 +173,9 @@ class JobHealth:
     _well: dict[tuple[int, str], int] = field(default_factory=dict)  # a named one's windows in a row not slow
     _next_read: float = 0.0
     shared: SharedWindows | None = None  # across nodes: set once the launchers' agreement is connected
+    # Told each straggler as it is named (``--stragglers replace``: ``launching.straggler_replacement``);
+    # True when its node is being replaced: its ranks are then watched afresh (a slow replacement is named again).
+    on_named: Callable[[Straggler], bool] | None = None
     _published: float = 0.0  # the start of the last window published to the other nodes
 
     def poll(self, files: Iterable[str], ranks: int, now: float | None = None) -> None:
@@ -225,8 +228,8 @@ class JobHealth:
         if compared:
             rank, phase, factor, _ = compared[0]
             slowest = Straggler(rank, *placed.get(rank, (self.node, self.host)), phase, round(factor, 3), first.start)
-        if filled:
-            self._name_stragglers(compared, first.start, placed)
+        # Those whose node is being replaced are in this window's record, and watched afresh after it.
+        handed_on = self._name_stragglers(compared, first.start, placed) if filled else []
         job = JobWindow(
             start=first.start, seconds=first.seconds,
             # Over the time the steps took, not the window's: a run's first and last windows are partly idle.
@@ -235,7 +238,8 @@ class JobHealth:
             ranks=[{**asdict(rank), **dict(zip(("node", "host"), placed.get(rank.rank, (self.node, self.host)),
                                                    strict=True))} for rank in ranks],
             slowest=None if slowest is None else asdict(slowest),
-            stragglers=[asdict(straggler) for straggler in self._named.values()], recoveries=self.recoveries())
+            stragglers=[asdict(straggler) for straggler in [*self._named.values(), *handed_on]],
+            recoveries=self.recoveries())
         if self.report:
             _log.warning(job.line())
         if self.metrics_path is not None:
@@ -254,7 +258,9 @@ class JobHealth:
         return max(CONFIRM_WINDOWS, math.ceil(CONFIRM_SECONDS / self.seconds))
 
     def _name_stragglers(self, compared: list[tuple[int, str, float, float]], start: float,
-                         placed: dict[int, tuple[int, str]]) -> None:
+                         placed: dict[int, tuple[int, str]]) -> list[Straggler]:
+        """Name the ranks slow for long enough, and say those well again; the stragglers whose node
+        ``on_named`` is replacing (no longer watched)."""
         slow = {(rank, phase): factor for rank, phase, factor, share in compared
                 if factor >= self.factor and share >= MIN_SHARE}
         for key in list(self._watched):
@@ -268,6 +274,9 @@ class JobHealth:
                 straggler = Straggler(key[0], node, host, key[1], round(factor, 3), watched.since)
                 self._named[key] = straggler
                 _log.warning(f"ddpkit run: straggler: {straggler.describe()}")
+                if self.on_named is not None and self.on_named(straggler):
+                    self._forget_node(node, placed)
+                    return [straggler]
         for key in list(self._named):
             self._well[key] = 0 if key in slow else self._well.get(key, 0) + 1
             if self._well[key] < self.confirm_windows:
@@ -275,6 +284,15 @@ class JobHealth:
             straggler, _ = self._named.pop(key), self._well.pop(key)
             _log.warning(f"ddpkit run: rank {straggler.rank} (node {straggler.node}) is no longer a straggler: its "
                          f"{PHASE_NAMES[straggler.phase]} is within {self.factor:g}x the others' median again")
+        return []
+
+
+    def _forget_node(self, node: int, placed: dict[int, tuple[int, str]]) -> None:
+        """Watch the ranks of ``node`` afresh (another node takes them over)."""
+        ranks = {rank for rank, (where, _) in placed.items() if where == node}
+        for record in (self._watched, self._named, self._well):
+            for key in [key for key in record if key[0] in ranks]:
+                del record[key]
 
 
 def _clock(seconds: float) -> str:

@@ -47,6 +47,7 @@ from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs, validate
 from ddpkit.launching.health import JobHealth, SharedWindows
 from ddpkit.launching.joining import announce_loss, connect_nodes, host_rendezvous, host_store, join_rendezvous
+from ddpkit.launching.node_world import NodeSteppedAside
 from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcesses
@@ -59,6 +60,7 @@ from ddpkit.launching.replacement import (
 )
 from ddpkit.launching.spare_node import Takeover, wait_as_spare
 from ddpkit.launching.store_host import StoreHost, StoreHostError
+from ddpkit.launching.straggler_replacement import StepAside, one_node_note
 from ddpkit.launching.watch import Outcome, Signals, agree_across_nodes, watch
 from ddpkit.logs import get_logger
 from ddpkit.membership.generations import member_identity
@@ -202,6 +204,8 @@ def run_workers(script: str, script_args: Sequence[str], config: LaunchConfig, g
     store (rendezvous, restart) within seconds. The loop's phases: ``_LauncherRun``.
     """
     validate(config, script)
+    if config.replace_stragglers and config.nnodes == 1 and config.max_nodes is None:
+        _log.warning(one_node_note())
     run = _LauncherRun(script, script_args, config, grace, poll_interval)
     try:
         code = run.join_the_job()
@@ -316,9 +320,14 @@ class _LauncherRun:
                 self.health.node = state.config.node_rank  # a spare node took its place's
                 if state.nodes is not None:  # node 0's launcher reports every node's ranks
                     self.health.shared = SharedWindows(state.nodes.records, state.nodes.world.nodes)
+                    if config.replace_stragglers and state.nodes.in_place:
+                        self.health.on_named = StepAside(state.nodes)
             outcome = watch(workers, self.signals, self.grace, self.poll_interval, self.replacements, state.nodes,
                             state.store_host, self.health)
             return agree_across_nodes(state.nodes, outcome, self.grace) if state.nodes is not None else outcome
+        except NodeSteppedAside as error:  # a straggler's node, replaced: the job goes on without it
+            _log.warning(f"ddpkit run: {error}")
+            return 0
         except NodeContactLostError as error:
             _log.error(f"ddpkit run: {error}\nddpkit run: all {config.nproc_per_node} workers of node "
                        f"{state.config.node_rank} were stopped.")

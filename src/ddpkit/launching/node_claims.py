@@ -2,6 +2,10 @@
 on a node's place, for the launcher that went silent there, decides what becomes of it. A spare
 node's launcher claims it to take the node over (the claim names the spare); a survivor's claims
 it to shrink the world without it, or, when the job may lose no more nodes, to end the job.
+
+A node that is alive but slow (a straggler, ``ddpkit run --stragglers replace``) is asked to step
+aside: node 0's launcher writes a request for the launcher there, and a waiting spare node claims
+its place as it would a silent one's. Without a spare nothing happens: the node stays.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import enum
 from ddpkit.launching.launcher_records import LauncherRecords
 from ddpkit.store import keys
 
-__all__ = ["ClaimKind", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim", "spent_claim"]
+__all__ = ["ClaimKind", "ask_to_step_aside", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim",
+           "spent_claim", "step_aside_request"]
 
 
 class ClaimKind(enum.Enum):
@@ -54,3 +59,17 @@ def claim(records: LauncherRecords, node: int, beat: str, text: str) -> bool:
 def claimant(records: LauncherRecords, node: int, beat: str) -> str | None:
     """Who claimed the place of ``node`` after its launcher went silent at ``beat``, if anyone."""
     return records.read(keys.takeover(node, launcher_of(beat)), keys.JOB_WIDE)
+
+
+def ask_to_step_aside(records: LauncherRecords, node: int, beat: str, reason: str) -> bool:
+    """Ask a spare node to take the place of ``node``, whose launcher (that of ``beat``) is alive but
+    slow: True the first time for that launcher."""
+    if not records.claim_first(keys.step_aside(node, launcher_of(beat)), reason):
+        return False
+    records.count(keys.count_of(keys.STEP_ASIDE), 1, keys.JOB_WIDE)
+    return True
+
+
+def step_aside_request(records: LauncherRecords, node: int, launcher: str) -> str | None:
+    """Why ``node``'s launcher ``launcher`` (its id, ``launcher_of``) was asked to step aside, if it was."""
+    return records.read(keys.step_aside(node, launcher), keys.JOB_WIDE)

@@ -12,13 +12,23 @@ from dataclasses import dataclass
 
 from ddpkit.launching.heartbeats import Heartbeats
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
-from ddpkit.launching.node_claims import ClaimKind, claim, claim_kind, claimant, shrink_claim, spent_claim
+from ddpkit.launching.node_claims import (
+    ClaimKind,
+    ask_to_step_aside,
+    claim,
+    claim_kind,
+    claimant,
+    launcher_of,
+    shrink_claim,
+    spent_claim,
+    step_aside_request,
+)
 from ddpkit.logs import get_logger
 from ddpkit.membership.generations import REMOVED, announce_growth, announce_node_lost, claim_rank, layout_at, write_layout
 from ddpkit.store import keys
 from ddpkit.store.job_secret import job_secret
 
-__all__ = ["NodeReplacedError", "NodeWorld", "Shrinking"]
+__all__ = ["NodeReplacedError", "NodeSteppedAside", "NodeWorld", "Shrinking"]
 
 _log = get_logger("launching")
 
@@ -28,6 +38,10 @@ _OUT = "out"
 
 class NodeReplacedError(NodeContactLostError):
     """A spare node took this node's place while its launcher could not reach the job's store."""
+
+
+class NodeSteppedAside(NodeReplacedError):
+    """A spare node took this node's place after node 0's launcher asked it to step aside (a straggler)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +187,22 @@ class NodeWorld:
                      f"the survivors train the lost ranks' shares of each global batch too (the global batch stays "
                      f"{layout.data_world_size} shares)")
 
+    # -- a straggling node asked to step aside (``--stragglers replace``) ----------------------------
+
+    def ask_to_step_aside(self, node: int, reason: str) -> bool:
+        """Ask a waiting spare node to take the place of ``node``, alive but slow (``reason``): True
+        when asked now (not before, and its launcher has beaten)."""
+        beat = self._heartbeats.last_beat(node)
+        return beat is not None and ask_to_step_aside(self._records, node, beat, reason)
+
+    def any_asked_to_step_aside(self) -> bool:
+        """Whether any node was asked to step aside yet (one read)."""
+        return self._records.hint(keys.STEP_ASIDE, keys.JOB_WIDE) > 0
+
+    def step_aside_request(self, node: int, beat: str) -> str | None:
+        """Why ``node``'s launcher, whose beat is ``beat``, was asked to step aside (None: it was not)."""
+        return step_aside_request(self._records, node, launcher_of(beat))
+
     # -- a spare node taking a place (``launching.spare_node``) -------------------------------------
 
     def hand_over(self, attempt: int, generation: int, holders: Mapping[int, str], why: str) -> None:
@@ -239,6 +269,11 @@ class NodeWorld:
         if self.was_replaced(ask_store):
             by = self.replaced_by() or "unnamed"
             what = by if claim_kind(by) is ClaimKind.SHRINK else f"a spare node ({by}) took its place and its ranks"
+            asked = step_aside_request(self._records, self._records.node_rank, self._heartbeats.launcher_id)
+            if asked is not None and claim_kind(by) is ClaimKind.SPARE:
+                raise NodeSteppedAside(
+                    f"node {self._records.node_rank} stepped aside ({asked}), and {what}: this node's workers are "
+                    "ended and this launcher leaves the job, which goes on without it.")
             raise NodeReplacedError(
                 f"node {self._records.node_rank}'s launcher could not reach the job's store for more than "
                 f"{self._heartbeats.silent_seconds:g} s, so the other nodes took this node for lost, and {what}: this "

@@ -17,6 +17,10 @@ ranks there and hand them the state (``ddpkit.training.recovery``), as on one no
 the claim and do not end their workers; the lost node's launcher, if it answers again, finds
 that it was replaced and ends its own (``NodeReplacedError``).
 
+A node alive but slow, which node 0's launcher asked to step aside (``ddpkit run --stragglers
+replace``, ``launching.straggler_replacement``), is claimed the same way, for the launcher there: that
+launcher then finds its place taken and leaves.
+
 When the world shrank without a node instead (no spare was waiting then: ``launching.nodes``), a
 spare that waits later brings it back: its claim on the removed node's place (the first written
 wins) makes it that node, its warm spares take the node's ranks and shares of the data again in
@@ -84,17 +88,22 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
                 _log.warning(f"ddpkit run: the world shrank without node {node}; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group, at the other nodes' next step boundary")
                 return Takeover(node, generation, attempt, spares, why, returns=True)
+        asked = world.any_asked_to_step_aside()
         for node in world.nodes():
-            beat = nodes.heartbeats.silent_launcher(node)
+            beat, what = nodes.heartbeats.silent_launcher(node), "went silent"
+            if beat is None and asked and (beat := nodes.heartbeats.last_beat(node)) is not None:
+                # Alive but slow: node 0's launcher asked it to step aside (``--stragglers replace``).
+                request = world.step_aside_request(node, beat)
+                beat, what = (beat, f"was asked to step aside ({request})") if request is not None else (None, "")
             if beat is None or world.said_left(node) or not world.node_losses_left():
                 continue  # (with no node loss left, the others end the job: this spare leaves with it)
             if world.claim(node, beat, claimant):
                 world.spend_node_loss()
                 world.take_place_of(node)
                 generation, attempt = world.next_generation(), world.latest_attempt()
-                _log.warning(f"ddpkit run: node {node}'s launcher went silent; this spare node takes its place and "
+                _log.warning(f"ddpkit run: node {node}'s launcher {what}; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
-                why = f"node {node}'s launcher went silent; {claimant} took its place"
+                why = f"node {node}'s launcher {what}; {claimant} took its place"
                 return Takeover(node, generation, attempt, spares, why)
         for number, spare in enumerate(spares):
             if spare.process.poll() is not None:  # a takeover needs one warm spare per local rank

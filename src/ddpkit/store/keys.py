@@ -30,7 +30,8 @@ from __future__ import annotations
 
 __all__ = [
     "ARRIVED", "ARRIVED_NODE", "BEAT", "CAUSE", "FAILED", "GENERATION_COUNT", "JOB_WIDE", "LEFT", "NODE_LOSSES", "OPEN",
-    "PREEMPTED", "REMOVED_NODE", "STOP", "SUCCEEDED", "count_of", "launcher_record", "node_return", "of", "takeover",
+    "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "SUCCEEDED", "count_of", "launcher_record", "node_return", "of",
+    "step_aside", "takeover",
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
     "NODE_LOST", "PEER_LOST", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS", "WAITING",
     "generation_prefix", "hang_process", "hang_progress", "hang_stack", "launcher_prefixes", "member",
@@ -106,6 +107,7 @@ BEAT, LEFT, REMOVED_NODE, FAILED, SUCCEEDED = "beat", "left", "removed", "failed
 CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "stop", "open"
 NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
 HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``launching.health``)
+STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``launching.node_claims``)
 
 
 def launcher_record(name: str, attempt: int) -> str:
@@ -127,6 +129,11 @@ def count_of(name: str) -> str:
 def takeover(node: int, launcher: str) -> str:
     """A spare's claim on ``node``'s place after its launcher ``launcher`` went silent."""
     return f"takeover/{node}/{launcher}"
+
+
+def step_aside(node: int, launcher: str) -> str:
+    """Node 0's request that ``node``'s launcher ``launcher`` (a straggler's) hand its place to a spare node."""
+    return f"{STEP_ASIDE}/{node}/{launcher}"
 
 
 def node_return(node: int, removal: str) -> str:

@@ -1,0 +1,136 @@
+"""A straggling node replaced by a spare node (issue 49, item 4): `ddpkit run --stragglers replace`
+on three launchers (`--nnodes 2:3 --rdzv-backend c10d --recovery in-place`, the store outside the
+nodes), one rank each; the rendezvous closes with two nodes and the third waits as a spare. Node 1's
+data loader is slow on every batch (its disk, as it were: the spare node's is not), so node 0's
+launcher names rank 1 a straggler for its data wait and asks node 1 to step aside; the spare takes
+its place while rank 0 keeps its process, node 1's launcher ends its workers and leaves (exit 0),
+and the run ends with the parameters of one process on the concatenated batches.
+Real launchers and workers on Gloo, loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from launchers import end_all, node_of, start_launcher, start_store, text, wait_for
+from torch import nn
+
+from ddpkit.environments import find_free_port
+
+STEPS, BATCH, WORLD = 1500, 4, 2
+
+# One rank a node. SLOW_NODE_SECONDS, given to the launchers of the world (not the spare's): the data
+# loader of every rank but rank 0 waits that long once a batch. The data in order (no shuffle), so
+# that ``one_process`` knows every rank's batches.
+JOB = textwrap.dedent(
+    f"""
+    import os, time, torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+    import ddpkit
+
+    class Samples(Dataset):
+        def __init__(self, x, y, delay):
+            self.x, self.y, self.delay = x, y, delay
+        def __len__(self):
+            return len(self.x)
+        def __getitem__(self, index):
+            if self.delay and index % {BATCH * WORLD} < {WORLD}:  # once a batch of this rank's share
+                time.sleep(self.delay)
+            return self.x[index], self.y[index]
+
+    strategy = ddpkit.DDPStrategy()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    generator = torch.Generator().manual_seed(1)
+    samples = {STEPS * BATCH * WORLD}
+    x, y = torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator)
+    slow = float(os.environ.get("SLOW_NODE_SECONDS", "0")) if os.environ["RANK"] != "0" else 0.0
+    loader = strategy.setup_dataloader(DataLoader(Samples(x, y, slow), batch_size={BATCH}))
+    for _ in strategy.epochs(1):
+        for xb, yb in strategy.batches(loader):
+            with strategy.step():
+                optimizer.zero_grad()
+                strategy.backward(nn.functional.mse_loss(model(xb), yb))
+                optimizer.step()
+    if strategy.global_rank == 0:
+        torch.save([p.detach().clone() for p in model.parameters()], "final.pt")
+    print(f"rank {{strategy.global_rank}} done, recovered {{strategy.recovered_in_place}}", flush=True)
+    strategy.teardown()
+    """
+)
+
+# The launchers' flags, through their variables (``start_launcher`` gives the spare-node tests' command line).
+REPLACE = {"DDPKIT_STRAGGLERS": "replace", "DDPKIT_REPORT_EVERY": "1", "DDPKIT_STRAGGLER_FACTOR": "2"}
+
+
+def one_process() -> list[torch.Tensor]:
+    """One process on the concatenated global batches: rank r's samples are r, r + WORLD, ..."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    samples = STEPS * BATCH * WORLD
+    x, y = torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator)
+    for step in range(STEPS):
+        rows = [rank + WORLD * (step * BATCH + i) for rank in range(WORLD) for i in range(BATCH)]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(240)
+def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_as_one_process(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(JOB)
+    store = start_store(port := find_free_port())
+    launchers: list[subprocess.Popen[bytes]] = []
+    try:
+        world = {**REPLACE, "SLOW_NODE_SECONDS": "0.015"}
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "2:3", nproc_per_node=1, **world) for n in range(2)]
+        wait_for(lambda: all("complete: this is node" in text(tmp_path, f"launcher{n}.err") for n in range(2)),
+                 "the rendezvous to close with two nodes")
+        launchers.append(start_launcher(tmp_path, port, "launcher2", "2:3", nproc_per_node=1, **REPLACE))
+        codes = end_all(launchers, timeout=180)
+    finally:
+        store.kill()
+        store.wait()
+    errors = {n: text(tmp_path, f"launcher{n}.err") for n in range(3)}
+    everything = "\n".join(f"--- launcher{n}\n{errors[n][-3000:]}" for n in range(3))
+    assert codes == [0, 0, 0], everything
+    zero, one = node_of(tmp_path, 0), node_of(tmp_path, 1)
+    assert "ddpkit run: straggler: rank 1 (node 1, host " in errors[zero] and "its data wait" in errors[zero], everything
+    assert "asking a waiting spare node to take node 1's place (named a straggler: rank 1" in errors[zero], everything
+    assert "node 1's launcher stepped aside (named a straggler" in errors[zero], everything
+    assert "node 1's launcher was asked to step aside (named a straggler" in errors[2], everything
+    assert "node 1 stepped aside (named a straggler: rank 1" in errors[one], everything
+    assert "rank 0 done, recovered True" in text(tmp_path, f"launcher{zero}.out"), everything
+    assert "rank 1 done" in text(tmp_path, "launcher2.out"), everything
+    parameters = torch.load(tmp_path / "final.pt")
+    difference = max((a - b).abs().max().item() for a, b in zip(parameters, one_process(), strict=True))
+    assert difference <= 1e-6, f"{difference:.3e} from one process\n{everything}"
+
+
+def test_replace_is_refused_without_in_place_recovery_across_nodes_and_only_named_on_one_node(tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "ddpkit", "run"]
+    refused = subprocess.run([*run, "--nnodes", "2", "--node-rank", "0", "--master-port", str(find_free_port()),
+                              "--max-restarts", "1", "--stragglers", "replace", "job.py"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--stragglers replace with --recovery fail-fast" in refused.stderr, refused.stderr
+    no_windows = subprocess.run([*run, "--report-every", "0", "--stragglers", "replace", "job.py"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert no_windows.returncode == 2 and "--report-every 0 and no --metrics" in no_windows.stderr, no_windows.stderr
+    unknown = subprocess.run([*run, "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "DDPKIT_STRAGGLERS": "evict"})
+    assert unknown.returncode == 2 and "DDPKIT_STRAGGLERS='evict': give name" in unknown.stderr, unknown.stderr
+    (tmp_path / "job.py").write_text("print('trained')\n")
+    one_node = subprocess.run([*run, "--nproc-per-node", "1", "--stragglers", "replace", "job.py"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert one_node.returncode == 0 and "--stragglers replace on one node: a straggler's ranks cannot leave" in \
+        one_node.stderr, one_node.stderr
