@@ -12,59 +12,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from launchers import end_all, node_of, start_launcher, start_store, text, wait_for
 from torch import nn
+from torch.distributed import TCPStore
 
 from ddpkit.environments import find_free_port
+from ddpkit.launching.health import Straggler
+from ddpkit.launching.nodes import NodeCoordination
+from ddpkit.launching.straggler_replacement import StepAside
+from ddpkit.store.client import BoundedStore, connect
 
 STEPS, BATCH, WORLD = 1500, 4, 2
 
-# One rank a node. SLOW_NODE_SECONDS, given to the launchers of the world (not the spare's): the data
-# loader of every rank but rank 0 waits that long once a batch. The data in order (no shuffle), so
-# that ``one_process`` knows every rank's batches.
-JOB = textwrap.dedent(
-    f"""
-    import os, time, torch
-    from torch import nn
-    from torch.utils.data import DataLoader, Dataset
-    import ddpkit
-
-    class Samples(Dataset):
-        def __init__(self, x, y, delay):
-            self.x, self.y, self.delay = x, y, delay
-        def __len__(self):
-            return len(self.x)
-        def __getitem__(self, index):
-            if self.delay and index % {BATCH * WORLD} < {WORLD}:  # once a batch of this rank's share
-                time.sleep(self.delay)
-            return self.x[index], self.y[index]
-
-    strategy = ddpkit.DDPStrategy()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    generator = torch.Generator().manual_seed(1)
-    samples = {STEPS * BATCH * WORLD}
-    x, y = torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator)
-    slow = float(os.environ.get("SLOW_NODE_SECONDS", "0")) if os.environ["RANK"] != "0" else 0.0
-    loader = strategy.setup_dataloader(DataLoader(Samples(x, y, slow), batch_size={BATCH}))
-    for _ in strategy.epochs(1):
-        for xb, yb in strategy.batches(loader):
-            with strategy.step():
-                optimizer.zero_grad()
-                strategy.backward(nn.functional.mse_loss(model(xb), yb))
-                optimizer.step()
-    if strategy.global_rank == 0:
-        torch.save([p.detach().clone() for p in model.parameters()], "final.pt")
-    print(f"rank {{strategy.global_rank}} done, recovered {{strategy.recovered_in_place}}", flush=True)
-    strategy.teardown()
-    """
-)
+JOB = Path(__file__).resolve().parent / "slow_node_job.py"  # SLOW_NODE_SECONDS slows a node's data loader
 
 # The launchers' flags, through their variables (``start_launcher`` gives the spare-node tests' command line).
 REPLACE = {"DDPKIT_STRAGGLERS": "replace", "DDPKIT_REPORT_EVERY": "1", "DDPKIT_STRAGGLER_FACTOR": "2"}
@@ -88,15 +52,16 @@ def one_process() -> list[torch.Tensor]:
 
 @pytest.mark.timeout(240)
 def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_as_one_process(tmp_path: Path) -> None:
-    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "job.py").write_text(JOB.read_text())
     store = start_store(port := find_free_port())
     launchers: list[subprocess.Popen[bytes]] = []
     try:
-        world = {**REPLACE, "SLOW_NODE_SECONDS": "0.015"}
+        world = {**REPLACE, "SLOW_NODE_SECONDS": "0.015", "STEPS": str(STEPS)}
         launchers = [start_launcher(tmp_path, port, f"launcher{n}", "2:3", nproc_per_node=1, **world) for n in range(2)]
         wait_for(lambda: all("complete: this is node" in text(tmp_path, f"launcher{n}.err") for n in range(2)),
                  "the rendezvous to close with two nodes")
-        launchers.append(start_launcher(tmp_path, port, "launcher2", "2:3", nproc_per_node=1, **REPLACE))
+        launchers.append(start_launcher(tmp_path, port, "launcher2", "2:3", nproc_per_node=1, **REPLACE,
+                                        STEPS=str(STEPS)))
         codes = end_all(launchers, timeout=180)
     finally:
         store.kill()
@@ -134,3 +99,35 @@ def test_replace_is_refused_without_in_place_recovery_across_nodes_and_only_name
                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert one_node.returncode == 0 and "--stragglers replace on one node: a straggler's ranks cannot leave" in \
         one_node.stderr, one_node.stderr
+
+
+@pytest.mark.timeout(60)
+def test_node_0_the_store_hosts_node_and_a_spent_budget_are_not_replaced_and_a_node_is_asked_once() -> None:
+    """Node 0's launcher's answer to each straggler named (``StepAside``), on a real store with three
+    beating launchers: node 0 itself (it reports) and the node that hosts the store (the job would
+    end with it) are never asked; node 2 is asked once (per launcher there); none is once the job
+    may lose no more nodes."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nodes = [NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), node, 3, "127.0.0.1", store.port,
+                              in_place=True, node_losses_allowed=1) for node in range(3)]
+    for coordination in nodes:
+        coordination.beat_through(connect("127.0.0.1", store.port, 10))
+    try:
+        nodes[1].world.say_store_host()
+        zero = nodes[0]
+        wait_for(lambda: all(zero.heartbeats.last_beat(node) is not None for node in range(3)), "every launcher's beat")
+        step_aside = StepAside(zero)
+
+        def straggler(node: int) -> Straggler:
+            return Straggler(rank=node, node=node, host="h", phase="data", factor=3.0, since=0.0)
+
+        assert [step_aside(straggler(node)) for node in (0, 1, 2, 2)] == [False, False, True, False]
+        beat = zero.heartbeats.last_beat(2)
+        assert beat is not None and "named a straggler: rank 2 (node 2, host h)" in (
+            zero.world.step_aside_request(2, beat) or "")
+        assert zero.world.step_aside_request(1, zero.heartbeats.last_beat(1) or "") is None
+        zero.world.spend_node_loss()
+        assert not StepAside(zero)(straggler(2))
+    finally:
+        for coordination in nodes:
+            coordination.heartbeats.stop()

@@ -108,4 +108,6 @@ def join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_
                                  shrinking=shrinking, node_losses_allowed=config.max_restarts)
         if not spare:  # a spare says it is alive once it took a node's place
             nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
+            if hosts_store:  # a node that must not step aside (``launching.straggler_replacement``)
+                nodes.world.say_store_host()
     return config, nodes, spare

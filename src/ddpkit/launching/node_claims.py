@@ -63,9 +63,11 @@ def claimant(records: LauncherRecords, node: int, beat: str) -> str | None:
 
 def ask_to_step_aside(records: LauncherRecords, node: int, beat: str, reason: str) -> bool:
     """Ask a spare node to take the place of ``node``, whose launcher (that of ``beat``) is alive but
-    slow: True the first time for that launcher."""
-    if not records.claim_first(keys.step_aside(node, launcher_of(beat)), reason):
+    slow: True the first time for that launcher. (Only node 0's launcher asks: no race to settle.)"""
+    name = keys.step_aside(node, launcher_of(beat))
+    if records.has(name, keys.JOB_WIDE):
         return False
+    records.put(name, reason, keys.JOB_WIDE)
     records.count(keys.count_of(keys.STEP_ASIDE), 1, keys.JOB_WIDE)
     return True
 

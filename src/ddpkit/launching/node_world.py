@@ -195,6 +195,15 @@ class NodeWorld:
         beat = self._heartbeats.last_beat(node)
         return beat is not None and ask_to_step_aside(self._records, node, beat, reason)
 
+    def say_store_host(self) -> None:
+        """Say that this node's launcher hosts the job's store: its leaving would end the job."""
+        self._records.put(keys.STORE_HOST, str(self._records.node_rank), keys.JOB_WIDE)
+
+    def store_host_node(self) -> int | None:
+        """The node whose launcher hosts the job's store (None: one outside the nodes, ``ddpkit store``)."""
+        node = self._records.read(keys.STORE_HOST, keys.JOB_WIDE)
+        return None if node is None else int(node)
+
     def any_asked_to_step_aside(self) -> bool:
         """Whether any node was asked to step aside yet (one read)."""
         return self._records.hint(keys.STEP_ASIDE, keys.JOB_WIDE) > 0

@@ -5,8 +5,9 @@ the next generation of the group, the other nodes' workers recover in place and 
 in flight again, and the slow node's launcher, replaced, ends its workers and leaves (exit 0).
 
 Only node 0's launcher names stragglers across nodes, so it is the one that asks. It never asks
-itself: it reports the job's health, and under a c10d rendezvous it usually hosts the store. A
-node is asked once (per launcher there); without a spare node waiting, the request stays unanswered
+itself (it reports the job's health), nor the node whose launcher hosts the job's store (a c10d
+rendezvous's endpoint, unless ``ddpkit store`` holds it): the job would end with it. A node is
+asked once (per launcher there); without a spare node waiting, the request stays unanswered
 and the node stays, named. On one node nothing can be replaced: a straggler's ranks cannot leave
 the node's hardware (``check_one_node`` says so once, and stragglers are named only).
 
@@ -50,6 +51,11 @@ class StepAside:
             return False
         world = self.nodes.world
         try:
+            if node == world.store_host_node():
+                self._say_once("store", f"ddpkit run: --stragglers replace: node {node} is not replaced: its launcher "
+                                        "hosts the job's store, which would end with it (keep the store outside the "
+                                        "nodes with `ddpkit store` to let any node but node 0 be replaced)")
+                return False
             if not world.node_losses_left():
                 self._say_once("spent", f"ddpkit run: --stragglers replace: node {node} is not replaced: the job "
                                         f"recovered from all the lost or replaced nodes --max-restarts allows")

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 __all__ = [
     "ARRIVED", "ARRIVED_NODE", "BEAT", "CAUSE", "FAILED", "GENERATION_COUNT", "JOB_WIDE", "LEFT", "NODE_LOSSES", "OPEN",
-    "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "SUCCEEDED", "count_of", "launcher_record", "node_return", "of",
-    "step_aside", "takeover",
+    "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "STORE_HOST", "SUCCEEDED", "count_of", "launcher_record",
+    "node_return", "of", "step_aside", "takeover",
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
     "NODE_LOST", "PEER_LOST", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS", "WAITING",
     "generation_prefix", "hang_process", "hang_progress", "hang_stack", "launcher_prefixes", "member",
@@ -108,6 +108,7 @@ CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "s
 NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
 HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``launching.health``)
 STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``launching.node_claims``)
+STORE_HOST = "store-host"  # the node whose launcher hosts the job's store (a c10d rendezvous's endpoint)
 
 
 def launcher_record(name: str, attempt: int) -> str:
