@@ -82,6 +82,35 @@ def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_
     assert difference <= 1e-6, f"{difference:.3e} from one process\n{everything}"
 
 
+@pytest.mark.timeout(240)
+def test_without_a_spare_node_the_world_shrinks_without_a_straggling_node_and_the_run_ends_as_one_process(
+        tmp_path: Path) -> None:
+    """``--nnodes 1:2`` and no spare: node 0's launcher asks node 1 to step aside, no spare claims its
+    place, and the world shrinks without it: rank 0 trains both shares of each global batch."""
+    (tmp_path / "job.py").write_text(JOB.read_text())
+    store = start_store(port := find_free_port())
+    try:
+        world = {**REPLACE, "SLOW_NODE_SECONDS": "0.015", "STEPS": str(STEPS)}
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", nproc_per_node=1, **world) for n in range(2)]
+        codes = end_all(launchers, timeout=180)
+    finally:
+        store.kill()
+        store.wait()
+    errors = {n: text(tmp_path, f"launcher{n}.err") for n in range(2)}
+    everything = "\n".join(f"--- launcher{n}\n{errors[n][-3000:]}" for n in range(2))
+    assert codes == [0, 0], everything
+    zero, one = node_of(tmp_path, 0), node_of(tmp_path, 1)
+    assert "asking a waiting spare node to take node 1's place (named a straggler: rank 1" in errors[zero], everything
+    assert "node 1 stepped aside (named a straggler: rank 1" in errors[zero], everything
+    assert "and no spare node took its place: the world shrank to 1 ranks" in errors[zero], everything
+    assert "node 1 stepped aside (named a straggler: rank 1" in errors[one], everything
+    assert "the world shrank without it" in errors[one], everything
+    assert "rank 0 done, recovered True" in text(tmp_path, f"launcher{zero}.out"), everything
+    parameters = torch.load(tmp_path / "final.pt")
+    difference = max((a - b).abs().max().item() for a, b in zip(parameters, one_process(), strict=True))
+    assert difference <= 1e-6, f"{difference:.3e} from one process\n{everything}"
+
+
 def test_replace_is_refused_without_in_place_recovery_across_nodes_and_only_named_on_one_node(tmp_path: Path) -> None:
     run = [sys.executable, "-m", "ddpkit", "run"]
     refused = subprocess.run([*run, "--nnodes", "2", "--node-rank", "0", "--master-port", str(find_free_port()),

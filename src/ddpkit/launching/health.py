@@ -176,6 +176,7 @@ class JobHealth:
     # Told each straggler as it is named (``--stragglers replace``: ``launching.straggler_replacement``);
     # True when its node is being replaced: its ranks are then watched afresh (a slow replacement is named again).
     on_named: Callable[[Straggler], bool] | None = None
+    each_read: Callable[[], None] | None = None  # called at each read of the windows (a replacement's follow-up)
     _published: float = 0.0  # the start of the last window published to the other nodes
 
     def poll(self, files: Iterable[str], ranks: int, now: float | None = None) -> None:
@@ -186,6 +187,8 @@ class JobHealth:
         if now < self._next_read:
             return
         self._next_read = now + min(1.0, self.seconds / 4)
+        if self.each_read is not None:
+            self.each_read()
         for path in files:
             windows, self._offsets[path] = read_windows(path, self._offsets.get(path, 0))
             for window in windows:

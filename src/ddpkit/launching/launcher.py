@@ -321,7 +321,8 @@ class _LauncherRun:
                 if state.nodes is not None:  # node 0's launcher reports every node's ranks
                     self.health.shared = SharedWindows(state.nodes.records, state.nodes.world.nodes)
                     if config.replace_stragglers and state.nodes.in_place:
-                        self.health.on_named = StepAside(state.nodes)
+                        step_aside = StepAside(state.nodes)
+                        self.health.on_named, self.health.each_read = step_aside, step_aside.check
             outcome = watch(workers, self.signals, self.grace, self.poll_interval, self.replacements, state.nodes,
                             state.store_host, self.health)
             return agree_across_nodes(state.nodes, outcome, self.grace) if state.nodes is not None else outcome

@@ -163,7 +163,23 @@ class NodeWorld:
         won = self.claimant(node, beat)
         return won is not None and claim_kind(won) is ClaimKind.SHRINK
 
-    def remove(self, node: int) -> None:
+    def shrink_without_straggler(self, node: int, beat: str, reason: str) -> bool:
+        """Shrink the world without ``node``, alive but slow (asked to step aside for ``reason``, and no
+        spare node took its place), when at least MIN nodes remain and the job may lose one more:
+        True when this launcher's claim on its place won and the world shrank."""
+        world = self.nodes()
+        if self.shrinking is None or node not in world or len(world) - 1 < self.shrinking.min_nodes:
+            return False
+        if not self.node_losses_left():
+            return False
+        who = f"node {self._records.node_rank}'s launcher {self._heartbeats.launcher_id}"
+        if not self.claim(node, beat, shrink_claim(who)):
+            return False  # a spare node's claim came first
+        self.spend_node_loss()
+        self.remove(node, f"node {node} stepped aside ({reason}) and no spare node took its place")
+        return True
+
+    def remove(self, node: int, why: str | None = None) -> None:
         """Shrink the world without ``node``: lay the next generation out without its ranks (their
         shares of the data go to the survivors), hold those ranks there for no process (its workers,
         should its link come back, end), say it is removed, then tell the survivors' workers."""
@@ -180,8 +196,8 @@ class NodeWorld:
         records.call(write_layout, records.store, secret, records.attempt, generation, layout)
         records.say(node, keys.REMOVED_NODE, f"{_OUT} {generation}", keys.JOB_WIDE)
         self._removed.add(node)
-        why = (f"node {node}'s launcher went silent and no spare node took its place: the world shrank to "
-               f"{len(layout.members)} ranks")
+        lost_because = why or f"node {node}'s launcher went silent and no spare node took its place"
+        why = f"{lost_because}: the world shrank to {len(layout.members)} ranks"
         records.call(announce_node_lost, records.store, secret, records.attempt, generation - 1, why)
         _log.warning(f"ddpkit run: {why} on {len(self.nodes())} node(s) in generation {generation} of the group; "
                      f"the survivors train the lost ranks' shares of each global batch too (the global batch stays "
@@ -189,11 +205,11 @@ class NodeWorld:
 
     # -- a straggling node asked to step aside (``--stragglers replace``) ----------------------------
 
-    def ask_to_step_aside(self, node: int, reason: str) -> bool:
-        """Ask a waiting spare node to take the place of ``node``, alive but slow (``reason``): True
-        when asked now (not before, and its launcher has beaten)."""
+    def ask_to_step_aside(self, node: int, reason: str) -> str | None:
+        """Ask a waiting spare node to take the place of ``node``, alive but slow (``reason``): the
+        beat of the launcher there when asked now (None: asked before, or it never beat)."""
         beat = self._heartbeats.last_beat(node)
-        return beat is not None and ask_to_step_aside(self._records, node, beat, reason)
+        return beat if beat is not None and ask_to_step_aside(self._records, node, beat, reason) else None
 
     def say_store_host(self) -> None:
         """Say that this node's launcher hosts the job's store: its leaving would end the job."""
@@ -279,7 +295,7 @@ class NodeWorld:
             by = self.replaced_by() or "unnamed"
             what = by if claim_kind(by) is ClaimKind.SHRINK else f"a spare node ({by}) took its place and its ranks"
             asked = step_aside_request(self._records, self._records.node_rank, self._heartbeats.launcher_id)
-            if asked is not None and claim_kind(by) is ClaimKind.SPARE:
+            if asked is not None:
                 raise NodeSteppedAside(
                     f"node {self._records.node_rank} stepped aside ({asked}), and {what}: this node's workers are "
                     "ended and this launcher leaves the job, which goes on without it.")

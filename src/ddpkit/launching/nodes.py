@@ -136,6 +136,7 @@ class NodeCoordination:
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.nnodes = nnodes
         self.in_place = in_place
+        self._next_replaced_look = 0.0  # when ``ended_elsewhere`` next reads whether this node's place was taken
         # Whether this launcher hosts the store (then it leaves last): node 0's, or under a c10d
         # rendezvous the one on the endpoint's host (``launching.rendezvous``).
         self.hosts_store = node_rank == 0 if hosts_store is None else hosts_store
@@ -266,7 +267,13 @@ class NodeCoordination:
         """Whether another node's launcher announced a failure or a stop in the current attempt, left
         the job, or went silent (``silent_node``): its workers are gone, and this node's would wait.
         ``NodeReplacedError`` when a spare node took this node's place (``replaced_by``)."""
-        self.world.check_not_replaced(ask_store=False)
+        # Under in-place recovery the store is asked too, once a second: a node asked to step aside
+        # (``--stragglers replace``) that the world shrank without has no spare beating over its beat.
+        now = time.monotonic()
+        ask_store = self.in_place and now >= self._next_replaced_look
+        if ask_store:
+            self._next_replaced_look = now + 1.0
+        self.world.check_not_replaced(ask_store=ask_store)
         return (bool(self._nodes_that_said(keys.FAILED)) or self.records.has(keys.STOP) or bool(self.world.nodes_left())
                 or self.silent_node() is not None)
 
