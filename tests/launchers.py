@@ -167,25 +167,28 @@ PHASE_JOB = textwrap.dedent(
 )
 
 
-def one_process_reference() -> list[torch.Tensor]:
+def one_process_reference(steps: int = STEPS, world: int = WORLD, lr: float = 0.1) -> list[torch.Tensor]:
     """One process on the concatenated global batches: DistributedSampler without shuffling gives
-    rank r the samples r, r + 4, ...; each global batch is every rank's next BATCH of those."""
+    rank r the samples r, r + ``world``, ...; each global batch is every rank's next BATCH of those
+    (PHASE_JOB's run, and tests/slow_node_job.py's with its own steps, world and learning rate)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     generator = torch.Generator().manual_seed(1)
-    samples = STEPS * BATCH * WORLD
+    samples = steps * BATCH * world
     x, y = torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator)
-    for step in range(STEPS):
-        rows = [rank + WORLD * (step * BATCH + i) for rank in range(WORLD) for i in range(BATCH)]
+    for step in range(steps):
+        rows = [rank + world * (step * BATCH + i) for rank in range(world) for i in range(BATCH)]
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def assert_as_one_process(folder: Path, errors: str) -> None:
-    """The job's final parameters (``folder``/final.pt) are within 1e-6 of ``one_process_reference``."""
+def assert_as_one_process(folder: Path, errors: str, reference: list[torch.Tensor] | None = None) -> None:
+    """The job's final parameters (``folder``/final.pt) are within 1e-6 of ``reference`` (by default
+    ``one_process_reference()``)."""
     parameters = torch.load(folder / "final.pt")
-    difference = max((a - b).abs().max().item() for a, b in zip(parameters, one_process_reference(), strict=True))
+    expected = one_process_reference() if reference is None else reference
+    difference = max((a - b).abs().max().item() for a, b in zip(parameters, expected, strict=True))
     assert difference <= 1e-6, f"{difference:.3e} from one process on the concatenated batches\n{errors}"

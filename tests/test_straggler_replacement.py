@@ -15,9 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from launchers import end_all, node_of, start_launcher, start_store, text, wait_for
-from torch import nn
+from launchers import (
+    assert_as_one_process,
+    end_all,
+    node_of,
+    one_process_reference,
+    start_launcher,
+    start_store,
+    text,
+    wait_for,
+)
 from torch.distributed import TCPStore
 
 from ddpkit.environments import find_free_port
@@ -26,7 +33,7 @@ from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.straggler_replacement import StepAside
 from ddpkit.store.client import BoundedStore, connect
 
-STEPS, BATCH, WORLD = 1500, 4, 2
+STEPS, WORLD = 1500, 2  # slow_node_job.py's steps and ranks (its batch is launchers.BATCH)
 
 JOB = Path(__file__).resolve().parent / "slow_node_job.py"  # SLOW_NODE_SECONDS slows a node's data loader
 
@@ -34,42 +41,33 @@ JOB = Path(__file__).resolve().parent / "slow_node_job.py"  # SLOW_NODE_SECONDS 
 REPLACE = {"DDPKIT_STRAGGLERS": "replace", "DDPKIT_REPORT_EVERY": "1", "DDPKIT_STRAGGLER_FACTOR": "2"}
 
 
-def one_process() -> list[torch.Tensor]:
-    """One process on the concatenated global batches: rank r's samples are r, r + WORLD, ..."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    generator = torch.Generator().manual_seed(1)
-    samples = STEPS * BATCH * WORLD
-    x, y = torch.randn(samples, 8, generator=generator), torch.randn(samples, 2, generator=generator)
-    for step in range(STEPS):
-        rows = [rank + WORLD * (step * BATCH + i) for rank in range(WORLD) for i in range(BATCH)]
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-@pytest.mark.timeout(240)
-def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_as_one_process(tmp_path: Path) -> None:
-    (tmp_path / "job.py").write_text(JOB.read_text())
+def run_slowed_job(folder: Path, nnodes: str, spare: bool) -> tuple[list[int], dict[int, str], str, int, int]:
+    """Node 1 slowed, under ``--stragglers replace``: two launchers that form the world (``nnodes``),
+    then, with ``spare``, a third that waits as a spare node. Their exit codes, their stderr by
+    launcher, all of it for a message, and which launchers the rendezvous made node 0 and node 1."""
+    (folder / "job.py").write_text(JOB.read_text())
     store = start_store(port := find_free_port())
-    launchers: list[subprocess.Popen[bytes]] = []
     try:
         world = {**REPLACE, "SLOW_NODE_SECONDS": "0.015", "STEPS": str(STEPS)}
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "2:3", nproc_per_node=1, **world) for n in range(2)]
-        wait_for(lambda: all("complete: this is node" in text(tmp_path, f"launcher{n}.err") for n in range(2)),
-                 "the rendezvous to close with two nodes")
-        launchers.append(start_launcher(tmp_path, port, "launcher2", "2:3", nproc_per_node=1, **REPLACE,
-                                        STEPS=str(STEPS)))
+        launchers = [start_launcher(folder, port, f"launcher{n}", nnodes, nproc_per_node=1, **world) for n in range(2)]
+        if spare:
+            wait_for(lambda: all("complete: this is node" in text(folder, f"launcher{n}.err") for n in range(2)),
+                     "the rendezvous to close with two nodes")
+            launchers.append(start_launcher(folder, port, "launcher2", nnodes, nproc_per_node=1, **REPLACE,
+                                            STEPS=str(STEPS)))
         codes = end_all(launchers, timeout=180)
     finally:
         store.kill()
         store.wait()
-    errors = {n: text(tmp_path, f"launcher{n}.err") for n in range(3)}
-    everything = "\n".join(f"--- launcher{n}\n{errors[n][-3000:]}" for n in range(3))
+    errors = {n: text(folder, f"launcher{n}.err") for n in range(len(codes))}
+    everything = "\n".join(f"--- launcher{n}\n{errors[n][-3000:]}" for n in errors)
+    return codes, errors, everything, node_of(folder, 0), node_of(folder, 1)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_as_one_process(tmp_path: Path) -> None:
+    codes, errors, everything, zero, one = run_slowed_job(tmp_path, "2:3", spare=True)
     assert codes == [0, 0, 0], everything
-    zero, one = node_of(tmp_path, 0), node_of(tmp_path, 1)
     assert "ddpkit run: straggler: rank 1 (node 1, host " in errors[zero] and "its data wait" in errors[zero], everything
     assert "asking a waiting spare node to take node 1's place (named a straggler: rank 1" in errors[zero], everything
     assert "node 1's launcher stepped aside (named a straggler" in errors[zero], everything
@@ -77,9 +75,7 @@ def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_
     assert "node 1 stepped aside (named a straggler: rank 1" in errors[one], everything
     assert "rank 0 done, recovered True" in text(tmp_path, f"launcher{zero}.out"), everything
     assert "rank 1 done" in text(tmp_path, "launcher2.out"), everything
-    parameters = torch.load(tmp_path / "final.pt")
-    difference = max((a - b).abs().max().item() for a, b in zip(parameters, one_process(), strict=True))
-    assert difference <= 1e-6, f"{difference:.3e} from one process\n{everything}"
+    assert_as_one_process(tmp_path, everything, one_process_reference(STEPS, WORLD, lr=0.01))
 
 
 @pytest.mark.timeout(240)
@@ -87,28 +83,15 @@ def test_without_a_spare_node_the_world_shrinks_without_a_straggling_node_and_th
         tmp_path: Path) -> None:
     """``--nnodes 1:2`` and no spare: node 0's launcher asks node 1 to step aside, no spare claims its
     place, and the world shrinks without it: rank 0 trains both shares of each global batch."""
-    (tmp_path / "job.py").write_text(JOB.read_text())
-    store = start_store(port := find_free_port())
-    try:
-        world = {**REPLACE, "SLOW_NODE_SECONDS": "0.015", "STEPS": str(STEPS)}
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", nproc_per_node=1, **world) for n in range(2)]
-        codes = end_all(launchers, timeout=180)
-    finally:
-        store.kill()
-        store.wait()
-    errors = {n: text(tmp_path, f"launcher{n}.err") for n in range(2)}
-    everything = "\n".join(f"--- launcher{n}\n{errors[n][-3000:]}" for n in range(2))
+    codes, errors, everything, zero, one = run_slowed_job(tmp_path, "1:2", spare=False)
     assert codes == [0, 0], everything
-    zero, one = node_of(tmp_path, 0), node_of(tmp_path, 1)
     assert "asking a waiting spare node to take node 1's place (named a straggler: rank 1" in errors[zero], everything
     assert "node 1 stepped aside (named a straggler: rank 1" in errors[zero], everything
     assert "and no spare node took its place: the world shrank to 1 ranks" in errors[zero], everything
     assert "node 1 stepped aside (named a straggler: rank 1" in errors[one], everything
     assert "the world shrank without it" in errors[one], everything
     assert "rank 0 done, recovered True" in text(tmp_path, f"launcher{zero}.out"), everything
-    parameters = torch.load(tmp_path / "final.pt")
-    difference = max((a - b).abs().max().item() for a, b in zip(parameters, one_process(), strict=True))
-    assert difference <= 1e-6, f"{difference:.3e} from one process\n{everything}"
+    assert_as_one_process(tmp_path, everything, one_process_reference(STEPS, WORLD, lr=0.01))
 
 
 def test_replace_is_refused_without_in_place_recovery_across_nodes_and_only_named_on_one_node(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from ddpkit.launching.launcher_records import LauncherRecords
 from ddpkit.launching.node_claims import ClaimKind, claim_kind, claimant, launcher_of, step_aside_request
 from ddpkit.logs import get_logger
+from ddpkit.process_state import PROCESS
 from ddpkit.store import keys
 
 __all__ = ["Heartbeats"]
@@ -32,6 +33,8 @@ _SILENT_SECONDS = 10.0
 # workers wait for it, so it is noticed sooner: beats four times a second, lost after 2 s of silence.
 _IN_PLACE_BEAT_SECONDS = 0.25
 _IN_PLACE_SILENT_SECONDS = 2.0
+# How long ``stop`` waits for a beat under way (on a link that works, milliseconds).
+_STOP_SECONDS = 1.0
 
 
 class Heartbeats:
@@ -48,6 +51,7 @@ class Heartbeats:
         self._heard: dict[int, tuple[str, float]] = {}  # node -> (its last beat, when it changed here)
         self._silent_since: dict[int, float] = {}  # node -> when it was first seen silent (waiting for a claim)
         self._stopped = threading.Event()  # set: stop beating
+        self._thread: threading.Thread | None = None
         self.replaced = threading.Event()  # set: a spare node beats as this node
 
     def beat_through(self, store: Any) -> None:
@@ -71,10 +75,18 @@ class Heartbeats:
                 last = value
                 self._stopped.wait(self.beat_seconds)
 
-        threading.Thread(target=beat, name="ddpkit-launcher-beat", daemon=True).start()
+        self._thread = threading.Thread(target=beat, name="ddpkit-launcher-beat", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
+        """Stop beating. A beat still in torch's store client a moment later (a link down) would end
+        the launcher with SIGABRT were it woken while the interpreter finalises: the launcher then
+        ends without finalising (``store.client.requests_left_unanswered``)."""
         self._stopped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=_STOP_SECONDS)
+            if self._thread.is_alive():
+                PROCESS.store_requests_unanswered.set()
 
     def last_beat(self, node: int) -> str | None:
         """``node``'s launcher's last beat as the store holds it now (None: it never beat)."""
