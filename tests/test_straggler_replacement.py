@@ -29,6 +29,7 @@ from torch.distributed import TCPStore
 
 from ddpkit.environments import find_free_port
 from ddpkit.launching.health import Straggler
+from ddpkit.launching.node_claims import launcher_of
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.straggler_replacement import StepAside
 from ddpkit.store.client import BoundedStore, connect
@@ -125,7 +126,7 @@ def test_node_0_the_store_hosts_node_and_a_spent_budget_are_not_replaced_and_a_n
     for coordination in nodes:
         coordination.beat_through(connect("127.0.0.1", store.port, 10))
     try:
-        nodes[1].world.say_store_host()
+        nodes[1].step_asides.say_store_host()
         zero = nodes[0]
         wait_for(lambda: all(zero.heartbeats.last_beat(node) is not None for node in range(3)), "every launcher's beat")
         step_aside = StepAside(zero)
@@ -136,8 +137,8 @@ def test_node_0_the_store_hosts_node_and_a_spent_budget_are_not_replaced_and_a_n
         assert [step_aside(straggler(node)) for node in (0, 1, 2, 2)] == [False, False, True, False]
         beat = zero.heartbeats.last_beat(2)
         assert beat is not None and "named a straggler: rank 2 (node 2, host h)" in (
-            zero.world.step_aside_request(2, beat) or "")
-        assert zero.world.step_aside_request(1, zero.heartbeats.last_beat(1) or "") is None
+            zero.step_asides.request(2, launcher_of(beat)) or "")
+        assert zero.step_asides.request(1, launcher_of(zero.heartbeats.last_beat(1) or "")) is None
         zero.world.spend_node_loss()
         assert not StepAside(zero)(straggler(2))
     finally:

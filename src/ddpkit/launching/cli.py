@@ -80,6 +80,20 @@ def _switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:  # n
                         help=f"{help} (environment: {environment}=1)")
 
 
+def _health_flags(run: argparse.ArgumentParser) -> None:
+    """The job's health (``launching.health``) and what a straggler costs (``launching.straggler_replacement``)."""
+    _flag(run, "report-every", default="60",
+          help="seconds between two lines of the job's health (steps/s, step time, the slowest rank and phase); 0: none")
+    _flag(run, "metrics", default=None,
+          help="a file to append each window's per-rank step phases, stragglers and recoveries to (JSON lines; "
+               "ddpkit report FILE reads it)")
+    _flag(run, "straggler-factor", default="1.2",
+          help="how much slower than the others' median a rank's compute or data wait must stay to be named")
+    _flag(run, "stragglers", default="name", choices=["name", "replace"],
+          help="what a straggler costs: name it (the default), or replace its node by a waiting spare node "
+               "(with --recovery in-place across nodes; the others' workers go on)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddpkit", description="ddpkit: data-parallel training launcher")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -120,16 +134,7 @@ def _parser() -> argparse.ArgumentParser:
           help="streams written to the log files and to the console, each line prefixed with [rank<N>]: (values "
                "as --redirects)")
     _flag(run, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
-    _flag(run, "report-every", default="60",
-          help="seconds between two lines of the job's health (steps/s, step time, the slowest rank and phase); 0: none")
-    _flag(run, "metrics", default=None,
-          help="a file to append each window's per-rank step phases, stragglers and recoveries to (JSON lines; "
-               "ddpkit report FILE reads it)")
-    _flag(run, "straggler-factor", default="1.2",
-          help="how much slower than the others' median a rank's compute or data wait must stay to be named")
-    _flag(run, "stragglers", default="name", choices=["name", "replace"],
-          help="what a straggler costs: name it (the default), or replace its node by a waiting spare node "
-               "(with --recovery in-place across nodes; the others' workers go on)")
+    _health_flags(run)
     run.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     store = commands.add_parser(

@@ -109,5 +109,5 @@ def join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_
         if not spare:  # a spare says it is alive once it took a node's place
             nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
             if hosts_store:  # a node that must not step aside (``launching.straggler_replacement``)
-                nodes.world.say_store_host()
+                nodes.step_asides.say_store_host()
     return config, nodes, spare

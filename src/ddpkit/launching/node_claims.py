@@ -5,7 +5,8 @@ it to shrink the world without it, or, when the job may lose no more nodes, to e
 
 A node that is alive but slow (a straggler, ``ddpkit run --stragglers replace``) is asked to step
 aside: node 0's launcher writes a request for the launcher there, and a waiting spare node claims
-its place as it would a silent one's. Without a spare nothing happens: the node stays.
+its place as it would a silent one's; without a spare node 0's launcher may shrink the world
+without it (``launching.straggler_replacement``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import enum
 from ddpkit.launching.launcher_records import LauncherRecords
 from ddpkit.store import keys
 
-__all__ = ["ClaimKind", "ask_to_step_aside", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim",
-           "spent_claim", "step_aside_request"]
+__all__ = ["ClaimKind", "StepAsideRequests", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim",
+           "spent_claim"]
 
 
 class ClaimKind(enum.Enum):
@@ -61,17 +62,37 @@ def claimant(records: LauncherRecords, node: int, beat: str) -> str | None:
     return records.read(keys.takeover(node, launcher_of(beat)), keys.JOB_WIDE)
 
 
-def ask_to_step_aside(records: LauncherRecords, node: int, beat: str, reason: str) -> bool:
-    """Ask a spare node to take the place of ``node``, whose launcher (that of ``beat``) is alive but
-    slow: True the first time for that launcher. (Only node 0's launcher asks: no race to settle.)"""
-    name = keys.step_aside(node, launcher_of(beat))
-    if records.has(name, keys.JOB_WIDE):
-        return False
-    records.put(name, reason, keys.JOB_WIDE)
-    records.count(keys.count_of(keys.STEP_ASIDE), 1, keys.JOB_WIDE)
-    return True
+class StepAsideRequests:
+    """Node 0's requests that a slow node's launcher hand its place to a spare node (``ddpkit run
+    --stragglers replace``), one per launcher there, and which node's launcher hosts the job's
+    store (a node that must not step aside: the job would end with it)."""
 
+    def __init__(self, records: LauncherRecords) -> None:
+        self._records = records
 
-def step_aside_request(records: LauncherRecords, node: int, launcher: str) -> str | None:
-    """Why ``node``'s launcher ``launcher`` (its id, ``launcher_of``) was asked to step aside, if it was."""
-    return records.read(keys.step_aside(node, launcher), keys.JOB_WIDE)
+    def ask(self, node: int, beat: str, reason: str) -> bool:
+        """Ask a spare node to take the place of ``node``, whose launcher (that of ``beat``) is alive
+        but slow: True the first time for that launcher. (Only node 0's launcher asks: no race.)"""
+        name = keys.step_aside(node, launcher_of(beat))
+        if self._records.has(name, keys.JOB_WIDE):
+            return False
+        self._records.put(name, reason, keys.JOB_WIDE)
+        self._records.count(keys.count_of(keys.STEP_ASIDE), 1, keys.JOB_WIDE)
+        return True
+
+    def any_asked(self) -> bool:
+        """Whether any node was asked to step aside yet (one read)."""
+        return self._records.hint(keys.STEP_ASIDE, keys.JOB_WIDE) > 0
+
+    def request(self, node: int, launcher: str) -> str | None:
+        """Why ``node``'s launcher ``launcher`` (its id, ``launcher_of``) was asked to step aside, if it was."""
+        return self._records.read(keys.step_aside(node, launcher), keys.JOB_WIDE)
+
+    def say_store_host(self) -> None:
+        """Say that this node's launcher hosts the job's store."""
+        self._records.put(keys.STORE_HOST, str(self._records.node_rank), keys.JOB_WIDE)
+
+    def store_host_node(self) -> int | None:
+        """The node whose launcher hosts the job's store (None: one outside the nodes, ``ddpkit store``)."""
+        node = self._records.read(keys.STORE_HOST, keys.JOB_WIDE)
+        return None if node is None else int(node)

@@ -14,14 +14,12 @@ from ddpkit.launching.heartbeats import Heartbeats
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
 from ddpkit.launching.node_claims import (
     ClaimKind,
-    ask_to_step_aside,
+    StepAsideRequests,
     claim,
     claim_kind,
     claimant,
-    launcher_of,
     shrink_claim,
     spent_claim,
-    step_aside_request,
 )
 from ddpkit.logs import get_logger
 from ddpkit.membership.generations import REMOVED, announce_growth, announce_node_lost, claim_rank, layout_at, write_layout
@@ -203,31 +201,6 @@ class NodeWorld:
                      f"the survivors train the lost ranks' shares of each global batch too (the global batch stays "
                      f"{layout.data_world_size} shares)")
 
-    # -- a straggling node asked to step aside (``--stragglers replace``) ----------------------------
-
-    def ask_to_step_aside(self, node: int, reason: str) -> str | None:
-        """Ask a waiting spare node to take the place of ``node``, alive but slow (``reason``): the
-        beat of the launcher there when asked now (None: asked before, or it never beat)."""
-        beat = self._heartbeats.last_beat(node)
-        return beat if beat is not None and ask_to_step_aside(self._records, node, beat, reason) else None
-
-    def say_store_host(self) -> None:
-        """Say that this node's launcher hosts the job's store: its leaving would end the job."""
-        self._records.put(keys.STORE_HOST, str(self._records.node_rank), keys.JOB_WIDE)
-
-    def store_host_node(self) -> int | None:
-        """The node whose launcher hosts the job's store (None: one outside the nodes, ``ddpkit store``)."""
-        node = self._records.read(keys.STORE_HOST, keys.JOB_WIDE)
-        return None if node is None else int(node)
-
-    def any_asked_to_step_aside(self) -> bool:
-        """Whether any node was asked to step aside yet (one read)."""
-        return self._records.hint(keys.STEP_ASIDE, keys.JOB_WIDE) > 0
-
-    def step_aside_request(self, node: int, beat: str) -> str | None:
-        """Why ``node``'s launcher, whose beat is ``beat``, was asked to step aside (None: it was not)."""
-        return step_aside_request(self._records, node, launcher_of(beat))
-
     # -- a spare node taking a place (``launching.spare_node``) -------------------------------------
 
     def hand_over(self, attempt: int, generation: int, holders: Mapping[int, str], why: str) -> None:
@@ -294,7 +267,7 @@ class NodeWorld:
         if self.was_replaced(ask_store):
             by = self.replaced_by() or "unnamed"
             what = by if claim_kind(by) is ClaimKind.SHRINK else f"a spare node ({by}) took its place and its ranks"
-            asked = step_aside_request(self._records, self._records.node_rank, self._heartbeats.launcher_id)
+            asked = StepAsideRequests(self._records).request(self._records.node_rank, self._heartbeats.launcher_id)
             if asked is not None:
                 raise NodeSteppedAside(
                     f"node {self._records.node_rank} stepped aside ({asked}), and {what}: this node's workers are "

@@ -76,7 +76,7 @@ from typing import Any
 
 from ddpkit.launching.heartbeats import Heartbeats
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError, may_wait_beyond_max
-from ddpkit.launching.node_claims import ClaimKind, claim_kind
+from ddpkit.launching.node_claims import ClaimKind, StepAsideRequests, claim_kind
 from ddpkit.launching.node_world import NodeReplacedError, NodeWorld, Shrinking
 from ddpkit.launching.rendezvous import StoreWaits
 from ddpkit.launching.store_host import clear_worker_keys
@@ -133,6 +133,7 @@ class NodeCoordination:
         # Under in-place recovery (``launching.spare_node``): a silent node may be taken over by a
         # spare, or (``shrinking``) left out of the world.
         self.world = NodeWorld(self.records, self.heartbeats, nnodes, in_place, shrinking, node_losses_allowed)
+        self.step_asides = StepAsideRequests(self.records)  # ``--stragglers replace``
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.nnodes = nnodes
         self.in_place = in_place

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddpkit.launching.node_claims import launcher_of
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.processes import WorkerProcess
 from ddpkit.logs import get_logger
@@ -88,12 +89,12 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
                 _log.warning(f"ddpkit run: the world shrank without node {node}; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group, at the other nodes' next step boundary")
                 return Takeover(node, generation, attempt, spares, why, returns=True)
-        asked = world.any_asked_to_step_aside()
+        asked = nodes.step_asides.any_asked()
         for node in world.nodes():
             beat, what = nodes.heartbeats.silent_launcher(node), "went silent"
             if beat is None and asked and (beat := nodes.heartbeats.last_beat(node)) is not None:
                 # Alive but slow: node 0's launcher asked it to step aside (``--stragglers replace``).
-                request = world.step_aside_request(node, beat)
+                request = nodes.step_asides.request(node, launcher_of(beat))
                 beat, what = (beat, f"was asked to step aside ({request})") if request is not None else (None, "")
             if beat is None or world.said_left(node) or not world.node_losses_left():
                 continue  # (with no node loss left, the others end the job: this spare leaves with it)

@@ -61,7 +61,7 @@ class StepAside:
             return False
         world = self.nodes.world
         try:
-            if node == world.store_host_node():
+            if node == self.nodes.step_asides.store_host_node():
                 self._say_once("store", f"ddpkit run: --stragglers replace: node {node} is not replaced: its launcher "
                                         "hosts the job's store, which would end with it (keep the store outside the "
                                         "nodes with `ddpkit store` to let any node but node 0 be replaced)")
@@ -71,9 +71,9 @@ class StepAside:
                                         f"recovered from all the lost or replaced nodes --max-restarts allows")
                 return False
             reason = f"named a straggler: {straggler.describe()}"
-            beat = world.ask_to_step_aside(node, reason)
-            if beat is None:
-                return False
+            beat = self.nodes.heartbeats.last_beat(node)
+            if beat is None or not self.nodes.step_asides.ask(node, beat, reason):
+                return False  # its launcher never beat, or it was asked before
         except NodeContactLostError:
             return False  # the store is gone: the watch's own checks end the attempt
         shrinks = world.shrinking is not None
