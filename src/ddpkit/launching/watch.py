@@ -216,11 +216,14 @@ def agree_across_nodes(nodes: NodeCoordination, outcome: Outcome, grace: float) 
     stopped = nodes.stop_reason()
     # Every launcher publishes once its workers have ended (``grace``); one that vanished never does.
     cause = nodes.root_cause(wait_seconds=grace + 5.0)
-    if cause is not None:
-        text = cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}"
+    failure = None if cause is None else (
+        cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}")
+    if stopped is not None:
+        # A stop signal elsewhere ends the job whatever failed: a worker here whose collective broke as
+        # the stopped node's workers ended may be seen failing before the stop is read.
+        text = f"the job was stopped: {stopped}" + (f" (and a worker failed: {failure})" if failure else "")
     else:
-        text = (f"the job was stopped: {stopped}" if stopped else nodes.silent_node()
-                or "another node's workers failed (its output says why)")
+        text = failure or nodes.silent_node() or "another node's workers failed (its output says why)"
     return Outcome(1, text, stopped_elsewhere=stopped is not None)
 
 
