@@ -88,6 +88,10 @@ class Heartbeats:
             if self._thread.is_alive():
                 PROCESS.store_requests_unanswered.set()
 
+    def who(self) -> str:
+        """This launcher, as its claims on a node's place name it."""
+        return f"node {self._records.node_rank}'s launcher {self.launcher_id}"
+
     def last_beat(self, node: int) -> str | None:
         """``node``'s launcher's last beat as the store holds it now (None: it never beat)."""
         return self._records.read(keys.of(keys.BEAT, node), keys.JOB_WIDE)

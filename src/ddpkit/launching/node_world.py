@@ -148,15 +148,12 @@ class NodeWorld:
             # Another survivor's claim won and removed it since this launcher read the world: the
             # world is already without it (and may be at MIN now, which must not read as a loss below it).
             return True
-        if len(world) - 1 < self.shrinking.min_nodes:
+        if not self._may_lose_one_of(world):
             return False
-        spent = not self.node_losses_left()
-        who = f"node {self._records.node_rank}'s launcher {self._heartbeats.launcher_id}"
-        if self.claim(node, beat, spent_claim(who) if spent else shrink_claim(who)):
-            if spent:
-                return False
-            self.spend_node_loss()
-            self.remove(node)
+        if not self.node_losses_left():
+            if self.claim(node, beat, spent_claim(self._heartbeats.who())):
+                return False  # the others read this claim and end the job
+        elif self._shrink_on_claim(node, beat, None):
             return True
         won = self.claimant(node, beat)
         return won is not None and claim_kind(won) is ClaimKind.SHRINK
@@ -164,17 +161,23 @@ class NodeWorld:
     def shrink_without_straggler(self, node: int, beat: str, reason: str) -> bool:
         """Shrink the world without ``node``, alive but slow (asked to step aside for ``reason``, and no
         spare node took its place), when at least MIN nodes remain and the job may lose one more:
-        True when this launcher's claim on its place won and the world shrank."""
+        True when this launcher's claim on its place won (not a spare node's) and the world shrank."""
         world = self.nodes()
-        if self.shrinking is None or node not in world or len(world) - 1 < self.shrinking.min_nodes:
+        if node not in world or not self._may_lose_one_of(world) or not self.node_losses_left():
             return False
-        if not self.node_losses_left():
+        return self._shrink_on_claim(node, beat, f"node {node} stepped aside ({reason}) and no spare node took its place")
+
+    def _may_lose_one_of(self, world: list[int]) -> bool:
+        """Whether the world (``world``'s nodes) may shrink by one node: MIN nodes would remain."""
+        return self.shrinking is not None and len(world) - 1 >= self.shrinking.min_nodes
+
+    def _shrink_on_claim(self, node: int, beat: str, why: str | None) -> bool:
+        """Claim ``node``'s place to shrink the world without it; when this claim is the first, spend
+        one node loss and remove it (``why``: see ``remove``)."""
+        if not self.claim(node, beat, shrink_claim(self._heartbeats.who())):
             return False
-        who = f"node {self._records.node_rank}'s launcher {self._heartbeats.launcher_id}"
-        if not self.claim(node, beat, shrink_claim(who)):
-            return False  # a spare node's claim came first
         self.spend_node_loss()
-        self.remove(node, f"node {node} stepped aside ({reason}) and no spare node took its place")
+        self.remove(node, why)
         return True
 
     def remove(self, node: int, why: str | None = None) -> None:

@@ -88,10 +88,11 @@ class StepAside:
         world = self.nodes.world
         for node, (beat, reason, asked_at) in list(self._asked.items()):
             try:
-                if world.claimant(node, beat) is None and time.monotonic() - asked_at < SPARE_SECONDS:
+                claimed = world.claimant(node, beat) is not None
+                if not claimed and time.monotonic() - asked_at < SPARE_SECONDS:
                     continue
                 del self._asked[node]
-                if world.claimant(node, beat) is not None:
+                if claimed:
                     continue  # a spare node took its place
                 if world.shrink_without_straggler(node, beat, reason):
                     continue
