@@ -2,11 +2,13 @@
 slow in the middle of a run is named, with the right phase, within a couple of windows.
 
     python benchmarks/stragglers.py [--clean N] [--slowed N] [--report-every S] [--steps STEPS]
-                                    [--slow-after S] [--straggler-factor F]
+                                    [--slow-after S] [--straggler-factor F] [--nodes 1|2]
 
 Every run is ``tests/stragglers_job.py`` (ddpkit's loop on an MLP) under ``ddpkit run
 --nproc-per-node 2 --report-every S``, the clean and slowed runs alternating (these machines are
-noisy: each kind sees the same spells). A clean run leaves its ranks unpinned (pinned ranks would
+noisy: each kind sees the same spells). With ``--nodes 2``, two launchers of one rank each on
+this machine, as two nodes (``--max-restarts 1``: node 0's launcher reports both, and the nodes'
+launchers time their links, ``launching.link_probe``). A clean run leaves its ranks unpinned (pinned ranks would
 be named, rightly, when one core of a virtual machine runs slower than the other: docs/never-stuck.md).
 A slowed run pins each rank to its own core and, ``--slow-after`` seconds after its first health
 line, starts a busy process on rank 1's core for the rest of the run: the time from that start to
@@ -41,15 +43,22 @@ class Run:
     named_at: float | None = None
 
 
-def one_run(slowed: bool, report_every: float, steps: int, slow_after: float, factor: float) -> Run:
+def one_run(slowed: bool, report_every: float, steps: int, slow_after: float, factor: float, nodes: int) -> Run:
     run = Run()
     busy: subprocess.Popen[bytes] | None = None
     environment = {**os.environ, "STEPS": str(steps), **({"PIN": "1"} if slowed else {})}
+    command = [sys.executable, "-m", "ddpkit", "run", "--report-every", f"{report_every:g}", "--straggler-factor",
+               f"{factor:g}"]
+    port = str(free_port())
     with tempfile.TemporaryDirectory() as folder:
-        launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "--report-every",
-                                     f"{report_every:g}", "--straggler-factor", f"{factor:g}", str(JOB)],
-                                    cwd=folder, env=environment, text=True, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE)
+        others = [subprocess.Popen([*command, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
+                                    "--master-port", port, "--max-restarts", "1", str(JOB)],
+                                   cwd=folder, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                  for _ in range(nodes - 1)]
+        across = ["--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "0", "--master-port", port,
+                  "--max-restarts", "1"] if nodes == 2 else ["--nproc-per-node", "2"]
+        launcher = subprocess.Popen([*command, *across, str(JOB)], cwd=folder, env=environment, text=True,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         first_health = threading.Event()
 
         def read() -> None:
@@ -69,14 +78,26 @@ def one_run(slowed: bool, report_every: float, steps: int, slow_after: float, fa
                 time.sleep(slow_after)
                 busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
                 run.slowed_at = time.monotonic()
-            run.code = launcher.wait(timeout=600)
+            run.code = max(launcher.wait(timeout=600), *(other.wait(timeout=60) for other in others))
         finally:
             if busy is not None:
                 busy.kill()
                 busy.wait()
+            for process in others:
+                process.kill()
+                process.wait()
             launcher.kill()
+            launcher.wait()
             reader.join(timeout=5)
     return run
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def summary(kind: str, runs: list[Run], report_every: float) -> str:
@@ -102,6 +123,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="steps a run (default 2000: about 10 s here)")
     parser.add_argument("--slow-after", type=float, default=2.5, help="seconds after the first health line")
     parser.add_argument("--straggler-factor", type=float, default=1.2, help="ddpkit run's (default 1.2, its default)")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="one launcher of two ranks, or two launchers of one rank each (default 1)")
     args = parser.parse_args()
     if (os.cpu_count() or 1) < 2:
         parser.error("needs two cores: one per rank, the busy process on rank 1's")
@@ -110,8 +133,9 @@ def main() -> None:
         for kind, count in (("clean", args.clean), ("slowed", args.slowed)):
             if index < count:
                 runs[kind].append(one_run(kind == "slowed", args.report_every, args.steps, args.slow_after,
-                                          args.straggler_factor))
-    print(f"ddpkit run --nproc-per-node 2 --report-every {args.report_every:g} --straggler-factor "
+                                          args.straggler_factor, args.nodes))
+    shape = "--nproc-per-node 2" if args.nodes == 1 else "--nnodes 2 --nproc-per-node 1 (two launchers)"
+    print(f"ddpkit run {shape} --report-every {args.report_every:g} --straggler-factor "
           f"{args.straggler_factor:g}, tests/stragglers_job.py, "
           f"{args.steps} steps a run")
     for kind, done in runs.items():

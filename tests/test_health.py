@@ -46,7 +46,7 @@ def test_the_rank_slower_in_its_compute_or_its_data_comes_first_and_noise_below_
     compared = compare_ranks([window(0, 0), window(1, 0, forward=0.025), window(2, 0)])
     assert compared[0][:2] == (1, "compute") and compared[0][2] == pytest.approx(1.5)
     compared = compare_ranks([window(0, 0, data=0.0001), window(1, 0, data=0.00015)])
-    rank, phase, factor, share = next(entry for entry in compared if entry[1] == "data" and entry[0] == 1)
+    rank, phase, factor, share, _ = next(entry for entry in compared if entry[1] == "data" and entry[0] == 1)
     assert factor == pytest.approx(1.5) and share < 0.01  # 1.5x of almost nothing
     health = JobHealth(1.0, False, None, 1.2)
     jobs = [health.window([window(0, start, data=0.0001), window(1, start, data=0.00015)]) for start in range(4)]
@@ -138,3 +138,28 @@ def test_a_health_flag_out_of_range_is_refused_naming_it(tmp_path: Path, flag: s
     result = subprocess.run([sys.executable, "-m", "ddpkit", "run", flag, value, str(tmp_path / "train.py")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and f"{flag}='{value}' {said}" in result.stderr, result.stderr
+
+
+def test_a_node_whose_link_time_stays_over_the_others_by_the_factor_and_20_ms_is_named_as_its_first_rank(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Across nodes each window holds the nodes' link times (``launching.link_probe``): a node 1.5x
+    the others' median by 6 ms is a busy host, not a slow link; one 4.5x by 40 ms, two windows in a
+    row, is named for its link, as its first rank, and ``ddpkit report --plot`` draws the links."""
+    metrics = tmp_path / "metrics.jsonl"
+    health = JobHealth(2.5, False, str(metrics), 1.2)
+    placed = {rank: (rank // 2, "abc"[rank // 2]) for rank in range(6)}
+    near = [health.window([window(rank, start) for rank in range(6)], placed, {0: 0.012, 1: 0.018, 2: 0.011})
+            for start in range(3)]
+    assert not any(job.stragglers for job in near) and near[0].slowest is not None
+    assert near[0].slowest["phase"] == "link" and near[0].slowest["rank"] == 2  # the slowest, not a straggler
+    far = [health.window([window(rank, start) for rank in range(6)], placed, {0: 0.012, 1: 0.052, 2: 0.011})
+           for start in range(3, 6)]
+    assert [bool(job.stragglers) for job in far] == [False, True, True]
+    named = far[1].stragglers[0]
+    assert (named["rank"], named["node"], named["host"], named["phase"]) == (2, 1, "b", "link")
+    assert named["factor"] == pytest.approx(0.052 / 0.0115, rel=1e-3) and far[1].links["1"] == 0.052
+    assert report(str(metrics), str(tmp_path / "plot.png")) == 0
+    out = capsys.readouterr().out
+    assert "straggler: rank 2 (node 1, host b): its node's link (its launcher sending 4 MiB to its neighbours') is " \
+           "4.52x the other nodes' median" in out
+    assert (tmp_path / "plot.png").stat().st_size > 10_000

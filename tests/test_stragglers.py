@@ -9,6 +9,7 @@ slowness made here is 2.5-8x."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,39 @@ def test_across_nodes_node_0s_launcher_names_a_slow_rank_of_another_node(tmp_pat
     named = stragglers(err0)
     assert named and "rank 1 (node 1, host " in named[0] and "its data wait" in named[0], err0[-3000:]
     assert "health " in err0 and "2 ranks" in err0 and "health " not in err1, err1[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_across_nodes_a_node_whose_link_is_shaped_slower_is_named_for_its_link(
+        tmp_path: Path, two_namespaces: list[tuple[str, str]]) -> None:
+    """Two nodes in two network namespaces joined by a veth pair, node 1's end shaped with ``tc``'s
+    tbf to 1 Gbit/s: every rank waits alike in the all-reduce, so no rank's phases show it; node 1's
+    launcher's probes (``launching.link_probe``) take several times node 0's, and node 0's launcher
+    names node 1 for its link. The job's own phases name nobody."""
+    (zero, address), (one, _) = two_namespaces
+    device = subprocess.run(["ip", "-n", one, "-o", "link", "show", "type", "veth"], capture_output=True, text=True,
+                            timeout=30, check=True).stdout.split(":")[1].strip().split("@")[0]
+    subprocess.run(["tc", "-n", one, "qdisc", "add", "dev", device, "root", "tbf", "rate", "1gbit", "burst", "64kb",
+                    "latency", "50ms"], check=True, capture_output=True, timeout=30)
+    port, metrics = str(find_free_port("127.0.0.1")), tmp_path / "metrics.jsonl"
+    launchers = [subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "ddpkit", "run", "--nnodes",
+                                   "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", address,
+                                   "--master-port", port, "--max-restarts", "1", "--report-every", "1",
+                                   "--straggler-factor", "2", "--metrics", str(metrics), str(JOB)],
+                                  cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "STEPS": "1000", "PIN": "1", "OMP_NUM_THREADS": "1"})
+                 for node, namespace in enumerate((zero, one))]
+    try:
+        (_, err0), (_, err1) = [launcher.communicate(timeout=150) for launcher in launchers]
+        code0, code1 = (launcher.returncode for launcher in launchers)
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
+    named = [line for line in stragglers(err0) if "link" in line]
+    assert named and all("rank 1 (node 1, host " in line and "its node's link" in line for line in named), err0[-3000:]
+    windows = read_job_windows(str(metrics))
+    links = [window.links for window in windows if len(window.links) == 2]
+    assert len(links) >= 5 and statistics.median(link["1"] / link["0"] for link in links) > 5, links
+    assert {(straggler["node"], straggler["phase"]) for window in windows for straggler in window.stragglers
+            if straggler["phase"] == "link"} == {(1, "link")}, windows[-1]

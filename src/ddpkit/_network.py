@@ -20,7 +20,7 @@ import struct
 
 from ddpkit.variables import DDPKIT_STORE_BIND
 
-__all__ = ["find_free_port", "gloo_interface_towards", "listen_on", "store_bind_address"]
+__all__ = ["address_towards", "find_free_port", "gloo_interface_towards", "listen_on", "store_bind_address"]
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
@@ -38,6 +38,11 @@ def gloo_interface_towards(master_address: str, master_port: int) -> str | None:
         return _interface_with_address(local_ip)
     except (OSError, ValueError):
         return None
+
+
+def address_towards(host: str, port: int) -> str:
+    """This host's address on the route to ``host``: where the other nodes of a job reach it."""
+    return _source_address_towards(socket.gethostbyname(host), port)
 
 
 def _source_address_towards(ip: str, port: int) -> str:

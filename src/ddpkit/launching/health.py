@@ -10,6 +10,10 @@ microseconds in a phase of microseconds is noise, not a slow rank. Only windows 
 (``FILLED``) count: not a run's first (its start-up) or last, nor one with a recovery. It is named once, and again
 only when that changes (another phase, or no longer slow). The others' waits are not compared:
 a synchronised step makes every other rank wait for the slow one in the gradients' all-reduce.
+For the same reason a node whose network link is slow shows in no rank's phases: across nodes,
+each launcher times its own sending once a window (``launching.link_probe``), and a node whose
+link time is above the other nodes' median by the factor, and by ``LINK_FLOOR_SECONDS``, is named
+for its link (as its first rank, with the node).
 
 torch-free, as the launcher is.
 """
@@ -21,17 +25,18 @@ import math
 import socket
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddpkit.diagnostics.step_windows import RankWindow, read_windows
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
+from ddpkit.launching.link_probe import LINK_FLOOR_SECONDS, PROBE_BYTES, LinkProbe, neighbours_of, say_where
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
 
-__all__ = ["CONFIRM_SECONDS", "CONFIRM_WINDOWS", "MIN_SHARE", "JobHealth", "JobWindow", "SharedWindows", "Straggler",
-           "compare_ranks", "read_job_windows"]
+__all__ = ["CONFIRM_SECONDS", "CONFIRM_WINDOWS", "MIN_SHARE", "Comparison", "JobHealth", "JobWindow", "SharedWindows",
+           "Straggler", "compare_links", "compare_ranks", "read_job_windows"]
 
 _log = get_logger("launching")
 
@@ -43,8 +48,21 @@ CONFIRM_SECONDS = 5.0
 MIN_SHARE = 0.05
 #: The share of a window its steps must fill for the window to name stragglers.
 FILLED = 0.8
-#: The phases compared across ranks, and how the console names them.
-PHASE_NAMES = {"compute": "compute (forward + backward)", "data": "data wait (between steps, the optimizer apart)"}
+#: The phases compared across ranks (and across nodes: the link), and how the console names them.
+PHASE_NAMES = {"compute": "compute (forward + backward)", "data": "data wait (between steps, the optimizer apart)",
+               "link": f"node's link (its launcher sending {PROBE_BYTES // 2**20} MiB to its neighbours')"}
+RANK_PHASES = ("compute", "data")
+
+
+class Comparison(NamedTuple):
+    """A rank's phase against the others' median: by ``factor``, and over it by ``share`` of the
+    step; ``significant`` when that excess is more than noise (``MIN_SHARE``, ``LINK_FLOOR_SECONDS``)."""
+
+    rank: int
+    phase: str
+    factor: float
+    share: float
+    significant: bool
 
 
 @dataclass(frozen=True)
@@ -59,8 +77,9 @@ class Straggler:
     since: float  # the start of the first window it was slow in (seconds since the epoch)
 
     def describe(self) -> str:
+        others = "other nodes'" if self.phase == "link" else "other ranks'"
         return (f"rank {self.rank} (node {self.node}, host {self.host}): its {PHASE_NAMES[self.phase]} is "
-                f"{self.factor:.2f}x the other ranks' median since {_clock(self.since)}")
+                f"{self.factor:.2f}x the {others} median since {_clock(self.since)}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,7 @@ class JobWindow:
     slowest: dict[str, Any] | None  # a Straggler's fields, whether or not over the factor
     stragglers: list[dict[str, Any]]  # those named (Straggler's fields)
     recoveries: int  # restarts and in-place replacements so far in the job
+    links: dict[str, float] = field(default_factory=dict)  # node -> its link time (across nodes; ``link_probe``)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -107,41 +127,74 @@ def read_job_windows(path: str) -> list[JobWindow]:
     return windows
 
 
-def compare_ranks(ranks: Sequence[RankWindow]) -> list[tuple[int, str, float, float]]:
-    """Each rank's phases against the other ranks' median: (rank, phase, factor, excess over the
-    median as a share of the step), the largest factor first."""
+def compare_ranks(ranks: Sequence[RankWindow]) -> list[Comparison]:
+    """Each rank's phases against the other ranks' median, the significant first, then the largest factor."""
     if len(ranks) < 2:
         return []
     step = statistics.median(rank.step for rank in ranks)
     compared = []
     for rank in ranks:
         others = [other for other in ranks if other.rank != rank.rank]
-        for phase in PHASE_NAMES:
+        for phase in RANK_PHASES:
             value, usual = getattr(rank, phase), statistics.median(getattr(other, phase) for other in others)
-            factor = value / usual if usual > 0 else (float("inf") if value > 0 else 1.0)
-            compared.append((rank.rank, phase, factor, (value - usual) / step if step > 0 else 0.0))
-    return sorted(compared, key=lambda entry: (entry[3] >= MIN_SHARE, entry[2]), reverse=True)
+            share = (value - usual) / step if step > 0 else 0.0
+            compared.append(Comparison(rank.rank, phase, _factor(value, usual), share, share >= MIN_SHARE))
+    return _in_order(compared)
+
+
+def compare_links(links: Mapping[int, float], first_ranks: Mapping[int, int], step: float) -> list[Comparison]:
+    """Each node's link time (``links``, by node) against the other nodes' median, as its first rank's
+    (``first_ranks``: nodes without one this window are left out), in the order of ``compare_ranks``."""
+    compared = []
+    for node, seconds in links.items():
+        others = [other for where, other in links.items() if where != node]
+        if not others or node not in first_ranks:
+            continue
+        usual = statistics.median(others)
+        compared.append(Comparison(first_ranks[node], "link", _factor(seconds, usual),
+                                   (seconds - usual) / step if step > 0 else 0.0, seconds - usual >= LINK_FLOOR_SECONDS))
+    return _in_order(compared)
+
+
+def _factor(value: float, usual: float) -> float:
+    return value / usual if usual > 0 else (float("inf") if value > 0 else 1.0)
+
+
+def _in_order(compared: list[Comparison]) -> list[Comparison]:
+    return sorted(compared, key=lambda entry: (entry.significant, entry.factor), reverse=True)
+
+
+class NodeRecord(NamedTuple):
+    """What one node's launcher published for a window: its host, its ranks' windows, its link time."""
+
+    host: str
+    windows: list[RankWindow]
+    link: float | None
 
 
 class SharedWindows:
     """Across nodes (the launchers' records in the job's store, ``launcher_records``): every node's
-    launcher publishes its ranks' windows, and node 0's reads them all and reports the job's."""
+    launcher publishes its ranks' windows and its link time, and node 0's reads them all and
+    reports the job's."""
 
     def __init__(self, records: LauncherRecords, world: Callable[[], list[int]]) -> None:
         self.records, self.world = records, world
 
-    def publish(self, start: float, node: int, host: str, windows: Iterable[RankWindow]) -> None:
-        value = json.dumps({"host": host, "windows": [asdict(window) for window in windows]})
+    def publish(self, start: float, node: int, host: str, windows: Iterable[RankWindow], link: float | None) -> None:
+        value = json.dumps({"host": host, "windows": [asdict(window) for window in windows], "link": link})
         self.records.put(keys.of(f"{keys.HEALTH}/{start:.0f}", node), value, keys.JOB_WIDE)
 
-    def collect(self, start: float) -> tuple[dict[int, tuple[str, list[RankWindow]]], list[int]]:
+    def collect(self, start: float) -> tuple[dict[int, NodeRecord], list[int]]:
         """What the nodes of the world published for the window ``start``, by node, and the world's nodes."""
         published, world = {}, self.world()
         for node in world:
             value = self.records.read(keys.of(f"{keys.HEALTH}/{start:.0f}", node), keys.JOB_WIDE)
             if value is not None:
                 record = json.loads(value)
-                published[node] = (str(record["host"]), [RankWindow.from_dict(window) for window in record["windows"]])
+                link = record.get("link")
+                published[node] = NodeRecord(str(record["host"]),
+                                             [RankWindow.from_dict(window) for window in record["windows"]],
+                                             None if link is None else float(link))
         return published, world
 
 
@@ -178,6 +231,26 @@ class JobHealth:
     on_named: Callable[[Straggler], bool] | None = None
     each_read: Callable[[], None] | None = None  # called at each read of the windows (a replacement's follow-up)
     _published: float = 0.0  # the start of the last window published to the other nodes
+    probe: LinkProbe | None = None  # across nodes: this node's link time each window
+
+    def across_nodes(self, shared: SharedWindows, address: str | None) -> None:
+        """Report across nodes through ``shared`` (node 0's launcher reports every node's ranks), and
+        time this node's link from ``address`` (this host's, towards the others; None: not timed),
+        with one probe for the launcher's life."""
+        self.shared = shared
+        if address is None:
+            return
+        if self.probe is None:
+            try:
+                self.probe = LinkProbe(address, self.seconds, lambda: self.node)
+            except OSError as error:
+                _log.warning(f"ddpkit run: node {self.node}'s link probe cannot listen on {address} ({error}): its link "
+                             "is not timed, and a slow link of this node is not named")
+                return
+        try:
+            say_where(shared.records, self.node, self.probe)
+        except NodeContactLostError:
+            return  # the store is gone: the watch's own checks end the attempt
 
     def poll(self, files: Iterable[str], ranks: int, now: float | None = None) -> None:
         """Read what the workers wrote (``files``, of this node's ``ranks`` ranks) and report each
@@ -199,37 +272,59 @@ class JobHealth:
             if len(written) < ranks and not late:
                 break  # later windows wait for this one: the console stays in order
             placed = {rank: (self.node, self.host) for rank in written}
+            links: dict[int, float] = {}
             if self.shared is not None:
                 try:
-                    if start > self._published:
-                        self.shared.publish(start, self.node, self.host, written.values())
-                        self._published = start
-                    published, world = self.shared.collect(start) if self.node == 0 else ({}, [])
-                    if len(published) < len(world) and not late:
-                        break
+                    gathered = self._gather(self.shared, start, written, late)
                 except NodeContactLostError:
                     return  # the store is gone: the watch's own checks end the attempt, not the report
-                if self.node == 0:
-                    written = {window.rank: window for node in sorted(published) for window in published[node][1]}
-                    placed = {window.rank: (node, host) for node, (host, windows) in published.items()
-                              for window in windows}
+                if gathered is None:
+                    break
+                written, placed, links = gathered
             del self._pending[start]
             self._done = start
             if written and (self.shared is None or self.node == 0):
-                self.window(sorted(written.values(), key=lambda window: window.rank), placed)
+                self.window(sorted(written.values(), key=lambda window: window.rank), placed, links)
 
-    def window(self, ranks: list[RankWindow], placed: dict[int, tuple[int, str]] | None = None) -> JobWindow:
+    def _gather(self, shared: SharedWindows, start: float, written: dict[int, RankWindow], late: bool
+                ) -> tuple[dict[int, RankWindow], dict[int, tuple[int, str]], dict[int, float]] | None:
+        """Across nodes: publish this node's ranks' windows of ``start`` (once), with its link time;
+        on node 0, every node's ranks' windows, where they are and the nodes' link times (None:
+        wait for a node that did not publish yet, unless it is ``late``)."""
+        if start > self._published:
+            link = self.probe.taken_in(start) if self.probe is not None else None
+            shared.publish(start, self.node, self.host, written.values(), link)
+            self._published = start
+            if self.probe is not None:  # the world may have changed: the next window's neighbours
+                world = shared.world()
+                self.probe.aim(neighbours_of(shared.records, self.node, world),
+                               world.index(self.node) if self.node in world else 0, len(world))
+        if self.node != 0:
+            return written, {}, {}
+        published, world = shared.collect(start)
+        if len(published) < len(world) and not late:
+            return None
+        return ({window.rank: window for node in sorted(published) for window in published[node].windows},
+                {window.rank: (node, record.host) for node, record in published.items() for window in record.windows},
+                {node: record.link for node, record in published.items() if record.link is not None})
+
+    def window(self, ranks: list[RankWindow], placed: dict[int, tuple[int, str]] | None = None,
+               links: Mapping[int, float] | None = None) -> JobWindow:
         """Report one window of ``ranks``' records (all of the same start), each rank on the node
-        and host ``placed`` says (by default this launcher's)."""
-        placed = placed or {}
+        and host ``placed`` says (by default this launcher's), with the nodes' ``links`` times."""
+        placed, links = placed or {}, links or {}
         first = ranks[0]
-        compared = compare_ranks(ranks)
+        first_ranks: dict[int, int] = {}
+        for rank in sorted(placed):
+            first_ranks.setdefault(placed[rank][0], rank)
+        compared = _in_order([*compare_ranks(ranks),
+                              *compare_links(links, first_ranks, statistics.median(rank.step for rank in ranks))])
         # A window its steps did not fill (the run's first, with its start-up, and last; one with a
         # recovery) names nobody: its medians are of a few steps, or of steps unlike the others.
         filled = all(rank.covered >= FILLED * rank.seconds for rank in ranks)
         slowest = None
         if compared:
-            rank, phase, factor, _ = compared[0]
+            rank, phase, factor, _, _ = compared[0]
             slowest = Straggler(rank, *placed.get(rank, (self.node, self.host)), phase, round(factor, 3), first.start)
         # Those whose node is being replaced are in this window's record, and watched afresh after it.
         handed_on = self._name_stragglers(compared, first.start, placed) if filled else []
@@ -242,7 +337,7 @@ class JobHealth:
                                                    strict=True))} for rank in ranks],
             slowest=None if slowest is None else asdict(slowest),
             stragglers=[asdict(straggler) for straggler in [*self._named.values(), *handed_on]],
-            recoveries=self.recoveries())
+            recoveries=self.recoveries(), links={str(node): seconds for node, seconds in sorted(links.items())})
         if self.report:
             _log.warning(job.line())
         if self.metrics_path is not None:
@@ -260,12 +355,12 @@ class JobHealth:
         """Windows in a row that name a straggler, or say it is well again."""
         return max(CONFIRM_WINDOWS, math.ceil(CONFIRM_SECONDS / self.seconds))
 
-    def _name_stragglers(self, compared: list[tuple[int, str, float, float]], start: float,
+    def _name_stragglers(self, compared: list[Comparison], start: float,
                          placed: dict[int, tuple[int, str]]) -> list[Straggler]:
         """Name the ranks slow for long enough, and say those well again; the stragglers whose node
         ``on_named`` is replacing (no longer watched)."""
-        slow = {(rank, phase): factor for rank, phase, factor, share in compared
-                if factor >= self.factor and share >= MIN_SHARE}
+        slow = {(entry.rank, entry.phase): entry.factor for entry in compared
+                if entry.factor >= self.factor and entry.significant}
         for key in list(self._watched):
             if key not in slow:
                 del self._watched[key]

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
-from ddpkit._network import find_free_port, gloo_interface_towards
+from ddpkit._network import address_towards, find_free_port, gloo_interface_towards
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
@@ -319,7 +319,8 @@ class _LauncherRun:
             if self.health is not None:
                 self.health.node = state.config.node_rank  # a spare node took its place's
                 if state.nodes is not None:  # node 0's launcher reports every node's ranks
-                    self.health.shared = SharedWindows(state.nodes.records, state.nodes.world.nodes)
+                    self.health.across_nodes(SharedWindows(state.nodes.records, state.nodes.world.nodes),
+                                             _probe_address(state.config.master_addr, state.port))
                     if config.replace_stragglers and state.nodes.in_place:
                         step_aside = StepAside(state.nodes)
                         self.health.on_named, self.health.each_read = step_aside, step_aside.check
@@ -451,6 +452,17 @@ class _LauncherRun:
             nodes.leave(wait_seconds=_LEAVE_AFTER_SIGNAL_SECONDS if self.received else self.grace + 5.0)
         if store_host is not None:
             store_host.stop()
+        if self.health is not None and self.health.probe is not None:
+            self.health.probe.stop()
+
+
+def _probe_address(master_address: str, port: int) -> str | None:
+    """Where this node's link probe listens (``launching.link_probe``): its address towards the job's
+    store; None when no route is known (its link is then not timed)."""
+    try:
+        return address_towards(master_address, port)
+    except OSError:
+        return None
 
 
 def worker_command(run_as: RunAs, script: str, script_args: Sequence[str]) -> list[str]:

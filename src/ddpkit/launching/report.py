@@ -1,6 +1,7 @@
 """``ddpkit report FILE [--plot out.png]``: what a ``ddpkit run --metrics FILE`` job's windows say
 (``launching.health``): one line per window, the stragglers named, and with ``--plot`` the step time
-and each phase per rank over time (matplotlib, which ``ddpkit run`` itself does not need)."""
+and each phase per rank over time, and across nodes each node's link time (matplotlib, which
+``ddpkit run`` itself does not need)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,11 @@ def plot_windows(windows: Sequence[JobWindow], path: str) -> None:
     import matplotlib.pyplot as plt
 
     ranks = sorted({rank["rank"] for window in windows for rank in window.ranks})
+    nodes = sorted({node for window in windows for node in window.links}, key=int)
     origin = windows[0].start
-    figure, axes = plt.subplots(len(PLOTTED), 1, figsize=(9, 2.2 * len(PLOTTED)), sharex=True)
-    for axis, phase in zip(axes, PLOTTED, strict=True):
+    panels = len(PLOTTED) + bool(nodes)  # across nodes, the nodes' link times last
+    figure, axes = plt.subplots(panels, 1, figsize=(9, 2.2 * panels), sharex=True)
+    for axis, phase in zip(axes, PLOTTED, strict=False):
         for rank in ranks:
             points = [(window.start - origin, 1000 * entry[phase]) for window in windows for entry in window.ranks
                       if entry["rank"] == rank]
@@ -65,6 +68,12 @@ def plot_windows(windows: Sequence[JobWindow], path: str) -> None:
         for window in windows:
             if window.stragglers:
                 axis.axvspan(window.start - origin, window.start - origin + window.seconds, color="red", alpha=0.08)
+    if nodes:
+        for node in nodes:
+            points = [(window.start - origin, 1000 * window.links[node]) for window in windows if node in window.links]
+            axes[-1].plot([x for x, _ in points], [y for _, y in points], marker=".", label=f"node {node}")
+        axes[-1].set_ylabel("link (ms)")
+        axes[-1].legend(loc="upper right", fontsize="small", ncol=min(4, len(nodes)))
     axes[0].legend(loc="upper right", fontsize="small", ncol=min(4, len(ranks)))
     axes[0].set_title(f"ddpkit report: median per window, from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(origin))}"
                       " (red: a straggler named)")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 __all__ = [
     "ARRIVED", "ARRIVED_NODE", "BEAT", "CAUSE", "FAILED", "GENERATION_COUNT", "JOB_WIDE", "LEFT", "NODE_LOSSES", "OPEN",
-    "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "STORE_HOST", "SUCCEEDED", "count_of", "launcher_record",
+    "LINK_PROBE", "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "STORE_HOST", "SUCCEEDED", "count_of", "launcher_record",
     "node_return", "of", "step_aside", "takeover",
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
     "NODE_LOST", "PEER_LOST", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS", "WAITING",
@@ -107,6 +107,7 @@ BEAT, LEFT, REMOVED_NODE, FAILED, SUCCEEDED = "beat", "left", "removed", "failed
 CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "stop", "open"
 NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
 HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``launching.health``)
+LINK_PROBE = "link-probe"  # link-probe/<node>: where its launcher's link probe listens (``launching.link_probe``)
 STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``launching.node_claims``)
 STORE_HOST = "store-host"  # the node whose launcher hosts the job's store (a c10d rendezvous's endpoint)
 
