@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ddpkit.launching.launcher_records import LauncherRecords
-from ddpkit.launching.node_claims import ClaimKind, StepAsideRequests, claim_kind, claimant, launcher_of
+from ddpkit.launching.node_claims import ClaimKind, claim_kind, claimant, launcher_of, step_aside_request
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys
@@ -107,7 +107,7 @@ class Heartbeats:
             by = claimant(self._records, node, last[0]) or "unnamed"
             if claim_kind(by) is ClaimKind.SHRINK:
                 _log.warning(f"ddpkit run: node {node} is back in the world: a spare node's launcher took its place")
-            elif (asked := StepAsideRequests(self._records).request(node, launcher_of(last[0]))) is not None:
+            elif (asked := step_aside_request(self._records, node, launcher_of(last[0]))) is not None:
                 _log.warning(f"ddpkit run: node {node}'s launcher stepped aside ({asked}); a spare node ({by}) took "
                              "its place, and this node's workers go on")
             else:

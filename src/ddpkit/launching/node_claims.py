@@ -17,7 +17,7 @@ from ddpkit.launching.launcher_records import LauncherRecords
 from ddpkit.store import keys
 
 __all__ = ["ClaimKind", "StepAsideRequests", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim",
-           "spent_claim"]
+           "spent_claim", "step_aside_request"]
 
 
 class ClaimKind(enum.Enum):
@@ -62,6 +62,11 @@ def claimant(records: LauncherRecords, node: int, beat: str) -> str | None:
     return records.read(keys.takeover(node, launcher_of(beat)), keys.JOB_WIDE)
 
 
+def step_aside_request(records: LauncherRecords, node: int, launcher: str) -> str | None:
+    """Why ``node``'s launcher ``launcher`` (its id, ``launcher_of``) was asked to step aside, if it was."""
+    return records.read(keys.step_aside(node, launcher), keys.JOB_WIDE)
+
+
 class StepAsideRequests:
     """Node 0's requests that a slow node's launcher hand its place to a spare node (``ddpkit run
     --stragglers replace``), one per launcher there, and which node's launcher hosts the job's
@@ -86,7 +91,7 @@ class StepAsideRequests:
 
     def request(self, node: int, launcher: str) -> str | None:
         """Why ``node``'s launcher ``launcher`` (its id, ``launcher_of``) was asked to step aside, if it was."""
-        return self._records.read(keys.step_aside(node, launcher), keys.JOB_WIDE)
+        return step_aside_request(self._records, node, launcher)
 
     def say_store_host(self) -> None:
         """Say that this node's launcher hosts the job's store."""

@@ -14,12 +14,12 @@ from ddpkit.launching.heartbeats import Heartbeats
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
 from ddpkit.launching.node_claims import (
     ClaimKind,
-    StepAsideRequests,
     claim,
     claim_kind,
     claimant,
     shrink_claim,
     spent_claim,
+    step_aside_request,
 )
 from ddpkit.logs import get_logger
 from ddpkit.membership.generations import REMOVED, announce_growth, announce_node_lost, claim_rank, layout_at, write_layout
@@ -270,7 +270,7 @@ class NodeWorld:
         if self.was_replaced(ask_store):
             by = self.replaced_by() or "unnamed"
             what = by if claim_kind(by) is ClaimKind.SHRINK else f"a spare node ({by}) took its place and its ranks"
-            asked = StepAsideRequests(self._records).request(self._records.node_rank, self._heartbeats.launcher_id)
+            asked = step_aside_request(self._records, self._records.node_rank, self._heartbeats.launcher_id)
             if asked is not None:
                 raise NodeSteppedAside(
                     f"node {self._records.node_rank} stepped aside ({asked}), and {what}: this node's workers are "
