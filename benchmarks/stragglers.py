@@ -47,6 +47,10 @@ def one_run(slowed: bool, report_every: float, steps: int, slow_after: float, fa
     run = Run()
     busy: subprocess.Popen[bytes] | None = None
     environment = {**os.environ, "STEPS": str(steps), **({"PIN": "1"} if slowed else {})}
+    if nodes == 2:
+        # Each "node"'s launcher would give its one worker every core's thread; the idle rank's OpenMP
+        # threads then spin while the other computes, 3-4x its compute (docs/hazards.md).
+        environment["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "ddpkit", "run", "--report-every", f"{report_every:g}", "--straggler-factor",
                f"{factor:g}"]
     port = str(free_port())
@@ -112,7 +116,8 @@ def summary(kind: str, runs: list[Run], report_every: float) -> str:
         if delays:
             text += f"; windows from the slowness to the name: median {statistics.median(delays):.1f}, max {max(delays):.1f}"
     wrong = [run.named[0] for run in named if run not in right or kind == "clean"]
-    return text + "".join(f"\n    {line}" for line in wrong[:5])
+    phases = sorted({line.split(": its ")[1].split(" (")[0] for line in wrong if ": its " in line})
+    return text + (f" (for: {', '.join(phases)})" if phases else "") + "".join(f"\n    {line}" for line in wrong[:5])
 
 
 def main() -> None:
