@@ -18,9 +18,9 @@ least ``LINK_FLOOR_SECONDS``, is slow in its link.
 
 A window's probe is one message of 4 MiB to each of two neighbours, twice: at the default 60-s
 windows, 16 MiB a minute a node, while the job's gradients stream. The listener answers only a
-sender that gives the token in the node's record (signed in the job's store like every launcher
-record within ``TOKEN_SECONDS`` of connecting (a stranger's connection holds it up no longer),
-reads at most ``PROBE_BYTES``, and gives each sender ``TIMEOUT_SECONDS``.
+sender that gives the token in the node's record (signed in the job's store, as every launcher
+record is) within ``TOKEN_SECONDS`` of connecting, so that a stranger's connection holds it up no
+longer; it reads at most ``PROBE_BYTES``, and gives each sender ``TIMEOUT_SECONDS``.
 
 torch-free, as the launcher is.
 """
