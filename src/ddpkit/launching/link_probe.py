@@ -27,6 +27,7 @@ torch-free, as the launcher is.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import os
@@ -103,6 +104,8 @@ class LinkProbe:
 
     def stop(self) -> None:
         self._stopped.set()
+        with contextlib.suppress(OSError):  # wakes the listener's accept (closing alone does not, on Linux)
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
 
     def _probe_each_window(self) -> None:
