@@ -1,7 +1,7 @@
 """Overlap and compression where the wire costs: ranks in network namespaces over shaped links.
 
     python benchmarks/links.py [--rates 1 5 10] [--ranks-per-node 1 2] [--nodes 2] [--models mlp big]
-                               [--rounds 15] [--plot scaling.png] [--bucket-caps MB ...]
+                               [--rounds 15] [--plot scaling.png] [--bucket-caps MB ...] [--json]
 
 Two nodes (``--nodes``: any counts), each a network namespace on one bridge (``netns.Nodes``), each node's link shaped
 with ``tc qdisc ... tbf rate R`` in both directions (``netem`` is not available here); 1 or 2
@@ -31,8 +31,13 @@ step that sends every gradient byte, since no gradient exists before the forward
 backward and the optimizer step can hide under the all-reduce, the forward cannot): 1.0 is
 everything else hidden; what lies above it is the backward before the first bucket is ready,
 the optimizer step after the last, and the DDP's own work.
-Models: those of ``ddp_step.py`` (``mlp``, ``lenet``, ``many``) and ``big``, 6 x Linear(2048,
-2048) (25.2M parameters, batch 64). Needs root, Linux and iproute2's ``ip`` and ``tc``: without
+With ``--json``, instead of that table, one JSON object a line per (model, rate, world, variant):
+``{"model", "rate_gbit", "nodes", "ranks_per_node", "variant", "step_ms", "step_over_max",
+"step_over_floor", "C_ms", "A_ms", "F_ms"}`` (medians; the ratios per round, then their median), so
+that runs can be compared; the header goes to stderr.
+Models: those of ``ddp_step.py`` (``mlp``, ``lenet``, ``many``), ``mlp384``, the same MLP on 384
+rows a rank (its compute and its all-reduce of one order at 1 Gbit/s: what overlap can hide), and
+``big``, 6 x Linear(2048, 2048) (25.2M parameters, batch 64). Needs root, Linux and iproute2's ``ip`` and ``tc``: without
 them it says so and exits 0. The namespaces it makes are removed when it ends.
 """
 
@@ -73,6 +78,9 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, tor
         for _ in range(6):
             layers += [nn.Linear(2048, 2048), nn.ReLU()]
         return nn.Sequential(*layers), lambda step: (torch.randn(64, 2048), torch.randn(64, 2048)), nn.functional.mse_loss
+    if name == "mlp384":
+        model, _, loss = build_step_model("mlp")
+        return model, lambda step: (torch.randn(384, 1024), torch.randn(384, 1024)), loss
     return build_step_model(name)
 
 
@@ -207,6 +215,20 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
     sys.stdout.flush()
 
 
+def json_lines(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, list[float]]]) -> None:
+    """``--json``: one object a line per model and DDP variant (see the module docstring)."""
+    for model_name, samples in results.items():
+        for name in samples:
+            if name in ("C", "F") or name.startswith("A"):
+                continue
+            _, over_larger, over_floor = per_round(samples, name)
+            print(json.dumps({"model": model_name, "rate_gbit": rate, "nodes": nodes, "ranks_per_node": per_node,
+                              "variant": name, "step_ms": round(statistics.median(samples[name]), 3),
+                              "step_over_max": round(over_larger, 4), "step_over_floor": round(over_floor, 4),
+                              **{f"{key}_ms": round(statistics.median(samples[key]), 3) for key in ("C", "A", "F")}}))
+    sys.stdout.flush()
+
+
 Scaling = dict[tuple[float, str, int, int], dict[str, list[float]]]  # (rate, model, nodes, ranks a node): samples
 
 
@@ -268,10 +290,11 @@ def main() -> None:
     parser.add_argument("--ranks-per-node", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2], help="node counts (a namespace each)")
     parser.add_argument("--plot", metavar="PNG", help="draw how the step grows with the ranks (needs matplotlib)")
-    parser.add_argument("--models", nargs="+", default=["mlp", "big"], choices=["mlp", "lenet", "many", "big"])
+    parser.add_argument("--models", nargs="+", default=["mlp", "big"], choices=["mlp", "mlp384", "lenet", "many", "big"])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--bucket-caps", type=float, nargs="*", default=[], metavar="MB",
                         help="also time ddpkit with these bucket_cap_mb (the default is 25)")
+    parser.add_argument("--json", action="store_true", help="one JSON object a line per model, rate and variant")
     parser.add_argument("--rank-of-nodes", action="store_true", help=argparse.SUPPRESS)  # one rank, in its namespace
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -281,7 +304,8 @@ def main() -> None:
     if (why := Nodes.unavailable()) is not None or shutil.which("tc") is None:
         print(f"links.py: {why or 'shaping a link needs iproute2`s `tc`'}; nothing measured")
         return
-    print(f"torch {torch.__version__}, Gloo, 1 thread per rank, {args.rounds} rounds, methods interleaved")
+    print(f"torch {torch.__version__}, Gloo, 1 thread per rank, {args.rounds} rounds, methods interleaved",
+          file=sys.stderr if args.json else sys.stdout)
     scaling: Scaling = {}
     for count in args.nodes:
         for per_node in args.ranks_per_node:
@@ -289,7 +313,7 @@ def main() -> None:
                 with Nodes(count) as nodes:
                     shape(nodes, rate)
                     results = run_ranks(nodes, per_node, args.models, args.rounds, args.bucket_caps)
-                report(rate, count, per_node, results)
+                (json_lines if args.json else report)(rate, count, per_node, results)
                 for model_name, samples in results.items():
                     scaling[(rate, model_name, count, per_node)] = samples
     if len({(count, per_node) for *_, count, per_node in scaling}) > 1:
