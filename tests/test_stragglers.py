@@ -30,6 +30,27 @@ def run_job(folder: Path, **variables: str) -> tuple[subprocess.CompletedProcess
     return result, metrics
 
 
+def run_two_nodes(folder: Path, variables: dict[str, str], address: str = "127.0.0.1",
+                  namespaces: tuple[str | None, str | None] = (None, None), *flags: str) -> tuple[list[int], list[str]]:
+    """The job as two launchers of one rank each (in ``namespaces``), nodes 0 and 1 of one job
+    (``--max-restarts 1``: they coordinate through the job's store at ``address``), under
+    ``--report-every 1 --straggler-factor 2`` and ``flags``: their exit codes and stderr."""
+    port = str(find_free_port("127.0.0.1"))
+    launchers = [subprocess.Popen([*(["ip", "netns", "exec", namespace] if namespace else []), sys.executable, "-m",
+                                   "ddpkit", "run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                                   "--master-addr", address, "--master-port", port, "--max-restarts", "1",
+                                   "--report-every", "1", "--straggler-factor", "2", *flags, str(JOB)],
+                                  cwd=folder, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "PIN": "1", "OMP_NUM_THREADS": "1", **variables})
+                 for node, namespace in enumerate(namespaces)]
+    try:
+        errors = [launcher.communicate(timeout=150)[1] for launcher in launchers]
+        return [launcher.returncode for launcher in launchers], errors
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+
+
 def stragglers(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("ddpkit run: straggler:")]
 
@@ -78,20 +99,7 @@ def test_a_rank_whose_data_loader_is_slow_is_named_for_its_data_wait(tmp_path: P
 def test_across_nodes_node_0s_launcher_names_a_slow_rank_of_another_node(tmp_path: Path) -> None:
     """Two launchers of one rank each, as two nodes (``--max-restarts 1``: they coordinate through
     the job's store): each publishes its ranks' windows there, and node 0's reports the job's."""
-    port = str(find_free_port("127.0.0.1"))
-    launchers = [subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--nproc-per-node", "1",
-                                   "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-                                   "--max-restarts", "1", "--report-every", "1", "--straggler-factor", "2",
-                                   str(JOB)],
-                                  cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  env={**os.environ, "SLOW_DATA": "1", "PIN": "1", "OMP_NUM_THREADS": "1"})
-                 for node in (0, 1)]
-    try:
-        (_, err0), (_, err1) = [launcher.communicate(timeout=150) for launcher in launchers]
-        code0, code1 = (launcher.returncode for launcher in launchers)
-    finally:
-        for launcher in launchers:
-            launcher.kill()
+    (code0, code1), (err0, err1) = run_two_nodes(tmp_path, {"SLOW_DATA": "1"})
     assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
     named = stragglers(err0)
     assert named and "rank 1 (node 1, host " in named[0] and "its data wait" in named[0], err0[-3000:]
@@ -110,20 +118,9 @@ def test_across_nodes_a_node_whose_link_is_shaped_slower_is_named_for_its_link(
                             timeout=30, check=True).stdout.split(":")[1].strip().split("@")[0]
     subprocess.run(["tc", "-n", one, "qdisc", "add", "dev", device, "root", "tbf", "rate", "1gbit", "burst", "64kb",
                     "latency", "50ms"], check=True, capture_output=True, timeout=30)
-    port, metrics = str(find_free_port("127.0.0.1")), tmp_path / "metrics.jsonl"
-    launchers = [subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "ddpkit", "run", "--nnodes",
-                                   "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", address,
-                                   "--master-port", port, "--max-restarts", "1", "--report-every", "1",
-                                   "--straggler-factor", "2", "--metrics", str(metrics), str(JOB)],
-                                  cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  env={**os.environ, "STEPS": "1000", "PIN": "1", "OMP_NUM_THREADS": "1"})
-                 for node, namespace in enumerate((zero, one))]
-    try:
-        (_, err0), (_, err1) = [launcher.communicate(timeout=150) for launcher in launchers]
-        code0, code1 = (launcher.returncode for launcher in launchers)
-    finally:
-        for launcher in launchers:
-            launcher.kill()
+    metrics = tmp_path / "metrics.jsonl"
+    (code0, code1), (err0, err1) = run_two_nodes(tmp_path, {"STEPS": "1000"}, address, (zero, one),
+                                                 "--metrics", str(metrics))
     assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
     named = [line for line in stragglers(err0) if "link" in line]
     assert named and all("rank 1 (node 1, host " in line and "its node's link" in line for line in named), err0[-3000:]
