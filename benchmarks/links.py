@@ -1,7 +1,7 @@
 """Overlap and compression where the wire costs: ranks in network namespaces over shaped links.
 
     python benchmarks/links.py [--rates 1 5 10] [--ranks-per-node 1 2] [--nodes 2] [--models mlp big]
-                               [--rounds 15] [--plot scaling.png] [--bucket-caps MB ...] [--json]
+                               [--rounds 15] [--plot scaling.png] [--bucket-caps MB ...] [--torch-layout] [--json]
 
 Two nodes (``--nodes``: any counts), each a network namespace on one bridge (``netns.Nodes``), each node's link shaped
 with ``tc qdisc ... tbf rate R`` in both directions (``netem`` is not available here); 1 or 2
@@ -18,6 +18,9 @@ interleaved in a shuffled order each round (noise hits all alike):
 - ``torch DDP``, ``ddpkit``: each DDP's step, defaults;
 - ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
   ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1, compressing from the first timed step);
+- with ``--torch-layout``, ``ddpkit torch layout``, ``ddpkit fp16 torch layout`` and ``ddpkit PowerSGD
+  torch layout``: the same with torch's bucket caps (1 MB, then ``bucket_cap_mb``) instead of
+  ddpkit's share of the model (``ddpkit.parallel.buckets``), to show what the layout gains;
 - with ``--bucket-caps 4 10``, ``ddpkit 4 MB buckets``, ``ddpkit fp16 4 MB buckets`` and so on:
   ddpkit without a hook and with ``fp16_compress_hook`` at that ``bucket_cap_mb`` (the first
   bucket stays 1 MB), to choose the bucket size where the wire costs.
@@ -84,7 +87,7 @@ def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, tor
     return build_step_model(name)
 
 
-def measure(model_name: str, rounds: int, bucket_caps: list[float]) -> dict[str, list[float]]:
+def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout: bool) -> dict[str, list[float]]:
     """In every rank: the samples of each method (ms per round); C is this rank's own."""
     base, batch, loss_fn = build(model_name)
     x, y = batch(0)
@@ -119,6 +122,14 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float]) -> dict[str,
         "ddpkit PowerSGD": trainer(ddpkit(powerSGD_hook, PowerSGDState(None, matrix_approximation_rank=1,
                                                                         start_powerSGD_iter=1))),
     }
+    if torch_layout:  # --torch-layout: the gain of ddpkit's bucket layout (ddpkit.parallel.buckets)
+        for name, hook, state in (("ddpkit", None, None), ("ddpkit fp16", fp16_compress_hook, None),
+                                  ("ddpkit PowerSGD", powerSGD_hook,
+                                   PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1))):
+            model = ddpkit(hook, state)
+            model._reducer.bucket_spread = 0  # torch's caps: 1 MB, then bucket_cap_mb
+            model._reducer.set_launch_order(model._reducer.launch_order)
+            methods[f"{name} torch layout"] = trainer(model)
     for cap in bucket_caps:  # --bucket-caps: ddpkit with other bucket sizes (the first bucket stays 1 MB)
         methods[f"ddpkit {cap:g} MB buckets"] = trainer(ddpkit(bucket_cap_mb=cap))
         methods[f"ddpkit fp16 {cap:g} MB buckets"] = trainer(ddpkit(fp16_compress_hook, bucket_cap_mb=cap))
@@ -131,7 +142,7 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     results = {}
     for model_name in args.models:
-        samples = measure(model_name, args.rounds, args.bucket_caps)
+        samples = measure(model_name, args.rounds, args.bucket_caps, args.torch_layout)
         for local in ("C", "F"):  # a synchronised step waits for the slowest rank
             every_rank = [None] * dist.get_world_size()
             dist.all_gather_object(every_rank, samples[local])
@@ -152,8 +163,8 @@ def shape(nodes: Nodes, gigabits: float) -> None:
                             burst, "latency", "50ms"], check=True, capture_output=True, timeout=30)
 
 
-def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int,
-              bucket_caps: list[float]) -> dict[str, dict[str, list[float]]]:
+def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int, bucket_caps: list[float],
+              torch_layout: bool) -> dict[str, dict[str, list[float]]]:
     """Start ``per_node`` ranks in each node's namespace and return rank 0's samples by model."""
     folder = Path(tempfile.mkdtemp(prefix="ddpkit-links-"))
     out = folder / "samples.json"
@@ -167,7 +178,8 @@ def run_ranks(nodes: Nodes, per_node: int, models: list[str], rounds: int,
                    "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": nodes.links[node], "OMP_NUM_THREADS": "1"}
             processes.append(subprocess.Popen(
                 [*nodes.prefix(node), sys.executable, __file__, "--rank-of-nodes", "--out", str(out), "--rounds",
-                 str(rounds), "--models", *models, "--bucket-caps", *map(str, bucket_caps)],
+                 str(rounds), "--models", *models, "--bucket-caps", *map(str, bucket_caps),
+                 *(["--torch-layout"] if torch_layout else [])],
                 env=env, stderr=subprocess.PIPE, text=True))
         for process in processes:
             _, err = process.communicate(timeout=3600)
@@ -196,13 +208,15 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
     for model_name, samples in results.items():
         medians = "  ".join(f"{name} {statistics.median(values):.1f}" for name, values in samples.items())
         print(f"  {model_name:6s} ms: {medians}")
-        capped = [name for name in samples if name.endswith("MB buckets")]  # --bucket-caps
-        for name in ["torch DDP", "ddpkit", *(name for name in capped if "fp16" not in name)]:
+        # --bucket-caps and --torch-layout
+        capped = [name for name in samples if name.endswith(("MB buckets", "torch layout"))]
+        plain = [name for name in capped if "fp16" not in name and "PowerSGD" not in name]
+        for name in ["torch DDP", "ddpkit", *plain]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
         # A compressing hook sends fewer bytes than A: its gain is measured against ddpkit without one.
-        for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD", *(name for name in capped if "fp16" in name)):
+        for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD", *(name for name in capped if name not in plain)):
             faster = statistics.median(plain / hooked for plain, hooked in zip(samples["ddpkit"], samples[name]))
             print(f"  {'':6s} {name:16s} {faster:5.2f}x faster than ddpkit without a hook", end="")
             if (raw := f"A {name.split()[1]}") in samples:  # "ddpkit fp16 ..." -> "A fp16"
@@ -294,6 +308,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--bucket-caps", type=float, nargs="*", default=[], metavar="MB",
                         help="also time ddpkit with these bucket_cap_mb (the default is 25)")
+    parser.add_argument("--torch-layout", action="store_true",
+                        help="also time ddpkit, fp16 and PowerSGD with torch's bucket caps (1 MB, then bucket_cap_mb)")
     parser.add_argument("--json", action="store_true", help="one JSON object a line per model, rate and variant")
     parser.add_argument("--rank-of-nodes", action="store_true", help=argparse.SUPPRESS)  # one rank, in its namespace
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -312,7 +328,7 @@ def main() -> None:
             for rate in random.Random(per_node).sample(args.rates, len(args.rates)):
                 with Nodes(count) as nodes:
                     shape(nodes, rate)
-                    results = run_ranks(nodes, per_node, args.models, args.rounds, args.bucket_caps)
+                    results = run_ranks(nodes, per_node, args.models, args.rounds, args.bucket_caps, args.torch_layout)
                 (json_lines if args.json else report)(rate, count, per_node, results)
                 for model_name, samples in results.items():
                     scaling[(rate, model_name, count, per_node)] = samples

@@ -34,6 +34,14 @@ Measured (2026-11-23, 2 cores, Debian 12's glibc 2.36, three runs of 3 rounds), 
 Before small gradients stopped waiting for their bucket's launch beside large ones (see
 ``ddpkit.parallel.buckets``), ddpkit peaked at 413-416 MiB under glibc (saving -0.05 to 0.05).
 
+Since buckets hold a 16th of the model's bytes (2026-11-27: eight 4 MiB buckets on this MLP, each
+all-reduced while backward goes on, where torch's caps made two, the second launched when backward
+ends; ``ddpkit.parallel.buckets``), two runs of 3 rounds: under glibc ddpkit 418 and 420 MiB
+(saving -0.12 and -0.14; +12 to 14 MiB, all of it free holes in the heap: 49 MiB free after
+backward against 25 for torch's view mode); jemalloc 386 (saving 0.83) and tcmalloc 391 (0.73),
+as before. The layout is kept for its step (1.6x to 1.3x max(compute, all-reduce) where the two
+are of one order, benchmarks/README.md); a CPU job short of memory preloads jemalloc.
+
 Where the memory goes. Gradients are kept once under every allocator (glibc's bytes in use
 after backward, mallinfo2: ddpkit 175 MiB, torch DDP 207). Under jemalloc ddpkit is where torch's
 own view mode is; both sit ~6 MiB above "torch DDP minus the gradients": backward hands each

@@ -13,29 +13,50 @@ def floats(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def test_a_bucket_closes_once_it_reaches_its_cap_with_the_crossing_tensor_inside() -> None:
-    # 4-byte floats; first cap 40 bytes, then 100 bytes (torch's Reducer rule)
+    # 4-byte floats; first cap 40 bytes, then 100 bytes (torch's Reducer rule: spread=0)
     tensors = [floats(2), floats(20), floats(5), floats(20), floats(1)]
-    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40) == [[0, 1], [2, 3], [4]]
+    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40, spread=0) == [[0, 1], [2, 3], [4]]
 
 
 def test_caps_after_the_first_double_up_to_the_cap() -> None:
     # 40-byte tensors; caps 40, 80, then 100 (160 capped)
     tensors = [floats(10) for _ in range(10)]
-    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40, growing=True) == [[0], [1, 2], [3, 4, 5],
-                                                                                       [6, 7, 8], [9]]
-    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40) == [[0], [1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40, growing=True, spread=0) == [
+        [0], [1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert assign_buckets(tensors, cap_bytes=100, first_cap_bytes=40, spread=0) == [[0], [1, 2, 3], [4, 5, 6],
+                                                                                    [7, 8, 9]]
+
+
+def test_a_mid_sized_model_gets_a_bucket_for_about_every_sixteenth_of_its_bytes_so_the_wire_starts_early() -> None:
+    # The 8 x 1024 MLP's weights (4 MiB each, 32 MiB in all): not torch's [[0], [1, ..., 7]], whose
+    # second bucket is complete only when backward ends (benchmarks/links.py, mlp384).
+    weights = [floats(1024 * 1024) for _ in range(8)]
+    assert assign_buckets(weights, spread=0) == [[0], [1, 2, 3, 4, 5, 6, 7]]
+    assert assign_buckets(weights) == [[index] for index in range(8)]
+    # 64 tensors of 1 MiB: buckets of 4 MiB (a 16th) after the first.
+    assert assign_buckets([floats(256 * 1024) for _ in range(64)])[:3] == [[0], [1, 2, 3, 4], [5, 6, 7, 8]]
+    # Never below the first cap (a small model is not cut into tiny messages), never above cap_bytes.
+    assert assign_buckets([floats(64 * 1024) for _ in range(16)]) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                                                      [12, 13, 14, 15]]
+    # 160 tensors of 16 MiB (2.5 GiB, on the meta device: no memory): a 16th is above the 25 MB default.
+    large = [torch.empty(4 * 1024 * 1024, device="meta") for _ in range(160)]
+    assert assign_buckets(large)[1:3] == [[1, 2], [3, 4]]
+    assert assign_buckets(large, cap_bytes=64 * 1024 * 1024)[1:3] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the user's cap
 
 
 def test_growing_caps_give_a_mid_sized_model_small_buckets_so_a_slow_wire_never_waits_for_a_large_one() -> None:
-    # The 8 x 1024 MLP's weights (4 MiB each): not torch's [[0], [1, ..., 7]], where a 16-bit hook's
-    # wire has sent bucket 0 long before backward fills the second bucket (benchmarks/links.py).
+    # Under torch's caps (spread=0) a 16-bit hook's wire has sent bucket 0 long before backward
+    # fills the second bucket (benchmarks/links.py): caps that double.
     weights = [floats(1024 * 1024) for _ in range(8)]
-    assert assign_buckets(weights) == [[0], [1, 2, 3, 4, 5, 6, 7]]
-    assert assign_buckets(weights, growing=True) == [[0], [1], [2], [3, 4], [5, 6, 7]]
+    assert assign_buckets(weights, growing=True, spread=0) == [[0], [1], [2], [3, 4], [5, 6, 7]]
     # Larger tensors fill the doubling caps sooner: 16 MiB layers go one a bucket, 8 MiB ones up to four.
-    assert assign_buckets([floats(4 * 1024 * 1024) for _ in range(6)], growing=True) == [[0], [1], [2], [3], [4], [5]]
-    assert assign_buckets([floats(2 * 1024 * 1024) for _ in range(12)], growing=True) == [
+    assert assign_buckets([floats(4 * 1024 * 1024) for _ in range(6)], growing=True, spread=0) == [
+        [0], [1], [2], [3], [4], [5]]
+    assert assign_buckets([floats(2 * 1024 * 1024) for _ in range(12)], growing=True, spread=0) == [
         [0], [1], [2], [3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    # With the model's share as well, the smaller of the two caps: 1, 2, 4 MiB, then a 16th of 96 MiB, 6 MiB.
+    assert assign_buckets([torch.empty(256 * 1024, device="meta") for _ in range(96)], growing=True)[:5] == [
+        [0], [1, 2], [3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]]
 
 
 def test_buckets_hold_one_dtype_each_and_follow_the_launch_order() -> None:
@@ -46,6 +67,8 @@ def test_buckets_hold_one_dtype_each_and_follow_the_launch_order() -> None:
 def test_caps_must_be_positive() -> None:
     with pytest.raises(ValueError, match="cap_bytes=0"):
         assign_buckets([floats(1)], cap_bytes=0)
+    with pytest.raises(ValueError, match="spread=-1"):
+        assign_buckets([floats(1)], spread=-1)
 
 
 def test_bucket_views_flags_and_grad_bucket_api() -> None:

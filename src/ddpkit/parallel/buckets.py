@@ -2,25 +2,28 @@
 ``GradBucket`` view that communication hooks receive is part of ``ddpkit.hooks.contract``).
 
 Parameters are taken in reverse order of registration (roughly the order backward produces
-their gradients), grouped by dtype and device, and cut into buckets of at most ``cap_bytes``;
-the first bucket of each kind is smaller (``first_cap_bytes``) so that communication starts
-early in backward, as torch's Reducer does. Every rank builds the same buckets because the
-order comes from one rank's parameter list.
+their gradients), grouped by dtype and device, and cut into buckets; every rank builds the same
+buckets because the order comes from one rank's parameter list. Three caps apply:
 
-With an elementwise-averaging comm hook (ddpkit's ``allreduce_hook``, ``fp16_compress_hook``,
-``bf16_compress_hook``: ``growing=True``) the caps after the first double (1, 2, 4, 8, 16 MB,
-then ``cap_bytes``) rather than jumping to ``cap_bytes`` at once. On a slow link the wire is
-busy from the first bucket's launch to the end only if each next bucket is full before the wire
-has sent the one before. With one jump the second bucket holds most of a mid-sized model, so a
-hook that sends fewer bytes than it reduces has sent the first bucket long before backward fills
-the second, and the wire idles. Large models still get ``cap_bytes`` buckets after the first 31 MB.
+- The first bucket of each kind is small (``first_cap_bytes``, 1 MB) so that communication starts
+  early in backward, as torch's Reducer does.
+- The buckets after it hold about a ``spread``-th (16) of their kind's gradient bytes, never less
+  than the first cap and never more than ``cap_bytes`` (the user's ``bucket_cap_mb``, 25 MB by
+  default). Torch's one jump from 1 MB to 25 MB puts most of a mid-sized model in the second
+  bucket, which is complete only when backward ends: where compute and wire are of one order,
+  nothing is then sent while backward runs (the 8 x 1024 MLP on 384 rows a rank at 1 Gbit/s:
+  its second bucket holds seven of eight layers, and the step is 1.6x max(compute, all-reduce)).
+  A share of the model's bytes gives the wire a bucket after about every 16th of backward
+  whatever the layers' sizes, while 16 messages' fixed costs stay small beside the bytes. Where
+  the wire is fast the last bucket, sent after backward ends, is a 16th of the model rather than
+  up to 25 MB. Models of 400 MB and more keep torch's 25 MB.
+- With an elementwise-averaging comm hook (ddpkit's ``allreduce_hook``, ``fp16_compress_hook``,
+  ``bf16_compress_hook``: ``growing=True``) the caps after the first also double (1, 2, 4, 8, 16
+  MB, then ``cap_bytes``): a hook that sends fewer bytes than it reduces has sent each bucket
+  before backward fills a much larger next one, and the wire would idle; for large models that
+  keeps the first buckets below the share.
 
-Without a hook the buckets stay torch's: the first bucket's all-reduce of every byte outlasts
-the rest of backward where the wire is slow, so doubling gains nothing there, while more buckets
-interleaved with backward's freed gradients leave more holes in glibc's heap. A hook that pays
-per bucket (PowerSGD: two small all-reduces that wait for each other, and its factors' products)
-keeps torch's caps too. The measurements behind each choice are in benchmarks/README.md
-(``links.py --bucket-caps``, ``memory.py``).
+The measurements behind each choice are in benchmarks/README.md (``links.py``, ``memory.py``).
 """
 
 from __future__ import annotations
@@ -34,30 +37,40 @@ from torch import Tensor
 # The view of a bucket that communication hooks receive; defined with the hook contract.
 from ddpkit.hooks.contract import GradBucket
 
-__all__ = ["UNBATCHED_BESIDE_BYTES", "Bucket", "GradBucket", "assign_buckets"]
+__all__ = ["BUCKETS_PER_MODEL", "UNBATCHED_BESIDE_BYTES", "Bucket", "GradBucket", "assign_buckets"]
 
 DEFAULT_CAP_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_CAP_BYTES = 1024 * 1024
+#: The buckets after the first hold about this share of a kind's gradient bytes (see the module's docstring).
+BUCKETS_PER_MODEL = 16
 #: A bucket holding a parameter of this many bytes or more copies every gradient in its hook (see Bucket).
 UNBATCHED_BESIDE_BYTES = 1024 * 1024
 
 
 def assign_buckets(
     tensors: Sequence[Tensor], cap_bytes: int = DEFAULT_CAP_BYTES, first_cap_bytes: int = DEFAULT_FIRST_CAP_BYTES,
-    growing: bool = False,
+    growing: bool = False, spread: int = BUCKETS_PER_MODEL,
 ) -> list[list[int]]:
     """Split ``tensors`` (already in launch order) into buckets of indices.
 
     A bucket holds one dtype and one device. As torch's Reducer does, a tensor is added to its
     kind's open bucket, which closes once it reaches its cap; so the first bucket holds at
     least the first whole tensor (on an MLP, the last layer), and its reduction starts as soon
-    as backward has produced it. Every bucket after the first closes at ``cap_bytes``, as in
-    torch, or with ``growing`` the k-th bucket of a kind (from 0) at ``min(cap_bytes,
-    first_cap_bytes * 2**k)`` (see the module's docstring). Buckets are ordered by their first
-    tensor, so bucket 0 holds the first tensors of ``tensors``.
+    as backward has produced it. Every bucket after the first closes at ``min(cap_bytes,
+    max(first_cap_bytes, kind's bytes // spread))`` (``spread=0``: at ``cap_bytes``, as in
+    torch), with ``growing`` the k-th bucket of a kind (from 0) at ``first_cap_bytes * 2**k`` if
+    that is less (see the module's docstring). Buckets are ordered by their first tensor, so
+    bucket 0 holds the first tensors of ``tensors``.
     """
-    if cap_bytes <= 0 or first_cap_bytes <= 0:
-        raise ValueError(f"bucket caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}.")
+    if cap_bytes <= 0 or first_cap_bytes <= 0 or spread < 0:
+        raise ValueError(f"bucket caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}, "
+                         f"spread={spread}.")
+    kind_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for tensor in tensors:
+        kind = (tensor.dtype, tensor.device)
+        kind_bytes[kind] = kind_bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+    later_caps = {kind: min(cap_bytes, max(first_cap_bytes, total // spread)) if spread else cap_bytes
+                  for kind, total in kind_bytes.items()}
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
     closed_for_kind: dict[tuple[torch.dtype, torch.device], int] = {}
     buckets: list[list[int]] = []
@@ -67,10 +80,10 @@ def assign_buckets(
         members.append(index)
         used += tensor.numel() * tensor.element_size()
         closed = closed_for_kind.get(kind, 0)
-        if growing:
-            cap = min(cap_bytes, first_cap_bytes << closed)
+        if closed == 0:
+            cap = first_cap_bytes
         else:
-            cap = first_cap_bytes if closed == 0 else cap_bytes
+            cap = min(later_caps[kind], first_cap_bytes << closed) if growing else later_caps[kind]
         if used >= cap:
             buckets.append(members)
             closed_for_kind[kind] = closed + 1

@@ -26,7 +26,7 @@ from ddpkit.diagnostics.debug import debug_enabled
 from ddpkit.diagnostics.failures import CollectiveFailedError, guard
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.hooks.contract import GradBucket, check_hook_result
-from ddpkit.parallel.buckets import DEFAULT_FIRST_CAP_BYTES, Bucket, assign_buckets
+from ddpkit.parallel.buckets import BUCKETS_PER_MODEL, DEFAULT_FIRST_CAP_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.compiled_backward import (
     average_in_compiled_graph,
     compiled_backward_problem,
@@ -78,6 +78,9 @@ class Reducer:
         self._trainable = trainable
         self._sparse = sparse
         self.bucket_cap = bucket_cap
+        # Buckets after the first hold about this share of the model's bytes (0: torch's one jump to
+        # bucket_cap; ddpkit.parallel.buckets). Not an argument: benchmarks/links.py compares the two.
+        self.bucket_spread = BUCKETS_PER_MODEL
         self._group = process_group
         self._as_view = gradient_as_bucket_view
         self._reduce_function = reduce_function
@@ -136,11 +139,15 @@ class Reducer:
         self.launch_order = names
         ordered = [self._trainable[name] for name in names]
         first_cap = min(self.bucket_cap, DEFAULT_FIRST_CAP_BYTES)
-        # Caps that double keep a slow wire busy under ddpkit's elementwise hooks (fp16 and bf16 send
-        # fewer bytes than they reduce); without a hook, or under one that pays per bucket (PowerSGD),
-        # torch's caps (ddpkit.parallel.buckets).
+        # An elementwise average (no hook, ddpkit's allreduce, fp16, bf16) gets buckets of a share of
+        # the model's bytes, and under a hook caps that double too (fp16 and bf16 send fewer bytes
+        # than they reduce). A hook that pays per bucket (PowerSGD: two all-reduces that wait for
+        # each other, and its factors' products) or reduce_function keeps torch's caps, fewer buckets
+        # (ddpkit.parallel.buckets).
         growing = self.comm_hook is not None and self.averages_elementwise
-        groups = assign_buckets(ordered, cap_bytes=self.bucket_cap, first_cap_bytes=first_cap, growing=growing)
+        spread = self.bucket_spread if self.averages_elementwise else 0
+        groups = assign_buckets(ordered, cap_bytes=self.bucket_cap, first_cap_bytes=first_cap, growing=growing,
+                                spread=spread)
         self.buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
                         for i, g in enumerate(groups)]
         # A parameter frozen after wrapping cannot take a hook (torch refuses). It keeps its slot:
@@ -160,11 +167,11 @@ class Reducer:
 
     def use_comm_hook(self, state: object, hook: CommHook, averages_elementwise: bool) -> None:
         """Reduce each bucket with ``hook(state, bucket)`` from now on, in the buckets that suit it
-        (``set_launch_order``: an elementwise average gets caps that double)."""
+        (``set_launch_order``: an elementwise average gets caps that double, a hook that pays per
+        bucket torch's fewer buckets); the buckets were built for no hook."""
         self.comm_state, self.comm_hook = state, hook
         self.averages_elementwise = averages_elementwise
-        if averages_elementwise:  # the buckets were built for no hook
-            self.set_launch_order(self.launch_order)
+        self.set_launch_order(self.launch_order)
 
     def _rebuild_buckets_in_observed_order(self) -> None:
         """After the first synchronised backward: rebuild the buckets in the order in which the
