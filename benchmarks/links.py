@@ -16,6 +16,9 @@ interleaved in a shuffled order each round (noise hits all alike):
   how much faster they can be than ddpkit's;
 - ``F``: the forward alone (the loss, its graph built and dropped), the slowest rank's;
 - ``torch DDP``, ``ddpkit``: each DDP's step, defaults;
+- ``ddpkit overlap``: ddpkit with ``overlap_optimizer`` (the step's updates and the gradients'
+  last buckets overlap the next forward), timed over ``OVERLAP_STEPS`` steps and the wait for
+  the last one's gradients, per step;
 - ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
   ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1, compressing from the first timed step);
 - with ``--torch-layout``, ``ddpkit torch layout``, ``ddpkit fp16 torch layout`` and ``ddpkit PowerSGD
@@ -73,6 +76,9 @@ from ddpkit.environments import find_free_port  # noqa: E402
 from ddpkit.hooks import PowerSGDState, bf16_compress_hook, fp16_compress_hook, powerSGD_hook  # noqa: E402
 from ddpkit.parallel.ddp import DistributedDataParallel  # noqa: E402
 
+# A sample of ddpkit overlap: this many steps, then the wait for the last one's gradients.
+OVERLAP_STEPS = 4
+
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
     if name == "big":
@@ -122,6 +128,22 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
         "ddpkit PowerSGD": trainer(ddpkit(powerSGD_hook, PowerSGDState(None, matrix_approximation_rank=1,
                                                                         start_powerSGD_iter=1))),
     }
+    def overlapped() -> Callable[[], None]:
+        """ddpkit with overlap_optimizer: OVERLAP_STEPS steps and the wait for the last one's
+        gradients, so that a sample holds its own communication and none of the one before."""
+        model = copy()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        ddp = DistributedDataParallel(model, overlap_optimizer=optimizer)
+
+        def steps() -> None:
+            for _ in range(OVERLAP_STEPS):
+                optimizer.zero_grad()
+                loss_fn(ddp(x), y).backward()
+                optimizer.step()
+            ddp.settle()
+        return steps
+
+    methods["ddpkit overlap"] = overlapped()
     if torch_layout:  # --torch-layout: the gain of ddpkit's bucket layout (ddpkit.parallel.buckets)
         for name, hook, state in (("ddpkit", None, None), ("ddpkit fp16", fp16_compress_hook, None),
                                   ("ddpkit PowerSGD", powerSGD_hook,
@@ -133,7 +155,9 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
     for cap in bucket_caps:  # --bucket-caps: ddpkit with other bucket sizes (the first bucket stays 1 MB)
         methods[f"ddpkit {cap:g} MB buckets"] = trainer(ddpkit(bucket_cap_mb=cap))
         methods[f"ddpkit fp16 {cap:g} MB buckets"] = trainer(ddpkit(fp16_compress_hook, bucket_cap_mb=cap))
-    return interleaved_samples(methods, rounds)
+    samples = interleaved_samples(methods, rounds)
+    samples["ddpkit overlap"] = [value / OVERLAP_STEPS for value in samples["ddpkit overlap"]]
+    return samples
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -211,7 +235,7 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
         # --bucket-caps and --torch-layout
         capped = [name for name in samples if name.endswith(("MB buckets", "torch layout"))]
         plain = [name for name in capped if "fp16" not in name and "PowerSGD" not in name]
-        for name in ["torch DDP", "ddpkit", *plain]:
+        for name in ["torch DDP", "ddpkit", "ddpkit overlap", *plain]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")

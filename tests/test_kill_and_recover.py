@@ -230,9 +230,9 @@ HOOKED_SCRIPT = textwrap.dedent(
 
 def test_a_replacement_under_an_fp16_hook_builds_the_survivors_buckets_and_ends_as_without_the_fault(
         tmp_path: Path) -> None:
-    """Under ``fp16_compress_hook`` the bucket caps double (ddpkit.parallel.buckets): the spare that
-    takes the lost rank registers the hook and adopts the survivors' order, and must end with the
-    same buckets, or their all-reduces would not match in size."""
+    """Registering ``fp16_compress_hook`` lays the buckets out again (ddpkit.parallel.buckets; here
+    one 1 MiB layer each): the spare that takes the lost rank registers the hook and adopts the
+    survivors' order, and must end with the same buckets, or their all-reduces would not match in size."""
     finals = {}
     for mode in ("none", "kill"):
         folder = tmp_path / mode
@@ -241,7 +241,7 @@ def test_a_replacement_under_an_fp16_hook_builds_the_survivors_buckets_and_ends_
         assert result.returncode == 0, result.stderr[-3000:]
         assert ("recovered in place" in result.stderr) == (mode == "kill"), result.stderr[-3000:]
         assert sorted(re.findall(r"rank \d buckets \[[\d, ]+\]", result.stdout)) == [
-            "rank 0 buckets [2, 4, 8, 2]", "rank 1 buckets [2, 4, 8, 2]"], result.stdout
+            "rank 0 buckets [2, 2, 2, 2, 2, 2, 2, 2]", "rank 1 buckets [2, 2, 2, 2, 2, 2, 2, 2]"], result.stdout
         finals[mode] = torch.load(folder / "final.pt")
     assert_same(finals["kill"], finals["none"])
 

@@ -17,7 +17,7 @@ from ddpkit.diagnostics.waits import wait_for
 from ddpkit.parallel.buckets import Bucket
 from ddpkit.parallel.step_state import StepState
 
-__all__ = ["await_and_copy_back"]
+__all__ = ["await_and_copy_back", "settle_bucket"]
 
 
 def await_and_copy_back(buckets: list[Bucket], step: StepState, group: Any, as_view: bool, negotiate: bool,
@@ -32,17 +32,8 @@ def await_and_copy_back(buckets: list[Bucket], step: StepState, group: Any, as_v
         separate = _launch_separate_negotiation(buckets, group)
     pending_by_bucket = {bucket.index: pending for bucket, pending in step.in_flight}
     for bucket in buckets:
-        pending = pending_by_bucket.get(bucket.index)
-        if pending is not None:
-            wait_into_bucket(bucket, pending)
-        used = None  # None: every parameter of the bucket has a gradient somewhere
-        # With a gradient for every parameter here, every summed flag is positive: no need to
-        # read them (on a GPU the read would stall the CPU until the reduction has finished).
-        if negotiate and separate is None and bucket.index in step.buckets_missing_grads:
-            flags = bucket.flags.real.tolist()  # .real: complex buckets carry their flags as 1+0j
-            if min(flags) <= 0:
-                used = [flag > 0 for flag in flags]
-        _copy_back(bucket, used, as_view)
+        settle_bucket(bucket, pending_by_bucket.get(bucket.index), as_view,
+                      negotiate and separate is None and bucket.index in step.buckets_missing_grads, wait_into_bucket)
     if separate is not None:
         counts, work = separate
         wait_for(work, group)
@@ -50,6 +41,23 @@ def await_and_copy_back(buckets: list[Bucket], step: StepState, group: Any, as_v
         for parameter, count in zip(parameters, counts.tolist()):
             if count == 0:
                 parameter.grad = None  # no rank has a gradient: None, as without DDP
+
+
+def settle_bucket(bucket: Bucket, pending: Any, as_view: bool, read_flags: bool,
+                  wait_into_bucket: Callable[[Bucket, Any], None]) -> None:
+    """Wait for one bucket's reduction (``pending``; None: nothing in flight) and copy its results
+    back. ``read_flags``: a parameter of the bucket lacked a gradient on this rank, so its summed
+    flags say which ones no rank has a gradient for (their ``.grad`` stays None)."""
+    if pending is not None:
+        wait_into_bucket(bucket, pending)
+    used = None  # None: every parameter of the bucket has a gradient somewhere
+    # With a gradient for every parameter here, every summed flag is positive: no need to
+    # read them (on a GPU the read would stall the CPU until the reduction has finished).
+    if read_flags:
+        flags = bucket.flags.real.tolist()  # .real: complex buckets carry their flags as 1+0j
+        if min(flags) <= 0:
+            used = [flag > 0 for flag in flags]
+    _copy_back(bucket, used, as_view)
 
 
 def _launch_separate_negotiation(buckets: list[Bucket], group: Any) -> tuple[Tensor, Any]:

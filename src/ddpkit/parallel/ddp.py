@@ -64,6 +64,7 @@ from ddpkit.parallel.construction import check_device, check_membership, check_s
 from ddpkit.parallel.join import check_join_supported, shadow_until_all_joined
 from ddpkit.parallel.reducer import Reducer, TensorsFunction
 from ddpkit.parallel.sparse import sparse_gradient_parameters
+from ddpkit.parallel.step_overlap import OverlappedOptimizer
 from ddpkit.parallel.step_state import StepState
 from ddpkit.parallel.step_timings import StepTimings
 
@@ -94,6 +95,12 @@ class DistributedDataParallel(nn.Module):
     ``reduce_function(tensors, group)`` replaces the whole reduction (in place, after
     backward, no overlap); ``broadcast_function(tensors, group)`` replaces the broadcasts of
     parameters at construction and of buffers.
+
+    ``overlap_optimizer`` (an optimizer over this module's parameters, off by default): the
+    gradients' averaging goes on into the next forward, and ``optimizer.step()`` updates each
+    module's parameters just before that module's forward, as its bucket lands; the result is bit
+    for bit that of the same run without it (``ddpkit.parallel.step_overlap`` says what it takes:
+    per-parameter optimizers, no ``join``, ``settle()`` before reading gradients).
     """
 
     def __init__(
@@ -104,6 +111,7 @@ class DistributedDataParallel(nn.Module):
         process_group: ProcessGroup = None,
         reduce_function: TensorsFunction | None = None,
         broadcast_function: TensorsFunction | None = None,
+        overlap_optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -152,6 +160,26 @@ class DistributedDataParallel(nn.Module):
         # without walking the module tree every step.
         self._buffer_slots = [(owner, name) for _, owner in module.named_modules()
                               for name, buffer in owner._buffers.items() if buffer is not None]
+        if overlap_optimizer is not None:
+            self._overlap_with(overlap_optimizer, [p for _, p in named], group is not None and group.in_place)
+
+    def _overlap_with(self, optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], in_place: bool) -> None:
+        """``overlap_optimizer``: the optimizer's step deferred to the next forward, bucket by bucket
+        (``ddpkit.parallel.step_overlap``)."""
+        if self._reduce_function is not None:
+            raise ValueError("overlap_optimizer cannot be combined with reduce_function, which reduces every gradient "
+                             "after backward: leave one of them out.")
+        if in_place:
+            raise ValueError("overlap_optimizer does not work under in-place recovery (ddpkit run --recovery in-place) "
+                             "yet: a rank's state would be sent while its step is still in flight. Leave one of them "
+                             "out.")
+        overlapped = OverlappedOptimizer(optimizer, self.module, parameters, self._reducer.settle_held,
+                                         lambda: self._reducer.bucket_of)
+        self._reducer.overlapped = overlapped
+        # A checkpoint taken between optimizer.step() and the next forward holds the updated parameters,
+        # and one loaded there is not overwritten by the step (the optimizer's: OverlappedOptimizer).
+        self.module.register_state_dict_pre_hook(lambda *_: overlapped.settle_all())
+        self.module.register_load_state_dict_pre_hook(lambda *_: overlapped.settle_all())
 
     def _make_reducer(self, trainable: dict[str, nn.Parameter], launch_order: list[str],
                       bucket_cap_mb: float | str | None) -> Reducer:
@@ -223,6 +251,8 @@ class DistributedDataParallel(nn.Module):
             if self.device.type != "cpu":
                 args, kwargs = to_device((args, kwargs), self.device)
             output = self.module(*args, **kwargs)
+            if self._reducer.overlapped is not None:
+                self._reducer.overlapped.settle_all()  # what the forward did not reach (overlap_optimizer)
         if clock.first_forward is not None:
             clock.forward_seconds += time.perf_counter() - started
         return output
@@ -251,6 +281,15 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def settle(self) -> None:
+        """With ``overlap_optimizer``: wait for every gradient of the last backward and apply the
+        optimizer step (and ``zero_grad``) if it was asked for, now rather than during the next
+        forward. Call it before reading gradients (``clip_grad_norm_``, a ``GradScaler``) or, after
+        ``optimizer.step()``, parameters outside a forward. Without the mode it does nothing."""
+        if self._reducer.overlapped is not None:
+            with guard():
+                self._reducer.overlapped.settle_all()
 
     def timings(self, last: int | None = None) -> StepTimings:
         """Where this rank's last steps went, phase by phase (``ddpkit.parallel.step_timings``): medians
@@ -287,6 +326,9 @@ class DistributedDataParallel(nn.Module):
         declared ``elementwise_average`` (ddpkit's allreduce, fp16 and bf16 are), ``reduce_function``
         and one-argument hooks are not supported here.
         """
+        if self._reducer.overlapped is not None:
+            raise ValueError("join() does not work with overlap_optimizer yet: a finished rank would shadow reductions "
+                             "the others still hold. Leave overlap_optimizer off for uneven inputs.")
         check_join_supported(self._reducer, self._reduce_function is not None)
         self._reducer.joining = True
         try:
@@ -333,6 +375,7 @@ class DistributedDataParallel(nn.Module):
         self._rank, self._world_size = membership.rank, membership.world_size
         # A rank that trains lost ranks' shares too counts for them (``ddpkit.membership.group``).
         self._reducer.follow(membership.rank, membership.world_size, membership.weight)
+        self._reducer.held.drop()  # the old group's reductions never land
 
     def bucket_order(self) -> tuple[list[str], bool]:
         """The launch order of the buckets, and whether it may still change after the next

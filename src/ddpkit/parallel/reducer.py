@@ -11,6 +11,7 @@ construction checks and broadcasts, forward and the public API, and hands backwa
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ from ddpkit.diagnostics.debug import debug_enabled
 from ddpkit.diagnostics.failures import CollectiveFailedError, guard
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.hooks.contract import GradBucket, check_hook_result
+from ddpkit.parallel.bucket_fill import copy_batched, copy_into_bucket
 from ddpkit.parallel.buckets import BUCKETS_PER_MODEL, DEFAULT_FIRST_CAP_BYTES, Bucket, assign_buckets
 from ddpkit.parallel.compiled_backward import (
     average_in_compiled_graph,
@@ -36,6 +38,7 @@ from ddpkit.parallel.compiled_backward import (
 )
 from ddpkit.parallel.copy_back import await_and_copy_back
 from ddpkit.parallel.sparse import average_sparse_gradients
+from ddpkit.parallel.step_overlap import HeldReductions, OverlappedOptimizer, launch_sequence
 from ddpkit.parallel.step_state import StepState
 from ddpkit.parallel.step_timings import StepClock
 
@@ -50,6 +53,10 @@ CommHook = Callable[[object, GradBucket], "torch.futures.Future[Any]"]
 # separate torch call from Python exceeds the cost of moving its data. Larger ones are copied
 # (and scaled) at once in one pass, while backward goes on.
 _BATCH_BELOW_NUMEL = 16384
+
+# With overlap_optimizer, the synchronised backward whose timing orders the launches (the first
+# lays the buckets out again, and the first steps are slower: allocations, page faults).
+_WIRE_MEASURED = 3
 
 #: What a backward's synchronisation is called in hang reports and debug-mode fingerprints.
 SYNCHRONISATION = "DistributedDataParallel backward"
@@ -109,7 +116,18 @@ class Reducer:
         self.step = StepState()
         self.clock = StepClock()  # where this rank's steps go (DistributedDataParallel.timings)
         self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, int] = {}  # a parameter's id: its bucket's index
         self.launch_order: list[str] = []
+        # overlap_optimizer (ddpkit.parallel.step_overlap): a backward's reductions are left in flight
+        # at its end (held) and settled bucket by bucket by the next forward.
+        self.overlapped: OverlappedOptimizer | None = None
+        self.held = HeldReductions()
+        # The order buckets are launched in (every rank the same): by index, or with overlap_optimizer
+        # the share of them the wire sends during backward first, then the rest as the next forward
+        # needs them (launch_sequence; the share is measured in the first synchronised backward).
+        self.sent_during_backward: float | None = None
+        self.launch_sequence: list[int] = []
+        self.launched_in_backward = 0  # how many of launch_sequence are launched during backward
         self._hook_handles: list[RemovableHandle] = []
         self.set_launch_order([name for name in launch_order if name in trainable])
         # Their hook only makes sure the end of backward runs, also when no dense gradient arrives.
@@ -150,6 +168,8 @@ class Reducer:
                                 spread=spread)
         self.buckets = [Bucket.build(i, [ordered[j] for j in g], [names[j] for j in g], _BATCH_BELOW_NUMEL)
                         for i, g in enumerate(groups)]
+        self.bucket_of = {id(p): bucket.index for bucket in self.buckets for p in bucket.parameters}
+        self.launch_sequence, self.launched_in_backward = launch_sequence(len(self.buckets), self.sent_during_backward)
         # A parameter frozen after wrapping cannot take a hook (torch refuses). It keeps its slot:
         # the end of backward copies whatever gradient it has (none: zeros, or None when no rank
         # has one), so unfreezing it later is right too, only without overlap for it.
@@ -186,6 +206,16 @@ class Reducer:
         if order != self.launch_order:
             self.set_launch_order(order)
 
+    def _measure_wire(self) -> None:
+        """With overlap_optimizer, in the ``_WIRE_MEASURED``-th synchronised backward (a warm one, in
+        the final buckets; those before it are not deferred): the share of the wire's work that
+        backward covered, by the group's first rank, which orders the launches from then on."""
+        share = self.step.wire_measure()
+        if self._world_size > 1:
+            share = broadcast_object(share, src=0, group=self._group)
+        self.sent_during_backward = 1.0 if share is None else share
+        self.launch_sequence, self.launched_in_backward = launch_sequence(len(self.buckets), self.sent_during_backward)
+
     def _make_hook(self, bucket: Bucket, slot: int) -> Callable[[Tensor], None]:
         """The post-accumulate-grad hook of one parameter, with its bucket and slot bound (hot path)."""
         view = bucket.views[slot]
@@ -209,7 +239,7 @@ class Reducer:
             elif batched:
                 bucket.batched.append((parameter, view))
             else:
-                self._copy_into_bucket(parameter, view)
+                copy_into_bucket(parameter, view, self.step.factor, self.step.elementwise, self._as_view)
             bucket.ready[slot] = True
             bucket.pending -= 1
             if bucket.pending == 0 and self.step.overlap:
@@ -238,74 +268,37 @@ class Reducer:
             self._begin_backward()
 
     def _begin_backward(self) -> None:
+        if self.held:
+            # Autograd has already added this backward's first gradient into a bucket still in flight.
+            raise RuntimeError(
+                "ddpkit DistributedDataParallel(overlap_optimizer=...): a backward began while the last one's "
+                "gradients were still being averaged (a second backward after one forward). This mode "
+                "finishes the averaging in the next forward: call model.settle() between the two backwards, "
+                "or leave overlap_optimizer off.")
         self.step.in_backward = True
         # Debug mode checks fingerprints before reducing, so nothing may launch during backward.
         self.step.debug = debug_enabled()
         self.step.defer_copies = bool(self.pre_sync_hooks)
         self.step.overlap = self._reduce_function is None and not self.step.defer_copies and not self.step.debug
         self.step.elementwise = self.averages_elementwise
+        self.step.factor = self._scale if self.step.elementwise else self._weighting  # parallel.bucket_fill
         # The engine calls it at the end of backward, also from inside a compiled function, where
         # Dynamo would compile what it calls (the buckets' waits, the order's broadcast) one by one.
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward_as_written)
 
-    def _copy_into_bucket(self, parameter: Tensor, view: Tensor) -> None:
-        grad = parameter.grad
-        if grad is None:
-            view.zero_()
-        elif grad is view:
-            if self.step.elementwise:
-                view.mul_(self._scale)
-            elif self._weighting != 1.0:
-                view.mul_(self._weighting)
-        elif grad.layout != torch.strided:  # sparse, from a module ddpkit did not recognise: densified
-            view.copy_(grad.to_dense())
-            if self.step.elementwise:
-                view.mul_(self._scale)
-            elif self._weighting != 1.0:
-                view.mul_(self._weighting)
-        elif self.step.elementwise:
-            torch.mul(grad, self._scale, out=view)  # copy and divide in one pass, as torch's Reducer
-        elif self._weighting != 1.0:
-            torch.mul(grad, self._weighting, out=view)
-        else:
-            view.copy_(grad)
-        if self._as_view and grad is not None and grad is not view:
-            parameter.grad = view
+    def _launch_complete_buckets(self, up_to: int | None = None) -> None:
+        """Launch the complete buckets next in the sequence, during backward those launched in it."""
+        sequence, step = self.launch_sequence, self.step
+        end = self.launched_in_backward if up_to is None else up_to
+        while step.next_bucket < end and self.buckets[sequence[step.next_bucket]].pending == 0:
+            bucket = self.buckets[sequence[step.next_bucket]]
+            self._prepare_launch(bucket)
+            step.in_flight.append((bucket, self._start_reduction(bucket, step.elementwise)))
+            step.next_bucket += 1
 
-    def _launch_complete_buckets(self) -> None:
-        while self.step.next_bucket < len(self.buckets) and self.buckets[self.step.next_bucket].pending == 0:
-            self._launch(self.buckets[self.step.next_bucket])
-            self.step.next_bucket += 1
-
-    def _copy_batched(self, bucket: Bucket) -> None:
-        """Copy the small gradients that the hooks only recorded, in two calls for the bucket."""
-        if not bucket.batched:
-            return
-        arrived, bucket.batched = bucket.batched, []
-        every_one = len(arrived) == len(bucket.batched_slots)  # the usual case
-        parameters = bucket.batched_parameters if every_one else [parameter for parameter, _ in arrived]
-        views = bucket.batched_views if every_one else [view for _, view in arrived]
-        grads = [parameter.grad for parameter in parameters]  # each hook fired, so none is None
-        try:
-            torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
-        except RuntimeError:
-            if all(grad.layout == torch.strided for grad in grads):  # type: ignore[union-attr]
-                raise
-            # Sparse gradients from a module ddpkit did not recognise: densified one by one.
-            for view, grad in zip(views, grads):
-                view.copy_(grad.to_dense())  # type: ignore[union-attr]
-        factor = self._scale if self.step.elementwise else self._weighting
-        if self.step.elementwise or factor != 1.0:  # g * (1/world): the same arithmetic as mul(out=)
-            if every_one:
-                bucket.batched_region.mul_(factor)  # they lie contiguous: one pass, not one call each
-            else:
-                torch._foreach_mul_(views, factor)
-        if self._as_view:
-            for parameter, view in zip(parameters, views):
-                parameter.grad = view
-
-    def _launch(self, bucket: Bucket) -> None:
-        self._copy_batched(bucket)
+    def _prepare_launch(self, bucket: Bucket) -> None:
+        """Everything of a launch but the reduction: the small gradients copied in, the flags."""
+        copy_batched(bucket, self.step.factor, self.step.elementwise, self._as_view)
         if self.step.elementwise:
             # The flags after the gradients say which parameters have a gradient on this rank.
             if all(p.grad is not None for p in bucket.parameters):
@@ -313,7 +306,8 @@ class Reducer:
             else:
                 bucket.flags.copy_(torch.tensor([p.grad is not None for p in bucket.parameters]))
                 self.step.buckets_missing_grads.add(bucket.index)
-        self.step.in_flight.append((bucket, self._start_reduction(bucket, self.step.elementwise)))
+        if self.step.first_launch is None:
+            self.step.first_launch = time.perf_counter()
 
     def _start_reduction(self, bucket: Bucket, elementwise: bool) -> Any:
         """Start reducing one bucket: its all-reduce, or the comm hook's future."""
@@ -367,19 +361,25 @@ class Reducer:
             # what gets reduced: nothing was copied into the buckets yet.
             for hook in list(self.pre_sync_hooks.values()):
                 hook(self._owner)
-        for bucket in self.buckets[self.step.next_bucket :]:
+        self.step.backward_ended = time.perf_counter()
+        for bucket in (self.buckets[index] for index in self.launch_sequence[self.step.next_bucket :]):
             for slot, ready in enumerate(bucket.ready):
                 if not ready or self.step.defer_copies:  # not ready: an accumulated gradient (no_sync), or zeros
-                    self._copy_into_bucket(bucket.parameters[slot], bucket.views[slot])
+                    copy_into_bucket(bucket.parameters[slot], bucket.views[slot], self.step.factor, self.step.elementwise,
+                                     self._as_view)
             bucket.pending = 0
         if self._reduce_function is not None:
             for bucket in self.buckets:
-                self._copy_batched(bucket)
+                copy_batched(bucket, self.step.factor, self.step.elementwise, self._as_view)
             self._reduce_with_custom_function(self._reduce_function)
+        elif self._holds():
+            self._hold_for_the_next_forward()
         else:
-            self._launch_complete_buckets()
-        await_and_copy_back(self.buckets, self.step, self._group, self._as_view, self._negotiation_needed(),
-                            self._wait_into_bucket)
+            self._launch_complete_buckets(len(self.buckets))
+        if not self.held:
+            await_and_copy_back(self.buckets, self.step, self._group, self._as_view, self._negotiation_needed(),
+                                self._wait_into_bucket)
+            self.step.wire_ended = time.perf_counter()
         if self._sparse and self._world_size > 1:
             if self._weighting != 1.0:
                 for parameter in self._sparse:
@@ -390,6 +390,38 @@ class Reducer:
             self._sync_buffers()
         if self.step.observed is not None:
             self._rebuild_buckets_in_observed_order()
+        elif self.overlapped is not None and self.sent_during_backward is None and \
+                self.step.synced_backwards >= _WIRE_MEASURED:
+            self._measure_wire()
+
+    def _hold_for_the_next_forward(self) -> None:
+        """overlap_optimizer: the reductions are settled by the next forward, bucket by bucket
+        (``ddpkit.parallel.step_overlap``); the first layers' buckets are launched one at a time
+        as it goes."""
+        self._launch_complete_buckets()
+        queued = [self.buckets[index] for index in self.launch_sequence[self.step.next_bucket :]]
+        for bucket in queued:
+            self._prepare_launch(bucket)
+        self.step.next_bucket = len(self.buckets)
+        elementwise = self.step.elementwise
+        self.held.hold(self.step.in_flight, queued, self.step.buckets_missing_grads if self._negotiation_needed() else set(),
+                       lambda bucket: self._start_reduction(bucket, elementwise))
+        self.overlapped.backward_held()  # type: ignore[union-attr]  # _holds checked it
+
+    def _holds(self) -> bool:
+        """Whether this backward's reductions are left in flight for the next forward: with
+        overlap_optimizer, when they were launched during backward, once the launch order is set
+        (``_measure_wire``; the synchronised backwards before are synchronous), and where unused
+        parameters are found from the buckets' own flags (a comm hook that is not an elementwise
+        average negotiates apart)."""
+        return (self.overlapped is not None and self.step.overlap and self.sent_during_backward is not None
+                and (self.step.elementwise or not self._negotiation_needed()))
+
+
+    def settle_held(self, index: int) -> bool:
+        """Wait for held bucket ``index`` and copy its gradients back (False: none held)."""
+        with guard():
+            return self.held.settle(index, self._as_view, self._wait_into_bucket)
 
     def _reduce_with_custom_function(self, reduce_function: TensorsFunction) -> None:
         """The user's function reduces every gradient in place (views into the buckets)."""
@@ -415,7 +447,8 @@ class Reducer:
 
     def reduce_zeros(self) -> bool:
         pending = []
-        for bucket in self.buckets:  # the same collectives, in the same order, as a real backward
+        # The same collectives, in the same order, as a real backward.
+        for bucket in (self.buckets[index] for index in self.launch_sequence):
             bucket.buffer.zero_()
             pending.append((bucket, self._start_reduction(bucket, elementwise=True)))  # join checked it is
         anyone_trained = False

@@ -1,0 +1,307 @@
+"""The optimizer step overlapped with the next forward: ``DistributedDataParallel(module,
+overlap_optimizer=optimizer)`` (issue 48, item 2).
+
+Every synchronous DDP waits for all of its buckets at the end of backward, so a step is never
+shorter than the forward plus the all-reduce. In this mode the end of backward launches the
+buckets and returns at once (``Reducer.hold``). ``optimizer.step()`` and ``optimizer.zero_grad()``
+only note that they were asked for, with the step's hyperparameters as they are then (an LR
+scheduler stepped afterwards changes the next step, not this one). Each module's next forward
+starts with a pre-hook that waits for the buckets of that module's own parameters, copies their
+gradients back and updates those parameters alone with the noted step; what the forward did not
+reach is finished when it returns. The wire therefore goes on sending the later layers'
+gradients while the first layers compute, and the buckets are launched in the order the next
+forward needs them once backward has ended (``Reducer.launch_sequence``).
+
+The result is bit for bit that of the same run without the mode: the same buckets are summed the
+same way, and the optimizers taken here (``PER_PARAMETER``) update each parameter from its own
+gradient and state alone, so a step over one bucket's parameters at a time does what one step
+over all of them does (their foreach and fused kernels work tensor by tensor on CPU as well).
+
+What reads gradients between backward and ``optimizer.step()`` (``clip_grad_norm_``, a
+``GradScaler``'s unscale and inf check, a gradient's norm for logging) would read them before
+they are averaged. Such a read raises ``GradientsNotReducedError`` naming the call: until they
+land, each ``.grad`` is a ``NotYetReduced`` stand-in. ``DistributedDataParallel.settle()`` first
+waits for every bucket (that step is then not overlapped) and makes the read right.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ddpkit.parallel.buckets import Bucket
+from ddpkit.parallel.copy_back import settle_bucket
+
+__all__ = ["PER_PARAMETER", "GradientsNotReducedError", "HeldReductions", "NotYetReduced", "OverlappedOptimizer",
+           "launch_sequence"]
+
+#: The optimizers whose step updates each parameter from its own gradient and state alone.
+PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta,
+)
+
+_TORCH_FOLDER = os.path.dirname(torch.__file__)
+
+
+class GradientsNotReducedError(RuntimeError):
+    """A gradient was read while it was still being averaged across ranks (``overlap_optimizer``)."""
+
+
+def _reader() -> str:
+    """The torch function the user's code called that read a stand-in, and where it was called:
+    the first frame inside torch below the user's, past torch's private wrappers (a decorator's)."""
+    frames = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back  # type: ignore[assignment]
+    frames.reverse()  # outermost first
+    for index, caller in enumerate(frames[:-1]):
+        if caller.f_code.co_filename.startswith(_TORCH_FOLDER) or not frames[index + 1].f_code.co_filename.startswith(
+                _TORCH_FOLDER):
+            continue
+        called = next((inner for inner in frames[index + 1:] if not inner.f_code.co_name.startswith("_")
+                       and inner.f_code.co_name not in ("wrapper", "decorate_context")), frames[index + 1])
+        return f"{called.f_code.co_qualname} (called at {caller.f_code.co_filename}:{caller.f_lineno})"
+    return "a read of .grad"
+
+
+class NotYetReduced(Tensor):
+    """A parameter's ``.grad`` while its bucket is still being averaged: any use raises."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise GradientsNotReducedError(
+            f"ddpkit DistributedDataParallel(overlap_optimizer=...): {_reader()} read the gradients before "
+            "optimizer.step(), while they are still being averaged across ranks (this mode finishes the "
+            "averaging during the next forward). Call model.settle() first: it waits for every gradient "
+            "(this step is then not overlapped). Gradient clipping and a GradScaler need it; or leave "
+            "overlap_optimizer off."
+        )
+
+
+def stand_in(gradient: Tensor) -> Tensor:
+    return Tensor._make_subclass(NotYetReduced, gradient)
+
+
+class HeldReductions:
+    """The reductions a backward left for the next forward (``Reducer``, in this mode), by bucket
+    index, and the gradients their stand-ins replaced.
+
+    The buckets launched during backward are in flight. The rest (``queued``: the first layers',
+    complete at the end of backward) are launched one at a time, in the launch sequence's order:
+    the next when the one before is settled. Gloo runs a group's reductions on several threads at
+    once, so buckets launched together share the wire and land together, the first layer's no
+    sooner than the last; one at a time, each lands in the order the forward needs them. Every
+    launch happens at the same point of the program on every rank (a settle, in forward order),
+    so the ranks' collectives match.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[Bucket, Any, bool]] = {}  # index: (bucket, its work or None: queued, read flags)
+        self._gradients: dict[int, list[Tensor | None]] = {}  # index: each parameter's .grad before its stand-in
+        self._queued: list[Bucket] = []
+        self._launched_from_queue: set[int] = set()  # launched from the queue and not settled yet
+        self._start: Callable[[Bucket], Any] = lambda bucket: None
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def hold(self, in_flight: list[tuple[Bucket, Any]], queued: list[Bucket], read_flags: set[int],
+             start: Callable[[Bucket], Any]) -> None:
+        """Hold ``in_flight`` and ``queued`` (prepared, not launched); ``start`` launches one."""
+        self._queued, self._start = list(queued), start
+        for bucket, pending in [*in_flight, *((bucket, None) for bucket in queued)]:
+            self._pending[bucket.index] = (bucket, pending, bucket.index in read_flags)
+            self._gradients[bucket.index] = [p.grad for p in bucket.parameters]
+            for parameter in bucket.parameters:
+                if parameter.grad is not None:
+                    parameter.grad = stand_in(parameter.grad)
+        self._launch_next()
+
+    def _launch_next(self) -> None:
+        if self._queued:
+            bucket = self._queued.pop(0)
+            _, _, read_flags = self._pending[bucket.index]
+            self._pending[bucket.index] = (bucket, self._start(bucket), read_flags)
+            self._launched_from_queue.add(bucket.index)
+
+    def settle(self, index: int, as_view: bool, wait_into_bucket: Callable[[Bucket, Any], None]) -> bool:
+        """Wait for bucket ``index``'s reduction and copy its gradients back; False if none was held."""
+        if index not in self._pending:
+            return False
+        while self._pending[index][1] is None:  # still queued: launched now, with those before it
+            self._launch_next()
+        bucket, pending, read_flags = self._pending.pop(index)
+        for parameter, gradient in zip(bucket.parameters, self._gradients.pop(index)):
+            parameter.grad = gradient
+        settle_bucket(bucket, pending, as_view, read_flags, wait_into_bucket)
+        self._launched_from_queue.discard(index)
+        if not self._launched_from_queue:
+            self._launch_next()
+        return True
+
+    def drop(self) -> None:
+        """Forget what is held (the group was formed again: those reductions will never land)."""
+        self._queued, self._launched_from_queue = [], set()
+        for index in list(self._pending):
+            bucket, _, _ = self._pending.pop(index)
+            for parameter, gradient in zip(bucket.parameters, self._gradients.pop(index)):
+                parameter.grad = gradient
+
+
+class OverlappedOptimizer:
+    """The user's optimizer, its ``step`` and ``zero_grad`` deferred to the next forward.
+
+    ``settle_bucket(index)`` waits for one bucket's reduction and copies its gradients back (the
+    reducer's); ``bucket_of`` maps a parameter's id to its bucket's index and is read afresh,
+    since the buckets are laid out again after the first step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, parameters: Iterable[Tensor],
+                 settle_bucket: Callable[[int], bool], bucket_of: Callable[[], dict[int, int]]) -> None:
+        check_optimizer(optimizer, parameters)
+        self.optimizer = optimizer
+        self._settle_bucket = settle_bucket
+        self._bucket_of = bucket_of
+        self._step = optimizer.step  # as it is now: a scheduler's wrapper made before stays inside
+        self._zero_grad = optimizer.zero_grad
+        #: The step asked for since the last backward: each group's hyperparameters then; None: not asked.
+        self.requested: list[dict[str, Any]] | None = None
+        self.zero_requested: bool | None = None  # zero_grad asked for after the step: its set_to_none
+        self.held = False  # a backward's reductions are in flight, their gradients stand-ins
+        self._done: set[int] = set()  # buckets settled (and stepped) since the last backward
+        # Methods of the optimizer itself: an LR scheduler rebinds optimizer.step's function to the optimizer.
+        optimizer.step = types.MethodType(lambda _, closure=None: self.step(closure), optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
+            lambda _, set_to_none=True: self.zero_grad(set_to_none), optimizer)
+        optimizer.register_state_dict_pre_hook(lambda _: self.settle_all())
+        optimizer.register_load_state_dict_pre_hook(lambda *_: self.settle_all())
+        self._hooks = [owner.register_forward_pre_hook(self._pre_forward(owner))
+                       for owner in module.modules() if any(True for _ in owner.parameters(recurse=False))]
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        if not self.held or closure is not None:  # a closure computes the loss: it needs the parameters now
+            self.settle_all()
+            return self._step() if closure is None else self._step(closure)
+        if self.requested is not None:  # a second step on the same gradients: the first goes first
+            self.settle_all()
+            return self._step()
+        self.requested = [{key: value.clone() if isinstance(value, Tensor) else value
+                           for key, value in group.items() if key != "params"}
+                          for group in self.optimizer.param_groups]
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.held and self.requested is not None:
+            self.zero_requested = set_to_none
+            return
+        self.settle_all()
+        self._zero_grad(set_to_none)
+
+    def backward_held(self) -> None:
+        """The reducer's end of a backward: its buckets are in flight, their gradients stand-ins."""
+        self.held, self._done = True, set()
+
+    def _pre_forward(self, owner: nn.Module) -> Callable[..., None]:
+        def settle_own_parameters(_module: nn.Module, _args: Any) -> None:
+            if self.held:
+                bucket_of = self._bucket_of()
+                for parameter in owner.parameters(recurse=False):
+                    index = bucket_of.get(id(parameter))
+                    if index is not None and index not in self._done:
+                        self._finish(index)
+        return settle_own_parameters
+
+    def settle_all(self) -> None:
+        """Every bucket waited for, and the step and zero_grad asked for applied (the forward's end,
+        ``DistributedDataParallel.settle``, a state_dict)."""
+        if not self.held:
+            return
+        for index in sorted(set(self._bucket_of().values())):
+            if index not in self._done:
+                self._finish(index)
+        self.held, self.requested, self.zero_requested = False, None, None
+
+    def _finish(self, index: int) -> None:
+        self._done.add(index)
+        if not self._settle_bucket(index) or self.requested is None:
+            return  # nothing was held for it, or no step was asked for: the gradients are what they are
+        bucket_of = self._bucket_of()
+        groups = [{**hyper, "params": [p for p in group["params"] if bucket_of.get(id(p)) == index]}
+                  for hyper, group in zip(self.requested, self.optimizer.param_groups)]
+        original = self.optimizer.param_groups
+        self.optimizer.param_groups = [group for group in groups if group["params"]]
+        try:
+            if self.optimizer.param_groups:
+                self._step()
+            if self.zero_requested is not None:
+                parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+                _zero(parameters, self.zero_requested)
+        finally:
+            self.optimizer.param_groups = original
+
+
+def launch_sequence(count: int, sent_during_backward: float | None) -> tuple[list[int], int]:
+    """The order in which ``count`` buckets are launched (bucket 0 holds the gradients backward
+    produces first, the last layers'), the same on every rank (collectives must match), and where
+    in it the buckets launched after backward begin (``HeldReductions``: one at a time).
+
+    Without ``sent_during_backward``, by index, all during backward. With it (the share of the
+    wire's work that backward's own time covers, ``StepState.wire_measure``): bucket 0 and as
+    many more as the wire sends while backward runs; then the rest from the last, which holds the
+    first layers the next forward needs first. Bucket 1 goes last of all: the step's wire is then
+    done when the forward reaches the next-to-last layer, and the next backward launches bucket 0
+    soon after; a first layer's bucket landing last would leave the wire idle through most of
+    the forward.
+    """
+    if sent_during_backward is None or count < 3:
+        return list(range(count)), count
+    during = min(count - 1, max(1, math.ceil(sent_during_backward * count)))
+    return [0, *range(2, during + 1), *range(count - 1, during, -1), 1], during
+
+
+def _zero(parameters: list[Tensor], set_to_none: bool) -> None:
+    for parameter in parameters:
+        if parameter.grad is None:
+            continue
+        if set_to_none:
+            parameter.grad = None
+        else:  # as Optimizer.zero_grad does: a bucket view cannot be detached in place
+            if parameter.grad.grad_fn is not None:
+                parameter.grad.detach_()
+            else:
+                parameter.grad.requires_grad_(False)
+            parameter.grad.zero_()
+
+
+def check_optimizer(optimizer: object, parameters: Iterable[Tensor]) -> None:
+    """Refuse, naming why, an optimizer this mode cannot split by buckets."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"overlap_optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if type(optimizer) not in PER_PARAMETER:
+        raise ValueError(
+            f"overlap_optimizer: {type(optimizer).__name__} is not one of the optimizers known to update each "
+            f"parameter from its own gradient alone ({', '.join(kind.__name__ for kind in PER_PARAMETER)}), so "
+            "updating a bucket's parameters as its gradients land may differ from one step over all of them "
+            "(LBFGS needs every gradient and a closure). Leave overlap_optimizer off for it."
+        )
+    hooks = [name for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") if getattr(optimizer, name, None)]
+    if hooks:
+        raise ValueError(f"overlap_optimizer: the optimizer has step hooks ({', '.join(hooks)}), which would run "
+                         "once per bucket in this mode. Remove them, or leave overlap_optimizer off.")
+    own = {id(p) for p in parameters}
+    # A frozen parameter has no gradient, so no step: only trainable ones must be the wrapper's.
+    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own and p.requires_grad)
+    if foreign:
+        raise ValueError(f"overlap_optimizer: {foreign} of the optimizer's parameters are not parameters of the wrapped "
+                         "module that DistributedDataParallel reduces in buckets (frozen, sparse, or another "
+                         "model's). Give it an optimizer over this module's trainable parameters only.")

@@ -1,0 +1,238 @@
+"""``DistributedDataParallel(overlap_optimizer=...)`` (issue 48, item 2) on 2 Gloo ranks: the
+optimizer step deferred to the next forward gives the parameters of the same run without it, bit
+for bit, with the loops users write; what reads gradients too early is refused naming the call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.distributed import register_ddp_comm_hook
+from ddpkit.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook
+from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.step_overlap import GradientsNotReducedError, launch_sequence
+from ddpkit.testing import WorkerPool
+
+STEPS = 8  # the first three synchronised backwards are synchronous (they measure the wire)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                         nn.Linear(48, 8))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(16, 32, generator=generator), torch.randn(16, 8, generator=generator)
+
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adamw-for-loop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+}
+
+
+def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -> list[torch.Tensor]:
+    """STEPS steps of ``loop`` on a DDP model with small buckets (one a layer), with or without
+    overlap_optimizer; this rank's final parameters."""
+    inner = model()
+    optimizer = OPTIMIZERS[optimizer_name](list(inner.parameters()))
+    ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, gradient_as_bucket_view=as_view,
+                                  overlap_optimizer=optimizer if overlap else None)
+    if loop == "fp16-hook":  # an elementwise average: overlapped
+        register_ddp_comm_hook(ddp, ddp_comm_state=None, ddp_comm_hook=fp16_compress_hook)
+    if loop == "powersgd":  # negotiates apart: its steps stay synchronous, and exact
+        register_ddp_comm_hook(ddp, ddp_comm_state=PowerSGDState(None, start_powerSGD_iter=2),
+                               ddp_comm_hook=powerSGD_hook)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step) if loop == "scheduler" else None
+    for step in range(STEPS):
+        x, y = batch(step)
+        if loop == "zero-first":
+            optimizer.zero_grad()
+        if loop == "no_sync":  # two micro-batches, the first accumulated locally
+            with ddp.no_sync():
+                nn.functional.mse_loss(ddp(x[:8]), y[:8]).backward()
+            x, y = x[8:], y[8:]
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if loop == "clip":
+            ddp.settle()  # every gradient averaged first: the clip reads them
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+        if loop == "closure":  # a closure needs the parameters now: the step is not deferred
+            optimizer.step(lambda: 0.0)
+        else:
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()  # changes the next step's lr, not the deferred one
+        if loop != "zero-first":
+            optimizer.zero_grad(set_to_none=loop != "zero-keep")
+    ddp.settle()
+    return [p.detach().clone() for p in inner.parameters()]
+
+
+@pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
+def test_the_deferred_step_gives_the_parameters_of_the_synchronous_run_bit_for_bit(pool2: WorkerPool,
+                                                                                   optimizer_name: str) -> None:
+    synchronous = pool2.run(train, optimizer_name, False, "step-then-zero", timeout=60)
+    overlapped = pool2.run(train, optimizer_name, True, "step-then-zero", timeout=60)
+    for sync_rank, overlap_rank in zip(synchronous, overlapped):
+        assert all(torch.equal(a, b) for a, b in zip(sync_rank, overlap_rank))
+    assert not torch.equal(synchronous[0][0], next(model().parameters()))  # it trained
+
+
+@pytest.mark.parametrize("loop", ["zero-first", "zero-keep", "scheduler", "no_sync", "clip", "copies", "fp16-hook",
+                                  "powersgd", "closure"])
+def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
+    as_view = loop != "copies"  # gradient_as_bucket_view=False: each .grad has storage of its own
+    kind = "step-then-zero" if loop == "copies" else loop
+    synchronous = pool2.run(train, "adamw", False, kind, as_view, timeout=60)
+    overlapped = pool2.run(train, "adamw", True, kind, as_view, timeout=60)
+    for sync_rank, overlap_rank in zip(synchronous, overlapped):
+        assert all(torch.equal(a, b) for a, b in zip(sync_rank, overlap_rank))
+
+
+def deferred_until_the_next_forward() -> tuple[bool, bool, bool]:
+    inner = model()
+    optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+    ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer)
+    for step in range(4):  # the first three synchronised backwards are not deferred
+        x, y = batch(step)
+        before = [p.detach().clone() for p in inner.parameters()]
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, inner.parameters()))
+    ddp(batch(4)[0])
+    changed = not any(torch.equal(a, p) for a, p in zip(before, inner.parameters()))
+    return unchanged, changed, all(p.grad is None for p in inner.parameters())
+
+
+def test_the_step_is_applied_by_the_next_forward_and_zero_grad_after_it(pool2: WorkerPool) -> None:
+    for unchanged, changed, zeroed in pool2.run(deferred_until_the_next_forward, timeout=60):
+        assert unchanged and changed and zeroed
+
+
+def read_too_early(how: str) -> str:
+    inner = model()
+    optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)
+    ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer)
+    for step in range(4):
+        x, y = batch(step)
+        out = ddp(x)
+        try:
+            if how == "second backward":
+                loss = nn.functional.mse_loss(out, y)
+                loss.backward(retain_graph=True)
+                if step == 3:
+                    loss.backward()
+            elif how == "scaler":
+                scaler = torch.amp.GradScaler("cpu")
+                scaler.scale(nn.functional.mse_loss(out, y)).backward()
+                if step == 3:
+                    scaler.step(optimizer)
+            else:
+                nn.functional.mse_loss(out, y).backward()
+                if step == 3:
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        except (GradientsNotReducedError, RuntimeError) as error:
+            ddp.settle()
+            return f"{type(error).__name__}: {error}"
+        optimizer.step()
+        optimizer.zero_grad()
+    return "no error"
+
+
+def test_a_read_of_gradients_before_they_land_is_refused_naming_the_call(pool2: WorkerPool) -> None:
+    for message in pool2.run(read_too_early, "clip", timeout=60):
+        assert message.startswith("GradientsNotReducedError") and "clip_grad_norm_" in message, message
+        assert "model.settle()" in message
+    for message in pool2.run(read_too_early, "scaler", timeout=60):
+        assert message.startswith("GradientsNotReducedError") and "GradScaler" in message, message
+    for message in pool2.run(read_too_early, "second backward", timeout=60):
+        assert "a second backward after one forward" in message, message
+
+
+def build_with_lbfgs() -> str:
+    inner = model()
+    try:
+        DistributedDataParallel(inner, overlap_optimizer=torch.optim.LBFGS(inner.parameters()))
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_an_optimizer_that_is_not_per_parameter_is_refused_at_construction(pool2: WorkerPool) -> None:
+    for message in pool2.run(build_with_lbfgs, timeout=60):
+        assert "LBFGS is not one of the optimizers" in message and "Leave overlap_optimizer off" in message
+
+
+def refused(what: str) -> str:
+    inner = model()
+    optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+    options: dict[str, object] = {}
+    if what == "step hook":
+        optimizer.register_step_post_hook(lambda *_: None)
+    if what == "foreign parameter":
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    if what == "reduce_function":
+        options["reduce_function"] = lambda tensors, group: None
+    try:
+        ddp = DistributedDataParallel(inner, overlap_optimizer=optimizer, **options)  # type: ignore[arg-type]
+        with ddp.join():
+            pass
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(("what", "named"), [("step hook", "step hooks"), ("foreign parameter", "1 of the optimizer's"),
+                                             ("reduce_function", "reduce_function"), ("join", "join()")])
+def test_what_the_mode_cannot_take_is_refused_naming_it(pool2: WorkerPool, what: str, named: str) -> None:
+    for message in pool2.run(refused, what, timeout=60):
+        assert named in message and "overlap_optimizer" in message, message
+
+
+def checkpoint_between_step_and_forward(overlap: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """The model's and the optimizer's state_dict right after optimizer.step(), and whether a checkpoint
+    loaded there is what the next forward computes with (not overwritten by the deferred step)."""
+    inner = model()
+    optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)
+    ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer if overlap else None)
+    start = {key: value.clone() for key, value in inner.state_dict().items()}
+    for step in range(5):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+    parameters = [value.clone() for value in ddp.state_dict().values()]
+    moments = [state["exp_avg"].clone() for state in optimizer.state_dict()["state"].values()]
+    nn.functional.mse_loss(ddp(batch(5)[0]), batch(5)[1]).backward()
+    optimizer.step()
+    ddp.load_state_dict(start)
+    ddp(batch(6)[0])
+    return parameters, moments, all(torch.equal(start[key], value) for key, value in inner.state_dict().items())
+
+
+def test_a_checkpoint_between_the_step_and_the_next_forward_holds_the_step_and_a_loaded_one_is_kept(
+        pool2: WorkerPool) -> None:
+    synchronous = pool2.run(checkpoint_between_step_and_forward, False, timeout=60)
+    overlapped = pool2.run(checkpoint_between_step_and_forward, True, timeout=60)
+    for (sync_parameters, sync_moments, _), (parameters, moments, loaded_kept) in zip(synchronous, overlapped):
+        assert all(torch.equal(a, b) for a, b in zip(sync_parameters, parameters))
+        assert all(torch.equal(a, b) for a, b in zip(sync_moments, moments))
+        assert loaded_kept
+
+
+def test_the_buckets_the_wire_sends_during_backward_go_first_then_the_first_layers_and_the_second_bucket_last() -> None:
+    assert launch_sequence(8, None) == (list(range(8)), 8)
+    assert launch_sequence(8, 0.1) == ([0, 7, 6, 5, 4, 3, 2, 1], 1)  # the wire is slow: one during backward
+    assert launch_sequence(8, 0.5) == ([0, 2, 3, 4, 7, 6, 5, 1], 4)
+    assert launch_sequence(8, 1.0) == ([0, 2, 3, 4, 5, 6, 7, 1], 7)  # it keeps up: all but one during backward
+    assert launch_sequence(2, 0.1) == ([0, 1], 2)
