@@ -60,7 +60,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -278,22 +278,22 @@ def worlds_by_rate_and_model(scaling: Scaling) -> dict[tuple[float, str], list[t
     return worlds
 
 
-def print_scaling(scaling: Scaling) -> None:
+def print_scaling(scaling: Scaling, out: TextIO = sys.stdout) -> None:
     """How the step grows with the ranks: per rate and model, each world's medians of C and A, and
     each DDP's step over max(C, A) and over F + A (a DDP that scales keeps both flat while A grows
     with the ranks and C with what the ranks share of the CPU)."""
-    print("how the step grows with the ranks (medians; step/max(C, A) and step/(F + A) per round):")
+    print("how the step grows with the ranks (medians; step/max(C, A) and step/(F + A) per round):", file=out)
     for (rate, model_name), worlds in worlds_by_rate_and_model(scaling).items():
-        print(f"  {rate:g} Gbit/s, {model_name}:")
-        print(f"    {'ranks':>12s} {'C ms':>7s} {'F ms':>6s} {'A ms':>7s}   {'torch DDP':>19s}   {'ddpkit':>19s}")
+        print(f"  {rate:g} Gbit/s, {model_name}:", file=out)
+        print(f"    {'ranks':>12s} {'C ms':>7s} {'F ms':>6s} {'A ms':>7s}   {'torch DDP':>19s}   {'ddpkit':>19s}", file=out)
         for count, per_node in worlds:
             samples = scaling[(rate, model_name, count, per_node)]
             ratios = [per_round(samples, name)[1:] for name in ("torch DDP", "ddpkit")]
             cells = "   ".join(f"{larger:9.3f} {floor:9.3f}" for larger, floor in ratios)
             medians = [statistics.median(samples[key]) for key in ("C", "F", "A")]
             print(f"    {count * per_node:3d} ({count}x{per_node:<2d})  {medians[0]:7.1f} {medians[1]:6.1f} "
-                  f"{medians[2]:7.1f}   {cells}")
-    sys.stdout.flush()
+                  f"{medians[2]:7.1f}   {cells}", file=out)
+    out.flush()
 
 
 def plot_scaling(scaling: Scaling, path: str) -> None:
@@ -357,7 +357,7 @@ def main() -> None:
                 for model_name, samples in results.items():
                     scaling[(rate, model_name, count, per_node)] = samples
     if len({(count, per_node) for *_, count, per_node in scaling}) > 1:
-        print_scaling(scaling)
+        print_scaling(scaling, sys.stderr if args.json else sys.stdout)  # --json: stdout holds only JSON lines
         if args.plot:
             plot_scaling(scaling, args.plot)
     elif args.plot:

@@ -184,16 +184,27 @@ def refused(what: str) -> str:
     if what == "reduce_function":
         options["reduce_function"] = lambda tensors, group: None
     try:
-        ddp = DistributedDataParallel(inner, overlap_optimizer=optimizer, **options)  # type: ignore[arg-type]
-        with ddp.join():
-            pass
+        ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer, **options)  # type: ignore[arg-type]
+        if what == "join":
+            with ddp.join():
+                pass
     except ValueError as error:
         return str(error)
+    optimizer.register_step_pre_hook(lambda *_: None)  # added later, as a framework may: refused at the first deferred step
+    try:
+        for step in range(5):
+            x, y = batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+    except ValueError as error:
+        ddp.settle()
+        return f"step {step}: {error}"
     return "accepted"
 
 
 @pytest.mark.parametrize(("what", "named"), [("step hook", "step hooks"), ("foreign parameter", "1 of the optimizer's"),
-                                             ("reduce_function", "reduce_function"), ("join", "join()")])
+                                             ("reduce_function", "reduce_function"), ("join", "join()"),
+                                             ("hook added later", "step 3: overlap_optimizer: the optimizer has step hooks")])
 def test_what_the_mode_cannot_take_is_refused_naming_it(pool2: WorkerPool, what: str, named: str) -> None:
     for message in pool2.run(refused, what, timeout=60):
         assert named in message and "overlap_optimizer" in message, message

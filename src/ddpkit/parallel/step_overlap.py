@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.optim.optimizer as optimizer_module
 from torch import Tensor, nn
 
 from ddpkit.parallel.buckets import Bucket
@@ -195,6 +196,7 @@ class OverlappedOptimizer:
         if self.requested is not None:  # a second step on the same gradients: the first goes first
             self.settle_all()
             return self._step()
+        check_no_step_hooks(self.optimizer)
         self.requested = [{key: value.clone() if isinstance(value, Tensor) else value
                            for key, value in group.items() if key != "params"}
                           for group in self.optimizer.param_groups]
@@ -283,6 +285,18 @@ def _zero(parameters: list[Tensor], set_to_none: bool) -> None:
             parameter.grad.zero_()
 
 
+def check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse step hooks (the optimizer's own and torch's global ones): each would run once per
+    bucket here. Checked when the mode is set up and at every deferred step, since a framework
+    may add them later (ddpkit's DDPStrategy counts steps with one)."""
+    hooks = [name for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") if getattr(optimizer, name, None)]
+    hooks += [name for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+              if getattr(optimizer_module, name, None)]
+    if hooks:
+        raise ValueError(f"overlap_optimizer: the optimizer has step hooks ({', '.join(hooks)}), which would run "
+                         "once per bucket in this mode. Remove them, or leave overlap_optimizer off.")
+
+
 def check_optimizer(optimizer: object, parameters: Iterable[Tensor]) -> None:
     """Refuse, naming why, an optimizer this mode cannot split by buckets."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -294,10 +308,7 @@ def check_optimizer(optimizer: object, parameters: Iterable[Tensor]) -> None:
             "updating a bucket's parameters as its gradients land may differ from one step over all of them "
             "(LBFGS needs every gradient and a closure). Leave overlap_optimizer off for it."
         )
-    hooks = [name for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") if getattr(optimizer, name, None)]
-    if hooks:
-        raise ValueError(f"overlap_optimizer: the optimizer has step hooks ({', '.join(hooks)}), which would run "
-                         "once per bucket in this mode. Remove them, or leave overlap_optimizer off.")
+    check_no_step_hooks(optimizer)
     own = {id(p) for p in parameters}
     # A frozen parameter has no gradient, so no step: only trainable ones must be the wrapper's.
     foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own and p.requires_grad)
