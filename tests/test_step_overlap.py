@@ -13,6 +13,7 @@ from torch import nn
 
 from ddpkit.distributed import register_ddp_comm_hook
 from ddpkit.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook
+from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.step_overlap import GradientsNotReducedError, launch_sequence
 from ddpkit.testing import WorkerPool
@@ -44,6 +45,11 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
     """STEPS steps of ``loop`` on a DDP model with small buckets (one a layer), with or without
     overlap_optimizer; this rank's final parameters."""
     inner = model()
+    if loop == "syncbn":  # collectives in the forward, and buffers broadcast after backward
+        torch.manual_seed(0)
+        inner = SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(
+            nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 48), nn.BatchNorm1d(48), nn.ReLU(),
+            nn.Linear(48, 8)))
     optimizer = OPTIMIZERS[optimizer_name](list(inner.parameters()))
     ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, gradient_as_bucket_view=as_view,
                                   overlap_optimizer=optimizer if overlap else None)
@@ -74,7 +80,7 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
         if loop != "zero-first":
             optimizer.zero_grad(set_to_none=loop != "zero-keep")
     ddp.settle()
-    return [p.detach().clone() for p in inner.parameters()]
+    return [p.detach().clone() for p in inner.parameters()] + [b.clone() for b in inner.buffers()]
 
 
 @pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
@@ -88,7 +94,7 @@ def test_the_deferred_step_gives_the_parameters_of_the_synchronous_run_bit_for_b
 
 
 @pytest.mark.parametrize("loop", ["zero-first", "zero-keep", "scheduler", "no_sync", "clip", "copies", "fp16-hook",
-                                  "powersgd", "closure"])
+                                  "powersgd", "closure", "syncbn"])
 def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
     as_view = loop != "copies"  # gradient_as_bucket_view=False: each .grad has storage of its own
     kind = "step-then-zero" if loop == "copies" else loop
