@@ -51,8 +51,11 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
             nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 48), nn.BatchNorm1d(48), nn.ReLU(),
             nn.Linear(48, 8)))
     optimizer = OPTIMIZERS[optimizer_name](list(inner.parameters()))
+    first = next(inner.parameters())
+    first.requires_grad_(loop != "unfrozen")  # frozen at wrapping: in no bucket, its gradient this rank's own
     ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, gradient_as_bucket_view=as_view,
                                   overlap_optimizer=optimizer if overlap else None)
+    first.requires_grad_(True)  # unfrozen: the optimizer steps it on this rank's gradient, with the mode or without
     if loop == "fp16-hook":  # an elementwise average: overlapped
         register_ddp_comm_hook(ddp, ddp_comm_state=None, ddp_comm_hook=fp16_compress_hook)
     if loop == "powersgd":  # negotiates apart: its steps stay synchronous, and exact
@@ -94,7 +97,7 @@ def test_the_deferred_step_gives_the_parameters_of_the_synchronous_run_bit_for_b
 
 
 @pytest.mark.parametrize("loop", ["zero-first", "zero-keep", "scheduler", "no_sync", "clip", "copies", "fp16-hook",
-                                  "powersgd", "closure", "syncbn"])
+                                  "powersgd", "closure", "syncbn", "unfrozen"])
 def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
     as_view = loop != "copies"  # gradient_as_bucket_view=False: each .grad has storage of its own
     kind = "step-then-zero" if loop == "copies" else loop
@@ -163,6 +166,22 @@ def test_a_read_of_gradients_before_they_land_is_refused_naming_the_call(pool2: 
         assert message.startswith("GradientsNotReducedError") and "GradScaler" in message, message
     for message in pool2.run(read_too_early, "second backward", timeout=60):
         assert "a second backward after one forward" in message, message
+
+
+def build_with_a_sparse_embedding() -> str:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.EmbeddingBag(10, 8, mode="sum", sparse=True), nn.Linear(8, 4))
+    try:
+        DistributedDataParallel(inner, overlap_optimizer=torch.optim.SGD(inner.parameters(), lr=0.1))
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_a_sparse_gradient_in_the_optimizer_is_refused(pool2: WorkerPool) -> None:
+    """Sparse gradients are averaged apart from the buckets, after them: the mode does not step them."""
+    for message in pool2.run(build_with_a_sparse_embedding, timeout=60):
+        assert "1 of the optimizer's parameters" in message and "sparse" in message, message
 
 
 def build_with_lbfgs() -> str:

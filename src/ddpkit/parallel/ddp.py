@@ -173,7 +173,9 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("overlap_optimizer does not work under in-place recovery (ddpkit run --recovery in-place) "
                              "yet: a rank's state would be sent while its step is still in flight. Leave one of them "
                              "out.")
-        overlapped = OverlappedOptimizer(optimizer, self.module, parameters, self._reducer.settle_held,
+        # Only parameters reduced in buckets (not sparse ones, averaged apart) may be the optimizer's.
+        bucketed = [p for p in parameters if id(p) in self._reducer.bucket_of]
+        overlapped = OverlappedOptimizer(optimizer, self.module, bucketed, self._reducer.settle_held,
                                          lambda: self._reducer.bucket_of)
         self._reducer.overlapped = overlapped
         # A checkpoint taken between optimizer.step() and the next forward holds the updated parameters,

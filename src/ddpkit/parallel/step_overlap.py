@@ -200,11 +200,20 @@ class OverlappedOptimizer:
         self.requested = [{key: value.clone() if isinstance(value, Tensor) else value
                            for key, value in group.items() if key != "params"}
                           for group in self.optimizer.param_groups]
+        # A parameter in no bucket with a gradient (one frozen at wrapping and unfrozen since: its
+        # gradient is this rank's own, as without the mode) is stepped now; it waits for nothing.
+        bucket_of = self._bucket_of()
+        if any(id(p) not in bucket_of and p.grad is not None for group in self.optimizer.param_groups
+               for p in group["params"]):
+            self._step_only(self.requested, lambda p: id(p) not in bucket_of, None)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.held and self.requested is not None:
             self.zero_requested = set_to_none
+            bucket_of = self._bucket_of()  # the parameters in no bucket were stepped already (step)
+            _zero([p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in bucket_of],
+                  set_to_none)
             return
         self.settle_all()
         self._zero_grad(set_to_none)
@@ -238,16 +247,22 @@ class OverlappedOptimizer:
         if not self._settle_bucket(index) or self.requested is None:
             return  # nothing was held for it, or no step was asked for: the gradients are what they are
         bucket_of = self._bucket_of()
-        groups = [{**hyper, "params": [p for p in group["params"] if bucket_of.get(id(p)) == index]}
-                  for hyper, group in zip(self.requested, self.optimizer.param_groups)]
+        self._step_only(self.requested, lambda p: bucket_of.get(id(p)) == index, self.zero_requested)
+
+    def _step_only(self, hyperparameters: list[dict[str, Any]], chosen: Callable[[Tensor], bool],
+                   zero: bool | None) -> None:
+        """The optimizer's step over the ``chosen`` parameters alone, with ``hyperparameters``
+        (one dict a group), then their ``zero_grad`` when it was asked for (``zero``: set_to_none)."""
+        groups = [{**hyper, "params": [p for p in group["params"] if chosen(p)]}
+                  for hyper, group in zip(hyperparameters, self.optimizer.param_groups)]
         original = self.optimizer.param_groups
         self.optimizer.param_groups = [group for group in groups if group["params"]]
         try:
             if self.optimizer.param_groups:
                 self._step()
-            if self.zero_requested is not None:
+            if zero is not None:
                 parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-                _zero(parameters, self.zero_requested)
+                _zero(parameters, zero)
         finally:
             self.optimizer.param_groups = original
 
