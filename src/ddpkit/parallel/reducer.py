@@ -124,7 +124,7 @@ class Reducer:
         self.held = HeldReductions()
         # The order buckets are launched in (every rank the same): by index, or with overlap_optimizer
         # the share of them the wire sends during backward first, then the rest as the next forward
-        # needs them (launch_sequence; the share is measured in the first synchronised backward).
+        # needs them (launch_sequence; the share is measured in the third synchronised backward).
         self.sent_during_backward: float | None = None
         self.launch_sequence: list[int] = []
         self.launched_in_backward = 0  # how many of launch_sequence are launched during backward
