@@ -26,11 +26,12 @@ waits for every bucket (that step is then not overlapped) and makes the read rig
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -141,9 +142,8 @@ class HeldReductions:
             return False
         while self._pending[index][1] is None:  # still queued: launched now, with those before it
             self._launch_next()
-        bucket, pending, read_flags = self._pending.pop(index)
-        for parameter, gradient in zip(bucket.parameters, self._gradients.pop(index)):
-            parameter.grad = gradient
+        bucket, pending, read_flags = self._pending[index]
+        self._release(index)
         settle_bucket(bucket, pending, as_view, read_flags, wait_into_bucket)
         self._launched_from_queue.discard(index)
         if not self._launched_from_queue:
@@ -154,24 +154,28 @@ class HeldReductions:
         """Forget what is held (the group was formed again: those reductions will never land)."""
         self._queued, self._launched_from_queue = [], set()
         for index in list(self._pending):
-            bucket, _, _ = self._pending.pop(index)
-            for parameter, gradient in zip(bucket.parameters, self._gradients.pop(index)):
-                parameter.grad = gradient
+            self._release(index)
+
+    def _release(self, index: int) -> None:
+        """Stop holding bucket ``index``: its parameters get their gradients back, for their stand-ins."""
+        bucket, _, _ = self._pending.pop(index)
+        for parameter, gradient in zip(bucket.parameters, self._gradients.pop(index)):
+            parameter.grad = gradient
 
 
 class OverlappedOptimizer:
     """The user's optimizer, its ``step`` and ``zero_grad`` deferred to the next forward.
 
-    ``settle_bucket(index)`` waits for one bucket's reduction and copies its gradients back (the
+    ``settle_held(index)`` waits for one held bucket's reduction and copies its gradients back (the
     reducer's); ``bucket_of`` maps a parameter's id to its bucket's index and is read afresh,
     since the buckets are laid out again after the first step.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, parameters: Iterable[Tensor],
-                 settle_bucket: Callable[[int], bool], bucket_of: Callable[[], dict[int, int]]) -> None:
+                 settle_held: Callable[[int], bool], bucket_of: Callable[[], dict[int, int]]) -> None:
         check_optimizer(optimizer, parameters)
         self.optimizer = optimizer
-        self._settle_bucket = settle_bucket
+        self._settle_held = settle_held
         self._bucket_of = bucket_of
         self._step = optimizer.step  # as it is now: a scheduler's wrapper made before stays inside
         self._zero_grad = optimizer.zero_grad
@@ -205,15 +209,16 @@ class OverlappedOptimizer:
         bucket_of = self._bucket_of()
         if any(id(p) not in bucket_of and p.grad is not None for group in self.optimizer.param_groups
                for p in group["params"]):
-            self._step_only(self.requested, lambda p: id(p) not in bucket_of, None)
+            with self._only(lambda p: id(p) not in bucket_of, self.requested):
+                self._step()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.held and self.requested is not None:
             self.zero_requested = set_to_none
             bucket_of = self._bucket_of()  # the parameters in no bucket were stepped already (step)
-            _zero([p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in bucket_of],
-                  set_to_none)
+            with self._only(lambda p: id(p) not in bucket_of, self.requested):
+                self._zero_grad(set_to_none)
             return
         self.settle_all()
         self._zero_grad(set_to_none)
@@ -244,25 +249,24 @@ class OverlappedOptimizer:
 
     def _finish(self, index: int) -> None:
         self._done.add(index)
-        if not self._settle_bucket(index) or self.requested is None:
+        if not self._settle_held(index) or self.requested is None:
             return  # nothing was held for it, or no step was asked for: the gradients are what they are
         bucket_of = self._bucket_of()
-        self._step_only(self.requested, lambda p: bucket_of.get(id(p)) == index, self.zero_requested)
+        with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
+            self._step()
+            if self.zero_requested is not None:
+                self._zero_grad(self.zero_requested)
 
-    def _step_only(self, hyperparameters: list[dict[str, Any]], chosen: Callable[[Tensor], bool],
-                   zero: bool | None) -> None:
-        """The optimizer's step over the ``chosen`` parameters alone, with ``hyperparameters``
-        (one dict a group), then their ``zero_grad`` when it was asked for (``zero``: set_to_none)."""
+    @contextlib.contextmanager
+    def _only(self, chosen: Callable[[Tensor], bool], hyperparameters: list[dict[str, Any]]) -> Iterator[None]:
+        """The optimizer's groups narrowed to the ``chosen`` parameters, with ``hyperparameters``
+        (one dict a group), while the block runs: its own step and zero_grad then touch those alone."""
         groups = [{**hyper, "params": [p for p in group["params"] if chosen(p)]}
                   for hyper, group in zip(hyperparameters, self.optimizer.param_groups)]
         original = self.optimizer.param_groups
         self.optimizer.param_groups = [group for group in groups if group["params"]]
         try:
-            if self.optimizer.param_groups:
-                self._step()
-            if zero is not None:
-                parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
-                _zero(parameters, zero)
+            yield
         finally:
             self.optimizer.param_groups = original
 
@@ -284,20 +288,6 @@ def launch_sequence(count: int, sent_during_backward: float | None) -> tuple[lis
         return list(range(count)), count
     during = min(count - 1, max(1, math.ceil(sent_during_backward * count)))
     return [0, *range(2, during + 1), *range(count - 1, during, -1), 1], during
-
-
-def _zero(parameters: list[Tensor], set_to_none: bool) -> None:
-    for parameter in parameters:
-        if parameter.grad is None:
-            continue
-        if set_to_none:
-            parameter.grad = None
-        else:  # as Optimizer.zero_grad does: a bucket view cannot be detached in place
-            if parameter.grad.grad_fn is not None:
-                parameter.grad.detach_()
-            else:
-                parameter.grad.requires_grad_(False)
-            parameter.grad.zero_()
 
 
 def check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:

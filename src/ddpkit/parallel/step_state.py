@@ -31,7 +31,7 @@ class StepState:
     observed: list[str] | None = field(default_factory=list)
 
     # When this backward launched its first bucket, its end began and its last reduction landed
-    # (perf_counter; read after the first synchronised backward: wire_measure).
+    # (perf_counter; with overlap_optimizer, read after the third synchronised backward: wire_measure).
     first_launch: float | None = None
     backward_ended: float = 0.0
     wire_ended: float = 0.0
