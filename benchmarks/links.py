@@ -21,9 +21,9 @@ interleaved in a shuffled order each round (noise hits all alike):
   the last one's gradients, per step;
 - ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
   ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1, compressing from the first timed step);
-- with ``--torch-layout``, ``ddpkit torch layout``, ``ddpkit fp16 torch layout`` and ``ddpkit PowerSGD
-  torch layout``: the same with torch's bucket caps (1 MB, then ``bucket_cap_mb``) instead of
-  ddpkit's share of the model (``ddpkit.parallel.buckets``), to show what the layout gains;
+- with ``--torch-layout``, ``ddpkit torch layout`` and ``ddpkit fp16 torch layout``: the same with
+  torch's bucket caps (1 MB, then ``bucket_cap_mb``) instead of ddpkit's share of the model
+  (``ddpkit.parallel.buckets``), to show what the layout gains (PowerSGD keeps torch's caps);
 - with ``--bucket-caps 4 10``, ``ddpkit 4 MB buckets``, ``ddpkit fp16 4 MB buckets`` and so on:
   ddpkit without a hook and with ``fp16_compress_hook`` at that ``bucket_cap_mb`` (the first
   bucket stays 1 MB), to choose the bucket size where the wire costs.
@@ -145,10 +145,9 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
 
     methods["ddpkit overlap"] = overlapped()
     if torch_layout:  # --torch-layout: the gain of ddpkit's bucket layout (ddpkit.parallel.buckets)
-        for name, hook, state in (("ddpkit", None, None), ("ddpkit fp16", fp16_compress_hook, None),
-                                  ("ddpkit PowerSGD", powerSGD_hook,
-                                   PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1))):
-            model = ddpkit(hook, state)
+        # PowerSGD has no such row: its buckets are torch's already (it pays per bucket).
+        for name, hook in (("ddpkit", None), ("ddpkit fp16", fp16_compress_hook)):
+            model = ddpkit(hook)
             model._reducer.bucket_spread = 0  # torch's caps: 1 MB, then bucket_cap_mb
             model._reducer.set_launch_order(model._reducer.launch_order)
             methods[f"{name} torch layout"] = trainer(model)
@@ -234,13 +233,12 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
         print(f"  {model_name:6s} ms: {medians}")
         # --bucket-caps and --torch-layout
         capped = [name for name in samples if name.endswith(("MB buckets", "torch layout"))]
-        plain = [name for name in capped if "fp16" not in name and "PowerSGD" not in name]
-        for name in ["torch DDP", "ddpkit", "ddpkit overlap", *plain]:
+        for name in ["torch DDP", "ddpkit", "ddpkit overlap", *(name for name in capped if "fp16" not in name)]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
         # A compressing hook sends fewer bytes than A: its gain is measured against ddpkit without one.
-        for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD", *(name for name in capped if name not in plain)):
+        for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD", *(name for name in capped if "fp16" in name)):
             faster = statistics.median(plain / hooked for plain, hooked in zip(samples["ddpkit"], samples[name]))
             print(f"  {'':6s} {name:16s} {faster:5.2f}x faster than ddpkit without a hook", end="")
             if (raw := f"A {name.split()[1]}") in samples:  # "ddpkit fp16 ..." -> "A fp16"
@@ -333,7 +331,7 @@ def main() -> None:
     parser.add_argument("--bucket-caps", type=float, nargs="*", default=[], metavar="MB",
                         help="also time ddpkit with these bucket_cap_mb (the default is 25)")
     parser.add_argument("--torch-layout", action="store_true",
-                        help="also time ddpkit, fp16 and PowerSGD with torch's bucket caps (1 MB, then bucket_cap_mb)")
+                        help="also time ddpkit and fp16 with torch's bucket caps (1 MB, then bucket_cap_mb)")
     parser.add_argument("--json", action="store_true", help="one JSON object a line per model, rate and variant")
     parser.add_argument("--rank-of-nodes", action="store_true", help=argparse.SUPPRESS)  # one rank, in its namespace
     parser.add_argument("--out", help=argparse.SUPPRESS)
