@@ -74,13 +74,19 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
         if loop == "clip":
             ddp.settle()  # every gradient averaged first: the clip reads them
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+        if loop == "cleared-before-step":  # one layer left out of this step (sync: it has no gradient)
+            inner[2].weight.grad = None
         if loop == "closure":  # a closure needs the parameters now: the step is not deferred
             optimizer.step(lambda: 0.0)
         else:
             optimizer.step()
         if scheduler is not None:
             scheduler.step()  # changes the next step's lr, not the deferred one
-        if loop != "zero-first":
+        if loop == "module-zero":  # the module's own zero_grad, not the optimizer's
+            ddp.zero_grad()
+        elif loop == "module-zero-keep":
+            inner.zero_grad(set_to_none=False)
+        elif loop != "zero-first":
             optimizer.zero_grad(set_to_none=loop != "zero-keep")
     ddp.settle()
     return [p.detach().clone() for p in inner.parameters()] + [b.clone() for b in inner.buffers()]
@@ -97,7 +103,8 @@ def test_the_deferred_step_gives_the_parameters_of_the_synchronous_run_bit_for_b
 
 
 @pytest.mark.parametrize("loop", ["zero-first", "zero-keep", "scheduler", "no_sync", "clip", "copies", "fp16-hook",
-                                  "powersgd", "closure", "syncbn", "unfrozen"])
+                                  "powersgd", "closure", "syncbn", "unfrozen",
+                                  "module-zero", "module-zero-keep", "cleared-before-step"])
 def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
     as_view = loop != "copies"  # gradient_as_bucket_view=False: each .grad has storage of its own
     kind = "step-then-zero" if loop == "copies" else loop

@@ -175,8 +175,8 @@ class DistributedDataParallel(nn.Module):
                              "out.")
         # Only parameters reduced in buckets (not sparse ones, averaged apart) may be the optimizer's.
         bucketed = [p for p in parameters if id(p) in self._reducer.bucket_of]
-        overlapped = OverlappedOptimizer(optimizer, self.module, bucketed, self._reducer.settle_held,
-                                         lambda: self._reducer.bucket_of)
+        overlapped = OverlappedOptimizer(optimizer, self.module, bucketed, self._reducer.held,
+                                         self._reducer.settle_held, lambda: self._reducer.bucket_of)
         self._reducer.overlapped = overlapped
         # A checkpoint taken between optimizer.step() and the next forward holds the updated parameters,
         # and one loaded there is not overwritten by the step (the optimizer's: OverlappedOptimizer).

@@ -38,7 +38,7 @@ from ddpkit.parallel.compiled_backward import (
 )
 from ddpkit.parallel.copy_back import await_and_copy_back
 from ddpkit.parallel.sparse import average_sparse_gradients
-from ddpkit.parallel.step_overlap import HeldReductions, OverlappedOptimizer, launch_sequence
+from ddpkit.parallel.step_overlap import GradientChange, HeldReductions, OverlappedOptimizer, launch_sequence
 from ddpkit.parallel.step_state import StepState
 from ddpkit.parallel.step_timings import StepClock
 
@@ -418,8 +418,9 @@ class Reducer:
                 and (self.step.elementwise or not self._negotiation_needed()))
 
 
-    def settle_held(self, index: int) -> bool:
-        """Wait for held bucket ``index`` and copy its gradients back (False: none held)."""
+    def settle_held(self, index: int) -> dict[int, GradientChange] | None:
+        """Wait for held bucket ``index`` and copy its gradients back; what the user's code did to
+        their stand-ins meanwhile (None: none held)."""
         with guard():
             return self.held.settle(index, self._as_view, self._wait_into_bucket)
 

@@ -32,6 +32,7 @@ import os
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,8 +42,8 @@ from torch import Tensor, nn
 from ddpkit.parallel.buckets import Bucket
 from ddpkit.parallel.copy_back import settle_bucket
 
-__all__ = ["PER_PARAMETER", "GradientsNotReducedError", "HeldReductions", "NotYetReduced", "OverlappedOptimizer",
-           "launch_sequence"]
+__all__ = ["PER_PARAMETER", "GradientChange", "GradientsNotReducedError", "HeldReductions", "NotYetReduced",
+           "OverlappedOptimizer", "launch_sequence"]
 
 #: The optimizers whose step updates each parameter from its own gradient and state alone.
 PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
@@ -51,6 +52,7 @@ PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 _TORCH_FOLDER = os.path.dirname(torch.__file__)
+_GRAD_FN_GETTER = vars(torch._C.TensorBase)["grad_fn"].__get__  # what reading a tensor's .grad_fn calls
 
 
 class GradientsNotReducedError(RuntimeError):
@@ -77,10 +79,21 @@ def _reader() -> str:
 
 
 class NotYetReduced(Tensor):
-    """A parameter's ``.grad`` while its bucket is still being averaged: any use raises."""
+    """A parameter's ``.grad`` while its bucket is still being averaged: any use raises, except
+    what ``Module.zero_grad(set_to_none=False)`` does to it, which is noted (``zeroed``) and done
+    to the gradient once it has landed and the step asked for before has used it."""
+
+    zeroed = False
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func == _GRAD_FN_GETTER:  # a gradient has none
+            return None
+        if func is Tensor.requires_grad_ or func is Tensor.detach_:  # nothing to do on a gradient
+            return args[0]
+        if func is Tensor.zero_:
+            args[0].zeroed = True
+            return args[0]
         raise GradientsNotReducedError(
             f"ddpkit DistributedDataParallel(overlap_optimizer=...): {_reader()} read the gradients before "
             "optimizer.step(), while they are still being averaged across ranks (this mode finishes the "
@@ -92,6 +105,22 @@ class NotYetReduced(Tensor):
 
 def stand_in(gradient: Tensor) -> Tensor:
     return Tensor._make_subclass(NotYetReduced, gradient)
+
+
+@dataclass(frozen=True)
+class GradientChange:
+    """What the user's code did to a parameter's ``.grad`` while it was a stand-in: set it (to
+    None by ``Module.zero_grad()``, or to a tensor of its own), or zeroed it in place."""
+
+    parameter: Tensor
+    zeroed: bool
+    value: Tensor | None = None  # what it was set to, when not zeroed
+
+    def apply(self) -> None:
+        if not self.zeroed:
+            self.parameter.grad = self.value
+        elif self.parameter.grad is not None:
+            self.parameter.grad.zero_()
 
 
 class HeldReductions:
@@ -110,6 +139,7 @@ class HeldReductions:
     def __init__(self) -> None:
         self._pending: dict[int, tuple[Bucket, Any, bool]] = {}  # index: (bucket, its work or None: queued, read flags)
         self._gradients: dict[int, list[Tensor | None]] = {}  # index: each parameter's .grad before its stand-in
+        self._stand_ins: dict[int, list[Tensor | None]] = {}  # index: each parameter's stand-in (None: no .grad)
         self._queued: list[Bucket] = []
         self._launched_from_queue: set[int] = set()  # launched from the queue and not settled yet
         self._start: Callable[[Bucket], Any] = lambda bucket: None
@@ -127,6 +157,7 @@ class HeldReductions:
             for parameter in bucket.parameters:
                 if parameter.grad is not None:
                     parameter.grad = stand_in(parameter.grad)
+            self._stand_ins[bucket.index] = [p.grad for p in bucket.parameters]
         self._launch_next()
 
     def _launch_next(self) -> None:
@@ -136,19 +167,39 @@ class HeldReductions:
             self._pending[bucket.index] = (bucket, self._start(bucket), read_flags)
             self._launched_from_queue.add(bucket.index)
 
-    def settle(self, index: int, as_view: bool, wait_into_bucket: Callable[[Bucket, Any], None]) -> bool:
-        """Wait for bucket ``index``'s reduction and copy its gradients back; False if none was held."""
+    def changes(self) -> dict[int, GradientChange]:
+        """What the user's code did so far to the held parameters' stand-ins, by parameter id."""
+        found: dict[int, GradientChange] = {}
+        for index in self._pending:
+            found.update(self._changes_of(index))
+        return found
+
+    def _changes_of(self, index: int) -> dict[int, GradientChange]:
+        found = {}
+        for parameter, standing in zip(self._pending[index][0].parameters, self._stand_ins[index]):
+            current = parameter.grad
+            if current is not standing:
+                found[id(parameter)] = GradientChange(parameter, False, current)
+            elif isinstance(standing, NotYetReduced) and standing.zeroed:
+                found[id(parameter)] = GradientChange(parameter, True)
+        return found
+
+    def settle(self, index: int, as_view: bool, wait_into_bucket: Callable[[Bucket, Any], None]
+               ) -> dict[int, GradientChange] | None:
+        """Wait for bucket ``index``'s reduction and copy its gradients back; what the user's code
+        did to their stand-ins meanwhile (to be done again after the step); None if none was held."""
         if index not in self._pending:
-            return False
+            return None
         while self._pending[index][1] is None:  # still queued: launched now, with those before it
             self._launch_next()
         bucket, pending, read_flags = self._pending[index]
+        changes = self._changes_of(index)
         self._release(index)
         settle_bucket(bucket, pending, as_view, read_flags, wait_into_bucket)
         self._launched_from_queue.discard(index)
         if not self._launched_from_queue:
             self._launch_next()
-        return True
+        return changes
 
     def drop(self) -> None:
         """Forget what is held (the group was formed again: those reductions will never land)."""
@@ -159,6 +210,7 @@ class HeldReductions:
     def _release(self, index: int) -> None:
         """Stop holding bucket ``index``: its parameters get their gradients back, for their stand-ins."""
         bucket, _, _ = self._pending.pop(index)
+        del self._stand_ins[index]
         for parameter, gradient in zip(bucket.parameters, self._gradients.pop(index)):
             parameter.grad = gradient
 
@@ -166,15 +218,22 @@ class HeldReductions:
 class OverlappedOptimizer:
     """The user's optimizer, its ``step`` and ``zero_grad`` deferred to the next forward.
 
-    ``settle_held(index)`` waits for one held bucket's reduction and copies its gradients back (the
-    reducer's); ``bucket_of`` maps a parameter's id to its bucket's index and is read afresh,
-    since the buckets are laid out again after the first step.
+    ``held`` is the reducer's; ``settle_held(index)`` waits for one held bucket's reduction and
+    copies its gradients back (the reducer's, through ``held``); ``bucket_of`` maps a parameter's
+    id to its bucket's index and is read afresh, since the buckets are laid out again after the
+    first step.
+
+    What the user's code does to ``.grad`` after the step is asked for (``Module.zero_grad()``, the
+    module's and not the optimizer's, or ``p.grad = None``) is done again after the deferred step
+    has used the gradient; what it did before, the step sees, as without the mode.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module, parameters: Iterable[Tensor],
-                 settle_held: Callable[[int], bool], bucket_of: Callable[[], dict[int, int]]) -> None:
+                 held: HeldReductions, settle_held: Callable[[int], dict[int, GradientChange] | None],
+                 bucket_of: Callable[[], dict[int, int]]) -> None:
         check_optimizer(optimizer, parameters)
         self.optimizer = optimizer
+        self._held = held
         self._settle_held = settle_held
         self._bucket_of = bucket_of
         self._step = optimizer.step  # as it is now: a scheduler's wrapper made before stays inside
@@ -182,6 +241,7 @@ class OverlappedOptimizer:
         #: The step asked for since the last backward: each group's hyperparameters then; None: not asked.
         self.requested: list[dict[str, Any]] | None = None
         self.zero_requested: bool | None = None  # zero_grad asked for after the step: its set_to_none
+        self._changed_before_step: dict[int, GradientChange] = {}  # by the user's code, when the step was asked for
         self.held = False  # a backward's reductions are in flight, their gradients stand-ins
         self._done: set[int] = set()  # buckets settled (and stepped) since the last backward
         # Methods of the optimizer itself: an LR scheduler rebinds optimizer.step's function to the optimizer.
@@ -201,6 +261,7 @@ class OverlappedOptimizer:
             self.settle_all()
             return self._step()
         check_no_step_hooks(self.optimizer)
+        self._changed_before_step = self._held.changes()
         self.requested = [{key: value.clone() if isinstance(value, Tensor) else value
                            for key, value in group.items() if key != "params"}
                           for group in self.optimizer.param_groups]
@@ -249,12 +310,20 @@ class OverlappedOptimizer:
 
     def _finish(self, index: int) -> None:
         self._done.add(index)
-        if not self._settle_held(index) or self.requested is None:
-            return  # nothing was held for it, or no step was asked for: the gradients are what they are
+        changes = self._settle_held(index)
+        if changes is None:
+            return  # nothing was held for it
         bucket_of = self._bucket_of()
-        with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
-            self._step()
-            if self.zero_requested is not None:
+        if self.requested is not None:
+            for parameter_id, change in self._changed_before_step.items():
+                if bucket_of.get(parameter_id) == index:
+                    change.apply()  # the step uses what the user's code left in .grad
+            with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
+                self._step()
+        for change in changes.values():
+            change.apply()
+        if self.requested is not None and self.zero_requested is not None:
+            with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
                 self._zero_grad(self.zero_requested)
 
     @contextlib.contextmanager
