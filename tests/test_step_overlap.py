@@ -15,7 +15,8 @@ from ddpkit.distributed import register_ddp_comm_hook
 from ddpkit.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook
 from ddpkit.parallel.batchnorm import SyncBatchNorm
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.parallel.step_overlap import GradientsNotReducedError, launch_sequence
+from ddpkit.parallel.stand_ins import GradientsNotReducedError, ParametersNotUpdatedError
+from ddpkit.parallel.step_overlap import launch_sequence
 from ddpkit.testing import WorkerPool
 
 STEPS = 8  # the first three synchronised backwards are synchronous (they measure the wire)
@@ -62,6 +63,7 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
         register_ddp_comm_hook(ddp, ddp_comm_state=PowerSGDState(None, start_powerSGD_iter=2),
                                ddp_comm_hook=powerSGD_hook)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step) if loop == "scheduler" else None
+    ema = torch.optim.swa_utils.AveragedModel(inner, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     for step in range(STEPS):
         x, y = batch(step)
         if loop == "zero-first":
@@ -82,6 +84,9 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
             optimizer.step()
         if scheduler is not None:
             scheduler.step()  # changes the next step's lr, not the deferred one
+        if loop == "ema":  # an EMA of the weights reads them after the step: settle() applies it first
+            ddp.settle()
+            ema.update_parameters(inner)
         if loop == "module-zero":  # the module's own zero_grad, not the optimizer's
             ddp.zero_grad()
         elif loop == "module-zero-keep":
@@ -89,7 +94,7 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
         elif loop != "zero-first":
             optimizer.zero_grad(set_to_none=loop != "zero-keep")
     ddp.settle()
-    return [p.detach().clone() for p in inner.parameters()] + [b.clone() for b in inner.buffers()]
+    return [p.detach().clone() for p in [*inner.parameters(), *ema.parameters()]] + [b.clone() for b in inner.buffers()]
 
 
 @pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
@@ -104,7 +109,7 @@ def test_the_deferred_step_gives_the_parameters_of_the_synchronous_run_bit_for_b
 
 @pytest.mark.parametrize("loop", ["zero-first", "zero-keep", "scheduler", "no_sync", "clip", "copies", "fp16-hook",
                                   "powersgd", "closure", "syncbn", "unfrozen",
-                                  "module-zero", "module-zero-keep", "cleared-before-step"])
+                                  "module-zero", "module-zero-keep", "cleared-before-step", "ema"])
 def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
     as_view = loop != "copies"  # gradient_as_bucket_view=False: each .grad has storage of its own
     kind = "step-then-zero" if loop == "copies" else loop
@@ -124,7 +129,8 @@ def deferred_until_the_next_forward() -> tuple[bool, bool, bool]:
         nn.functional.mse_loss(ddp(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    unchanged = all(torch.equal(a, p) for a, p in zip(before, inner.parameters()))
+    with torch._C.DisableTorchFunctionSubclass():  # past the guard (test_a_read_of_parameters_before...)
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, inner.parameters()))
     ddp(batch(4)[0])
     changed = not any(torch.equal(a, p) for a, p in zip(before, inner.parameters()))
     return unchanged, changed, all(p.grad is None for p in inner.parameters())
@@ -163,6 +169,42 @@ def read_too_early(how: str) -> str:
         optimizer.step()
         optimizer.zero_grad()
     return "no error"
+
+
+def read_parameters_too_early(how: str) -> str:
+    inner = model()
+    optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)
+    ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer)
+    ema = torch.optim.swa_utils.AveragedModel(inner, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    for step in range(4):
+        x, y = batch(step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ddp.zero_grad()  # its metadata and .grad stay open
+        sum(p.numel() for p in inner.parameters())
+        try:
+            if how == "ema":
+                ema.update_parameters(inner)
+            elif how == "norm":
+                float(inner[0].weight.norm())
+            else:
+                inner[0].weight.data.clone()
+        except ParametersNotUpdatedError as error:
+            ddp.settle()
+            after = float(inner[0].weight.norm())  # settled: open again
+            return f"{type(error).__name__}: {error} ({after > 0})"
+    return "no error"
+
+
+@pytest.mark.parametrize(("how", "named"), [("ema", "AveragedModel.update_parameters"), ("norm", "Tensor.norm"),
+                                            ("data", ".data")])
+def test_a_read_of_parameters_before_the_deferred_step_is_refused_naming_the_call(pool2: WorkerPool, how: str,
+                                                                                  named: str) -> None:
+    for message in pool2.run(read_parameters_too_early, how, timeout=60):
+        assert message.startswith(f"ParametersNotUpdatedError: ddpkit DistributedDataParallel(overlap_optimizer=...): "
+                                  f"{named} (called at {__file__}:"), message
+        assert "model.settle()" in message and message.endswith("(True)"), message
 
 
 def test_a_read_of_gradients_before_they_land_is_refused_naming_the_call(pool2: WorkerPool) -> None:

@@ -38,7 +38,8 @@ from ddpkit.parallel.compiled_backward import (
 )
 from ddpkit.parallel.copy_back import await_and_copy_back
 from ddpkit.parallel.sparse import average_sparse_gradients
-from ddpkit.parallel.step_overlap import GradientChange, HeldReductions, OverlappedOptimizer, launch_sequence
+from ddpkit.parallel.stand_ins import GradientChange
+from ddpkit.parallel.step_overlap import HeldReductions, OverlappedOptimizer, launch_sequence
 from ddpkit.parallel.step_state import StepState
 from ddpkit.parallel.step_timings import StepClock
 

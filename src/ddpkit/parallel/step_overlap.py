@@ -19,20 +19,18 @@ over all of them does (their foreach and fused kernels work tensor by tensor on 
 
 What reads gradients between backward and ``optimizer.step()`` (``clip_grad_norm_``, a
 ``GradScaler``'s unscale and inf check, a gradient's norm for logging) would read them before
-they are averaged. Such a read raises ``GradientsNotReducedError`` naming the call: until they
-land, each ``.grad`` is a ``NotYetReduced`` stand-in. ``DistributedDataParallel.settle()`` first
-waits for every bucket (that step is then not overlapped) and makes the read right.
+they are averaged, and what reads parameters between ``optimizer.step()`` and the next forward (an
+EMA of the weights) would read them before the step. Such a read raises, naming the call
+(``ddpkit.parallel.stand_ins``). ``DistributedDataParallel.settle()`` first waits for every bucket
+and applies the step (that step is then not overlapped) and makes the read right.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,87 +39,15 @@ from torch import Tensor, nn
 
 from ddpkit.parallel.buckets import Bucket
 from ddpkit.parallel.copy_back import settle_bucket
+from ddpkit.parallel.stand_ins import GradientChange, NotYetReduced, hold_parameters, release_parameters, stand_in
 
-__all__ = ["PER_PARAMETER", "GradientChange", "GradientsNotReducedError", "HeldReductions", "NotYetReduced",
-           "OverlappedOptimizer", "launch_sequence"]
+__all__ = ["PER_PARAMETER", "HeldReductions", "OverlappedOptimizer", "launch_sequence"]
 
 #: The optimizers whose step updates each parameter from its own gradient and state alone.
 PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
     torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta,
 )
-
-_TORCH_FOLDER = os.path.dirname(torch.__file__)
-_GRAD_FN_GETTER = vars(torch._C.TensorBase)["grad_fn"].__get__  # what reading a tensor's .grad_fn calls
-
-
-class GradientsNotReducedError(RuntimeError):
-    """A gradient was read while it was still being averaged across ranks (``overlap_optimizer``)."""
-
-
-def _reader() -> str:
-    """The torch function the user's code called that read a stand-in, and where it was called:
-    the first frame inside torch below the user's, past torch's private wrappers (a decorator's)."""
-    frames = []
-    frame = sys._getframe(2)
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back  # type: ignore[assignment]
-    frames.reverse()  # outermost first
-    for index, caller in enumerate(frames[:-1]):
-        if caller.f_code.co_filename.startswith(_TORCH_FOLDER) or not frames[index + 1].f_code.co_filename.startswith(
-                _TORCH_FOLDER):
-            continue
-        called = next((inner for inner in frames[index + 1:] if not inner.f_code.co_name.startswith("_")
-                       and inner.f_code.co_name not in ("wrapper", "decorate_context")), frames[index + 1])
-        return f"{called.f_code.co_qualname} (called at {caller.f_code.co_filename}:{caller.f_lineno})"
-    return "a read of .grad"
-
-
-class NotYetReduced(Tensor):
-    """A parameter's ``.grad`` while its bucket is still being averaged: any use raises, except
-    what ``Module.zero_grad(set_to_none=False)`` does to it, which is noted (``zeroed``) and done
-    to the gradient once it has landed and the step asked for before has used it."""
-
-    zeroed = False
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func == _GRAD_FN_GETTER:  # a gradient has none
-            return None
-        if func is Tensor.requires_grad_ or func is Tensor.detach_:  # nothing to do on a gradient
-            return args[0]
-        if func is Tensor.zero_:
-            args[0].zeroed = True
-            return args[0]
-        raise GradientsNotReducedError(
-            f"ddpkit DistributedDataParallel(overlap_optimizer=...): {_reader()} read the gradients before "
-            "optimizer.step(), while they are still being averaged across ranks (this mode finishes the "
-            "averaging during the next forward). Call model.settle() first: it waits for every gradient "
-            "(this step is then not overlapped). Gradient clipping and a GradScaler need it; or leave "
-            "overlap_optimizer off."
-        )
-
-
-def stand_in(gradient: Tensor) -> Tensor:
-    return Tensor._make_subclass(NotYetReduced, gradient)
-
-
-@dataclass(frozen=True)
-class GradientChange:
-    """What the user's code did to a parameter's ``.grad`` while it was a stand-in: set it (to
-    None by ``Module.zero_grad()``, or to a tensor of its own), or zeroed it in place."""
-
-    parameter: Tensor
-    zeroed: bool
-    value: Tensor | None = None  # what it was set to, when not zeroed
-
-    def apply(self) -> None:
-        if not self.zeroed:
-            self.parameter.grad = self.value
-        elif self.parameter.grad is not None:
-            self.parameter.grad.zero_()
-
 
 class HeldReductions:
     """The reductions a backward left for the next forward (``Reducer``, in this mode), by bucket
@@ -166,6 +92,10 @@ class HeldReductions:
             _, _, read_flags = self._pending[bucket.index]
             self._pending[bucket.index] = (bucket, self._start(bucket), read_flags)
             self._launched_from_queue.add(bucket.index)
+
+    def parameters(self) -> dict[int, list[nn.Parameter]]:
+        """The parameters of each held bucket, by index."""
+        return {index: bucket.parameters for index, (bucket, _, _) in self._pending.items()}
 
     def changes(self) -> dict[int, GradientChange]:
         """What the user's code did so far to the held parameters' stand-ins, by parameter id."""
@@ -242,6 +172,7 @@ class OverlappedOptimizer:
         self.requested: list[dict[str, Any]] | None = None
         self.zero_requested: bool | None = None  # zero_grad asked for after the step: its set_to_none
         self._changed_before_step: dict[int, GradientChange] = {}  # by the user's code, when the step was asked for
+        self._guarded: dict[int, list[Tensor]] = {}  # by bucket: HeldParameters until their step is applied
         self.held = False  # a backward's reductions are in flight, their gradients stand-ins
         self._done: set[int] = set()  # buckets settled (and stepped) since the last backward
         # Methods of the optimizer itself: an LR scheduler rebinds optimizer.step's function to the optimizer.
@@ -272,6 +203,8 @@ class OverlappedOptimizer:
                for p in group["params"]):
             with self._only(lambda p: id(p) not in bucket_of, self.requested):
                 self._step()
+        # Until the forward applies the step, reading them would read them as they were before it.
+        self._guarded = {index: hold_parameters(parameters) for index, parameters in self._held.parameters().items()}
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -306,10 +239,14 @@ class OverlappedOptimizer:
         for index in sorted(set(self._bucket_of().values())):
             if index not in self._done:
                 self._finish(index)
+        for parameters in self._guarded.values():  # a bucket the layout no longer has (none expected)
+            release_parameters(parameters)
+        self._guarded = {}
         self.held, self.requested, self.zero_requested = False, None, None
 
     def _finish(self, index: int) -> None:
         self._done.add(index)
+        release_parameters(self._guarded.pop(index, ()))
         changes = self._settle_held(index)
         if changes is None:
             return  # nothing was held for it
