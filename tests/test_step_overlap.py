@@ -64,6 +64,10 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
                                ddp_comm_hook=powerSGD_hook)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step) if loop == "scheduler" else None
     ema = torch.optim.swa_utils.AveragedModel(inner, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    steps_seen = [0]
+    if loop == "step-hooks":  # once per step: a pre-hook sets this step's lr, a post-hook counts (as a framework does)
+        optimizer.register_step_pre_hook(lambda opt, *_: opt.param_groups[0].update(lr=1e-2 * 0.8 ** steps_seen[0]))
+        optimizer.register_step_post_hook(lambda *_: steps_seen.__setitem__(0, steps_seen[0] + 1))
     for step in range(STEPS):
         x, y = batch(step)
         if loop == "zero-first":
@@ -94,7 +98,8 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
         elif loop != "zero-first":
             optimizer.zero_grad(set_to_none=loop != "zero-keep")
     ddp.settle()
-    return [p.detach().clone() for p in [*inner.parameters(), *ema.parameters()]] + [b.clone() for b in inner.buffers()]
+    return ([p.detach().clone() for p in [*inner.parameters(), *ema.parameters()]] + [b.clone() for b in inner.buffers()]
+            + [torch.tensor(steps_seen[0])])
 
 
 @pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
@@ -109,7 +114,8 @@ def test_the_deferred_step_gives_the_parameters_of_the_synchronous_run_bit_for_b
 
 @pytest.mark.parametrize("loop", ["zero-first", "zero-keep", "scheduler", "no_sync", "clip", "copies", "fp16-hook",
                                   "powersgd", "closure", "syncbn", "unfrozen",
-                                  "module-zero", "module-zero-keep", "cleared-before-step", "ema"])
+                                  "module-zero", "module-zero-keep", "cleared-before-step", "ema",
+                                  "step-hooks"])
 def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
     as_view = loop != "copies"  # gradient_as_bucket_view=False: each .grad has storage of its own
     kind = "step-then-zero" if loop == "copies" else loop
@@ -117,6 +123,7 @@ def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(po
     overlapped = pool2.run(train, "adamw", True, kind, as_view, timeout=60)
     for sync_rank, overlap_rank in zip(synchronous, overlapped):
         assert all(torch.equal(a, b) for a, b in zip(sync_rank, overlap_rank))
+        assert int(overlap_rank[-1]) == (STEPS if loop == "step-hooks" else 0)
 
 
 def deferred_until_the_next_forward() -> tuple[bool, bool, bool]:
@@ -176,19 +183,21 @@ def read_parameters_too_early(how: str) -> str:
     optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)
     ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer)
     ema = torch.optim.swa_utils.AveragedModel(inner, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    if how == "post-hook":  # runs at optimizer.step(), before the deferred step is applied
+        optimizer.register_step_post_hook(lambda *_: inner[0].weight.sum())
     for step in range(4):
         x, y = batch(step)
         nn.functional.mse_loss(ddp(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ddp.zero_grad()  # its metadata and .grad stay open
-        sum(p.numel() for p in inner.parameters())
         try:
+            optimizer.step()
+            optimizer.zero_grad()
+            ddp.zero_grad()  # its metadata and .grad stay open
+            sum(p.numel() for p in inner.parameters())
             if how == "ema":
                 ema.update_parameters(inner)
             elif how == "norm":
                 float(inner[0].weight.norm())
-            else:
+            elif how == "data":
                 inner[0].weight.data.clone()
         except ParametersNotUpdatedError as error:
             ddp.settle()
@@ -198,7 +207,7 @@ def read_parameters_too_early(how: str) -> str:
 
 
 @pytest.mark.parametrize(("how", "named"), [("ema", "AveragedModel.update_parameters"), ("norm", "Tensor.norm"),
-                                            ("data", ".data")])
+                                            ("data", ".data"), ("post-hook", "sum")])
 def test_a_read_of_parameters_before_the_deferred_step_is_refused_naming_the_call(pool2: WorkerPool, how: str,
                                                                                   named: str) -> None:
     for message in pool2.run(read_parameters_too_early, how, timeout=60):
@@ -251,8 +260,8 @@ def refused(what: str) -> str:
     inner = model()
     optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
     options: dict[str, object] = {}
-    if what == "step hook":
-        optimizer.register_step_post_hook(lambda *_: None)
+    if what == "pre-hook with arguments":
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: (args, kwargs))
     if what == "foreign parameter":
         optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     if what == "reduce_function":
@@ -264,7 +273,6 @@ def refused(what: str) -> str:
                 pass
     except ValueError as error:
         return str(error)
-    optimizer.register_step_pre_hook(lambda *_: None)  # added later, as a framework may: refused at the first deferred step
     try:
         for step in range(5):
             x, y = batch(step)
@@ -276,9 +284,10 @@ def refused(what: str) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize(("what", "named"), [("step hook", "step hooks"), ("foreign parameter", "1 of the optimizer's"),
+@pytest.mark.parametrize(("what", "named"), [("foreign parameter", "1 of the optimizer's"),
                                              ("reduce_function", "reduce_function"), ("join", "join()"),
-                                             ("hook added later", "step 3: overlap_optimizer: the optimizer has step hooks")])
+                                             ("pre-hook with arguments", "step 3: overlap_optimizer: the optimizer step "
+                                                                         "pre-hook refused.<locals>.<lambda> returned")])
 def test_what_the_mode_cannot_take_is_refused_naming_it(pool2: WorkerPool, what: str, named: str) -> None:
     for message in pool2.run(refused, what, timeout=60):
         assert named in message and "overlap_optimizer" in message, message

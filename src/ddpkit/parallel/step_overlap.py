@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -191,7 +192,22 @@ class OverlappedOptimizer:
         if self.requested is not None:  # a second step on the same gradients: the first goes first
             self.settle_all()
             return self._step()
-        check_no_step_hooks(self.optimizer)
+        # The step's hooks run once, here, as the step is asked for: a pre-hook that sets the lr sets
+        # this step's, and what a hook reads (gradients, parameters) raises until it has landed.
+        for pre_hook in [*optimizer_module._global_optimizer_pre_hooks.values(),
+                         *self.optimizer._optimizer_step_pre_hooks.values()]:
+            if pre_hook(self.optimizer, (self.optimizer,), {}) is not None:
+                raise ValueError(f"overlap_optimizer: the optimizer step pre-hook {_named(pre_hook)} returned new "
+                                 "arguments for step(), which the deferred step cannot take. Leave overlap_optimizer "
+                                 "off, or make the hook return None.")
+        self._request()
+        for post_hook in [*self.optimizer._optimizer_step_post_hooks.values(),
+                          *optimizer_module._global_optimizer_post_hooks.values()]:
+            post_hook(self.optimizer, (self.optimizer,), {})
+        return None
+
+    def _request(self) -> None:
+        """Note the step, with its hyperparameters as they are now, and guard the held parameters."""
         self._changed_before_step = self._held.changes()
         self.requested = [{key: value.clone() if isinstance(value, Tensor) else value
                            for key, value in group.items() if key != "params"}
@@ -201,11 +217,10 @@ class OverlappedOptimizer:
         bucket_of = self._bucket_of()
         if any(id(p) not in bucket_of and p.grad is not None for group in self.optimizer.param_groups
                for p in group["params"]):
-            with self._only(lambda p: id(p) not in bucket_of, self.requested):
+            with self._only(lambda p: id(p) not in bucket_of, self.requested), _without_step_hooks(self.optimizer):
                 self._step()
         # Until the forward applies the step, reading them would read them as they were before it.
         self._guarded = {index: hold_parameters(parameters) for index, parameters in self._held.parameters().items()}
-        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.held and self.requested is not None:
@@ -255,7 +270,8 @@ class OverlappedOptimizer:
             for parameter_id, change in self._changed_before_step.items():
                 if bucket_of.get(parameter_id) == index:
                     change.apply()  # the step uses what the user's code left in .grad
-            with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
+            with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested), \
+                    _without_step_hooks(self.optimizer):
                 self._step()
         for change in changes.values():
             change.apply()
@@ -296,16 +312,24 @@ def launch_sequence(count: int, sent_during_backward: float | None) -> tuple[lis
     return [0, *range(2, during + 1), *range(count - 1, during, -1), 1], during
 
 
-def check_no_step_hooks(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse step hooks (the optimizer's own and torch's global ones): each would run once per
-    bucket here. Checked when the mode is set up and at every deferred step, since a framework
-    may add them later (ddpkit's DDPStrategy counts steps with one)."""
-    hooks = [name for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks") if getattr(optimizer, name, None)]
-    hooks += [name for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-              if getattr(optimizer_module, name, None)]
-    if hooks:
-        raise ValueError(f"overlap_optimizer: the optimizer has step hooks ({', '.join(hooks)}), which would run "
-                         "once per bucket in this mode. Remove them, or leave overlap_optimizer off.")
+@contextlib.contextmanager
+def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer's step hooks, and torch's global ones, left out while the block runs: a
+    deferred step over one bucket is part of a step whose hooks ran when it was asked for."""
+    own = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    global_hooks = optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks
+    optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+    optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks = (
+        OrderedDict(), OrderedDict())
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = own
+        optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks = global_hooks
+
+
+def _named(hook: Callable[..., Any]) -> str:
+    return getattr(hook, "__qualname__", repr(hook))
 
 
 def check_optimizer(optimizer: object, parameters: Iterable[Tensor]) -> None:
@@ -319,7 +343,6 @@ def check_optimizer(optimizer: object, parameters: Iterable[Tensor]) -> None:
             "updating a bucket's parameters as its gradients land may differ from one step over all of them "
             "(LBFGS needs every gradient and a closure). Leave overlap_optimizer off for it."
         )
-    check_no_step_hooks(optimizer)
     own = {id(p) for p in parameters}
     # A frozen parameter has no gradient, so no step: only trainable ones must be the wrapper's.
     foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own and p.requires_grad)
