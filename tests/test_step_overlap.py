@@ -330,3 +330,59 @@ def test_the_buckets_the_wire_sends_during_backward_go_first_then_the_first_laye
     assert launch_sequence(8, 0.5) == ([0, 2, 3, 4, 7, 6, 5, 1], 4)
     assert launch_sequence(8, 1.0) == ([0, 2, 3, 4, 5, 6, 7, 1], 7)  # it keeps up: all but one during backward
     assert launch_sequence(2, 0.1) == ([0, 1], 2)
+
+
+def train_through_the_strategy(overlap: bool) -> tuple[list[torch.Tensor], int]:
+    """The loop of docs/strategy.md with DDPStrategy(overlap_optimizer=...): AdamW, an LR schedule
+    tracked by the strategy, a checkpoint saved mid-way, and the replicas compared every two steps
+    (its read of the parameters settles first)."""
+    import os
+
+    from helpers import strategy
+
+    os.environ["DDPKIT_CHECK_REPLICAS"] = "2"  # read by setup
+    try:
+        s = strategy(overlap_optimizer=overlap)
+        inner = model()
+        optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9 ** step)
+        ddp, optimizer = s.setup(inner, optimizer, scheduler=scheduler)
+    finally:
+        del os.environ["DDPKIT_CHECK_REPLICAS"]  # the pool's workers run other tests after this one
+    assert isinstance(ddp, DistributedDataParallel) and (ddp._reducer.overlapped is not None) == overlap
+    for _ in s.epochs(2):
+        for step in s.batches(range(STEPS // 2)):
+            x, y = batch(step)
+            with s.step():
+                optimizer.zero_grad()
+                s.backward(nn.functional.mse_loss(ddp(x), y))
+                optimizer.step()
+                scheduler.step()
+    ddp.settle()
+    return [p.detach().clone() for p in inner.parameters()], s.progress.steps
+
+
+def test_ddpstrategy_overlap_optimizer_gives_the_parameters_of_the_synchronous_run(pool2: WorkerPool) -> None:
+    synchronous = pool2.run(train_through_the_strategy, False, timeout=60)
+    overlapped = pool2.run(train_through_the_strategy, True, timeout=60)
+    for (sync_parameters, sync_steps), (parameters, steps) in zip(synchronous, overlapped):
+        assert steps == sync_steps == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(sync_parameters, parameters))
+
+
+def strategy_refusal(how: str) -> str:
+    from helpers import strategy
+
+    try:
+        s = strategy(overlap_optimizer=True, use_torch_ddp=how == "torch ddp")
+        s.setup(model())
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(("how", "named"), [("torch ddp", "drop use_torch_ddp=True"),
+                                            ("no optimizer", "call setup(model, optimizer)")])
+def test_ddpstrategy_overlap_optimizer_refuses_what_it_cannot_take(pool2: WorkerPool, how: str, named: str) -> None:
+    for message in pool2.run(strategy_refusal, how, timeout=60):
+        assert "overlap_optimizer=True" in message and named in message, message

@@ -222,12 +222,14 @@ class ReplicaCheck:
     """When the replicas are compared during training: ``run`` at each step boundary (under
     in-place recovery the loop calls it after the block of each step that ended in an optimizer
     step, so that what the block did after ``optimizer.step()``, a schedule's step say, is
-    compared too; otherwise an optimizer step hook does). ``objects`` gives what to fingerprint."""
+    compared too; otherwise an optimizer step hook does). ``objects`` gives what to fingerprint;
+    ``settle`` (the DDP module's) applies a step ``overlap_optimizer`` deferred before it is compared."""
 
     def __init__(self, every: int, objects: Callable[[], tuple[nn.Module, torch.optim.Optimizer | None,
                                                                TrackedState]],
-                 steps: Callable[[], int], buffers: bool = True) -> None:
+                 steps: Callable[[], int], buffers: bool = True, settle: Callable[[], None] | None = None) -> None:
         self._every = every
+        self._settle = settle  # the step deferred by overlap_optimizer applied first, so that it is compared
         self._objects = objects
         self._steps = steps
         self._buffers = buffers
@@ -257,5 +259,7 @@ class ReplicaCheck:
         self._after_recovery = None
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return
+        if self._settle is not None:
+            self._settle()
         module, optimizer, tracked = self._objects()
         compare_replicas(fingerprints(module, optimizer, tracked, buffers=self._buffers), when)

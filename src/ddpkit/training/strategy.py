@@ -91,6 +91,8 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
     by default; ``process_group=<group>`` makes that group the data-parallel one: gradients,
     ``barrier``, ``broadcast`` and the sampler's shards); ``use_torch_ddp=True`` wraps with torch's.
     ``recovery``: ``Recovery`` or its value, by default what ``ddpkit run --recovery`` said.
+    ``overlap_optimizer=True``: the optimizer given to ``setup`` steps bucket by bucket during the
+    next forward (``DistributedDataParallel(overlap_optimizer=...)``, docs/ddp.md).
     """
 
     def __init__(
@@ -105,8 +107,15 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         use_torch_ddp: bool = False,
         process_group_backend: str | None = None,
         recovery: str | Recovery | None = None,
+        overlap_optimizer: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
+        if not isinstance(overlap_optimizer, bool):
+            raise TypeError(f"DDPStrategy(overlap_optimizer=...) takes True or False, got "
+                            f"{type(overlap_optimizer).__name__}: pass True, and the optimizer to setup(model, optimizer).")
+        if overlap_optimizer and use_torch_ddp:
+            raise ValueError("DDPStrategy(overlap_optimizer=True) needs ddpkit's DistributedDataParallel: drop "
+                             "use_torch_ddp=True, or overlap_optimizer.")
         self.cluster_environment = cluster_environment if cluster_environment is not None else detect_environment()
         self.parallel_devices = list(parallel_devices) if parallel_devices is not None else None
         self.num_nodes = num_nodes
@@ -115,6 +124,7 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         self.ddp_comm_hook = ddp_comm_hook
         self.ddp_comm_wrapper = ddp_comm_wrapper
         self.use_torch_ddp = use_torch_ddp
+        self.overlap_optimizer = overlap_optimizer
         self.process_group_backend = process_group_backend
         self.ddp_kwargs = {"find_unused_parameters": False, **ddp_kwargs}
         self.model: nn.Module | None = None
@@ -203,9 +213,11 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         chosen = launch_contract(self.cluster_environment).backend
         return self.process_group_backend or chosen or ("nccl" if self.root_device.type == "cuda" else None)
 
-    def configure_ddp(self, model: nn.Module) -> nn.Module:
-        """Wrap ``model`` (on its device) for data parallelism; register the comm hook if one was given."""
-        self.model = wrap(model, self.root_device, self.ddp_kwargs, self.sync_batchnorm, self.use_torch_ddp)
+    def configure_ddp(self, model: nn.Module, overlap_optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
+        """Wrap ``model`` (on its device) for data parallelism; register the comm hook if one was given.
+        ``overlap_optimizer``: ``DistributedDataParallel``'s (``setup`` passes it with ``overlap_optimizer=True``)."""
+        kwargs = self.ddp_kwargs if overlap_optimizer is None else {**self.ddp_kwargs, "overlap_optimizer": overlap_optimizer}
+        self.model = wrap(model, self.root_device, kwargs, self.sync_batchnorm, self.use_torch_ddp)
         register_ddp_comm_hook(self.model, ddp_comm_state=self.ddp_comm_state, ddp_comm_hook=self.ddp_comm_hook,
                                ddp_comm_wrapper=self.ddp_comm_wrapper)
         return self.model
@@ -217,6 +229,9 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         schedule of ``optimizer``, or several) and ``scaler`` (``torch.amp.GradScaler``) are tracked
         as ``track("scheduler", ...)`` (``"scheduler0"``, ``"scheduler1"``... for several) and
         ``track("scaler", ...)`` would: under in-place recovery their state moves with the model's."""
+        if self.overlap_optimizer and optimizer is None:
+            raise ValueError("DDPStrategy(overlap_optimizer=True) steps the optimizer during the next forward, so it "
+                             "needs it: call setup(model, optimizer).")
         recovery = self._loop.start_recovery(self.cluster_environment, self._recovery_wanted, optimizer,
                                              self.ddp_comm_state)  # refuses a bad combination before connecting
         schedules = [] if scheduler is None else [scheduler] if isinstance(scheduler, Stateful) else list(scheduler)
@@ -231,13 +246,14 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
             module = self.model_to_device(model)
             if recovery is not None and optimizer is not None and launch_contract(self.cluster_environment).generation > 0:
                 joined = recovery.join(module, optimizer)  # a replacement: the survivors' state, before wrapping
-            wrapped = self.configure_ddp(module)
+            wrapped = self.configure_ddp(module, optimizer if self.overlap_optimizer else None)
         if optimizer is not None:
             self._loop.count_steps(optimizer)
             if isinstance(wrapped, DistributedDataParallel):
                 wrapped.time_optimizer(optimizer)
             check = ReplicaCheck(check_every(), self._replicated(wrapped, optimizer), lambda: self.progress.steps,
-                                 buffers=bool(getattr(wrapped, "broadcast_buffers", False)) and not self.use_torch_ddp)
+                                 buffers=bool(getattr(wrapped, "broadcast_buffers", False)) and not self.use_torch_ddp,
+                                 settle=wrapped.settle if isinstance(wrapped, DistributedDataParallel) else None)
             if recovery is not None:
                 recovery.attach(wrapped, optimizer, check, joined)  # it runs the check at each step boundary
             elif check_every():
