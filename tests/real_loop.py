@@ -21,6 +21,10 @@ Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environ
   then kills its node) after writing the file ``paused``.
 - The loop trains on the strategy's device: a GPU when there is one (``tests/test_gpu.py`` runs it
   there, under ``ddpkit run --backend gloo`` when the ranks share one GPU), else the CPU.
+- ``OVERLAP=1``: ``DDPStrategy(overlap_optimizer=True)``, each step applied by the next forward;
+  the EMA and the scaler, which read parameters and gradients, settle the model first.
+  ``CLIP=0``: no gradient clipping (the default with ``OVERLAP=1``: a clip reads every gradient
+  before the step, so it would settle each step).
 - ``EPOCHS`` (3), ``STEPS`` per epoch (8), ``WORLD``: the world the job starts with (2), for the data.
 - ``HOLD_AT``: after optimizer step S, every rank waits until the file ``go-on`` exists (a node can
   then join a world that shrank before the run ends); rank 0 writes ``step<S>`` after each step;
@@ -65,7 +69,9 @@ def strike(phase: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-strategy = ddpkit.DDPStrategy(sync_batchnorm="syncbn" in FEATURES)
+OVERLAP = os.environ.get("OVERLAP") == "1"
+CLIP = os.environ.get("CLIP", "0" if OVERLAP else "1") == "1"
+strategy = ddpkit.DDPStrategy(sync_batchnorm="syncbn" in FEATURES, overlap_optimizer=OVERLAP)
 device = strategy.root_device
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))  # no bias before a norm
@@ -104,8 +110,13 @@ for epoch in strategy.epochs(EPOCHS):
                 model.module[0].weight.register_hook(lambda grad: strike("backward"))  # the last gradient
             strategy.backward(scaler.scale(loss) if scaler is not None else loss)
             if scaler is not None:
+                if OVERLAP:
+                    model.settle()
                 scaler.unscale_(optimizer)  # to clip the true gradients, as AMP's docs show
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if CLIP:
+                if OVERLAP:
+                    model.settle()
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if "collective" in FEATURES:  # the loss averaged for logging, with torch.distributed itself
                 strike("collective")
                 mean = loss.detach().clone()
@@ -125,6 +136,8 @@ for epoch in strategy.epochs(EPOCHS):
                 for group in optimizer.param_groups:
                     group["lr"] = 1e-2 * min(1.0, (counted + 1) / (2 * STEPS))
             if ema is not None:
+                if OVERLAP:
+                    model.settle()
                 ema.update_parameters(model.module)
         if strategy.global_rank == 0:
             open(f"step{strategy.progress.steps}", "w").close()

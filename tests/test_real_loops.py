@@ -100,6 +100,38 @@ def test_a_rank_killed_anywhere_in_a_real_loop_is_replaced_and_every_rank_ends_a
     assert_as_without_the_fault(tmp_path, fault_free, 2, result.stderr[-3000:], tolerance=0.0)
 
 
+OVERLAPPED = "schedule,epoch-schedule,syncbn,collective"  # what the mode takes without settling every step
+
+
+@pytest.fixture(scope="module")
+def fault_free_synchronous(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The final state of the loop of the overlap tests, without the mode and without a fault."""
+    folder = tmp_path_factory.mktemp("fault_free_synchronous")
+    result = run_loop(folder, FEATURES=OVERLAPPED, CLIP="0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected: dict[str, Any] = torch.load(folder / "final0.pt", weights_only=False, map_location="cpu")
+    assert expected["steps"] == 24
+    return expected
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("phase", "rank"), [("", "1"), ("forward:5", "1"), ("optimizer-step:5", "1"),
+                                             ("scheduler-step:8", "1"), ("backward:11", "0")])
+def test_with_overlap_optimizer_a_rank_killed_is_replaced_and_every_rank_ends_as_the_synchronous_run_without_it(
+        tmp_path: Path, fault_free_synchronous: dict[str, Any], phase: str, rank: str) -> None:
+    """DDPStrategy(overlap_optimizer=True) under in-place recovery: a rank killed while the others
+    apply the last step bucket by bucket in their forward (``forward:5``: one bucket applied, then
+    the synchronised batch norm fails), after the step is asked for (``optimizer-step``, and
+    ``scheduler-step:8``: the epoch's last, applied at the epoch's end), or in backward, and every
+    rank ends bit for bit as the synchronous run without a fault: the half-applied step is undone,
+    parameters, AdamW's moments, the learning rate and the schedules, and its batch trained again."""
+    variables = {"KILL": phase, "KILL_RANK": rank} if phase else {}
+    result = run_loop(tmp_path, FEATURES=OVERLAPPED, OVERLAP="1", **variables)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("recovered in place" in result.stderr) == bool(phase), result.stderr[-4000:]
+    assert_as_without_the_fault(tmp_path, fault_free_synchronous, 2, result.stderr[-3000:], tolerance=0.0)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("features", "phase"), [("syncbn", "forward:5"), ("collective", "collective:5")])
 def test_a_rank_lost_while_the_other_is_in_a_synchronised_batch_norm_or_its_own_collective_is_replaced(

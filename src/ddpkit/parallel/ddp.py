@@ -169,14 +169,13 @@ class DistributedDataParallel(nn.Module):
         if self._reduce_function is not None:
             raise ValueError("overlap_optimizer cannot be combined with reduce_function, which reduces every gradient "
                              "after backward: leave one of them out.")
-        if in_place:
-            raise ValueError("overlap_optimizer does not work under in-place recovery (ddpkit run --recovery in-place) "
-                             "yet: a rank's state would be sent while its step is still in flight. Leave one of them "
-                             "out.")
         # Only parameters reduced in buckets (not sparse ones, averaged apart) may be the optimizer's.
         bucketed = [p for p in parameters if id(p) in self._reducer.bucket_of]
         overlapped = OverlappedOptimizer(optimizer, self.module, bucketed, self._reducer.held,
                                          self._reducer.settle_held, lambda: self._reducer.bucket_of)
+        # Under in-place recovery a rank lost while a step is half applied leaves the others to go
+        # back to the state before it (``abandon_deferred_step``), as a synchronous step is never half done.
+        overlapped.keep_undo = in_place
         self._reducer.overlapped = overlapped
         # A checkpoint taken between optimizer.step() and the next forward holds the updated parameters,
         # and one loaded there is not overwritten by the step (the optimizer's: OverlappedOptimizer).
@@ -293,6 +292,25 @@ class DistributedDataParallel(nn.Module):
             with guard():
                 self._reducer.overlapped.settle_all()
 
+    @property
+    def step_deferred(self) -> bool:
+        """Whether ``optimizer.step()`` was called and its step is not applied yet (``overlap_optimizer``)."""
+        overlapped = self._reducer.overlapped
+        return overlapped is not None and overlapped.requested is not None
+
+    def when_step_applied(self, callback: Callable[[], None]) -> None:
+        """With ``overlap_optimizer``: call ``callback`` each time a deferred step has been applied to
+        every parameter (without the mode a step is applied when it is called: never called)."""
+        if self._reducer.overlapped is not None:
+            self._reducer.overlapped.when_applied(callback)
+
+    def abandon_deferred_step(self) -> None:
+        """With ``overlap_optimizer``, for an in-place recovery: forget the reductions in flight and
+        the step not yet applied, and put the parameters and the optimizer's state back as they were
+        before it (``OverlappedOptimizer.roll_back``)."""
+        if self._reducer.overlapped is not None:
+            self._reducer.overlapped.roll_back()
+
     def timings(self, last: int | None = None) -> StepTimings:
         """Where this rank's last steps went, phase by phase (``ddpkit.parallel.step_timings``): medians
         over the last ``last`` steps (up to 100 are kept). Compare them across ranks to find a slow
@@ -387,6 +405,9 @@ class DistributedDataParallel(nn.Module):
     def adopt_bucket_order(self, order: list[str], may_change: bool) -> None:
         """Take another rank's ``bucket_order()``: a rank that joined a running group (in-place
         recovery) must build the buckets the others built, without the first backward's rebuild."""
+        # With overlap_optimizer the launch order depends on the wire's measure, which the rank that
+        # joined has not taken: every rank measures again (its first synchronised backwards are synchronous).
+        self._reducer.sent_during_backward = None
         self._reducer.set_launch_order(order)
         self._reducer.step = StepState(observed=[] if may_change else None)
 

@@ -176,6 +176,11 @@ class OverlappedOptimizer:
         self._guarded: dict[int, list[Tensor]] = {}  # by bucket: HeldParameters until their step is applied
         self.held = False  # a backward's reductions are in flight, their gradients stand-ins
         self._done: set[int] = set()  # buckets settled (and stepped) since the last backward
+        #: Keep what each bucket's step overwrites until the whole step is applied (in-place recovery:
+        #: ``roll_back`` then returns to the state before a step a lost rank left half applied).
+        self.keep_undo = False
+        self._undo: list[tuple[Tensor, Tensor, dict[str, Any] | None]] = []  # (parameter, values, optimizer state)
+        self._when_applied: list[Callable[[], None]] = []
         # Methods of the optimizer itself: an LR scheduler rebinds optimizer.step's function to the optimizer.
         optimizer.step = types.MethodType(lambda _, closure=None: self.step(closure), optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
@@ -256,7 +261,36 @@ class OverlappedOptimizer:
                 self._finish(index)
         for parameters in self._guarded.values():  # a bucket the layout no longer has (none expected)
             release_parameters(parameters)
-        self._guarded = {}
+        applied = self.requested is not None
+        self._guarded, self._undo = {}, []
+        self.held, self.requested, self.zero_requested = False, None, None
+        if applied:
+            for callback in self._when_applied:
+                callback()
+
+    def when_applied(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` each time a deferred step has been applied to every bucket."""
+        self._when_applied.append(callback)
+
+    def roll_back(self) -> None:
+        """Forget the step asked for and what was held, and put back what the buckets' steps applied
+        so far overwrote (``keep_undo``): the parameters, the optimizer's state and its
+        hyperparameters are those from before the step, as when it was asked for. For a recovery, whose group was formed again:
+        the held reductions will never land."""
+        for parameters in self._guarded.values():
+            release_parameters(parameters)
+        if self.requested is not None:  # a schedule stepped after optimizer.step() set the next step's
+            for group, hyperparameters in zip(self.optimizer.param_groups, self.requested):
+                group.update(hyperparameters)
+        with torch.no_grad():
+            for parameter, values, state in reversed(self._undo):
+                parameter.copy_(values)
+                if state is None:
+                    self.optimizer.state.pop(parameter, None)
+                else:
+                    self.optimizer.state[parameter] = state
+        self._held.drop()
+        self._guarded, self._undo, self._done = {}, [], set()
         self.held, self.requested, self.zero_requested = False, None, None
 
     def _finish(self, index: int) -> None:
@@ -267,6 +301,8 @@ class OverlappedOptimizer:
             return  # nothing was held for it
         bucket_of = self._bucket_of()
         if self.requested is not None:
+            if self.keep_undo:
+                self._keep_undo(bucket_of, index)
             for parameter_id, change in self._changed_before_step.items():
                 if bucket_of.get(parameter_id) == index:
                     change.apply()  # the step uses what the user's code left in .grad
@@ -278,6 +314,16 @@ class OverlappedOptimizer:
         if self.requested is not None and self.zero_requested is not None:
             with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
                 self._zero_grad(self.zero_requested)
+
+    def _keep_undo(self, bucket_of: dict[int, int], index: int) -> None:
+        """Copy what bucket ``index``'s step will overwrite: its parameters and their optimizer state."""
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            for parameter in group["params"]:
+                if bucket_of.get(id(parameter)) == index:
+                    kept = state.get(parameter)
+                    self._undo.append((parameter, parameter.detach().clone(), None if kept is None else {
+                        key: value.clone() if isinstance(value, Tensor) else value for key, value in kept.items()}))
 
     @contextlib.contextmanager
     def _only(self, chosen: Callable[[Tensor], bool], hyperparameters: list[dict[str, Any]]) -> Iterator[None]:

@@ -36,7 +36,11 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
 
 The commit point is the optimizer step (``register_step_post_hook``): the position moves past a
 batch when the optimizer has stepped on it, so with gradient accumulation the whole window is
-trained again. What a lost rank computed for itself only (its RNG stream, per-rank metrics) is
+trained again. With ``overlap_optimizer`` the step is applied bucket by bucket by the next forward:
+the commit waits for it (``_unapplied``), the model keeps what each bucket's step overwrote, and a
+recovery before it is applied first puts the step back (``_go_back_to_the_applied_commit``: the
+parameters, the optimizer's state and hyperparameters, the tracked objects as they were when the
+step was called) and trains its batch again. What a lost rank computed for itself only (its RNG stream, per-rank metrics) is
 gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
 ``recovered_in_place`` to know it.
 """
@@ -118,6 +122,11 @@ class InPlaceRecovery:
         self._optimizer: torch.optim.Optimizer | None = None
         self._buffers = BufferSnapshot()
         self._rng = torch.get_rng_state()
+        # With overlap_optimizer: the commit before the last optimizer step while that step is not yet
+        # applied (the next forward applies it), which a recovery then goes back to; and a second
+        # buffer snapshot, so that the one of that commit is kept while the next is taken.
+        self._unapplied: _Commit | None = None
+        self._spare_buffers: BufferSnapshot | None = None
         self._growth: _GrowthWatch | None = None  # in a world that shrank: whether a node waits to join
         # Whether the tracked state was checked since the start or the last recovery (``before_step``),
         # and whether this process looked for state left untracked (once: a pass over the heap).
@@ -177,9 +186,12 @@ class InPlaceRecovery:
         reshard, self._reshard = self._reshard, False
         return reshard
 
-    def committed(self, epoch: int) -> int:
-        """How many of ``epoch``'s batches an optimizer step has committed (0 in a later epoch's terms)."""
-        return self._resume[1] if self._resume[0] == epoch else 0
+    def committed(self, epoch: int, applied: bool = True) -> int:
+        """How many of ``epoch``'s batches an optimizer step has committed (0 in a later epoch's
+        terms): ``applied``, those never trained again; else those a step was called on, including
+        one ``overlap_optimizer`` has not applied yet."""
+        resume = self._unapplied.resume if applied and self._unapplied is not None else self._resume
+        return resume[1] if resume[0] == epoch else 0
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -210,17 +222,52 @@ class InPlaceRecovery:
             group = current_group()
             replica_check.recovered(_formed(group.generation if group is not None else 0))
         optimizer.register_step_post_hook(self._commit)
+        model.when_step_applied(self._applied)
         ready_file = os.environ.get(DDPKIT_READY_FILE)
         if ready_file:
             with open(ready_file, "w", encoding="utf-8") as handle:
                 handle.write("ready\n")
 
     def _commit(self, *_: Any) -> None:
-        progress = self.progress
+        progress, model = self.progress, self._model
+        if model is not None and model.step_deferred:
+            # Applied bucket by bucket by the next forward: until it is, a recovery goes back to the
+            # commit before it. The tracked objects are as they were when the step was asked for (a
+            # schedule or a scaler moves after optimizer.step()).
+            self._unapplied = _Commit(self._resume, self._buffers, self._rng, self.tracked.copies())
+            self._buffers = self._spare_buffers if self._spare_buffers is not None else BufferSnapshot(model.module)
         self._resume = (progress.epoch, progress.batch + 1)
-        if self._model is not None:
-            self._buffers.keep(self._model.module)
+        if model is not None:
+            self._buffers.keep(model.module)
         self._rng = torch.get_rng_state()
+
+    def _applied(self) -> None:
+        """The deferred step is applied to every parameter (``overlap_optimizer``): committed."""
+        if self._unapplied is not None:
+            self._spare_buffers, self._unapplied = self._unapplied.buffers, None
+
+    def _go_back_to_the_applied_commit(self) -> None:
+        """Before a recovery, with ``overlap_optimizer``: abandon the step a lost rank may have left
+        half applied (the model's parameters and the optimizer's state go back to before it) and
+        return to the commit before it, so that its batch is trained again."""
+        if self._model is not None:
+            self._model.abandon_deferred_step()
+        unapplied, self._unapplied = self._unapplied, None
+        if unapplied is None:
+            return
+        self._spare_buffers, self._buffers = self._buffers, unapplied.buffers
+        self._resume, self._rng = unapplied.resume, unapplied.rng
+        self.tracked.restore(unapplied.tracked)
+        self.progress.steps -= 1
+
+    def step_deferred(self) -> bool:
+        """Whether the last optimizer step is still to be applied (``overlap_optimizer``)."""
+        return self._model is not None and self._model.step_deferred
+
+    def apply_deferred_step(self) -> None:
+        """Apply it now (its reductions may fail: call it where a lost rank is recovered)."""
+        if self._model is not None:
+            self._model.settle()
 
     def before_step(self) -> None:
         """At the start of a step (``ResumableLoop.step``): once after the start and after each
@@ -271,6 +318,7 @@ class InPlaceRecovery:
         model, optimizer = self._model, self._optimizer
         if model is None or optimizer is None:
             raise RuntimeError("in-place recovery: the model and optimizer were never set up (DDPStrategy.setup).")
+        self._go_back_to_the_applied_commit()
         group = current_group()
         if group is None:  # (Group.reconfigure refuses a group formed without in-place recovery)
             raise RuntimeError("in-place recovery: this process's group was not formed by ddpkit's connection under "
@@ -335,6 +383,17 @@ class InPlaceRecovery:
         self._rng = state["rng"]
         torch.set_rng_state(self._rng)
         self._buffers.keep(module)  # nothing yet in a replacement: attach() takes them after this
+
+
+@dataclass
+class _Commit:
+    """What a commit keeps for a redo: where the loop goes on, the buffers and the RNG state then,
+    and (for one not yet applied) copies of the tracked objects' states."""
+
+    resume: tuple[int, int]
+    buffers: BufferSnapshot
+    rng: torch.Tensor
+    tracked: dict[str, Any]
 
 
 @dataclass

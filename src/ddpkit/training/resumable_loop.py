@@ -126,6 +126,8 @@ class ResumableLoop:
                 try:
                     batch = next(iterator)
                 except StopIteration:
+                    if recovery is not None and self._recovered_in_the_deferred_step(recovery):
+                        continue  # its batch is trained again
                     return
                 index, next_index = next_index, next_index + 1
                 if index < skip:
@@ -135,10 +137,24 @@ class ResumableLoop:
             self.progress.batch = index
             yield batch
             if recovery is not None and uncommitted:
-                done = recovery.committed(epoch)
+                done, stepped = recovery.committed(epoch), recovery.committed(epoch, applied=False)
                 uncommitted = [(i, b) for i, b in uncommitted if i >= done]
-                if not uncommitted:  # an optimizer step committed every batch so far: a step boundary
+                # An optimizer step was called on every batch trained so far (not those a recovery
+                # hands out again after this one): a step boundary. With overlap_optimizer the last
+                # step is applied by the next forward; until then its batch is kept, to be trained
+                # again if a recovery abandons the step.
+                if all(i < stepped for i, _ in uncommitted if i <= index):
                     recovery.at_step_boundary()
+
+    def _recovered_in_the_deferred_step(self, recovery: InPlaceRecovery) -> bool:
+        """At the end of an epoch, with ``overlap_optimizer``: the epoch's last optimizer step applied
+        now, as a step (a rank lost in its reductions is recovered, and its batch trained again:
+        True), so that the next epoch starts from a committed step."""
+        if not recovery.step_deferred():
+            return False
+        with self.step():
+            recovery.apply_deferred_step()
+        return self.step_recovered
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

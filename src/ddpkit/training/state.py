@@ -26,6 +26,7 @@ Tensors arrive on the CPU (as ``torch.load(..., map_location="cpu")`` gives them
 from __future__ import annotations
 
 import collections
+import copy
 import gc
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -98,6 +99,14 @@ class TrackedState:
             else:
                 self._received[name] = state
         self._restore_hyperparameters()
+
+    def copies(self) -> dict[str, Any]:
+        """Every tracked object's state, copied (``restore`` puts it back)."""
+        return {name: copy.deepcopy(obj.state_dict()) for name, obj in self._objects.items()}
+
+    def restore(self, copies: Mapping[str, Any]) -> None:
+        for name, state in copies.items():
+            self._objects[name].load_state_dict(state)
 
     def start_fresh_window(self) -> None:
         """A step is trained again from the last optimizer step: a ``GradScaler`` forgets that it
