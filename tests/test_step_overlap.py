@@ -148,6 +148,25 @@ def test_the_step_is_applied_by_the_next_forward_and_zero_grad_after_it(pool2: W
         assert unchanged and changed and zeroed
 
 
+def deferred_with_one_bucket() -> bool:
+    """Whether the fifth step is deferred when the whole model fits one bucket (the default caps)."""
+    inner = model()
+    optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+    ddp = DistributedDataParallel(inner, overlap_optimizer=optimizer)
+    assert len(ddp._reducer.buckets) == 1
+    for step in range(5):
+        nn.functional.mse_loss(ddp(batch(step)[0]), batch(step)[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return ddp.step_deferred
+
+
+def test_with_one_bucket_nothing_could_overlap_and_the_step_is_applied_at_once(pool2: WorkerPool) -> None:
+    """The next forward's first module would wait for the one bucket: the mode's bookkeeping would
+    only cost (LeNet and the 120-tensor model of benchmarks/links.py)."""
+    assert pool2.run(deferred_with_one_bucket, timeout=60) == [False, False]
+
+
 def read_too_early(how: str) -> str:
     inner = model()
     optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)

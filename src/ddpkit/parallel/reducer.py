@@ -414,9 +414,10 @@ class Reducer:
         overlap_optimizer, when they were launched during backward, once the launch order is set
         (``_measure_wire``; the synchronised backwards before are synchronous), and where unused
         parameters are found from the buckets' own flags (a comm hook that is not an elementwise
-        average negotiates apart)."""
+        average negotiates apart). Not with one bucket: the next forward's first module would wait
+        for all of it, so nothing would overlap and the mode's bookkeeping would be pure cost."""
         return (self.overlapped is not None and self.step.overlap and self.sent_during_backward is not None
-                and (self.step.elementwise or not self._negotiation_needed()))
+                and len(self.buckets) > 1 and (self.step.elementwise or not self._negotiation_needed()))
 
 
     def settle_held(self, index: int) -> dict[int, GradientChange] | None:
