@@ -24,7 +24,8 @@ Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environ
 - ``OVERLAP=1``: ``DDPStrategy(overlap_optimizer=True)``, each step applied by the next forward;
   the EMA and the scaler, which read parameters and gradients, settle the model first.
   ``CLIP=0``: no gradient clipping (the default with ``OVERLAP=1``: a clip reads every gradient
-  before the step, so it would settle each step).
+  before the step, so it would settle each step). ``BUCKET_CAP_MB``: the DDP module's (a tiny
+  one gives a bucket a parameter: with one bucket the mode does not defer the step).
 - ``EPOCHS`` (3), ``STEPS`` per epoch (8), ``WORLD``: the world the job starts with (2), for the data.
 - ``HOLD_AT``: after optimizer step S, every rank waits until the file ``go-on`` exists (a node can
   then join a world that shrank before the run ends); rank 0 writes ``step<S>`` after each step;
@@ -71,7 +72,8 @@ def strike(phase: str) -> None:
 
 OVERLAP = os.environ.get("OVERLAP") == "1"
 CLIP = os.environ.get("CLIP", "0" if OVERLAP else "1") == "1"
-strategy = ddpkit.DDPStrategy(sync_batchnorm="syncbn" in FEATURES, overlap_optimizer=OVERLAP)
+cap = {"bucket_cap_mb": float(os.environ["BUCKET_CAP_MB"])} if "BUCKET_CAP_MB" in os.environ else {}
+strategy = ddpkit.DDPStrategy(sync_batchnorm="syncbn" in FEATURES, overlap_optimizer=OVERLAP, **cap)
 device = strategy.root_device
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))  # no bias before a norm

@@ -423,7 +423,9 @@ class Reducer:
     def settle_held(self, index: int) -> dict[int, GradientChange] | None:
         """Wait for held bucket ``index`` and copy its gradients back; what the user's code did to
         their stand-ins meanwhile (None: none held)."""
-        with guard():
+        # As at the end of a synchronous backward: a peer's published failure is named, and under
+        # in-place recovery a lost peer is PeerLostError, which the step recovers from.
+        with collective_call(SYNCHRONISATION, self._group), guard():
             return self.held.settle(index, self._as_view, self._wait_into_bucket)
 
     def _reduce_with_custom_function(self, reduce_function: TensorsFunction) -> None:

@@ -301,13 +301,13 @@ class OverlappedOptimizer:
             return  # nothing was held for it
         bucket_of = self._bucket_of()
         if self.requested is not None:
-            if self.keep_undo:
-                self._keep_undo(bucket_of, index)
             for parameter_id, change in self._changed_before_step.items():
                 if bucket_of.get(parameter_id) == index:
                     change.apply()  # the step uses what the user's code left in .grad
             with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested), \
                     _without_step_hooks(self.optimizer):
+                if self.keep_undo:
+                    self._keep_undo()
                 self._step()
         for change in changes.values():
             change.apply()
@@ -315,15 +315,15 @@ class OverlappedOptimizer:
             with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
                 self._zero_grad(self.zero_requested)
 
-    def _keep_undo(self, bucket_of: dict[int, int], index: int) -> None:
-        """Copy what bucket ``index``'s step will overwrite: its parameters and their optimizer state."""
+    def _keep_undo(self) -> None:
+        """Copy what the step over the optimizer's (narrowed) groups will overwrite: their
+        parameters and their optimizer state."""
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
             for parameter in group["params"]:
-                if bucket_of.get(id(parameter)) == index:
-                    kept = state.get(parameter)
-                    self._undo.append((parameter, parameter.detach().clone(), None if kept is None else {
-                        key: value.clone() if isinstance(value, Tensor) else value for key, value in kept.items()}))
+                kept = state.get(parameter)
+                self._undo.append((parameter, parameter.detach().clone(), None if kept is None else {
+                    key: value.clone() if isinstance(value, Tensor) else value for key, value in kept.items()}))
 
     @contextlib.contextmanager
     def _only(self, chosen: Callable[[Tensor], bool], hyperparameters: list[dict[str, Any]]) -> Iterator[None]:
