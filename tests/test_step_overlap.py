@@ -148,6 +148,32 @@ def test_the_step_is_applied_by_the_next_forward_and_zero_grad_after_it(pool2: W
         assert unchanged and changed and zeroed
 
 
+def schedule_warnings() -> list[str]:
+    """The warnings of a loop whose LR schedule was made before the wrapper (as a script that builds
+    optimizer and schedule, then hands them to a strategy, does)."""
+    import warnings
+
+    inner = model()
+    optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9 ** step)
+    ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            x, y = batch(step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        ddp.settle()
+    return [str(warning.message) for warning in caught]
+
+
+def test_a_schedule_made_before_the_wrapper_does_not_warn_that_the_step_was_overridden(pool2: WorkerPool) -> None:
+    for messages in pool2.run(schedule_warnings, timeout=60):
+        assert not [message for message in messages if "lr_scheduler" in message or "overridden" in message], messages
+
+
 def deferred_with_one_bucket() -> bool:
     """Whether the fifth step is deferred when the whole model fits one bucket (the default caps)."""
     inner = model()

@@ -182,7 +182,13 @@ class OverlappedOptimizer:
         self._undo: list[tuple[Tensor, Tensor, dict[str, Any] | None]] = []  # (parameter, values, optimizer state)
         self._when_applied: list[Callable[[], None]] = []
         # Methods of the optimizer itself: an LR scheduler rebinds optimizer.step's function to the optimizer.
-        optimizer.step = types.MethodType(lambda _, closure=None: self.step(closure), optimizer)  # type: ignore[method-assign]
+        def step(_: torch.optim.Optimizer, closure: Callable[[], float] | None = None) -> float | None:
+            return self.step(closure)
+        if getattr(self._step, "_wrapped_by_lr_sched", False):
+            # A schedule made before the wrapper looks for its mark on optimizer.step at its first step
+            # (else it warns that the step was overridden); its own wrapper is inside self._step.
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
             lambda _, set_to_none=True: self.zero_grad(set_to_none), optimizer)
         optimizer.register_state_dict_pre_hook(lambda _: self.settle_all())
