@@ -265,11 +265,8 @@ class OverlappedOptimizer:
         for index in sorted(set(self._bucket_of().values())):
             if index not in self._done:
                 self._finish(index)
-        for parameters in self._guarded.values():  # a bucket the layout no longer has (none expected)
-            release_parameters(parameters)
         applied = self.requested is not None
-        self._guarded, self._undo = {}, []
-        self.held, self.requested, self.zero_requested = False, None, None
+        self._forget_step()
         if applied:
             for callback in self._when_applied:
                 callback()
@@ -281,14 +278,12 @@ class OverlappedOptimizer:
     def roll_back(self) -> None:
         """Forget the step asked for and what was held, and put back what the buckets' steps applied
         so far overwrote (``keep_undo``): the parameters, the optimizer's state and its
-        hyperparameters are those from before the step, as when it was asked for. For a recovery, whose group was formed again:
-        the held reductions will never land."""
-        for parameters in self._guarded.values():
-            release_parameters(parameters)
+        hyperparameters are those from before the step, as when it was asked for. For a recovery,
+        whose group was formed again: the held reductions will never land."""
         if self.requested is not None:  # a schedule stepped after optimizer.step() set the next step's
             for group, hyperparameters in zip(self.optimizer.param_groups, self.requested):
                 group.update(hyperparameters)
-        with torch.no_grad():
+        with torch.no_grad():  # the buckets stepped already: their guards were released by _finish
             for parameter, values, state in reversed(self._undo):
                 parameter.copy_(values)
                 if state is None:
@@ -296,7 +291,15 @@ class OverlappedOptimizer:
                 else:
                     self.optimizer.state[parameter] = state
         self._held.drop()
-        self._guarded, self._undo, self._done = {}, [], set()
+        self._forget_step()
+        self._done = set()
+
+    def _forget_step(self) -> None:
+        """No step is pending any more: the guards left (buckets never stepped) released, the undo
+        copies dropped."""
+        for parameters in self._guarded.values():
+            release_parameters(parameters)
+        self._guarded, self._undo = {}, []
         self.held, self.requested, self.zero_requested = False, None, None
 
     def _finish(self, index: int) -> None:
@@ -305,20 +308,22 @@ class OverlappedOptimizer:
         changes = self._settle_held(index)
         if changes is None:
             return  # nothing was held for it
+        if self.requested is None:  # no step asked for: .grad is what the user's code left in it
+            for change in changes.values():
+                change.apply()
+            return
         bucket_of = self._bucket_of()
-        if self.requested is not None:
-            for parameter_id, change in self._changed_before_step.items():
-                if bucket_of.get(parameter_id) == index:
-                    change.apply()  # the step uses what the user's code left in .grad
-            with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested), \
-                    _without_step_hooks(self.optimizer):
-                if self.keep_undo:
-                    self._keep_undo()
+        for parameter_id, change in self._changed_before_step.items():
+            if bucket_of.get(parameter_id) == index:
+                change.apply()  # the step uses what the user's code left in .grad before asking for it
+        with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
+            if self.keep_undo:
+                self._keep_undo()
+            with _without_step_hooks(self.optimizer):
                 self._step()
-        for change in changes.values():
-            change.apply()
-        if self.requested is not None and self.zero_requested is not None:
-            with self._only(lambda p: bucket_of.get(id(p)) == index, self.requested):
+            for change in changes.values():
+                change.apply()  # what it did after asking, once the step has used the gradient
+            if self.zero_requested is not None:
                 self._zero_grad(self.zero_requested)
 
     def _keep_undo(self) -> None:
