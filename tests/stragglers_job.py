@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 import ddpkit
 
 BATCH, FEATURES = 64, 256
+# Hidden width: a wider model gives each step's compute several of the scheduler's slices.
+WIDTH = int(os.environ.get("WIDTH", "512"))
 
 
 class Samples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -39,7 +41,7 @@ def main() -> None:
         os.sched_setaffinity(0, {int(os.environ["RANK"]) % (os.cpu_count() or 1)})
     strategy = ddpkit.DDPStrategy()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+    model = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
     model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
     slow = os.environ.get("SLOW_DATA") == os.environ["RANK"]
     steps = int(os.environ.get("STEPS", "1500"))
