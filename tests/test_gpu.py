@@ -1,5 +1,6 @@
 """CUDA/NCCL paths: DDP on GPUs (device_ids, inputs moved to the device), the fp16/bf16 hooks and
-PowerSGD on CUDA tensors, SyncBatchNorm on CUDA, a failure named on the other rank, in-place
+PowerSGD on CUDA tensors, SyncBatchNorm on CUDA, a failure named on the other rank, the overlapped
+optimizer step bit for bit as the synchronous one, in-place
 recovery with CUDA tensors (tests/real_loop.py, a rank SIGKILLed: every rank ends as without the
 fault) over the pool's backend, and over NCCL behind ``DDPKIT_NCCL_IN_PLACE=1``. Marked ``gpu``; they skip, saying
 why, on a machine without CUDA or with fewer GPUs than ranks (NCCL wants one GPU per rank).
@@ -279,3 +280,57 @@ def test_in_place_recovery_over_nccl(tmp_path: Path) -> None:
     """The survivors' NCCL communicators aborted, the next generation's formed, the state broadcast
     on the device (``DDPKIT_NCCL_IN_PLACE=1`` until this has passed on a device)."""
     _in_place_on_the_device(tmp_path, "nccl", **{DDPKIT_NCCL_IN_PLACE: "1"})
+
+
+def overlapped_on_the_device(optimizer_name: str, overlap: bool, loop: str) -> list[torch.Tensor]:
+    """Eight steps of a four-layer MLP on this rank's device, one bucket a layer, with the optimizer
+    step deferred to the next forward (``overlap``) or not; this rank's final parameters and
+    optimizer state, on the CPU. The reductions, copies back and per-bucket steps are queued on
+    the device's streams: the mode is exact there only if each waits for the one before."""
+    device = this_device()
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 16)).to(device)
+    optimizer: torch.optim.Optimizer = {
+        "sgd-momentum": lambda: torch.optim.SGD(inner.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+        "adamw": lambda: torch.optim.AdamW(inner.parameters(), lr=1e-3, weight_decay=0.1),
+        "adamw-fused": lambda: torch.optim.AdamW(inner.parameters(), lr=1e-3, weight_decay=0.1, fused=True),
+    }[optimizer_name]()
+    model = DistributedDataParallel(inner, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=0.5,
+                                    overlap_optimizer=optimizer if overlap else None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8 ** step) if loop == "scheduler" else None
+    for step in range(8):
+        generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+        x, y = torch.randn(32, 64, generator=generator), torch.randn(32, 16, generator=generator)
+        if loop == "no_sync":  # two micro-batches, the first accumulated locally
+            with model.no_sync():
+                nn.functional.mse_loss(model(x[:16].to(device)), y[:16].to(device)).backward()
+            x, y = x[16:], y[16:]
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        if loop == "clip":
+            model.settle()  # every gradient averaged before the clip reads them
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+    model.settle()
+    state = [value for entry in optimizer.state.values() for value in entry.values() if isinstance(value, torch.Tensor)]
+    return [tensor.detach().cpu() for tensor in [*inner.parameters(), *state]]
+
+
+@pytest.mark.parametrize(("optimizer_name", "loop"), [("sgd-momentum", "step"), ("adamw", "step"),
+                                                      ("adamw-fused", "step"), ("adamw", "no_sync"),
+                                                      ("adamw", "clip"), ("adamw", "scheduler")])
+def test_the_overlapped_step_on_the_device_is_that_of_the_synchronous_run_bit_for_bit(
+        gpu_pool: WorkerPool, optimizer_name: str, loop: str) -> None:
+    """docs/ddp.md's GPU plan: overlap_optimizer on CUDA tensors gives the synchronous run's
+    parameters and optimizer state exactly."""
+    if optimizer_name == "adamw-fused" and DEVICE_TYPE == "cpu" and not hasattr(torch, "_fused_adamw_"):
+        pytest.skip("this torch has no fused AdamW on the CPU")
+    synchronous = gpu_pool.run(overlapped_on_the_device, optimizer_name, False, loop)
+    overlapped = gpu_pool.run(overlapped_on_the_device, optimizer_name, True, loop)
+    for sync_rank, overlap_rank in zip(synchronous, overlapped):
+        assert len(sync_rank) == len(overlap_rank)
+        assert all(torch.equal(a, b) for a, b in zip(sync_rank, overlap_rank))
+    assert all(torch.equal(a, b) for a, b in zip(overlapped[0], overlapped[1]))
