@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ddpkit.parallel.buckets import UNBATCHED_BESIDE_BYTES, Bucket, GradBucket, assign_buckets
 
@@ -42,6 +43,14 @@ def test_a_mid_sized_model_gets_a_bucket_for_about_every_sixteenth_of_its_bytes_
     large = [torch.empty(4 * 1024 * 1024, device="meta") for _ in range(160)]
     assert assign_buckets(large)[1:3] == [[1, 2], [3, 4]]
     assert assign_buckets(large, cap_bytes=64 * 1024 * 1024)[1:3] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the user's cap
+
+
+def test_gradients_on_a_gpu_keep_torchs_caps_for_each_launch_costs_the_host_time() -> None:
+    # The same 8 x 1024 MLP's weights as CUDA tensors (fake ones: no GPU needed): torch's two buckets.
+    with FakeTensorMode():
+        weights = [torch.empty(1024 * 1024, device="cuda") for _ in range(8)]
+    assert assign_buckets(weights) == [[0], [1, 2, 3, 4, 5, 6, 7]]
+    assert assign_buckets(weights, growing=True) == [[0], [1], [2], [3, 4], [5, 6, 7]]  # a 16-bit hook's caps
 
 
 def test_growing_caps_give_a_mid_sized_model_small_buckets_so_a_slow_wire_never_waits_for_a_large_one() -> None:

@@ -16,7 +16,10 @@ buckets because the order comes from one rank's parameter list. Three caps apply
   A share of the model's bytes gives the wire a bucket after about every 16th of backward
   whatever the layers' sizes, while 16 messages' fixed costs stay small beside the bytes. Where
   the wire is fast the last bucket, sent after backward ends, is a 16th of the model rather than
-  up to 25 MB. Models of 400 MB and more keep torch's 25 MB.
+  up to 25 MB. Models of 400 MB and more keep torch's 25 MB. Gradients on an accelerator keep
+  torch's caps: there each bucket's launch costs the host tens of microseconds, which a step of a
+  few milliseconds feels, and NCCL's wire is fast; the share was measured on Gloo's (the GPU's
+  figures: benchmarks/README.md, ``gpu_check.py``).
 - With an elementwise-averaging comm hook (ddpkit's ``allreduce_hook``, ``fp16_compress_hook``,
   ``bf16_compress_hook``: ``growing=True``) the caps after the first also double (1, 2, 4, 8, 16
   MB, then ``cap_bytes``): a hook that sends fewer bytes than it reduces has sent each bucket
@@ -57,8 +60,8 @@ def assign_buckets(
     kind's open bucket, which closes once it reaches its cap; so the first bucket holds at
     least the first whole tensor (on an MLP, the last layer), and its reduction starts as soon
     as backward has produced it. Every bucket after the first closes at ``min(cap_bytes,
-    max(first_cap_bytes, kind's bytes // spread))`` (``spread=0``: at ``cap_bytes``, as in
-    torch), with ``growing`` the k-th bucket of a kind (from 0) at ``first_cap_bytes * 2**k`` if
+    max(first_cap_bytes, kind's bytes // spread))`` (``spread=0``, or a kind on an accelerator: at
+    ``cap_bytes``, as in torch), with ``growing`` the k-th bucket of a kind (from 0) at ``first_cap_bytes * 2**k`` if
     that is less (see the module's docstring). Buckets are ordered by their first tensor, so
     bucket 0 holds the first tensors of ``tensors``.
     """
@@ -69,8 +72,8 @@ def assign_buckets(
     for tensor in tensors:
         kind = (tensor.dtype, tensor.device)
         kind_bytes[kind] = kind_bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
-    later_caps = {kind: min(cap_bytes, max(first_cap_bytes, total // spread)) if spread else cap_bytes
-                  for kind, total in kind_bytes.items()}
+    later_caps = {kind: min(cap_bytes, max(first_cap_bytes, total // spread)) if spread and _on_the_host(kind[1])
+                  else cap_bytes for kind, total in kind_bytes.items()}
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
     closed_for_kind: dict[tuple[torch.dtype, torch.device], int] = {}
     buckets: list[list[int]] = []
@@ -91,6 +94,12 @@ def assign_buckets(
         open_buckets[kind] = (members, used)
     buckets.extend(members for members, _ in open_buckets.values() if members)
     return sorted(buckets, key=lambda members: members[0])
+
+
+def _on_the_host(device: torch.device) -> bool:
+    """Whether a kind's gradients are on the CPU (a layout planned on the meta device, without
+    memory, counts as the CPU's)."""
+    return device.type in ("cpu", "meta")
 
 
 @dataclass(eq=False)
