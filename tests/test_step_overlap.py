@@ -65,11 +65,20 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step) if loop == "scheduler" else None
     ema = torch.optim.swa_utils.AveragedModel(inner, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     steps_seen = [0]
+    losses: list[torch.Tensor] = []
     if loop == "step-hooks":  # once per step: a pre-hook sets this step's lr, a post-hook counts (as a framework does)
         optimizer.register_step_pre_hook(lambda opt, *_: opt.param_groups[0].update(lr=1e-2 * 0.8 ** steps_seen[0]))
         optimizer.register_step_post_hook(lambda *_: steps_seen.__setitem__(0, steps_seen[0] + 1))
     for step in range(STEPS):
         x, y = batch(step)
+        if loop == "framework-closure":  # Lightning's automatic optimization: forward, zero_grad, backward in a closure
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                loss = nn.functional.mse_loss(ddp(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                return loss
+            losses.append(optimizer.step(closure))
+            continue
         if loop == "zero-first":
             optimizer.zero_grad()
         if loop == "no_sync":  # two micro-batches, the first accumulated locally
@@ -99,7 +108,7 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
             optimizer.zero_grad(set_to_none=loop != "zero-keep")
     ddp.settle()
     return ([p.detach().clone() for p in [*inner.parameters(), *ema.parameters()]] + [b.clone() for b in inner.buffers()]
-            + [torch.tensor(steps_seen[0])])
+            + [loss.detach() for loss in losses] + [torch.tensor(steps_seen[0])])
 
 
 @pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
@@ -113,7 +122,7 @@ def test_the_deferred_step_gives_the_parameters_of_the_synchronous_run_bit_for_b
 
 
 @pytest.mark.parametrize("loop", ["zero-first", "zero-keep", "scheduler", "no_sync", "clip", "copies", "fp16-hook",
-                                  "powersgd", "closure", "syncbn", "unfrozen",
+                                  "powersgd", "closure", "framework-closure", "syncbn", "unfrozen",
                                   "module-zero", "module-zero-keep", "cleared-before-step", "ema",
                                   "step-hooks"])
 def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
@@ -126,15 +135,18 @@ def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(po
         assert int(overlap_rank[-1]) == (STEPS if loop == "step-hooks" else 0)
 
 
-def deferred_until_the_next_forward() -> tuple[bool, bool, bool]:
+def deferred_until_the_next_forward(with_closure: bool) -> tuple[bool, bool, bool]:
     inner = model()
     optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
     ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer)
     for step in range(4):  # the first three synchronised backwards are not deferred
         x, y = batch(step)
         before = [p.detach().clone() for p in inner.parameters()]
-        nn.functional.mse_loss(ddp(x), y).backward()
-        optimizer.step()
+        if with_closure:  # the loss computed by the closure (as Lightning does): still deferred
+            optimizer.step(lambda x=x, y=y: nn.functional.mse_loss(ddp(x), y).backward())  # type: ignore[misc]
+        else:
+            nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
         optimizer.zero_grad()
     with torch._C.DisableTorchFunctionSubclass():  # past the guard (test_a_read_of_parameters_before...)
         unchanged = all(torch.equal(a, p) for a, p in zip(before, inner.parameters()))
@@ -143,8 +155,9 @@ def deferred_until_the_next_forward() -> tuple[bool, bool, bool]:
     return unchanged, changed, all(p.grad is None for p in inner.parameters())
 
 
-def test_the_step_is_applied_by_the_next_forward_and_zero_grad_after_it(pool2: WorkerPool) -> None:
-    for unchanged, changed, zeroed in pool2.run(deferred_until_the_next_forward, timeout=60):
+@pytest.mark.parametrize("with_closure", [False, True])
+def test_the_step_is_applied_by_the_next_forward_and_zero_grad_after_it(pool2: WorkerPool, with_closure: bool) -> None:
+    for unchanged, changed, zeroed in pool2.run(deferred_until_the_next_forward, with_closure, timeout=60):
         assert unchanged and changed and zeroed
 
 

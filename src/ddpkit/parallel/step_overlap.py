@@ -197,9 +197,18 @@ class OverlappedOptimizer:
                        for owner in module.modules() if any(True for _ in owner.parameters(recurse=False))]
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        if not self.held or closure is not None:  # a closure computes the loss: it needs the parameters now
+        if closure is not None:
+            # Every optimizer the mode takes calls its closure once, first, with gradients enabled,
+            # and then steps on the gradients it left (LBFGS, which calls it again, is refused):
+            # so the closure (Lightning's: forward, zero_grad, backward) runs now, and the step on
+            # its gradients is deferred as a step without one would be.
+            with torch.enable_grad():
+                loss = closure()
+            self.step()
+            return loss
+        if not self.held:
             self.settle_all()
-            return self._step() if closure is None else self._step(closure)
+            return self._step()
         if self.requested is not None:  # a second step on the same gradients: the first goes first
             self.settle_all()
             return self._step()
