@@ -5,7 +5,8 @@ Lightning's own DistributedSampler, two epochs.
 
     python lightning_job.py OUT STRATEGY     # under `ddpkit run --nproc-per-node 2` (or alone: reference)
 
-STRATEGY: ``ddpkit`` (``ddpkit.lightning.DDPStrategy()``), ``plugin`` (the seeds' ``DDPPlugin`` with
+STRATEGY: ``ddpkit`` (``ddpkit.lightning.DDPStrategy()``), ``overlap`` (the same with
+``overlap_optimizer=True`` and a bucket a tensor), ``plugin`` (the seeds' ``DDPPlugin`` with
 its Lightning 1.4 arguments), ``ddp`` (Lightning's), or ``reference``: one process training on
 the concatenated batches (twice the rows per batch), which every other one must equal.
 ``FAIL_AT=RANK:BATCH`` makes that rank raise in ``training_step`` at that batch of the first epoch.
@@ -20,6 +21,7 @@ it happened: the replacement, which runs the script again, does not), after it (
 ``PAUSE_AT=RANK:BATCH``: that rank writes OUT/paused at that batch of the first epoch, in its forward,
 and waits there until the test kills its node (once in the job: a process that takes its place goes on).
 Each node runs ``LOCAL_WORLD_SIZE`` ranks (``num_nodes``: the world over that).
+``CLIP=0``: no gradient clipping (0.5 by default).
 ``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
 ``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
 before the forward; ``OWN_COLLECTIVE_AT_EPOCH_END=1``: one in ``on_train_epoch_end``. Rank 0 saves the final parameters and
@@ -53,6 +55,7 @@ class Regression(pl.LightningModule):
         self.fail_at = tuple(int(part) for part in os.environ["FAIL_AT"].split(":")) if os.environ.get("FAIL_AT") else None
         rank, batch, self.kill_phase, *epoch = os.environ.get("KILL_AT", "-1:-1:forward").split(":")
         self.kill_at, self.kill_epoch = (int(rank), int(batch)), int(epoch[0]) if epoch else 0
+        self.deferred = 0  # optimizer steps still deferred at the end of their batch (overlap_optimizer)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.fail_at == (self.global_rank, batch_idx) and self.current_epoch == 0:
@@ -91,6 +94,9 @@ class Regression(pl.LightningModule):
         self.timed = "" if timings is None else f", {timings().steps} steps timed"
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        from ddpkit.parallel.stand_ins import HeldParameter  # the class of a parameter whose step is deferred
+
+        self.deferred += any(type(p) is HeldParameter for p in self.parameters())
         if (self.kill_phase == "batch_end" and self.kill_at == (self.global_rank, batch_idx)
                 and self.current_epoch == self.kill_epoch and not os.path.exists(KILLED)):
             open(KILLED, "w").close()
@@ -151,6 +157,10 @@ def strategy_for(name: str) -> object:
         import ddpkit.lightning
 
         return ddpkit.lightning.DDPStrategy()
+    if name == "overlap":  # a bucket a tensor: the mode has buckets to overlap on this small model
+        import ddpkit.lightning
+
+        return ddpkit.lightning.DDPStrategy(overlap_optimizer=True, bucket_cap_mb=1e-5)
     if name == "plugin":  # the seeds' Lightning 1.4 DDPPlugin, with its arguments: only the import changed
         from ddpkit.hooks import allreduce_hook  # ddpkit's: bit-identical to no hook
         from ddpkit.lightning import DDPPlugin
@@ -174,7 +184,8 @@ def main(out: str, name: str) -> None:
     trainer = pl.Trainer(
         strategy=strategy_for("auto" if reference else name), accelerator="cpu", devices=devices, num_nodes=num_nodes,
         max_epochs=2,
-        accumulate_grad_batches=2, gradient_clip_val=0.5, sync_batchnorm=not reference,
+        accumulate_grad_batches=2, gradient_clip_val=float(os.environ.get("CLIP", "0.5")) or None,
+        sync_batchnorm=not reference,
         callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True)],
         default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True)
@@ -184,7 +195,8 @@ def main(out: str, name: str) -> None:
     if trainer.is_global_zero:
         torch.save(module.state_dict(), os.path.join(out, "final.pt"))
     print(f"rank {trainer.global_rank} of {trainer.world_size}: done with {type(trainer.strategy).__module__}."
-          f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}{module.timed}", flush=True)
+          f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}{module.timed}, "
+          f"{module.deferred} steps deferred", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("lightning", reason="Lightning is in the test extra: pip install -e '.[test]'")
 
@@ -22,6 +23,7 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment  # noq
 
 from ddpkit.environments import LocalEnvironment, find_free_port  # noqa: E402
 from ddpkit.lightning import DdpkitEnvironment, DDPStrategy  # noqa: E402
+from ddpkit.lightning.strategy import the_one_optimizer  # noqa: E402
 
 JOB = Path(__file__).resolve().parent / "lightning_job.py"
 QUIET = {"PYTHONWARNINGS": "ignore"}
@@ -61,6 +63,46 @@ def test_a_trainer_with_ddpkits_strategy_ends_as_one_process_on_the_concatenated
     largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
     assert largest < 1e-6, largest
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()  # ModelCheckpoint saved through the strategy
+
+
+@pytest.mark.timeout(200)
+def test_overlap_optimizer_in_a_trainer_defers_its_steps_and_ends_bit_for_bit_as_without_it(tmp_path: Path) -> None:
+    """``DDPStrategy(overlap_optimizer=True)`` under Lightning's automatic optimization (the step
+    given a closure that runs the forward and backward), with accumulation, SyncBatchNorm, a
+    per-step schedule and ``sync_dist`` logging; no clipping, so the steps after the first three
+    are deferred to the next forward (still deferred at the end of their batch)."""
+    synchronous = run_job(tmp_path / "synchronous", "ddpkit", CLIP="0")
+    overlapped = run_job(tmp_path / "overlapped", "overlap", CLIP="0")
+    assert synchronous.returncode == 0 and overlapped.returncode == 0, synchronous.stderr[-3000:] + overlapped.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: done" in overlapped.stdout and "7 steps timed, 5 steps deferred" in overlapped.stdout, \
+            overlapped.stdout
+    expected, trained = (torch.load(tmp_path / run / "final.pt") for run in ("synchronous", "overlapped"))
+    assert sorted(trained) == sorted(expected)
+    assert all(torch.equal(trained[name], expected[name]) for name in expected)
+
+
+@pytest.mark.timeout(200)
+def test_overlap_optimizer_in_a_trainer_that_clips_waits_for_the_gradients_and_ends_as_one_process(
+        tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
+    """``Trainer(gradient_clip_val=0.5)``: Lightning's clip reads every gradient after the backward,
+    so the strategy awaits them there and the steps are not deferred, and exact."""
+    result = run_job(tmp_path, "overlap")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "7 steps timed, 0 steps deferred" in result.stdout, result.stdout
+    trained = torch.load(tmp_path / "final.pt")
+    largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
+    assert largest < 1e-6, largest
+
+
+def test_overlap_optimizer_is_refused_with_what_it_cannot_take() -> None:
+    with pytest.raises(TypeError, match="takes True or False, got str"):
+        DDPStrategy(overlap_optimizer="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="drop use_torch_ddp=True"):
+        DDPStrategy(overlap_optimizer=True, use_torch_ddp=True)
+    two = [torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1) for _ in range(2)]  # manual optimization's
+    with pytest.raises(ValueError, match="configure_optimizers returned 2. Return one optimizer"):
+        the_one_optimizer(two)
 
 
 @pytest.mark.timeout(200)
@@ -316,4 +358,7 @@ def test_in_place_recovery_inside_trainer_fit_refuses_what_it_cannot_carry_befor
         strategy.setup_distributed()
     strategy = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, ddp_comm_state=object())
     with pytest.raises(ValueError, match="a comm hook's state"):
+        strategy.setup_distributed()
+    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, overlap_optimizer=True)
+    with pytest.raises(ValueError, match="overlap_optimizer=True: the Trainer's recovery cannot undo"):
         strategy.setup_distributed()

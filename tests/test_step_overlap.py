@@ -329,6 +329,8 @@ def refused(what: str) -> str:
         if what == "join":
             with ddp.join():
                 pass
+        if what == "second optimizer":  # overlap_with: the mode for an optimizer made after wrapping
+            ddp.overlap_with(torch.optim.Adam(inner.parameters()))
     except ValueError as error:
         return str(error)
     try:
@@ -344,6 +346,7 @@ def refused(what: str) -> str:
 
 @pytest.mark.parametrize(("what", "named"), [("foreign parameter", "1 of the optimizer's"),
                                              ("reduce_function", "reduce_function"), ("join", "join()"),
+                                             ("second optimizer", "for SGD already, and one optimizer per model"),
                                              ("pre-hook with arguments", "step 3: overlap_optimizer: the optimizer step "
                                                                          "pre-hook refused.<locals>.<lambda> returned")])
 def test_what_the_mode_cannot_take_is_refused_naming_it(pool2: WorkerPool, what: str, named: str) -> None:

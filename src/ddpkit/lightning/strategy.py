@@ -16,7 +16,11 @@ arguments), and changes what it does underneath, not what Lightning sees:
   ``training_step`` or anywhere else, is named on every other rank within seconds instead of
   leaving them waiting in a collective for the group's timeout;
 - SIGTERM to ``ddpkit run`` stops every rank after the same optimizer step, saves a checkpoint and
-  exits 75 (``ddpkit.lightning.preemption``), and ``ckpt_path="last"`` resumes at that batch.
+  exits 75 (``ddpkit.lightning.preemption``), and ``ckpt_path="last"`` resumes at that batch;
+- ``overlap_optimizer=True``: the optimizer the LightningModule configures steps bucket by bucket
+  during the next forward (``DistributedDataParallel(overlap_optimizer=...)``, docs/ddp.md), bit for
+  bit as without it. With ``Trainer(gradient_clip_val=...)`` the clip needs every gradient, so
+  those steps wait for them (exact, not overlapped).
 """
 
 from __future__ import annotations
@@ -67,12 +71,20 @@ class DDPStrategy(LightningDDPStrategy):
     a ``num_nodes`` that is not the Trainer's is refused naming both."""
 
     def __init__(self, *args: Any, use_torch_ddp: bool = False, num_nodes: int | None = None,
-                 sync_batchnorm: bool = False, **kwargs: Any) -> None:
+                 sync_batchnorm: bool = False, overlap_optimizer: bool = False, **kwargs: Any) -> None:
+        if not isinstance(overlap_optimizer, bool):
+            raise TypeError(f"DDPStrategy(overlap_optimizer=...) takes True or False, got "
+                            f"{type(overlap_optimizer).__name__}: pass True; the optimizer is the one your "
+                            "LightningModule's configure_optimizers returns.")
+        if overlap_optimizer and use_torch_ddp:
+            raise ValueError("DDPStrategy(overlap_optimizer=True) needs ddpkit's DistributedDataParallel: drop "
+                             "use_torch_ddp=True, or overlap_optimizer.")
         # cluster_environment: by keyword, or Lightning's third positional argument
         if kwargs.get("cluster_environment") is None and (len(args) < 3 or args[2] is None):
             kwargs["cluster_environment"] = DdpkitEnvironment()
         super().__init__(*args, **kwargs)
         self.use_torch_ddp = use_torch_ddp
+        self.overlap_optimizer = overlap_optimizer
         self._sync_batchnorm_wanted = sync_batchnorm
         self._num_nodes_wanted = num_nodes
         if num_nodes is not None:
@@ -123,6 +135,8 @@ class DDPStrategy(LightningDDPStrategy):
         """What in-place recovery inside ``Trainer.fit`` does not serve, refused before connecting."""
         module = self.lightning_module
         why = ("use_torch_ddp=True: recovery rebuilds ddpkit's DistributedDataParallel" if self.use_torch_ddp else
+               "overlap_optimizer=True: the Trainer's recovery cannot undo a step half applied in the forward"
+               if self.overlap_optimizer else
                "a comm hook's state (ddp_comm_state, e.g. PowerSGD's error feedback) does not reach a replacement"
                if self._ddp_comm_state is not None else
                "manual optimization (automatic_optimization = False): the strategy cannot train a step again"
@@ -143,10 +157,19 @@ class DDPStrategy(LightningDDPStrategy):
             callbacks.append(PreemptionStop(on_peer_lost=on_peer_lost))
         super().setup(trainer)
         if isinstance(self.model, DistributedDataParallel):
+            if self.overlap_optimizer and trainer.state.fn == TrainerFn.FITTING:
+                self.model.overlap_with(the_one_optimizer(self.optimizers))  # Lightning made it after wrapping
             for optimizer in self.optimizers:
                 self.model.time_optimizer(optimizer)
             if self._in_place is not None and trainer.state.fn == TrainerFn.FITTING:
                 self._in_place.attach(trainer, self.model, self.optimizers[0])
+
+    def on_train_end(self) -> None:
+        """The last step, deferred to a forward that will not come, applied: the module the fit
+        leaves holds its parameters after every step."""
+        if self.overlap_optimizer and isinstance(self.model, DistributedDataParallel):
+            self.model.settle()
+        super().on_train_end()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A file, as Lightning's; in a replacement, ``REPLACEMENT_CHECKPOINT``: the state the survivors sent."""
@@ -233,6 +256,10 @@ class DDPStrategy(LightningDDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.use_torch_ddp:
             super().post_backward(closure_loss)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.overlap_optimizer and trainer is not None and trainer.gradient_clip_val and \
+                isinstance(self.model, DistributedDataParallel):
+            self.model.settle()  # Lightning clips after the backward, reading every gradient: they are awaited first
 
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
@@ -268,6 +295,15 @@ class DDPStrategy(LightningDDPStrategy):
         """The seeds' ``DDPPlugin.reconciliate_processes``: report this process's failure, given as its
         formatted traceback; the other ranks raise ``PeerFailedError`` naming it."""
         record_failure(trace_record(self.global_rank, trace))
+
+
+def the_one_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The optimizer ``configure_optimizers`` returned, for ``overlap_optimizer=True``; refused unless one."""
+    if len(optimizers) != 1:
+        raise ValueError(f"DDPStrategy(overlap_optimizer=True) defers one optimizer's step, and configure_optimizers "
+                         f"returned {len(optimizers)}. Return one optimizer over all of the model's parameters, or "
+                         "leave overlap_optimizer off.")
+    return optimizers[0]
 
 
 def _trained_in_epoch(trainer: pl.Trainer) -> tuple[int, int]:

@@ -161,26 +161,35 @@ class DistributedDataParallel(nn.Module):
         self._buffer_slots = [(owner, name) for _, owner in module.named_modules()
                               for name, buffer in owner._buffers.items() if buffer is not None]
         if overlap_optimizer is not None:
-            self._overlap_with(overlap_optimizer, [p for _, p in named], group is not None and group.in_place)
+            self.overlap_with(overlap_optimizer)
 
-    def _overlap_with(self, optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], in_place: bool) -> None:
-        """``overlap_optimizer``: the optimizer's step deferred to the next forward, bucket by bucket
-        (``ddpkit.parallel.step_overlap``)."""
+    def overlap_with(self, optimizer: torch.optim.Optimizer) -> None:
+        """``overlap_optimizer=optimizer`` for an optimizer made after the model was wrapped (as
+        Lightning's Trainer makes it): its step deferred to the next forward, bucket by bucket
+        (``ddpkit.parallel.step_overlap``). One optimizer per model."""
         if self._reduce_function is not None:
             raise ValueError("overlap_optimizer cannot be combined with reduce_function, which reduces every gradient "
                              "after backward: leave one of them out.")
+        if self._reducer.overlapped is not None:
+            raise ValueError(f"overlap_optimizer: this model's steps are deferred for "
+                             f"{type(self._reducer.overlapped.optimizer).__name__} already, and one optimizer per model "
+                             f"can be; {type(optimizer).__name__} was given too. Give the mode one optimizer over "
+                             "all of the model's parameters.")
         # Only parameters reduced in buckets (not sparse ones, averaged apart) may be the optimizer's.
-        bucketed = [p for p in parameters if id(p) in self._reducer.bucket_of]
+        bucketed = [p for p in self.module.parameters() if id(p) in self._reducer.bucket_of]
         overlapped = OverlappedOptimizer(optimizer, self.module, bucketed, self._reducer.held,
                                          self._reducer.settle_held, lambda: self._reducer.bucket_of)
         # Under in-place recovery a rank lost while a step is half applied leaves the others to go
         # back to the state before it (``abandon_deferred_step``), as a synchronous step is never half done.
-        overlapped.keep_undo = in_place
+        group = current_group() if self.process_group is None else None
+        overlapped.keep_undo = group is not None and group.in_place
         self._reducer.overlapped = overlapped
         # A checkpoint taken between optimizer.step() and the next forward holds the updated parameters,
         # and one loaded there is not overwritten by the step (the optimizer's: OverlappedOptimizer).
-        self.module.register_state_dict_pre_hook(lambda *_: overlapped.settle_all())
-        self.module.register_load_state_dict_pre_hook(lambda *_: overlapped.settle_all())
+        # On every submodule: a framework saves the one it trains (Lightning's module inside its wrapper).
+        for owner in self.module.modules():
+            owner.register_state_dict_pre_hook(lambda *_: overlapped.settle_all())
+            owner.register_load_state_dict_pre_hook(lambda *_: overlapped.settle_all())
 
     def _make_reducer(self, trainable: dict[str, nn.Parameter], launch_order: list[str],
                       bucket_cap_mb: float | str | None) -> Reducer:
