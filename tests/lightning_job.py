@@ -21,7 +21,8 @@ it happened: the replacement, which runs the script again, does not), after it (
 ``PAUSE_AT=RANK:BATCH``: that rank writes OUT/paused at that batch of the first epoch, in its forward,
 and waits there until the test kills its node (once in the job: a process that takes its place goes on).
 Each node runs ``LOCAL_WORLD_SIZE`` ranks (``num_nodes``: the world over that).
-``CLIP=0``: no gradient clipping (0.5 by default).
+``CLIP=0``: no gradient clipping (0.5 by default). ``CHECKPOINT_EVERY=N``: also a checkpoint every N optimizer
+steps, in OUT/every (right after the step, in ``on_train_batch_end``).
 ``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
 ``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
 before the forward; ``OWN_COLLECTIVE_AT_EPOCH_END=1``: one in ``on_train_epoch_end``. Rank 0 saves the final parameters and
@@ -186,7 +187,9 @@ def main(out: str, name: str) -> None:
         max_epochs=2,
         accumulate_grad_batches=2, gradient_clip_val=float(os.environ.get("CLIP", "0.5")) or None,
         sync_batchnorm=not reference,
-        callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True)],
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True), *(
+            [ModelCheckpoint(dirpath=os.path.join(out, "every"), every_n_train_steps=int(os.environ["CHECKPOINT_EVERY"]),
+                             save_top_k=-1)] if os.environ.get("CHECKPOINT_EVERY") else [])],
         default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True)
     module = Regression()

@@ -71,15 +71,25 @@ def test_overlap_optimizer_in_a_trainer_defers_its_steps_and_ends_bit_for_bit_as
     given a closure that runs the forward and backward), with accumulation, SyncBatchNorm, a
     per-step schedule and ``sync_dist`` logging; no clipping, so the steps after the first three
     are deferred to the next forward (still deferred at the end of their batch)."""
-    synchronous = run_job(tmp_path / "synchronous", "ddpkit", CLIP="0")
-    overlapped = run_job(tmp_path / "overlapped", "overlap", CLIP="0")
+    synchronous = run_job(tmp_path / "synchronous", "ddpkit", CLIP="0", CHECKPOINT_EVERY="3")
+    overlapped = run_job(tmp_path / "overlapped", "overlap", CLIP="0", CHECKPOINT_EVERY="3")
     assert synchronous.returncode == 0 and overlapped.returncode == 0, synchronous.stderr[-3000:] + overlapped.stderr[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank} of 2: done" in overlapped.stdout and "7 steps timed, 5 steps deferred" in overlapped.stdout, \
+        # 5 of 8 (the first three are synchronous); step 6's checkpoint, saved before the module's
+        # on_train_batch_end looks, applied it
+        assert f"rank {rank} of 2: done" in overlapped.stdout and "7 steps timed, 4 steps deferred" in overlapped.stdout, \
             overlapped.stdout
     expected, trained = (torch.load(tmp_path / run / "final.pt") for run in ("synchronous", "overlapped"))
     assert sorted(trained) == sorted(expected)
     assert all(torch.equal(trained[name], expected[name]) for name in expected)
+    # ModelCheckpoint saves the LightningModule (inside the wrapper), at step 6 right after a deferred
+    # step: with that step applied
+    files = sorted(path.name for path in (tmp_path / "overlapped" / "every").iterdir())
+    assert files == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"], files
+    for name in files:
+        saved, wanted = (torch.load(tmp_path / run / "every" / name, weights_only=False)["state_dict"]
+                         for run in ("overlapped", "synchronous"))
+        assert sorted(saved) == sorted(wanted) and all(torch.equal(saved[key], wanted[key]) for key in wanted)
 
 
 @pytest.mark.timeout(200)

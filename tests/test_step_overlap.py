@@ -354,9 +354,12 @@ def test_what_the_mode_cannot_take_is_refused_naming_it(pool2: WorkerPool, what:
         assert named in message and "overlap_optimizer" in message, message
 
 
-def checkpoint_between_step_and_forward(overlap: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
-    """The model's and the optimizer's state_dict right after optimizer.step(), and whether a checkpoint
-    loaded there is what the next forward computes with (not overwritten by the deferred step)."""
+def checkpoint_between_step_and_forward(overlap: bool, of: str = "wrapper"
+                                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """The model's (``of``: the wrapper, or a submodule: a framework saves the module it trains,
+    inside its own wrapper) and the optimizer's state_dict right after optimizer.step(), and whether
+    a checkpoint loaded there is what the next forward computes with (not overwritten by the
+    deferred step)."""
     inner = model()
     optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-2)
     ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, overlap_optimizer=optimizer if overlap else None)
@@ -366,7 +369,8 @@ def checkpoint_between_step_and_forward(overlap: bool) -> tuple[list[torch.Tenso
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         optimizer.step()
-    parameters = [value.clone() for value in ddp.state_dict().values()]
+    saved = ddp if of == "wrapper" else inner[2]
+    parameters = [value.clone() for value in saved.state_dict().values()]  # before the optimizer's state_dict
     moments = [state["exp_avg"].clone() for state in optimizer.state_dict()["state"].values()]
     nn.functional.mse_loss(ddp(batch(5)[0]), batch(5)[1]).backward()
     optimizer.step()
@@ -375,10 +379,11 @@ def checkpoint_between_step_and_forward(overlap: bool) -> tuple[list[torch.Tenso
     return parameters, moments, all(torch.equal(start[key], value) for key, value in inner.state_dict().items())
 
 
+@pytest.mark.parametrize("of", ["wrapper", "submodule"])
 def test_a_checkpoint_between_the_step_and_the_next_forward_holds_the_step_and_a_loaded_one_is_kept(
-        pool2: WorkerPool) -> None:
-    synchronous = pool2.run(checkpoint_between_step_and_forward, False, timeout=60)
-    overlapped = pool2.run(checkpoint_between_step_and_forward, True, timeout=60)
+        pool2: WorkerPool, of: str) -> None:
+    synchronous = pool2.run(checkpoint_between_step_and_forward, False, of, timeout=60)
+    overlapped = pool2.run(checkpoint_between_step_and_forward, True, of, timeout=60)
     for (sync_parameters, sync_moments, _), (parameters, moments, loaded_kept) in zip(synchronous, overlapped):
         assert all(torch.equal(a, b) for a, b in zip(sync_parameters, parameters))
         assert all(torch.equal(a, b) for a, b in zip(sync_moments, moments))
