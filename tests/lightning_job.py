@@ -21,7 +21,9 @@ it happened: the replacement, which runs the script again, does not), after it (
 ``PAUSE_AT=RANK:BATCH``: that rank writes OUT/paused at that batch of the first epoch, in its forward,
 and waits there until the test kills its node (once in the job: a process that takes its place goes on).
 Each node runs ``LOCAL_WORLD_SIZE`` ranks (``num_nodes``: the world over that).
-``CLIP=0``: no gradient clipping (0.5 by default). ``CHECKPOINT_EVERY=N``: also a checkpoint every N optimizer
+``CLIP=0``: no gradient clipping (0.5 by default). ``VALIDATE=0``: no validation. ``CHECKPOINTS=0``: no
+``ModelCheckpoint``.
+``CHECKPOINT_EVERY=N``: also a checkpoint every N optimizer
 steps, in OUT/every (right after the step, in ``on_train_batch_end``).
 ``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
 ``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
@@ -91,6 +93,7 @@ class Regression(pl.LightningModule):
                            f"{getattr(hook, '__name__', hook)}")
 
     def on_train_end(self) -> None:
+        self.final_weight_sum = float(self.net[0].weight.sum())  # as a user's hook reads the trained weights
         timings = getattr(self.trainer.strategy, "timings", None)  # ddpkit's strategies have them
         self.timed = "" if timings is None else f", {timings().steps} steps timed"
 
@@ -184,10 +187,12 @@ def main(out: str, name: str) -> None:
     batch = BATCH_PER_RANK * (2 if reference else 1)
     trainer = pl.Trainer(
         strategy=strategy_for("auto" if reference else name), accelerator="cpu", devices=devices, num_nodes=num_nodes,
-        max_epochs=2,
+        max_epochs=2, limit_val_batches=0 if os.environ.get("VALIDATE") == "0" else None,
         accumulate_grad_batches=2, gradient_clip_val=float(os.environ.get("CLIP", "0.5")) or None,
         sync_batchnorm=not reference,
-        callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True), *(
+        enable_checkpointing=os.environ.get("CHECKPOINTS") != "0",
+        callbacks=[] if os.environ.get("CHECKPOINTS") == "0" else [
+            ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), save_last=True), *(
             [ModelCheckpoint(dirpath=os.path.join(out, "every"), every_n_train_steps=int(os.environ["CHECKPOINT_EVERY"]),
                              save_top_k=-1)] if os.environ.get("CHECKPOINT_EVERY") else [])],
         default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -199,7 +204,7 @@ def main(out: str, name: str) -> None:
         torch.save(module.state_dict(), os.path.join(out, "final.pt"))
     print(f"rank {trainer.global_rank} of {trainer.world_size}: done with {type(trainer.strategy).__module__}."
           f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}{module.timed}, "
-          f"{module.deferred} steps deferred", flush=True)
+          f"{module.deferred} steps deferred, weights summing to {module.final_weight_sum!r} at on_train_end", flush=True)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,17 @@ def test_overlap_optimizer_in_a_trainer_defers_its_steps_and_ends_bit_for_bit_as
 
 
 @pytest.mark.timeout(200)
+def test_the_fits_last_deferred_step_is_applied_before_the_modules_on_train_end_reads_the_weights(
+        tmp_path: Path) -> None:
+    """No validation and no checkpoint, whose forward and state_dict would apply it: the strategy
+    applies the last step before any on_train_end (the module's reads a weight)."""
+    runs = {name: run_job(tmp_path / name, name, CLIP="0", VALIDATE="0", CHECKPOINTS="0") for name in ("ddpkit", "overlap")}
+    assert all(run.returncode == 0 for run in runs.values()), runs["overlap"].stderr[-3000:]
+    sums = {name: re.findall(r"weights summing to (\S+) at on_train_end", run.stdout) for name, run in runs.items()}
+    assert len(sums["overlap"]) == 2 and sums["overlap"] == sums["ddpkit"], sums
+
+
+@pytest.mark.timeout(200)
 def test_overlap_optimizer_in_a_trainer_that_clips_waits_for_the_gradients_and_ends_as_one_process(
         tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
     """``Trainer(gradient_clip_val=0.5)``: Lightning's clip reads every gradient after the backward,

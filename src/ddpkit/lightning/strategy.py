@@ -159,17 +159,11 @@ class DDPStrategy(LightningDDPStrategy):
         if isinstance(self.model, DistributedDataParallel):
             if self.overlap_optimizer and trainer.state.fn == TrainerFn.FITTING:
                 self.model.overlap_with(the_one_optimizer(self.optimizers))  # Lightning made it after wrapping
+                callbacks.insert(0, _ApplyTheLastStep(self.model))
             for optimizer in self.optimizers:
                 self.model.time_optimizer(optimizer)
             if self._in_place is not None and trainer.state.fn == TrainerFn.FITTING:
                 self._in_place.attach(trainer, self.model, self.optimizers[0])
-
-    def on_train_end(self) -> None:
-        """The last step, deferred to a forward that will not come, applied: the module the fit
-        leaves holds its parameters after every step."""
-        if self.overlap_optimizer and isinstance(self.model, DistributedDataParallel):
-            self.model.settle()
-        super().on_train_end()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A file, as Lightning's; in a replacement, ``REPLACEMENT_CHECKPOINT``: the state the survivors sent."""
@@ -295,6 +289,18 @@ class DDPStrategy(LightningDDPStrategy):
         """The seeds' ``DDPPlugin.reconciliate_processes``: report this process's failure, given as its
         formatted traceback; the other ranks raise ``PeerFailedError`` naming it."""
         record_failure(trace_record(self.global_rank, trace))
+
+
+class _ApplyTheLastStep(Callback):
+    """With ``overlap_optimizer=True``: the fit's last step, deferred to a forward that will not come,
+    applied before any ``on_train_end`` (this callback goes first, the module's hook after the
+    callbacks'), so that they and the module the fit leaves see the parameters after every step."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self._model = model
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._model.settle()
 
 
 def the_one_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
