@@ -184,12 +184,6 @@ class DistributedDataParallel(nn.Module):
         group = current_group() if self.process_group is None else None
         overlapped.keep_undo = group is not None and group.in_place
         self._reducer.overlapped = overlapped
-        # A checkpoint taken between optimizer.step() and the next forward holds the updated parameters,
-        # and one loaded there is not overwritten by the step (the optimizer's: OverlappedOptimizer).
-        # On every submodule: a framework saves the one it trains (Lightning's module inside its wrapper).
-        for owner in self.module.modules():
-            owner.register_state_dict_pre_hook(lambda *_: overlapped.settle_all())
-            owner.register_load_state_dict_pre_hook(lambda *_: overlapped.settle_all())
 
     def _make_reducer(self, trainable: dict[str, nn.Parameter], launch_order: list[str],
                       bucket_cap_mb: float | str | None) -> Reducer:

@@ -193,8 +193,14 @@ class OverlappedOptimizer:
             lambda _, set_to_none=True: self.zero_grad(set_to_none), optimizer)
         optimizer.register_state_dict_pre_hook(lambda _: self.settle_all())
         optimizer.register_load_state_dict_pre_hook(lambda *_: self.settle_all())
-        self._hooks = [owner.register_forward_pre_hook(self._pre_forward(owner))
-                       for owner in module.modules() if any(True for _ in owner.parameters(recurse=False))]
+        # Each module that owns parameters: its forward applies their step first; a checkpoint of it
+        # (the wrapper's, or a framework's of the module inside it) holds the step, and one loaded
+        # into it is not overwritten by the step.
+        owners = [owner for owner in module.modules() if any(True for _ in owner.parameters(recurse=False))]
+        self._hooks = [owner.register_forward_pre_hook(self._pre_forward(owner)) for owner in owners]
+        for owner in owners:
+            owner.register_state_dict_pre_hook(lambda *_: self.settle_all())
+            owner.register_load_state_dict_pre_hook(lambda *_: self.settle_all())
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if closure is not None:
