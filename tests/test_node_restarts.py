@@ -93,7 +93,7 @@ def test_every_node_restarts_when_a_rank_of_one_node_is_killed_and_the_run_ends_
     # Rank `killed` runs on node `killed` (one worker per node); step 12 is in the second epoch.
     results = run_example(tmp_path, "--kill-at-step", "12", "--kill-during", "backward", "--kill-rank", str(killed))
     # Both launchers' lines, whichever assertion fails: the cause one node names depends on what the other published.
-    launcher_lines = "\n".join(f"node {node}: {line[:300]}" for node, (_, _, err) in enumerate(results)
+    launcher_lines = "\n".join(f"node {node}: {line[:700]}" for node, (_, _, err) in enumerate(results)
                                 for line in err.splitlines() if line.startswith("ddpkit run:"))
     for node, (code, _, err) in enumerate(results):
         assert code == 0, err[-3000:]

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +63,28 @@ MODES = {mode.name: mode for mode in [
 ]}
 
 
+def _stacks_and_output(launchers: Sequence[subprocess.Popen[str]], marker: dict[str, str]) -> str:
+    """SIGABRT to every process of a job that is past its bound (each prints its threads' Python
+    stacks: PYTHONFAULTHANDLER), then what each launcher wrote, stacks included."""
+    # The workers first: their stacks reach the console through their launcher while it lives.
+    own = {process.pid for process in launchers}
+    for pids in ([pid for pid in processes_of_job(marker) if pid not in own], own):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(1.0)
+    said = []
+    for node, process in enumerate(launchers):
+        try:
+            out, err = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        said.append(f"=== launcher of node {node} (exit code {process.returncode})\n--- stdout\n{(out or '')[-3000:]}\n"
+                    f"--- stderr\n{(err or '')[-12000:]}")
+    return "\n".join(said)
+
+
 @dataclass
 class Run:
     """What one launcher command did on every node."""
@@ -87,7 +111,8 @@ def run_cell(launcher: str, mode: Mode, kind: str, folder: Path, port: int, npro
     shutil.copytree(JOBS, cell / "jobs", ignore=shutil.ignore_patterns("__pycache__"))
     address = namespaces[0][1] if namespaces else "127.0.0.1"
     marker = job_marker("cell")
-    environment = {**os.environ, **marker, "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a cell past its bound shows where every process of the job waited (SIGABRT).
+    environment = {**os.environ, **marker, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     if mode.kill_rank is not None:
         environment["KILL_RANK"] = str(mode.kill_rank)
     script = {"script": [f"jobs/{KINDS[kind]}.py"], "module": ["-m", f"jobs.{KINDS[kind]}"],
@@ -112,6 +137,9 @@ def run_cell(launcher: str, mode: Mode, kind: str, folder: Path, port: int, npro
     try:
         for process in launchers:
             outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{launcher} did not end within {timeout:g} s; what every launcher said, with the "
+                             f"Python stacks of the job's processes:\n{_stacks_and_output(launchers, marker)}") from None
     finally:
         for process in [*launchers, *([store] if store is not None else [])]:
             process.kill()

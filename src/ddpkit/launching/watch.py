@@ -135,6 +135,10 @@ def _failure(workers: WorkerProcesses, failed: list[WorkerProcess], grace: float
             # (its peers elsewhere failed at once on that exception, published in the store).
             failed = workers.failed(also_fine, among=workers.end(grace)) or workers.recorded_before(told_at)
             if not failed:
+                # Said, so that a node that names another node's cause shows it had seen none of its own.
+                _log.info(f"ddpkit run: another node's launcher ended the attempt; none of this node's "
+                          f"{len(workers.workers)} workers had failed by itself (exit codes when ended: "
+                          f"{workers.exit_codes()})")
                 return Outcome(1, "another node's launcher ended the workers", elsewhere=True)
     if not failed:
         return None
