@@ -25,6 +25,9 @@ Each node runs ``LOCAL_WORLD_SIZE`` ranks (``num_nodes``: the world over that).
 ``ModelCheckpoint``.
 ``CHECKPOINT_EVERY=N``: also a checkpoint every N optimizer
 steps, in OUT/every (right after the step, in ``on_train_batch_end``).
+``MANUAL=1``: Lightning's manual optimization (``manual_backward``, then the optimizer's and the
+schedule's steps in ``training_step``), without accumulation or clipping, which Lightning refuses with it.
+``UNUSED=1``: a layer that no forward uses.
 ``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
 ``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
 before the forward; ``OWN_COLLECTIVE_AT_EPOCH_END=1``: one in ``on_train_epoch_end``. Rank 0 saves the final parameters and
@@ -58,7 +61,9 @@ class Regression(pl.LightningModule):
         self.fail_at = tuple(int(part) for part in os.environ["FAIL_AT"].split(":")) if os.environ.get("FAIL_AT") else None
         rank, batch, self.kill_phase, *epoch = os.environ.get("KILL_AT", "-1:-1:forward").split(":")
         self.kill_at, self.kill_epoch = (int(rank), int(batch)), int(epoch[0]) if epoch else 0
+        self.unused = nn.Linear(2, 1) if os.environ.get("UNUSED") == "1" else None  # in no forward
         self.deferred = 0  # optimizer steps still deferred at the end of their batch (overlap_optimizer)
+        self.automatic_optimization = os.environ.get("MANUAL") != "1"
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.fail_at == (self.global_rank, batch_idx) and self.current_epoch == 0:
@@ -84,6 +89,12 @@ class Regression(pl.LightningModule):
         if kill:  # at the start of the backward: after this rank's forward collectives, before its backward's
             loss.register_hook(lambda gradient: os.kill(os.getpid(), signal.SIGKILL))
         self.log("train_loss", loss, sync_dist=True)
+        if not self.automatic_optimization:  # the user's own step, as Lightning's manual optimization has it
+            optimizer, schedule = self.optimizers(), self.lr_schedulers()
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()  # type: ignore[union-attr]
         return loss
 
     def on_train_start(self) -> None:
@@ -185,10 +196,13 @@ def main(out: str, name: str) -> None:
     devices = 1 if reference else int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
     num_nodes = 1 if reference else int(os.environ.get("WORLD_SIZE", devices)) // devices
     batch = BATCH_PER_RANK * (2 if reference else 1)
+    manual = os.environ.get("MANUAL") == "1"
     trainer = pl.Trainer(
         strategy=strategy_for("auto" if reference else name), accelerator="cpu", devices=devices, num_nodes=num_nodes,
         max_epochs=2, limit_val_batches=0 if os.environ.get("VALIDATE") == "0" else None,
-        accumulate_grad_batches=2, gradient_clip_val=float(os.environ.get("CLIP", "0.5")) or None,
+        # Lightning refuses both with manual optimization
+        accumulate_grad_batches=1 if manual else 2,
+        gradient_clip_val=None if manual else float(os.environ.get("CLIP", "0.5")) or None,
         sync_batchnorm=not reference,
         enable_checkpointing=os.environ.get("CHECKPOINTS") != "0",
         callbacks=[] if os.environ.get("CHECKPOINTS") == "0" else [

@@ -93,6 +93,24 @@ def test_overlap_optimizer_in_a_trainer_defers_its_steps_and_ends_bit_for_bit_as
 
 
 @pytest.mark.timeout(200)
+def test_overlap_optimizer_under_manual_optimization_defers_the_users_steps_and_ends_bit_for_bit(
+        tmp_path: Path) -> None:
+    """Lightning's manual optimization: ``training_step`` calls ``manual_backward``, the optimizer's
+    step, ``zero_grad`` and the schedule's step itself, inside the wrapper's forward; the steps after
+    the first three are deferred to the next forward, and the run ends as the synchronous one. A layer
+    no forward reaches has its step applied before the next backward (else that backward is refused)."""
+    runs = {name: run_job(tmp_path / name, name, MANUAL="1", UNUSED="1", CHECKPOINTS="0") for name in ("ddpkit", "overlap")}
+    assert all(run.returncode == 0 for run in runs.values()), runs["ddpkit"].stderr[-3000:] + runs["overlap"].stderr[-3000:]
+    # 16 steps, the first three synchronous: every later one still deferred at its batch's end
+    assert runs["overlap"].stdout.count("15 steps timed, 13 steps deferred") == 2, runs["overlap"].stdout
+    expected, trained = (torch.load(tmp_path / name / "final.pt") for name in ("ddpkit", "overlap"))
+    assert sorted(trained) == sorted(expected)
+    assert all(torch.equal(trained[name], expected[name]) for name in expected)
+    sums = {name: re.findall(r"weights summing to (\S+) at on_train_end", run.stdout) for name, run in runs.items()}
+    assert sums["overlap"] == sums["ddpkit"], sums
+
+
+@pytest.mark.timeout(200)
 def test_the_fits_last_deferred_step_is_applied_before_the_modules_on_train_end_reads_the_weights(
         tmp_path: Path) -> None:
     """No validation and no checkpoint, whose forward and state_dict would apply it: the strategy

@@ -46,6 +46,30 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
 def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -> list[torch.Tensor]:
     """STEPS steps of ``loop`` on a DDP model with small buckets (one a layer), with or without
     overlap_optimizer; this rank's final parameters."""
+    try:
+        return _train(optimizer_name, overlap, loop, as_view)
+    finally:  # the pool's worker runs the next test: a failed debug or compiled loop leaves neither on
+        set_debug(None)
+        torch._dynamo.config.compiled_autograd = False
+
+
+class StepInsideForward(nn.Module):
+    """Forward, backward and step inside the wrapped module's forward, as Lightning's wrapper runs a
+    ``training_step`` under manual optimization."""
+
+    def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__()
+        self.net, self.optimizer = net, optimizer
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.mse_loss(self.net(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+
+def _train(optimizer_name: str, overlap: bool, loop: str, as_view: bool) -> list[torch.Tensor]:
     inner = model()
     if loop == "syncbn":  # collectives in the forward, and buffers broadcast after backward
         torch.manual_seed(0)
@@ -55,7 +79,8 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
     optimizer = OPTIMIZERS[optimizer_name](list(inner.parameters()))
     first = next(inner.parameters())
     first.requires_grad_(loop != "unfrozen")  # frozen at wrapping: in no bucket, its gradient this rank's own
-    ddp = DistributedDataParallel(inner, bucket_cap_mb=0.01, gradient_as_bucket_view=as_view,
+    wrapped = StepInsideForward(inner, optimizer) if loop == "step-inside-forward" else inner
+    ddp = DistributedDataParallel(wrapped, bucket_cap_mb=0.01, gradient_as_bucket_view=as_view,
                                   static_graph=loop in ("static-graph", "powersgd-static"),
                                   overlap_optimizer=optimizer if overlap else None)
     first.requires_grad_(True)  # unfrozen: the optimizer steps it on this rank's gradient, with the mode or without
@@ -82,6 +107,10 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
             optimizer.step()
             deferred += ddp.step_deferred
             optimizer.zero_grad()
+            continue
+        if loop == "step-inside-forward":  # the step is the next forward's to apply, not this one's
+            losses.append(ddp(x, y))
+            deferred += ddp.step_deferred
             continue
         if loop == "framework-closure":  # Lightning's automatic optimization: forward, zero_grad, backward in a closure
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
@@ -121,8 +150,6 @@ def train(optimizer_name: str, overlap: bool, loop: str, as_view: bool = True) -
         elif loop != "zero-first":
             optimizer.zero_grad(set_to_none=loop != "zero-keep")
     ddp.settle()
-    set_debug(None)
-    torch._dynamo.config.compiled_autograd = False
     return ([p.detach().clone() for p in [*inner.parameters(), *ema.parameters()]] + [b.clone() for b in inner.buffers()]
             + [loss.detach() for loss in losses] + [torch.tensor(steps_seen[0]), torch.tensor(deferred)])
 
@@ -157,7 +184,7 @@ NOT_OVERLAPPED = {"clip", "powersgd", "debug", "compiled-autograd"}
                                   "powersgd", "closure", "framework-closure", "syncbn", "unfrozen",
                                   "static-graph", "powersgd-static", "debug", "compiled-autograd",
                                   "module-zero", "module-zero-keep", "cleared-before-step", "ema",
-                                  "step-hooks"])
+                                  "step-hooks", "step-inside-forward"])
 def test_with_the_loops_users_write_the_result_is_that_of_the_synchronous_run(pool2: WorkerPool, loop: str) -> None:
     as_view = loop != "copies"  # gradient_as_bucket_view=False: each .grad has storage of its own
     kind = "step-then-zero" if loop == "copies" else loop

@@ -20,7 +20,8 @@ arguments), and changes what it does underneath, not what Lightning sees:
 - ``overlap_optimizer=True``: the optimizer the LightningModule configures steps bucket by bucket
   during the next forward (``DistributedDataParallel(overlap_optimizer=...)``, docs/ddp.md), bit for
   bit as without it. With ``Trainer(gradient_clip_val=...)`` the clip needs every gradient, so
-  those steps wait for them (exact, not overlapped).
+  those steps wait for them (exact, not overlapped). Under manual optimization the step asked for
+  in ``training_step`` is applied by the next one's forward.
 """
 
 from __future__ import annotations
@@ -246,6 +247,11 @@ class DDPStrategy(LightningDDPStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.use_torch_ddp:
             super().pre_backward(closure_loss)  # ddpkit's DDP needs no preparation for manual backward
+        elif self.overlap_optimizer and isinstance(self.model, DistributedDataParallel):
+            # Under manual optimization the backward and step run inside the wrapper's forward, so the
+            # last step is applied by this forward's modules, not at its end: what they did not
+            # reach (a parameter unused in this step) is applied before this backward holds gradients.
+            self.model.settle()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.use_torch_ddp:

@@ -254,9 +254,14 @@ class DistributedDataParallel(nn.Module):
                 self._reducer.compiled_reductions_fused = fuse_compiled_reductions(self._reducer.bucket_cap)
             if self.device.type != "cpu":
                 args, kwargs = to_device((args, kwargs), self.device)
+            overlapped = self._reducer.overlapped
+            pending = overlapped.backwards if overlapped is not None and overlapped.held else None
             output = self.module(*args, **kwargs)
-            if self._reducer.overlapped is not None:
-                self._reducer.overlapped.settle_all()  # what the forward did not reach (overlap_optimizer)
+            # What the forward did not reach of the step pending when it began (overlap_optimizer). A
+            # step asked for inside it (a backward and step in the wrapped module's forward, as in
+            # Lightning's manual optimization) is the next forward's to apply.
+            if overlapped is not None and overlapped.held and overlapped.backwards == pending:
+                overlapped.settle_all()
         if clock.first_forward is not None:
             clock.forward_seconds += time.perf_counter() - started
         return output

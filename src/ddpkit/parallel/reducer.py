@@ -276,6 +276,11 @@ class Reducer:
                 "gradients were still being averaged (a second backward after one forward). This mode "
                 "finishes the averaging in the next forward: call model.settle() between the two backwards, "
                 "or leave overlap_optimizer off.")
+        if self.overlapped is not None and self.overlapped.held:
+            # The forward applied every bucket of the last step (none is in flight): it is complete
+            # and forgotten now, before this backward's gradients are held (a backward inside the
+            # forward, which does not settle a step asked for inside it).
+            self.overlapped.settle_all()
         self.step.in_backward = True
         # Debug mode checks fingerprints before reducing, so nothing may launch during backward.
         self.step.debug = debug_enabled()

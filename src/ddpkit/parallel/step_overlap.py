@@ -175,6 +175,7 @@ class OverlappedOptimizer:
         self._changed_before_step: dict[int, GradientChange] = {}  # by the user's code, when the step was asked for
         self._guarded: dict[int, list[Tensor]] = {}  # by bucket: HeldParameters until their step is applied
         self.held = False  # a backward's reductions are in flight, their gradients stand-ins
+        self.backwards = 0  # backwards held so far: which backward's step ``held`` is about
         self._done: set[int] = set()  # buckets settled (and stepped) since the last backward
         #: Keep what each bucket's step overwrites until the whole step is applied (in-place recovery:
         #: ``roll_back`` then returns to the state before a step a lost rank left half applied).
@@ -261,6 +262,7 @@ class OverlappedOptimizer:
     def backward_held(self) -> None:
         """The reducer's end of a backward: its buckets are in flight, their gradients stand-ins."""
         self.held, self._done = True, set()
+        self.backwards += 1
 
     def _pre_forward(self, owner: nn.Module) -> Callable[..., None]:
         def settle_own_parameters(_module: nn.Module, _args: Any) -> None:
