@@ -27,7 +27,9 @@ Each node runs ``LOCAL_WORLD_SIZE`` ranks (``num_nodes``: the world over that).
 steps, in OUT/every (right after the step, in ``on_train_batch_end``).
 ``MANUAL=1``: Lightning's manual optimization (``manual_backward``, then the optimizer's and the
 schedule's steps in ``training_step``), without accumulation or clipping, which Lightning refuses with it.
-``UNUSED=1``: a layer that no forward uses.
+``UNUSED=1``: a layer that no forward uses. ``GRAD_NORM=module``: the module logs the gradients' norms
+in ``on_before_optimizer_step`` (``grad_norm``, as Lightning's docs show); ``GRAD_NORM=callback``: a
+callback reads them in ``on_after_backward``.
 ``DROPOUT=1``: a dropout layer (every rank draws its masks from the same seed, Lightning's default).
 ``OWN_COLLECTIVE=1``: every ``training_step`` all-reduces a tensor of its own with ``torch.distributed``
 before the forward; ``OWN_COLLECTIVE_AT_EPOCH_END=1``: one in ``on_train_epoch_end``. Rank 0 saves the final parameters and
@@ -45,6 +47,7 @@ from collections.abc import Iterator
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
@@ -136,6 +139,25 @@ class Regression(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class LoggingGradientNorms(Regression):
+    """Logs the gradients' norms before each step, as Lightning's docs show (``GRAD_NORM=module``)."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        norms = grad_norm(self, norm_type=2)
+        self.log_dict(norms)
+        NORMS.append(float(norms["grad_2.0_norm_total"]))
+
+
+class GradientNormsCallback(pl.Callback):
+    """The same from a callback's ``on_after_backward`` (``GRAD_NORM=callback``)."""
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        NORMS.append(float(grad_norm(pl_module, norm_type=2)["grad_2.0_norm_total"]))
+
+
+NORMS: list[float] = []  # every gradient norm the hook read
+
+
 def data() -> TensorDataset:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(ROWS, FEATURES, generator=generator)
@@ -211,14 +233,18 @@ def main(out: str, name: str) -> None:
                              save_top_k=-1)] if os.environ.get("CHECKPOINT_EVERY") else [])],
         default_root_dir=out, logger=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True)
-    module = Regression()
+    norms = os.environ.get("GRAD_NORM")
+    if norms == "callback":
+        trainer.callbacks.append(GradientNormsCallback())  # type: ignore[attr-defined]
+    module = LoggingGradientNorms() if norms == "module" else Regression()
     training = DataLoader(data(), batch_size=batch, sampler=ConcatenatedShards(data()) if reference else None)
     trainer.fit(module, training, DataLoader(data(), batch_size=batch), ckpt_path="last" if os.environ.get("RESUME") else None)
     if trainer.is_global_zero:
         torch.save(module.state_dict(), os.path.join(out, "final.pt"))
     print(f"rank {trainer.global_rank} of {trainer.world_size}: done with {type(trainer.strategy).__module__}."
           f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}{module.timed}, "
-          f"{module.deferred} steps deferred, weights summing to {module.final_weight_sum!r} at on_train_end", flush=True)
+          f"{module.deferred} steps deferred, weights summing to {module.final_weight_sum!r} at on_train_end"
+          f"{f', {len(NORMS)} gradient norms summing to {sum(NORMS)!r}' if norms else ''}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment  # noq
 
 from ddpkit.environments import LocalEnvironment, find_free_port  # noqa: E402
 from ddpkit.lightning import DdpkitEnvironment, DDPStrategy  # noqa: E402
-from ddpkit.lightning.strategy import the_one_optimizer  # noqa: E402
+from ddpkit.lightning.overlap import the_one_optimizer  # noqa: E402
 
 JOB = Path(__file__).resolve().parent / "lightning_job.py"
 QUIET = {"PYTHONWARNINGS": "ignore"}
@@ -108,6 +108,26 @@ def test_overlap_optimizer_under_manual_optimization_defers_the_users_steps_and_
     assert all(torch.equal(trained[name], expected[name]) for name in expected)
     sums = {name: re.findall(r"weights summing to (\S+) at on_train_end", run.stdout) for name, run in runs.items()}
     assert sums["overlap"] == sums["ddpkit"], sums
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("where", "named"), [("module", "LoggingGradientNorms.on_before_optimizer_step"),
+                                              ("callback", "GradientNormsCallback.on_after_backward")])
+def test_overlap_optimizer_awaits_the_gradients_for_a_hook_that_may_read_them_and_ends_bit_for_bit(
+        tmp_path: Path, where: str, named: str) -> None:
+    """A gradient norm logged in the module's ``on_before_optimizer_step`` (Lightning's docs' recipe)
+    or read in a callback's ``on_after_backward``: the strategy awaits the gradients after each
+    backward, saying for which hook, so the hook reads the averaged gradients (the same norms as
+    without the mode) and the steps are exact, not deferred."""
+    runs = {name: run_job(tmp_path / name, name, GRAD_NORM=where, CLIP="0", CHECKPOINTS="0")
+            for name in ("ddpkit", "overlap")}
+    assert all(run.returncode == 0 for run in runs.values()), runs["ddpkit"].stderr[-3000:] + runs["overlap"].stderr[-3000:]
+    assert f"the gradients are awaited after each backward for {named}, which may read them" in runs["overlap"].stderr
+    assert runs["overlap"].stdout.count("7 steps timed, 0 steps deferred") == 2, runs["overlap"].stdout
+    norms = {name: re.findall(r"(\d+) gradient norms summing to (\S+)", run.stdout) for name, run in runs.items()}
+    assert len(norms["overlap"]) == 2 and norms["overlap"] == norms["ddpkit"], norms
+    expected, trained = (torch.load(tmp_path / name / "final.pt") for name in ("ddpkit", "overlap"))
+    assert all(torch.equal(trained[name], expected[name]) for name in expected)
 
 
 @pytest.mark.timeout(200)

@@ -20,7 +20,8 @@ arguments), and changes what it does underneath, not what Lightning sees:
 - ``overlap_optimizer=True``: the optimizer the LightningModule configures steps bucket by bucket
   during the next forward (``DistributedDataParallel(overlap_optimizer=...)``, docs/ddp.md), bit for
   bit as without it. With ``Trainer(gradient_clip_val=...)`` the clip needs every gradient, so
-  those steps wait for them (exact, not overlapped). Under manual optimization the step asked for
+  those steps wait for them (exact, not overlapped), and so they do when a hook of the module or a
+  callback may read them (``lightning.overlap``). Under manual optimization the step asked for
   in ``training_step`` is applied by the next one's forward.
 """
 
@@ -51,6 +52,7 @@ from ddpkit.launching.launcher import job_secret_for_workers
 from ddpkit.lightning.environment import DdpkitEnvironment
 from ddpkit.lightning.in_place import REPLACEMENT_CHECKPOINT, ReplacementLauncher, TrainerRecovery
 from ddpkit.lightning.layer_sync import DdpkitSyncBatchNorm
+from ddpkit.lightning.overlap import ApplyTheLastStep, AwaitGradients, gradient_readers, the_one_optimizer
 from ddpkit.lightning.preemption import PreemptionStop, ResumableBatches
 from ddpkit.membership.connection import distributed_available, init_dist_connection
 from ddpkit.parallel.ddp import DistributedDataParallel
@@ -160,7 +162,10 @@ class DDPStrategy(LightningDDPStrategy):
         if isinstance(self.model, DistributedDataParallel):
             if self.overlap_optimizer and trainer.state.fn == TrainerFn.FITTING:
                 self.model.overlap_with(the_one_optimizer(self.optimizers))  # Lightning made it after wrapping
-                callbacks.insert(0, _ApplyTheLastStep(self.model))
+                readers = gradient_readers(trainer, self.lightning_module, callbacks)
+                callbacks.insert(0, ApplyTheLastStep(self.model))
+                if readers:
+                    callbacks.insert(0, AwaitGradients(self.model, readers))
             for optimizer in self.optimizers:
                 self.model.time_optimizer(optimizer)
             if self._in_place is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -256,10 +261,6 @@ class DDPStrategy(LightningDDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.use_torch_ddp:
             super().post_backward(closure_loss)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.overlap_optimizer and trainer is not None and trainer.gradient_clip_val and \
-                isinstance(self.model, DistributedDataParallel):
-            self.model.settle()  # Lightning clips after the backward, reading every gradient: they are awaited first
 
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
@@ -295,27 +296,6 @@ class DDPStrategy(LightningDDPStrategy):
         """The seeds' ``DDPPlugin.reconciliate_processes``: report this process's failure, given as its
         formatted traceback; the other ranks raise ``PeerFailedError`` naming it."""
         record_failure(trace_record(self.global_rank, trace))
-
-
-class _ApplyTheLastStep(Callback):
-    """With ``overlap_optimizer=True``: the fit's last step, deferred to a forward that will not come,
-    applied before any ``on_train_end`` (this callback goes first, the module's hook after the
-    callbacks'), so that they and the module the fit leaves see the parameters after every step."""
-
-    def __init__(self, model: DistributedDataParallel) -> None:
-        self._model = model
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._model.settle()
-
-
-def the_one_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
-    """The optimizer ``configure_optimizers`` returned, for ``overlap_optimizer=True``; refused unless one."""
-    if len(optimizers) != 1:
-        raise ValueError(f"DDPStrategy(overlap_optimizer=True) defers one optimizer's step, and configure_optimizers "
-                         f"returned {len(optimizers)}. Return one optimizer over all of the model's parameters, or "
-                         "leave overlap_optimizer off.")
-    return optimizers[0]
 
 
 def _trained_in_epoch(trainer: pl.Trainer) -> tuple[int, int]:
