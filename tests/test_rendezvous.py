@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -108,6 +109,24 @@ def test_a_node_that_does_not_come_ends_the_launcher_after_the_join_timeout(fold
     assert code == 1 and "1 of --nnodes=2 launchers arrived within 2 s (--rdzv-conf join_timeout)" in err, err
     assert time.monotonic() - started < 15
     assert not list(folder.glob("started*"))  # no worker started
+
+
+def test_an_endpoint_port_held_here_by_a_process_that_does_not_listen_ends_the_launchers_in_seconds(
+        folder: Path) -> None:
+    """The endpoint's port taken on its host by a socket that never listens (a connection's own port,
+    as a port picked free can be taken before the launchers bind it): no launcher can host the store
+    and none serves it, so both launchers end within seconds saying so, not after the join timeout
+    (600 s by default: before, they waited it out without a word)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        results = ended([launcher(folder, *c10d(port), "place.py") for _ in range(2)], timeout=40)
+    for code, _, err in results:
+        assert code == 1 and f"the endpoint 127.0.0.1:{port} is this host's, and another process holds its port " \
+            "without listening on it" in err, err[-2000:]
+    assert time.monotonic() - started < 30
+    assert not list(folder.glob("started*"))
 
 
 def test_both_nodes_restart_together_and_keep_their_node_ranks(folder: Path) -> None:

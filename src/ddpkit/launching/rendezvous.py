@@ -32,6 +32,7 @@ and a store that stops answering ends them after ``read_timeout`` (``store_clien
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 from collections.abc import Callable
@@ -159,6 +160,41 @@ def claim_endpoint(endpoint: Endpoint) -> socket.socket | None:
     return listener
 
 
+def held_without_a_listener(endpoint: Endpoint, looks: int = 3) -> bool:
+    """Whether the endpoint is an address of this host whose port another process holds (this
+    launcher could not claim it) while nothing listens there, at each of ``looks`` looks a quarter
+    second apart: then nothing will serve it, and waiting the join timeout would wait for nothing.
+    A launcher claiming the port binds and listens at once, so a look between the two is not repeated."""
+    for look in range(looks):
+        if look:
+            time.sleep(0.25)
+        try:
+            socket.create_connection((endpoint.host, endpoint.port), timeout=1.0).close()
+            return False  # something listens: a launcher's store, or ``ddpkit store``
+        except ConnectionRefusedError:
+            pass
+        except OSError:
+            return False  # unreachable or slow: not known to be held here
+        if not _port_in_use_here(endpoint):
+            return False  # free, or another host's: a launcher may yet come and host it
+    return True
+
+
+def _port_in_use_here(endpoint: Endpoint) -> bool:
+    """Whether binding the endpoint here fails because its port is in use (EADDRINUSE, which only
+    an address of this host can give); the probe is bound for a moment only, and never listens."""
+    try:
+        family = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((endpoint.host, endpoint.port))
+        return False
+    except OSError as error:  # a name that does not resolve (gaierror) is not in use here either
+        return error.errno == errno.EADDRINUSE
+    except UnicodeError:
+        return False
+
+
 @dataclass(frozen=True)
 class Place:
     """Where a launcher stands once the rendezvous closed: its node rank in a world of ``nnodes``
@@ -180,6 +216,12 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
     beyond MAX is refused, unless the rendezvous closed and ``beyond_max(store, places past MAX)``
     says it may wait as a spare node (the world shrank, or nodes were lost: ``launching.nodes.may_wait_beyond_max``)."""
     join_timeout = waits.join_timeout
+    if held_without_a_listener(endpoint):
+        raise RendezvousError(
+            f"the endpoint {endpoint} is this host's, and another process holds its port without listening on it "
+            "(a connection's own port, say): no launcher can host the rendezvous store there, and no `ddpkit store` "
+            f"serves it. Give every node another --rdzv-endpoint port, or end what holds it (`ss -tanp | grep "
+            f":{endpoint.port}` shows it).")
     try:
         store = BoundedStore(connect(endpoint.host, endpoint.port, join_timeout, give_up), waits.read_timeout)
     except StoreUnreachableError as error:
