@@ -138,6 +138,10 @@ def test_a_failed_rank_slow_to_exit_is_named_on_every_node_though_another_node_e
         where = "on node 1: " if node == 0 else ""
         assert re.search(rf"ddpkit run: {where}rank 1 \(local rank 0, pid \d+\) failed first with ValueError: broken "
                          r"in start 0", err), err[-3000:]
+        # Node 0's own failure, which followed from it, is named in a line of its own.
+        assert (node == 0) == bool(re.search(r"ddpkit run: this node's workers failed too \(taken for a consequence\): "
+                                             r"rank 0 \(local rank 0, pid \d+\) failed first with PeerFailedError", err)), \
+            err[-3000:]
 
 
 def test_a_stop_signal_on_one_node_stops_every_node_without_a_restart(tmp_path: Path) -> None:

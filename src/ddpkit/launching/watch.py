@@ -222,6 +222,9 @@ def agree_across_nodes(nodes: NodeCoordination, outcome: Outcome, grace: float) 
     cause = nodes.root_cause(wait_seconds=grace + 5.0)
     failure = None if cause is None else (
         cause.text if cause.node == nodes.node_rank else f"on node {cause.node}: {cause.text}")
+    if own is not None and cause is not None and cause.node != nodes.node_rank:
+        # Named too, in one line: when the order of two failures was misread, the output still shows both.
+        _log.info(f"ddpkit run: this node's workers failed too (taken for a consequence): {own.splitlines()[0]}")
     if stopped is not None:
         # A stop signal elsewhere ends the job whatever failed: a worker here whose collective broke as
         # the stopped node's workers ended may be seen failing before the stop is read.
