@@ -126,7 +126,8 @@ def fault_free_synchronous(tmp_path_factory: pytest.TempPathFactory) -> dict[str
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("features", "phase", "rank"), [
     (OVERLAPPED, "", "1"), (OVERLAPPED, "forward:5", "1"), (f"{OVERLAPPED},syncbn", "forward:5", "1"),
-    (OVERLAPPED, "optimizer-step:5", "1"), (OVERLAPPED, "scheduler-step:8", "1"), (OVERLAPPED, "backward:11", "0")])
+    (OVERLAPPED, "optimizer-step:5", "1"), (OVERLAPPED, "scheduler-step:8", "1"), (OVERLAPPED, "backward:11", "0"),
+    (f"{OVERLAPPED},ema", "scheduler-step:6", "1")])
 def test_with_overlap_optimizer_a_rank_killed_is_replaced_and_every_rank_ends_as_the_synchronous_run_without_it(
         tmp_path: Path, fault_free_synchronous: dict[str, dict[str, Any]], features: str, phase: str,
         rank: str) -> None:
@@ -136,7 +137,9 @@ def test_with_overlap_optimizer_a_rank_killed_is_replaced_and_every_rank_ends_as
     does), after the step is asked for (``optimizer-step``, and ``scheduler-step:8``: the epoch's
     last, applied at the epoch's end), or in backward; every rank ends bit for bit as the
     synchronous run without a fault: the half-applied step is undone (parameters, AdamW's moments,
-    the learning rate, the schedules) and its batch trained again."""
+    the learning rate, the schedules) and its batch trained again. With ``ema`` (updated after
+    ``settle()``) the kill comes between the step asked for and its EMA update: the EMA, kept
+    uncopied, is as it was."""
     variables = {"KILL": phase, "KILL_RANK": rank} if phase else {}
     result = run_loop(tmp_path, FEATURES=features, OVERLAP="1", BUCKET_CAP_MB=TINY_BUCKETS, **variables)
     assert result.returncode == 0, result.stderr[-4000:]

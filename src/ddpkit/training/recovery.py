@@ -234,7 +234,7 @@ class InPlaceRecovery:
             # Applied bucket by bucket by the next forward: until it is, a recovery goes back to the
             # commit before it. The tracked objects are as they were when the step was asked for (a
             # schedule or a scaler moves after optimizer.step()).
-            self._unapplied = _Commit(self._resume, self._buffers, self._rng, self.tracked.copies())
+            self._unapplied = _Commit(self._resume, self._buffers, self._rng, self.tracked.copies(model.module))
             self._buffers = self._spare_buffers if self._spare_buffers is not None else BufferSnapshot(model.module)
         self._resume = (progress.epoch, progress.batch + 1)
         if model is not None:

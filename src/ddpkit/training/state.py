@@ -100,13 +100,25 @@ class TrackedState:
                 self._received[name] = state
         self._restore_hyperparameters()
 
-    def copies(self) -> dict[str, Any]:
-        """Every tracked object's state, copied (``restore`` puts it back)."""
-        return {name: copy.deepcopy(obj.state_dict()) for name, obj in self._objects.items()}
+    def copies(self, model: nn.Module | None = None) -> dict[str, Any]:
+        """Every tracked object's state, copied (``restore`` puts it back), when a step is asked for
+        and deferred (``overlap_optimizer``). An ``AveragedModel`` of ``model`` is not copied (a
+        copy of the weights each step costs more than the average's update): its update reads the
+        model's parameters, which stay guarded until the step is applied, so it cannot move before
+        that. Its count of updates is kept instead, and ``restore`` checks it."""
+        return {name: _UpdatesOf(obj.n_averaged.clone()) if isinstance(obj, AveragedModel) and model is not None
+                and _averages(obj, model) else copy.deepcopy(obj.state_dict()) for name, obj in self._objects.items()}
 
     def restore(self, copies: Mapping[str, Any]) -> None:
         for name, state in copies.items():
-            self._objects[name].load_state_dict(state)
+            obj = self._objects[name]
+            if not isinstance(state, _UpdatesOf):
+                obj.load_state_dict(state)
+            elif not isinstance(obj, AveragedModel) or not torch.equal(obj.n_averaged, state.count):
+                raise RuntimeError(
+                    f"in-place recovery: the AveragedModel tracked as {name!r} was updated after optimizer.step() and "
+                    "before the forward applied that step (overlap_optimizer), from parameters the step does not "
+                    "guard, so the recovery cannot put it back as it was. Call model.settle() before updating it.")
 
     def start_fresh_window(self) -> None:
         """A step is trained again from the last optimizer step: a ``GradScaler`` forgets that it
@@ -171,6 +183,13 @@ class TrackedState:
 def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value.clone() if isinstance(value, torch.Tensor) else value
             for key, value in group.items() if key != "params"}
+
+
+class _UpdatesOf:
+    """In ``copies``, for an ``AveragedModel`` left uncopied: its count of updates then."""
+
+    def __init__(self, count: torch.Tensor) -> None:
+        self.count = count
 
 
 def _averages(averaged: AveragedModel, model: nn.Module) -> bool:
