@@ -145,19 +145,30 @@ def claim_endpoint(endpoint: Endpoint) -> socket.socket | None:
     launcher hosts the store. None when another process holds it (another launcher on this host,
     say) or the address is another machine's."""
     try:
-        family = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)[0][0]
-    except (socket.gaierror, UnicodeError):
+        listener = _bound(endpoint)
+    except (OSError, UnicodeError):  # EADDRINUSE: held already; EADDRNOTAVAIL: not this machine's address
         return None
-    listener = socket.socket(family, socket.SOCK_STREAM)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((endpoint.host, endpoint.port))
         listener.listen(512)
-    except OSError:  # EADDRINUSE: held already; EADDRNOTAVAIL: not this machine's address
+    except OSError:
         listener.close()
         return None
     listener.set_inheritable(True)
     return listener
+
+
+def _bound(endpoint: Endpoint) -> socket.socket:
+    """A socket bound to the endpoint (with SO_REUSEADDR, as the store's listener is); ``OSError``
+    (``socket.gaierror`` for a name that does not resolve) or ``UnicodeError`` when it cannot be."""
+    family = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)[0][0]
+    bound = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound.bind((endpoint.host, endpoint.port))
+    except OSError:
+        bound.close()
+        raise
+    return bound
 
 
 def held_without_a_listener(endpoint: Endpoint, looks: int = 3) -> bool:
@@ -184,10 +195,7 @@ def _port_in_use_here(endpoint: Endpoint) -> bool:
     """Whether binding the endpoint here fails because its port is in use (EADDRINUSE, which only
     an address of this host can give); the probe is bound for a moment only, and never listens."""
     try:
-        family = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((endpoint.host, endpoint.port))
+        _bound(endpoint).close()
         return False
     except OSError as error:  # a name that does not resolve (gaierror) is not in use here either
         return error.errno == errno.EADDRINUSE
