@@ -260,7 +260,7 @@ class DistributedDataParallel(nn.Module):
             # What the forward did not reach of the step pending when it began (overlap_optimizer). A
             # step asked for inside it (a backward and step in the wrapped module's forward, as in
             # Lightning's manual optimization) is the next forward's to apply.
-            if overlapped is not None and overlapped.held and overlapped.backwards == pending:
+            if overlapped is not None and overlapped.backwards == pending:  # None: nothing was pending
                 overlapped.settle_all()
         if clock.first_forward is not None:
             clock.forward_seconds += time.perf_counter() - started
