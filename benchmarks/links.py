@@ -22,6 +22,11 @@ interleaved in a shuffled order each round (noise hits all alike):
   allowance (``SMALL_BYTES``: LeNet, the 120 tensors), a single step would be sent at the
   veth's speed, not the link's, and 4 back to back at the link's: every method's sample is then
   ``OVERLAP_STEPS`` calls, per call;
+- ``ddpkit overlap steady``: the same mode's step in a long run, where a step's gradients still
+  travel while the next forward runs (a pipeline's period): in a sample of ``STEADY_STEPS`` steps,
+  the median time from a step's start to the next one's, the first step (which waits for nothing)
+  and the last (whose wait is the drain) left out. ``ddpkit overlap`` counts that filling and
+  draining once every ``OVERLAP_STEPS`` steps, which overstates what a run of thousands of steps pays;
 - ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
   ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1, compressing from the first timed step);
 - with ``--torch-layout``, ``ddpkit torch layout`` and ``ddpkit fp16 torch layout``: the same with
@@ -61,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -81,9 +87,16 @@ from ddpkit.parallel.ddp import DistributedDataParallel  # noqa: E402
 
 # A sample of ddpkit overlap: this many steps, then the wait for the last one's gradients.
 OVERLAP_STEPS = 4
+# A longer sample of it, for the steady state: the mode's step is a period of a pipeline (the wire
+# still sends a step's gradients while the next forward runs), so a sample of OVERLAP_STEPS steps
+# also holds its filling (the first forward waits for nothing) and its draining (the last step's
+# wait). In a sample of STEADY_STEPS steps each step's period, from its start to the next one's,
+# is timed; those of the steps between the first and the last are what each step of a long run costs.
+STEADY_STEPS = 12
 # Gradients under this many bytes fit in the shaped link's burst allowance (``shape``): for such a
 # model every method's sample is OVERLAP_STEPS calls, so that each is sent at the link's rate alike.
 SMALL_BYTES = 8 * 1024 * 1024
+_STEADY_SAMPLE = f"ddpkit overlap x{STEADY_STEPS}"  # a raw sample; reported as "ddpkit overlap steady"
 
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
@@ -134,22 +147,29 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
         "ddpkit PowerSGD": trainer(ddpkit(powerSGD_hook, PowerSGDState(None, matrix_approximation_rank=1,
                                                                         start_powerSGD_iter=1))),
     }
-    def overlapped() -> Callable[[], None]:
-        """ddpkit with overlap_optimizer: OVERLAP_STEPS steps and the wait for the last one's
-        gradients, so that a sample holds its own communication and none of the one before."""
+    def overlapped(count: int, periods: list[list[float]] | None = None) -> Callable[[], None]:
+        """ddpkit with overlap_optimizer: ``count`` steps and the wait for the last one's gradients,
+        so that a sample holds its own communication and none of the one before. ``periods``: a
+        list per call of each step's period (ms) but the first's and the last's."""
         model = copy()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         ddp = DistributedDataParallel(model, overlap_optimizer=optimizer)
 
         def steps() -> None:
-            for _ in range(OVERLAP_STEPS):
+            starts = []
+            for _ in range(count):
+                starts.append(time.perf_counter())
                 optimizer.zero_grad()
                 loss_fn(ddp(x), y).backward()
                 optimizer.step()
             ddp.settle()
+            if periods is not None:
+                periods.append([(later - start) * 1000 for start, later in zip(starts[1:-1], starts[2:])])
         return steps
 
-    methods["ddpkit overlap"] = overlapped()
+    steady_periods: list[list[float]] = []
+    methods["ddpkit overlap"] = overlapped(OVERLAP_STEPS)
+    methods[_STEADY_SAMPLE] = overlapped(STEADY_STEPS, steady_periods)
     if torch_layout:  # --torch-layout: the gain of ddpkit's bucket layout (ddpkit.parallel.buckets)
         # PowerSGD has no such row: its buckets are torch's already (it pays per bucket).
         for name, hook in (("ddpkit", None), ("ddpkit fp16", fp16_compress_hook)):
@@ -162,10 +182,17 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
         methods[f"ddpkit fp16 {cap:g} MB buckets"] = trainer(ddpkit(fp16_compress_hook, bucket_cap_mb=cap))
     small = sum(p.numel() * p.element_size() for p in base.parameters()) < SMALL_BYTES
     if small:
-        methods = {name: method if name == "ddpkit overlap" else _repeated(method) for name, method in methods.items()}
+        methods = {name: method if name in ("ddpkit overlap", _STEADY_SAMPLE) else _repeated(method)
+                   for name, method in methods.items()}
     samples = interleaved_samples(methods, rounds)
-    return {name: [value / OVERLAP_STEPS for value in values] if small or name == "ddpkit overlap" else values
-            for name, values in samples.items()}
+    del samples[_STEADY_SAMPLE]
+    per_step = {name: [value / OVERLAP_STEPS for value in values] if small or name == "ddpkit overlap" else values
+                for name, values in samples.items()}
+    # Per round the median period, as a one-step sample of the other methods is one step's time: a
+    # spell in which the shaped link resends (spurious retransmissions, docs/hazards.md) slows one step
+    # in ten or so, which the other methods' medians over rounds leave out as this one's does.
+    per_step["ddpkit overlap steady"] = [statistics.median(periods) for periods in steady_periods[-rounds:]]
+    return per_step
 
 
 def _repeated(method: Callable[[], object]) -> Callable[[], None]:
@@ -249,7 +276,8 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
         print(f"  {model_name:6s} ms: {medians}")
         # --bucket-caps and --torch-layout
         capped = [name for name in samples if name.endswith(("MB buckets", "torch layout"))]
-        for name in ["torch DDP", "ddpkit", "ddpkit overlap", *(name for name in capped if "fp16" not in name)]:
+        for name in ["torch DDP", "ddpkit", "ddpkit overlap", "ddpkit overlap steady",
+                     *(name for name in capped if "fp16" not in name)]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
