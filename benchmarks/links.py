@@ -26,7 +26,8 @@ interleaved in a shuffled order each round (noise hits all alike):
   travel while the next forward runs (a pipeline's period): in a sample of ``STEADY_STEPS`` steps,
   the median time from a step's start to the next one's, the first step (which waits for nothing)
   and the last (whose wait is the drain) left out. ``ddpkit overlap`` counts that filling and
-  draining once every ``OVERLAP_STEPS`` steps, which overstates what a run of thousands of steps pays;
+  draining once every ``OVERLAP_STEPS`` steps, which overstates what a run of thousands of steps pays.
+  Not for models under ``SMALL_BYTES`` (one bucket: the mode defers nothing there);
 - ``ddpkit fp16``, ``ddpkit bf16``, ``ddpkit PowerSGD``: ddpkit with ``fp16_compress_hook``,
   ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1, compressing from the first timed step);
 - with ``--torch-layout``, ``ddpkit torch layout`` and ``ddpkit fp16 torch layout``: the same with
@@ -167,9 +168,11 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
                 periods.append([(later - start) * 1000 for start, later in zip(starts[1:-1], starts[2:])])
         return steps
 
+    small = sum(p.numel() * p.element_size() for p in base.parameters()) < SMALL_BYTES
     steady_periods: list[list[float]] = []
     methods["ddpkit overlap"] = overlapped(OVERLAP_STEPS)
-    methods[_STEADY_SAMPLE] = overlapped(STEADY_STEPS, steady_periods)
+    if not small:  # one bucket: nothing is deferred, and the other samples are means of OVERLAP_STEPS calls
+        methods[_STEADY_SAMPLE] = overlapped(STEADY_STEPS, steady_periods)
     if torch_layout:  # --torch-layout: the gain of ddpkit's bucket layout (ddpkit.parallel.buckets)
         # PowerSGD has no such row: its buckets are torch's already (it pays per bucket).
         for name, hook in (("ddpkit", None), ("ddpkit fp16", fp16_compress_hook)):
@@ -180,18 +183,17 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
     for cap in bucket_caps:  # --bucket-caps: ddpkit with other bucket sizes (the first bucket stays 1 MB)
         methods[f"ddpkit {cap:g} MB buckets"] = trainer(ddpkit(bucket_cap_mb=cap))
         methods[f"ddpkit fp16 {cap:g} MB buckets"] = trainer(ddpkit(fp16_compress_hook, bucket_cap_mb=cap))
-    small = sum(p.numel() * p.element_size() for p in base.parameters()) < SMALL_BYTES
     if small:
-        methods = {name: method if name in ("ddpkit overlap", _STEADY_SAMPLE) else _repeated(method)
-                   for name, method in methods.items()}
+        methods = {name: method if name == "ddpkit overlap" else _repeated(method) for name, method in methods.items()}
     samples = interleaved_samples(methods, rounds)
-    del samples[_STEADY_SAMPLE]
+    samples.pop(_STEADY_SAMPLE, None)
     per_step = {name: [value / OVERLAP_STEPS for value in values] if small or name == "ddpkit overlap" else values
                 for name, values in samples.items()}
     # Per round the median period, as a one-step sample of the other methods is one step's time: a
     # spell in which the shaped link resends (spurious retransmissions, docs/hazards.md) slows one step
     # in ten or so, which the other methods' medians over rounds leave out as this one's does.
-    per_step["ddpkit overlap steady"] = [statistics.median(periods) for periods in steady_periods[-rounds:]]
+    if steady_periods:
+        per_step["ddpkit overlap steady"] = [statistics.median(periods) for periods in steady_periods[-rounds:]]
     return per_step
 
 
@@ -276,8 +278,8 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
         print(f"  {model_name:6s} ms: {medians}")
         # --bucket-caps and --torch-layout
         capped = [name for name in samples if name.endswith(("MB buckets", "torch layout"))]
-        for name in ["torch DDP", "ddpkit", "ddpkit overlap", "ddpkit overlap steady",
-                     *(name for name in capped if "fp16" not in name)]:
+        steady = ["ddpkit overlap steady"] if "ddpkit overlap steady" in samples else []
+        for name in ["torch DDP", "ddpkit", "ddpkit overlap", *steady, *(name for name in capped if "fp16" not in name)]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
