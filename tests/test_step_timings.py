@@ -31,7 +31,7 @@ class SlowOnOneRank(nn.Module):
     def __init__(self, slow: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
         self.slow = slow
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,22 +40,32 @@ class SlowOnOneRank(nn.Module):
         return self.net(x)
 
 
-def train_with_a_slow_forward(slow_rank: int) -> dict[str, float | int | None]:
-    model = DistributedDataParallel(SlowOnOneRank(dist.get_rank() == slow_rank))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+def train_with_a_slow_forward(slow_rank: int, overlap: bool) -> dict[str, float | int | None]:
+    module = SlowOnOneRank(dist.get_rank() == slow_rank)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    # Small buckets: the mode holds reductions only with more than one (and from the fourth backward).
+    model = DistributedDataParallel(module, bucket_cap_mb=0.001, overlap_optimizer=optimizer if overlap else None)
     model.time_optimizer(optimizer)
+    held = 0
     for step in range(STEPS):
         optimizer.zero_grad()
         model(torch.randn(16, 32, generator=torch.Generator().manual_seed(step))).sum().backward()
+        held += bool(model._reducer.held)
         optimizer.step()
+    if overlap and held < STEPS // 2:
+        raise AssertionError(f"the mode held the reductions of {held} of {STEPS} backwards: the test measures nothing")
     with torch.no_grad():
         model(torch.randn(4, 32))  # an evaluation's forward between steps: no step's
     return model.timings().as_dict()
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_slow_in_its_forward_shows_there_and_the_other_waits_for_it_in_communication(pool2: WorkerPool) -> None:
-    fast, slow = pool2.run(train_with_a_slow_forward, 1, timeout=50)
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlap_optimizer"])
+def test_a_rank_slow_in_its_forward_shows_there_and_the_other_waits_for_it_in_communication(
+        pool2: WorkerPool, overlap: bool) -> None:
+    """With overlap_optimizer the fast rank waits in its next forward, for reductions the slow rank
+    launches late: that wait is communication too, or the fast rank's forward would look as slow."""
+    fast, slow = pool2.run(train_with_a_slow_forward, 1, overlap, timeout=50)
     assert fast["steps"] == slow["steps"] == STEPS - 1  # the first step's start is not known
     assert slow["forward"] - fast["forward"] > 0.7 * EXTRA_SECONDS, (fast, slow)
     assert fast["communication"] - slow["communication"] > 0.7 * EXTRA_SECONDS, (fast, slow)

@@ -244,6 +244,7 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Everything stays in this one frame: with recursive=False, Dynamo compiles the frames it calls.
         clock, started = self._reducer.clock, time.perf_counter()
+        awaited_before = clock.awaited_seconds
         if clock.first_forward is None and torch.is_grad_enabled():  # an evaluation's forward is no step's
             clock.first_forward = started
         with guard():  # an error here is published to the other ranks (see ddpkit.diagnostics.failures)
@@ -263,7 +264,10 @@ class DistributedDataParallel(nn.Module):
             if overlapped is not None and overlapped.backwards == pending:  # None: nothing was pending
                 overlapped.settle_all()
         if clock.first_forward is not None:
-            clock.forward_seconds += time.perf_counter() - started
+            # Waits for the last step's reductions (overlap_optimizer) are communication, not forward.
+            waited = clock.awaited_seconds - awaited_before
+            clock.forward_seconds += time.perf_counter() - started - waited
+            clock.forward_waits += waited
         return output
 
     def _sync_buffers(self) -> None:

@@ -430,8 +430,12 @@ class Reducer:
         their stand-ins meanwhile (None: none held)."""
         # As at the end of a synchronous backward: a peer's published failure is named, and under
         # in-place recovery a lost peer is PeerLostError, which the step recovers from.
-        with collective_call(SYNCHRONISATION, self._group), guard():
-            return self.held.settle(index, self._as_view, self._wait_into_bucket)
+        started = time.perf_counter()
+        try:
+            with collective_call(SYNCHRONISATION, self._group), guard():
+                return self.held.settle(index, self._as_view, self._wait_into_bucket)
+        finally:
+            self.clock.awaited_seconds += time.perf_counter() - started  # communication (step_timings)
 
     def _reduce_with_custom_function(self, reduce_function: TensorsFunction) -> None:
         """The user's function reduces every gradient in place (views into the buckets)."""

@@ -12,7 +12,10 @@ the end of one gradient synchronisation to the end of the next:
 - ``backward``: the rest until the synchronisation starts: the loss and this rank's own backward
   (its last gradient ready);
 - ``communication``: the synchronisation: what this rank waited for the others' gradients and
-  the reduction not hidden behind its backward, then the copy back.
+  the reduction not hidden behind its backward, then the copy back. With ``overlap_optimizer`` the
+  reductions end in the next forward: its waits for them (and their copy back) count here, not in
+  ``forward``, which keeps the deferred step's updates; so a rank that waits for a slow one shows it
+  here in either mode.
 
 Four clock readings a step (``time.perf_counter``) and one small record: nothing measurable beside
 a step (``benchmarks/ddp_step.py`` runs with them). Under ``ddpkit run --report-every``/``--metrics``
@@ -62,7 +65,11 @@ class StepClock:
         self._optimizer: deque[float] = deque(maxlen=keep)
         self._last_sync_end: float | None = None
         self.first_forward: float | None = None  # this step's first forward began (perf_counter)
-        self.forward_seconds = 0.0  # this step's forwards so far
+        self.forward_seconds = 0.0  # this step's forwards so far, less their waits for held reductions
+        #: Seconds spent waiting for held reductions (overlap_optimizer), ever: the reducer adds to it,
+        #: and the forward takes what its own call added out of ``forward_seconds`` into ``forward_waits``.
+        self.awaited_seconds = 0.0
+        self.forward_waits = 0.0  # this step's forwards' waits for held reductions
         self._optimizer_in_step = 0.0
         self._optimizer_start: float | None = None
         self._sync_start = 0.0
@@ -75,13 +82,14 @@ class StepClock:
         now = time.perf_counter()
         first, last = self.first_forward, self._last_sync_end
         if first is not None and last is not None and first >= last:  # a whole step: its start is known
-            backward = max(0.0, self._sync_start - first - self.forward_seconds)
-            phases = (first - last, self.forward_seconds, backward, now - self._sync_start)
+            backward = max(0.0, self._sync_start - first - self.forward_seconds - self.forward_waits)
+            phases = (first - last, self.forward_seconds, backward, now - self._sync_start + self.forward_waits)
             self._steps.append(phases)
             self._optimizer.append(self._optimizer_in_step)
             if self.recorder is not None:
                 self.recorder.add(now, *phases, self._optimizer_in_step)
         self._last_sync_end, self.first_forward, self.forward_seconds, self._optimizer_in_step = now, None, 0.0, 0.0
+        self.forward_waits = 0.0
 
     def optimizer_started(self) -> None:
         self._optimizer_start = time.perf_counter()
