@@ -2,7 +2,8 @@
 long enough for several windows (``STEPS``). ``PIN=1``: each rank pins itself to the core of its
 rank (the test slows one core with a busy process pinned to it; two ranks on one core, or threads
 of two ranks on both, would slow each other at random). ``SLOW_DATA=RANK``: that
-rank's data loader takes ``DATA_SECONDS`` (default 0.003) more for each batch, as a slow disk would."""
+rank's data loader takes ``DATA_SECONDS`` (default 0.003) more for each batch, as a slow disk would.
+``OVERLAP=1``: the strategy's ``overlap_optimizer`` (the model's two buckets end in the next forward)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Samples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def main() -> None:
     if os.environ.get("PIN"):
         os.sched_setaffinity(0, {int(os.environ["RANK"]) % (os.cpu_count() or 1)})
-    strategy = ddpkit.DDPStrategy()
+    strategy = ddpkit.DDPStrategy(overlap_optimizer=os.environ.get("OVERLAP") == "1")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
     model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))

@@ -90,11 +90,15 @@ def test_a_rank_whose_core_is_shared_with_a_busy_process_is_named_for_its_comput
 
 
 @pytest.mark.timeout(200)
-def test_a_rank_whose_data_loader_is_slow_is_named_for_its_data_wait(tmp_path: Path) -> None:
-    result, metrics = run_job(tmp_path, PIN="1", SLOW_DATA="0")
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["synchronous", "overlap_optimizer"])
+def test_a_rank_whose_data_loader_is_slow_is_named_for_its_data_wait(tmp_path: Path, overlap: str) -> None:
+    """With overlap_optimizer the other rank waits for it in its next forward: that wait is
+    communication (``parallel.step_timings``), so the other rank is not named for its compute."""
+    result, metrics = run_job(tmp_path, PIN="1", SLOW_DATA="0", OVERLAP=overlap)
     assert result.returncode == 0, result.stderr[-3000:]
     named = stragglers(result.stderr)
     assert named and "rank 0 (node 0, host " in named[0] and "its data wait" in named[0], result.stderr[-3000:]
+    assert not any("rank 1 (node 0" in line for line in named), result.stderr[-3000:]
     assert any(window.stragglers for window in read_job_windows(str(metrics)))
 
 
