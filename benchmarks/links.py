@@ -281,7 +281,7 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
         steady = ["ddpkit overlap steady"] if "ddpkit overlap steady" in samples else []
         for name in ["torch DDP", "ddpkit", "ddpkit overlap", *steady, *(name for name in capped if "fp16" not in name)]:
             efficiency, over_larger, over_floor = per_round(samples, name)
-            print(f"  {'':6s} {name:16s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
+            print(f"  {'':6s} {name:21s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
                   f"   step/(F + A) {over_floor:5.3f}")
         # A compressing hook sends fewer bytes than A: its gain is measured against ddpkit without one.
         for name in ("ddpkit fp16", "ddpkit bf16", "ddpkit PowerSGD", *(name for name in capped if "fp16" in name)):
