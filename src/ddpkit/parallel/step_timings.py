@@ -17,9 +17,10 @@ the end of one gradient synchronisation to the end of the next:
   ``forward``, which keeps the deferred step's updates; so a rank that waits for a slow one shows it
   here in either mode.
 
-Four clock readings a step (``time.perf_counter``) and one small record: nothing measurable beside
-a step (``benchmarks/ddp_step.py`` runs with them). Under ``ddpkit run --report-every``/``--metrics``
-each step also goes to a ``WindowRecorder`` (``diagnostics.step_windows``), for the launcher."""
+Four clock readings a step (``time.perf_counter``; with ``overlap_optimizer`` two more per bucket the
+next forward waits for) and one small record: nothing measurable beside a step
+(``benchmarks/ddp_step.py`` runs with them). Under ``ddpkit run --report-every``/``--metrics`` each
+step also goes to a ``WindowRecorder`` (``diagnostics.step_windows``), for the launcher."""
 
 from __future__ import annotations
 
