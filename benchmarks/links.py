@@ -97,7 +97,8 @@ STEADY_STEPS = 12
 # Gradients under this many bytes fit in the shaped link's burst allowance (``shape``): for such a
 # model every method's sample is OVERLAP_STEPS calls, so that each is sent at the link's rate alike.
 SMALL_BYTES = 8 * 1024 * 1024
-_STEADY_SAMPLE = f"ddpkit overlap x{STEADY_STEPS}"  # a raw sample; reported as "ddpkit overlap steady"
+STEADY_ROW = "ddpkit overlap steady"
+_STEADY_SAMPLE = f"ddpkit overlap x{STEADY_STEPS}"  # a raw sample; reported as STEADY_ROW
 
 
 def build(name: str) -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]:
@@ -193,7 +194,7 @@ def measure(model_name: str, rounds: int, bucket_caps: list[float], torch_layout
     # spell in which the shaped link resends (spurious retransmissions, docs/hazards.md) slows one step
     # in ten or so, which the other methods' medians over rounds leave out as this one's does.
     if steady_periods:
-        per_step["ddpkit overlap steady"] = [statistics.median(periods) for periods in steady_periods[-rounds:]]
+        per_step[STEADY_ROW] = [statistics.median(periods) for periods in steady_periods[-rounds:]]
     return per_step
 
 
@@ -278,7 +279,7 @@ def report(rate: float, nodes: int, per_node: int, results: dict[str, dict[str, 
         print(f"  {model_name:6s} ms: {medians}")
         # --bucket-caps and --torch-layout
         capped = [name for name in samples if name.endswith(("MB buckets", "torch layout"))]
-        steady = ["ddpkit overlap steady"] if "ddpkit overlap steady" in samples else []
+        steady = [STEADY_ROW] if STEADY_ROW in samples else []
         for name in ["torch DDP", "ddpkit", "ddpkit overlap", *steady, *(name for name in capped if "fp16" not in name)]:
             efficiency, over_larger, over_floor = per_round(samples, name)
             print(f"  {'':6s} {name:21s} overlap efficiency {efficiency:5.2f}   step/max(C, A) {over_larger:5.3f}"
