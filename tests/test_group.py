@@ -8,6 +8,7 @@ process's diagnostics read a failed collective, which must not leak into the tes
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.environments import find_free_port
+from ddpkit.process_state import PROCESS
 from ddpkit.variables import DDPKIT_RECOVERY, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 BOUND_SECONDS = 90
@@ -343,3 +345,28 @@ def test_a_member_that_died_while_its_generation_formed_leaves_it_to_the_next_on
     assert result["membership"] == [2, 0, 1, [0, 1]] and result["torch"] == 1, output
     assert formed_after < 10, output  # not the group's timeout (30 minutes), nor (before) the recovery timeout (60 s)
     assert "generation 1 of the group was given up while it formed (node 1's launcher went silent)" in output, output
+
+
+def test_an_abandoned_group_still_referenced_elsewhere_is_named_and_one_that_is_not_is_freed_quietly(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``Group.abort`` frees the group it leaves from a thread; a group that something else still
+    holds (an autograd graph that saved it) keeps its connections open, which holds a survivor
+    blocked on this rank: the thread says so, and says nothing when the group was freed."""
+    from ddpkit.membership.abandoned import free_in_background
+
+    class Standin:  # what the thread sees of a torch group: an object it holds the only reference to, or not
+        pass
+
+    caplog.set_level("WARNING", logger="ddpkit")
+    logger = logging.getLogger("ddpkit")
+    logger.propagate, propagated = True, logger.propagate
+    try:
+        kept = Standin()
+        free_in_background([kept], 3)
+        free_in_background([Standin()], 4)
+        for thread in PROCESS.connection.freeing[-2:]:
+            thread.join(5)
+    finally:
+        logger.propagate = propagated
+    said = [record.getMessage() for record in caplog.records if "still referenced" in record.getMessage()]
+    assert len(said) == 1 and said[0].startswith("ddpkit: the torch group of generation 3, which this rank left"), said

@@ -215,12 +215,16 @@ def test_state_that_nothing_marks_and_that_was_not_tracked_ends_the_run_at_the_f
 
 
 @pytest.mark.timeout(120)
-def test_survivors_blocked_in_their_own_collective_on_a_survivor_that_recovered_recover_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize("features", ["collective", "collective,syncbn"])
+def test_survivors_blocked_in_their_own_collective_on_a_survivor_that_recovered_recover_too(
+        tmp_path: Path, features: str) -> None:
     """Four ranks in ``torch.distributed.all_reduce`` of their own, rank 3 killed: only some survivors'
     calls fail at once; the others wait on them in Gloo, where ddpkit cannot interrupt them. The first
     to recover frees the group it leaves, which closes its connections, so theirs fail too and all
-    recover (before: they waited until the recovery timeout and the job ended)."""
-    result = run_loop(tmp_path, nproc=4, FEATURES="collective", WORLD="4", KILL="collective:3", KILL_RANK="3")
+    recover (before: they waited until the recovery timeout and the job ended). With ``syncbn`` the
+    step's graph, which the loop's ``loss`` keeps alive, holds ddpkit's synchronised batch norm's
+    backward: it used to hold the group too, so that no survivor's connections closed."""
+    result = run_loop(tmp_path, nproc=4, FEATURES=features, WORLD="4", KILL="collective:3", KILL_RANK="3")
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stderr.count("ddpkit: recovered in place") == 3, result.stderr[-4000:]
     finals = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("final*.pt"))]
@@ -257,6 +261,41 @@ def test_a_node_lost_in_the_users_collective_is_taken_over_by_a_spare_node_and_e
         assert codes == [0, 0], errors
         assert "node 1's launcher went silent; this spare node takes its place" in text(tmp_path, "launcher2.err")
         assert_as_without_the_fault(tmp_path, fault_free, 2, errors, tolerance=0.0)
+    finally:
+        store.kill()
+        store.wait()
+
+
+@pytest.mark.timeout(240)
+def test_three_nodes_shrink_when_a_node_is_lost_in_the_users_collective_and_both_survivors_end_as_without_it(
+        tmp_path: Path) -> None:
+    """Three nodes of one rank, ``--nnodes 2:3``, no spare: node 2 stopped just before the loss's
+    ``torch.distributed.all_reduce`` of its own and killed, while the other two wait in it. Only the
+    survivor whose Gloo pair was node 2's fails at once; the other is freed when the first leaves
+    the group. Both form the shrunk generation and train node 2's share between them, ending within
+    1e-6 of the run of three ranks without the fault (before: the step's graph, kept by the loop's
+    ``loss``, held the group through the synchronised batch norm, the second survivor waited in its
+    all-reduce, and the first waited for it in vain until the recovery timeout ended the job)."""
+    three = {"WORLD": "3", "EPOCHS": "2"}
+    reference = tmp_path / "fault_free"
+    result = run_loop(reference, nproc=3, **three)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected: dict[str, Any] = torch.load(reference / "final0.pt", weights_only=False)
+    store = start_store(port := find_free_port())
+    job = {"rdzv_id": "real-shrink-three", "PAUSE": "collective:5", "KILL_RANK": "2", **three}
+    try:
+        launchers = start_nodes(tmp_path, port, "2:3", 3, **job)
+        wait_for(lambda: (tmp_path / "paused").exists(), "node 2's rank to stop before its all-reduce")
+        lost = node_of(tmp_path, 2, launchers=3)
+        kill_node(launchers[lost])
+        survivors = [launcher for n, launcher in enumerate(launchers) if n != lost]
+        codes = end_all(survivors, timeout=150)
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-3000:]}" for n in range(3))
+        assert codes == [0, 0], errors
+        for n in range(3):
+            if n != lost:
+                assert "recovered in place: generation 1" in text(tmp_path, f"launcher{n}.err"), errors
+        assert_as_without_the_fault(tmp_path, expected, 2, errors)
     finally:
         store.kill()
         store.wait()

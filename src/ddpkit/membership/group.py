@@ -37,9 +37,7 @@ A process is known across generations by its **job rank**, ``RANK`` as the launc
 
 from __future__ import annotations
 
-import atexit
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -57,6 +55,7 @@ from ddpkit.diagnostics.peer_watch import abort_nccl_communicators, watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.logs import get_logger
+from ddpkit.membership.abandoned import free_in_background
 from ddpkit.membership.generations import (
     Layout,
     RankTakenError,
@@ -236,7 +235,7 @@ class Group:
         if dist.is_initialized():
             abandoned = [dist.distributed_c10d._get_default_group()]  # no reference of this thread's outlives it
             dist.destroy_process_group()
-            _free_in_background(abandoned)
+            free_in_background(abandoned, self.generation)
 
     def reconfigure(self) -> Membership:
         """Abandon the current torch group and form the next generation as the launchers laid it out
@@ -441,33 +440,6 @@ def _gather_proofs(mine: bytes, world_size: int, scope: str) -> list[bytes]:
             f"{seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): a process outside the job most likely wrote "
             "itself into the store as a member. Nothing was sent to it.") from None
     return [bytes(part.tolist()) for part in parts]
-
-
-def _free_in_background(abandoned: list[Any]) -> None:
-    """Free the torch group ``Group.abort`` left (the one item of ``abandoned``, the only reference
-    to it) from a daemon thread: freeing closes its connections, so that a survivor still blocked in
-    a collective of it that ddpkit cannot interrupt (the user's own ``torch.distributed`` call)
-    fails at once and recovers too, instead of waiting for this rank until the group's timeout.
-    Freeing first waits for any collective of the group still pending in a Gloo thread (up to the
-    group's timeout, minutes; torch releases the GIL meanwhile), hence the thread: the recovery
-    goes on without it. A process that ends while a thread frees a group would abort in the
-    interpreter's finalisation: at exit, each is given ``_FREEING_AT_EXIT_SECONDS`` to finish
-    (``ddpkit run``'s workers leave without finalising, ``diagnostics.exits``, and do not wait)."""
-    freeing = threading.Thread(target=abandoned.clear, name="ddpkit-free-abandoned-group", daemon=True)
-    freeing.start()
-    if not PROCESS.connection.freeing:
-        atexit.register(_let_the_freeing_finish)
-    PROCESS.connection.freeing.append(freeing)
-
-
-# How long the process waits at its exit for the threads ``_free_in_background`` started.
-_FREEING_AT_EXIT_SECONDS = 5.0
-
-
-def _let_the_freeing_finish() -> None:
-    deadline = time.monotonic() + _FREEING_AT_EXIT_SECONDS
-    for thread in PROCESS.connection.freeing:
-        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def current_group() -> Group | None:

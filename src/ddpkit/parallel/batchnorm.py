@@ -181,7 +181,11 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
         if bias is not None:
             output = output + _per_channel(bias.to(compute_dtype), values)
         ctx.save_for_backward(normalised, invstd, weight)
-        ctx.total, ctx.group, ctx.input_dtype = total, group, input.dtype
+        # The default group is looked up again in backward rather than held: the graph outlives the
+        # step (the loss the script keeps holds it), and a reference to an abandoned group keeps
+        # its connections open, holding the other survivors of a lost rank (``Group.abort``).
+        ctx.group = None if group is dist.group.WORLD else group
+        ctx.total, ctx.input_dtype = total, input.dtype
         ctx.shares = _shares_held(group)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return output.to(input.dtype)
@@ -194,8 +198,9 @@ class _SynchronisedBatchNorm(torch.autograd.Function):
         local_sums = torch.stack([grad.sum(dims), (grad * normalised).sum(dims)])  # zeros for a rank without rows
         # In the scale of a rank that trains one share (the module docstring says why).
         global_sums = local_sums * ctx.shares if ctx.shares != 1 else local_sums.clone()
-        with collective_call("SyncBatchNorm backward", ctx.group, global_sums):
-            run_collective(dist.all_reduce, global_sums, group=ctx.group)
+        group = dist.group.WORLD if ctx.group is None else ctx.group
+        with collective_call("SyncBatchNorm backward", group, global_sums):
+            run_collective(dist.all_reduce, global_sums, group=group)
         mean_grad, mean_grad_normalised = (global_sums / (ctx.total * ctx.shares)).unbind(0)
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         grad_input = (grad - _per_channel(mean_grad, grad)
