@@ -412,3 +412,16 @@ def test_the_launchers_notices_follow_ddpkit_log_level(scripts: Path) -> None:
                               cwd=scripts, text=True, capture_output=True, env=environment, timeout=60)
     assert launcher.returncode == 0, launcher.stderr
     assert "OMP_NUM_THREADS=" not in launcher.stderr, launcher.stderr
+
+
+def test_a_worker_that_fails_between_the_look_for_failures_and_the_look_for_the_end_is_not_a_success() -> None:
+    """Each poll of ``watch`` looks for failed workers, then whether every worker has ended. A worker
+    that exited 1 between the two was read as ended and the attempt as a success: a launcher whose
+    one worker raised (a refused checkpoint, in 2 runs of 30) exited 0 without a word. The end is
+    only a success when every code is."""
+    from ddpkit.launching.watch import _all_ended
+
+    with WorkerProcesses("test") as workers:
+        worker = workers.start([sys.executable, "-c", "raise SystemExit(1)"], os.environ, rank=0, local_rank=0)
+        worker.process.wait(timeout=30)  # as if it exited just after this poll's look for failures
+        assert _all_ended(workers, grace=1.0, preemption=None) is None

@@ -164,7 +164,9 @@ def _problem(workers: WorkerProcesses, grace: float, replacements: Replacements 
 
 
 def _all_ended(workers: WorkerProcesses, grace: float, preemption: int | None) -> Outcome | None:
-    """Every worker ended (0, or 75 after saving), or one ended on the preemption's SIGTERM unsaved; else None."""
+    """Every worker ended (0, or 75 after saving), or one ended on the preemption's SIGTERM unsaved; else None.
+    The exit codes are read again here: a worker that failed after ``watch`` looked for failures in
+    this poll is not a success (a launcher whose one worker raised exited 0, now and then)."""
     codes = workers.exit_codes()
     count = len(codes)
     if preemption is not None and -signal.SIGTERM in codes:
@@ -172,8 +174,8 @@ def _all_ended(workers: WorkerProcesses, grace: float, preemption: int | None) -
                      f"DDPStrategy yet, or does not call DDPStrategy.preempted()); stopping all {count} workers")
         workers.end(grace)
         return Outcome(128 + preemption)
-    if None in codes:
-        return None
+    if None in codes or any(code not in (0, PREEMPTED_EXIT_CODE) for code in codes):
+        return None  # running, or one failed since this poll's look for failures: the next poll names it
     if PREEMPTED_EXIT_CODE not in codes:
         return Outcome(0)
     _log.warning(f"ddpkit run: preempted: all {count} workers saved and stopped (exit code "
