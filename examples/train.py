@@ -177,8 +177,11 @@ def main() -> None:
     trained: list[tuple[int, float]] = []  # (epoch, loss) of the epochs this run finished
     # After a restart (ddpkit run --max-restarts, torchrun) or a preemption the job continues by itself.
     resume = args.resume or strategy.restart_count > 0                          # ddpkit
-    state = strategy.load_checkpoint(checkpoint) if checkpoint else None        # ddpkit
+    # Read whatever world wrote it (a finished run's checkpoint is only resumed with --resume) ...
+    state = strategy.load_checkpoint(checkpoint, world_may_differ=True) if checkpoint else None  # ddpkit
     if state is not None and (resume or state["preempted"]):
+        # ... but continue only a run of this world's global batch: refused, naming why, otherwise.
+        state = strategy.load_checkpoint(checkpoint)                            # ddpkit
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if schedule is not None:

@@ -100,6 +100,33 @@ def test_a_restarted_job_resumes_by_itself_and_ends_as_an_uninterrupted_one(tmp_
     assert difference < 1e-5
 
 
+def test_a_resume_in_a_smaller_world_than_the_checkpoints_is_refused_before_training_naming_why(tmp_path: Path) -> None:
+    """Issue 61, item 4: the chaos soak's shrink set-up (seed 827, run 5) ran its ``--nnodes 1:2``
+    command again with ``--resume`` after the job ended; the rendezvous closed with the one launcher
+    that came first, which resumed two ranks' checkpoint alone, trained global batches of half the
+    size (twice the steps per epoch), exited 0 and ended 64 (a batch norm's count of batches) from
+    the run without the fault. Here the same resume, deterministically: the checkpoint of a job of
+    two ranks, the command run again on one node of ``--nnodes 1:2``. It is refused before training,
+    naming both worlds and what to do, and the checkpoint is left as it was."""
+    from ddpkit.environments import find_free_port
+
+    checkpoint = tmp_path / "checkpoint.pt"
+    common = ["--epochs", "2", "--samples", "1024", "--sync-batchnorm", "--checkpoint", str(checkpoint)]
+    first = run_example("--epochs", "1", *common[2:])
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = checkpoint.read_bytes()
+    command = [sys.executable, "-m", "ddpkit", "run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend",
+               "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_port()}", "--rdzv-conf", "last_call_timeout=1",
+               "--recovery", "in-place", "--max-restarts", "1", str(EXAMPLE), *common, "--resume"]
+    alone = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 1, alone.stdout + alone.stderr[-3000:]
+    assert "this is node 0 of 1" in alone.stderr
+    assert (f"ValueError: the checkpoint {checkpoint} was trained by a job of 2 ranks, whose global batch had 2 "
+            "shares, and this job has 1: resuming it would train smaller global batches") in alone.stderr, alone.stderr
+    assert "resumed from" not in alone.stdout and "epoch 2/2" not in alone.stdout
+    assert checkpoint.read_bytes() == saved
+
+
 def test_a_long_run_matches_one_process_to_the_last_bit() -> None:
     """30 epochs: the training is chaotic enough that a reference summing the global batch in one
     piece drifted to 4e-2 and the example exited 1; it now rounds as the two ranks do."""

@@ -98,22 +98,39 @@ def test_the_plugin_api(pool2: WorkerPool) -> None:
     assert first["unsynced_grad"] != second["unsynced_grad"]  # block_backward_sync kept them local
 
 
-def checkpoint_round_trip(folder: str) -> tuple[object, object, bool]:
+def checkpoint_round_trip(folder: str) -> tuple[object, object, bool, str, object]:
     s = strategy()
     path = os.path.join(folder, "ckpt.pt")
     missing = s.load_checkpoint(os.path.join(folder, "none.pt"))
     s.save_checkpoint(path, {"step": 7, "rank_that_wrote": s.global_rank})
     loaded = s.load_checkpoint(path)
     leftovers = [name for name in os.listdir(folder) if name.startswith(".ddpkit-")]
-    return missing, loaded, not leftovers
+    # As a job of four ranks would have written it (a --nnodes 1:2 job resumed on one node is the same).
+    other_world = os.path.join(folder, "four.pt")
+    if s.is_global_zero:
+        torch.save({**torch.load(path, weights_only=False), "ddpkit_data_world_size": 4}, other_world)
+    s.barrier()
+    try:
+        s.load_checkpoint(other_world)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return missing, loaded, not leftovers, refused, s.load_checkpoint(other_world, world_may_differ=True)
 
 
 def test_checkpoints_are_written_by_rank_zero_atomically_and_loaded_everywhere(pool2: WorkerPool,
                                                                                tmp_path: Path) -> None:
-    for missing, loaded, clean in pool2.run(checkpoint_round_trip, str(tmp_path), timeout=60):
+    """A checkpoint keeps its job's data world: one written by a job whose global batch had another
+    number of shares is refused on every rank, naming both and the way out, unless asked for."""
+    for missing, loaded, clean, refused, anyway in pool2.run(checkpoint_round_trip, str(tmp_path), timeout=60):
         assert missing is None
         assert loaded == {"step": 7, "rank_that_wrote": 0}
         assert clean  # the temporary file was renamed into place
+        assert refused.startswith(f"the checkpoint {tmp_path}/four.pt was trained by a job of 4 ranks, whose global "
+                                  "batch had 4 shares, and this job has 2: resuming it would train smaller global "
+                                  "batches"), refused
+        assert "world_may_differ=True" in refused
+        assert anyway == {"step": 7, "rank_that_wrote": 0}
 
 
 def epochs_see_new_orders() -> list[list[int]]:

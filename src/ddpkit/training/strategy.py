@@ -67,7 +67,7 @@ from ddpkit.membership.connection import (
 from ddpkit.membership.group import current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import join, no_sync, wrap
-from ddpkit.training.checkpoints import read_checkpoint, write_atomically
+from ddpkit.training.checkpoints import DATA_WORLD_KEY, read_checkpoint, take_data_world, write_atomically
 from ddpkit.training.data import shard
 from ddpkit.training.plugin_hooks import LightningPluginHooks
 from ddpkit.training.replicas import ReplicaCheck, check_every
@@ -323,6 +323,7 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
             return
         path = os.fspath(path)
         was_zero = self.is_global_zero
+        state = {**state, DATA_WORLD_KEY: self.data_world_size}  # what a resume checks (``load_checkpoint``)
         with guard():  # rank 0 failing to write (disk full, ...) is named on the ranks waiting below
             if was_zero:
                 write_atomically(path, state)
@@ -336,9 +337,13 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
                 _log.warning(f"ddpkit: rank 0 was lost during the save of {path}; rank {self.global_rank} writes it")
                 write_atomically(path, state)
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    def load_checkpoint(self, path: str | os.PathLike[str], *, world_may_differ: bool = False) -> dict[str, Any] | None:
         """The checkpoint at ``path``, or None: rank 0 decides whether it exists, for every rank. None
-        in a replacement (in-place recovery): its state came from a survivor."""
+        in a replacement (in-place recovery): its state came from a survivor. ``ValueError`` on every
+        rank when ``save_checkpoint`` wrote it in a job whose global batch had another number of
+        shares (``data_world_size``) than this one's: the resumed run would train other batches (a
+        ``--nnodes 1:2`` job run again on the one node that came up); ``world_may_differ=True``
+        continues with this job's global batch all the same."""
         path = os.fspath(path)
         if self._loop.recovery is not None and self._loop.recovery.joined:
             return None  # a replacement received the survivors' state, newer than any checkpoint; they are training
@@ -346,7 +351,8 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         if not exists:
             return None
         with guard():  # a rank that cannot read it is named on the others
-            return read_checkpoint(path, self.root_device)
+            state = read_checkpoint(path, self.root_device)
+        return take_data_world(path, state, self.data_world_size, world_may_differ)
 
     def teardown(self) -> None:
         """Wait for every process and disconnect; wait for local ranks started in-script (raising if one
