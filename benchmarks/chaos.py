@@ -42,14 +42,17 @@ A run ends in one of these ways:
 - **ended naming the root cause**: the job ended (a budget spent, the disk full, a node lost)
   with the fault named in its output, and the same command with ``--resume`` then finished exact
   from the checkpoint it left (nothing of the work is lost but the steps since that checkpoint);
+- **refused**: the command after the end was refused before it trained, naming why: it formed a
+  world whose global batch is not the checkpoint's (``--nnodes 1:2`` run again on the one node
+  whose launcher came first), which would train other batches (``DDPStrategy.load_checkpoint``);
 - **hung**: a command still running past its bound (then killed);
 - **wrong**: anything else: a wrong result, an end that does not name the fault, a checkpoint
   the command after it cannot finish from.
 
 Apart from those, **left behind** counts the runs after which a process of the run was still
 alive (its working folder is the run's), a namespace or a mount. Printed: a table per fault kind
-(the runs that had it), then ``chaos: N runs: A exact, B ended naming the root cause, H hung, W
-wrong, L left behind``. Runs one at a time; a run takes 10-30 s on two cores.
+(the runs that had it), then ``chaos: N runs: A exact, B ended naming the root cause, R refused
+naming why, H hung, W wrong, L left behind``. Runs one at a time; a run takes 10-30 s on two cores.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ from netns import Nodes
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 EXACT = 1e-6
 KINDS = ["kill-worker", "kill-in-save", "kill-spare", "kill-launcher", "freeze", "link-down", "preempt", "disk-full"]
+OUTCOMES = ("exact", "ended", "refused", "hung", "wrong")
 SETUPS = ["in-place", "restart", "two-nodes", "shrink"]
 MULTI_NODE = ("two-nodes", "shrink")
 # What the job's output says when a fault of each kind ended it (any one of them).
@@ -94,6 +98,8 @@ NAMED = {
     "preempt": ["SIGTERM"],
     "disk-full": ["No space left on device"],
 }
+# What a resume refused before training says (``DDPStrategy.load_checkpoint``: another world's checkpoint).
+REFUSED = "resuming it would train"
 HANG_SECONDS = 3
 FREEZE_SECONDS = 9  # past the report (3 s) and the abort (3 s more)
 LINK_DOWN_SECONDS = 5
@@ -484,8 +490,11 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
                 again.kill_all()
             out2, err2 = again.text()
             good, detail = exact(again.codes(), out2, folder, reference)
+            refusal = next((line for line in err2.splitlines() if REFUSED in line), None)
             if not finished_again:
                 run.outcome, run.detail = "hung", f"the command after the end, past {bound:.0f} s: {err2[-400:]}"
+            elif not good and refusal is not None:
+                run.outcome, run.detail = "refused", f"the command after the end (codes {codes}): {refusal}"
             elif not good:
                 run.outcome, run.detail = "wrong", f"the command after the end (codes {codes}): {detail}; {err2[-600:]}"
             elif preempted:
@@ -521,14 +530,16 @@ def calibrate(base: Path, train: list[str]) -> tuple[float, torch.Tensor]:
 
 
 def table(runs: list[Run]) -> str:
-    rows = [f"{'fault':<14}{'applied':>8}{'runs':>6}{'exact':>7}{'ended':>7}{'hung':>6}{'wrong':>7}{'left':>6}"]
+    rows = [f"{'fault':<14}{'applied':>8}{'runs':>6}{'exact':>7}{'ended':>7}{'refused':>9}{'hung':>6}{'wrong':>7}"
+            f"{'left':>6}"]
     for kind in KINDS:
         having = [run for run in runs if any(fault.kind == kind and fault.applied for fault in run.faults)]
         applied = sum(fault.kind == kind and bool(fault.applied) for run in runs for fault in run.faults)
         if not applied:
             continue
-        count = {outcome: sum(run.outcome == outcome for run in having) for outcome in ("exact", "ended", "hung", "wrong")}
-        rows.append(f"{kind:<14}{applied:>8}{len(having):>6}{count['exact']:>7}{count['ended']:>7}{count['hung']:>6}"
+        count = {outcome: sum(run.outcome == outcome for run in having) for outcome in OUTCOMES}
+        rows.append(f"{kind:<14}{applied:>8}{len(having):>6}{count['exact']:>7}{count['ended']:>7}{count['refused']:>9}"
+                    f"{count['hung']:>6}"
                     f"{count['wrong']:>7}{sum(bool(run.left_behind) for run in having):>6}")
     return "\n".join(rows)
 
@@ -583,7 +594,7 @@ def main() -> None:
                 print(f"run {index} ({run.setup}): {faults} -> {run.outcome} in {run.seconds:.0f} s{left}", flush=True)
                 if args.verbose:
                     print("    " + "; ".join(fault.applied or "-" for fault in run.faults), flush=True)
-                if run.outcome in ("hung", "wrong") or args.verbose:
+                if run.outcome in ("hung", "wrong", "refused") or args.verbose:
                     print(re.sub(r"^", "    ", run.detail, flags=re.M), flush=True)
     finally:
         if left := end_all(base):
@@ -591,8 +602,9 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     print(table(runs))
-    counts = {outcome: sum(run.outcome == outcome for run in runs) for outcome in ("exact", "ended", "hung", "wrong")}
+    counts = {outcome: sum(run.outcome == outcome for run in runs) for outcome in OUTCOMES}
     print(f"chaos: {len(runs)} runs: {counts['exact']} exact, {counts['ended']} ended naming the root cause, "
+          f"{counts['refused']} refused naming why, "
           f"{counts['hung']} hung, {counts['wrong']} wrong, {sum(bool(run.left_behind) for run in runs)} left behind")
 
 

@@ -25,5 +25,5 @@ def test_eight_runs_of_the_chaos_soak_end_exact_or_naming_the_cause(tmp_path: Pa
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     last = result.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"chaos: 8 runs: \d+ exact, \d+ ended naming the root cause, 0 hung, 0 wrong, "
+    assert re.fullmatch(r"chaos: 8 runs: \d+ exact, \d+ ended naming the root cause, \d+ refused naming why, 0 hung, 0 wrong, "
                         r"0 left behind", last), output[-6000:]
