@@ -202,7 +202,7 @@ _OUTSIDE_THE_SEAM_ON_PURPOSE = {
         "the uneven gather's forward (in gather_all_tensors' seam) and backward (its own)",
     "comm/collectives.py:_exchange_shapes": "called by gather_all_tensors, in its @collective seam",
     "membership/connection.py:destroy_dist_connection": "the teardown's barrier: nothing is left to name or recover there",
-    "membership/group.py:_gather_proofs":
+    "membership/member_proofs.py:_gather_proofs":
         "the member proof while the group forms, before its diagnostics exist; bounded by itself",
     "hooks/default.py:allreduce_hook": "a comm hook: launched by the reducer, awaited in its seam",
     "hooks/default.py:_compress_hook": "a comm hook: launched by the reducer, awaited in its seam",

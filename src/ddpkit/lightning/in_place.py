@@ -47,10 +47,10 @@ from ddpkit.logs import get_logger
 from ddpkit.membership.group import Group, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import no_sync
-from ddpkit.training.recovery import BufferSnapshot, exchange_state
 from ddpkit.training.replicas import ReplicaCheck, check_every
 from ddpkit.training.resumable_loop import release_frames
-from ddpkit.training.state import TrackedState
+from ddpkit.training.state import BufferSnapshot, TrackedState
+from ddpkit.training.state_transfer import exchange_state
 from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["REPLACEMENT_CHECKPOINT", "ReplacementLauncher", "TrainerRecovery", "lost_peer"]

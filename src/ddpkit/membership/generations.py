@@ -39,7 +39,8 @@ from ddpkit.store.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
 __all__ = ["REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth", "announce_node_lost",
            "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished", "layout_at",
-           "member_identity", "node_lost", "announce_waiting", "waiting_for", "write_layout"]
+           "member_identity", "node_lost", "announce_rejoin", "announce_waiting", "rejoin_announced", "waiting_for",
+           "write_layout"]
 
 
 #: The holder of a rank that the world shrank without (``claim_rank``): no process is it, so a lost
@@ -210,6 +211,19 @@ def announce_finished(store: Any, secret: JobSecret | None, attempt: int, genera
 def job_finished(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> bool:
     """Whether the training ended before ``generation`` formed (``announce_finished``)."""
     signer, key = _record(secret, attempt, generation, store_keys.FINISHED)
+    return signer.read(store, key) is not None
+
+
+def announce_rejoin(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> None:
+    """Tell the members of ``generation`` that waited outside its survivors' block (``Group.form_part``)
+    to form the whole generation with them now."""
+    signer, key = _record(secret, attempt, generation, store_keys.REJOIN)
+    signer.write(store, key, "rejoin")
+
+
+def rejoin_announced(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> bool:
+    """Whether the survivors of ``generation`` asked the members waiting outside to rejoin."""
+    signer, key = _record(secret, attempt, generation, store_keys.REJOIN)
     return signer.read(store, key) is not None
 
 

@@ -37,7 +37,6 @@ A process is known across generations by its **job rank**, ``RANK`` as the launc
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -45,21 +44,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from ddpkit.diagnostics.exits import leave_on_uncaught_exception
-from ddpkit.diagnostics.failures import expect_lost_peers, sign_records_in
+from ddpkit.diagnostics.failures import PeerLostError, expect_lost_peers, sign_records_in
 from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import abort_nccl_communicators, watch_peers
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
-from ddpkit.diagnostics.waits import wait_for
 from ddpkit.logs import get_logger
 from ddpkit.membership.abandoned import free_in_background
 from ddpkit.membership.generations import (
     Layout,
     RankTakenError,
     announce_finished,
+    announce_rejoin,
     announce_waiting,
     claim_rank,
     generation_prefix,
@@ -69,12 +66,14 @@ from ddpkit.membership.generations import (
     layout_at,
     member_identity,
     node_lost,
+    rejoin_announced,
     waiting_for,
 )
+from ddpkit.membership.member_proofs import MemberProofError, prove_members
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
 from ddpkit.store.forming import GenerationAbandonedError, forming
-from ddpkit.store.job_secret import JobSecret, RecordSigner, member_proof
+from ddpkit.store.job_secret import JobSecret, RecordSigner
 from ddpkit.store.signed import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
@@ -84,18 +83,12 @@ _log = get_logger("recovery")
 
 # How often a rank waiting for a generation's members looks for its layout (a shrink's comes late).
 _LAYOUT_LOOK_SECONDS = 0.05
+# How often a member left out of its generation's block looks whether it may rejoin (a block may last minutes).
+_OUTSIDE_LOOK_SECONDS = 0.1
 
 # Gloo waits for a member to connect to this one for several times the timeout it is given (five
 # times with torch 2.13's), so forming a group is given a share of the recovery timeout.
 _GLOO_CONNECT_WAITS = 5
-
-# Bytes each member draws for a formation's proofs (so a proof seen once proves nothing later).
-_NONCE_BYTES = 16
-
-
-class MemberProofError(RuntimeError):
-    """A member of a newly formed group did not prove the job secret: a process outside the job
-    wrote itself into the store as that rank. Nothing was sent to it."""
 
 @dataclass(frozen=True)
 class Membership:
@@ -153,6 +146,7 @@ class Group:
         self._attempt = attempt
         self._in_place = in_place
         self._secret = secret
+        self._part = ""  # the part of the generation formed now (``form_part``); "" for the whole of it
         self._reactions: dict[int, Callable[[], Reaction | None]] = {}
         self._next_reaction = 0
 
@@ -179,18 +173,19 @@ class Group:
         """Whether the group can be formed again (``ddpkit run --recovery in-place``)."""
         return self._in_place
 
-    def store_of(self, generation: int) -> Any:
-        """The launcher's store under ``generation``'s prefix: that generation's torch group's store
-        (torch's values in it signed, with a job secret: ``ddpkit.store.signed``)."""
-        return self.signed(dist.PrefixStore(self._prefix(generation), self._launcher_store),  # type: ignore[attr-defined]
-                           generation)
+    def store_of(self, generation: int, part: str = "") -> Any:
+        """The launcher's store under ``generation``'s prefix (and ``part``'s, ``form_part``): that
+        generation's torch group's store (torch's values in it signed, with a job secret:
+        ``ddpkit.store.signed``)."""
+        return self.signed(dist.PrefixStore(self._prefix(generation) + part, self._launcher_store),  # type: ignore[attr-defined]
+                           generation, part)
 
-    def signed(self, store: Any, generation: int | None = None) -> Any:
-        """``store`` with torch's values signed for ``generation`` (the current one by default), so
-        that a process outside the job cannot write itself in as a member; ``store`` itself
-        without a job secret."""
+    def signed(self, store: Any, generation: int | None = None, part: str | None = None) -> Any:
+        """``store`` with torch's values signed for ``generation`` and ``part`` (the current ones by
+        default), so that a process outside the job cannot write itself in as a member; ``store``
+        itself without a job secret."""
         generation = self.generation if generation is None else generation
-        return signed(store, RecordSigner(self._secret, self._scope(generation)))
+        return signed(store, RecordSigner(self._secret, self._scope(generation, self._part if part is None else part)))
 
     # -- the one hook ------------------------------------------------------------------------------
 
@@ -218,7 +213,7 @@ class Group:
         """Start the diagnostics that follow the group: its records bound to this generation, the hang
         watch (when hang diagnosis is on) and the peer watch; under in-place recovery a collective
         failing without a record means a lost rank."""
-        sign_records_in(self._scope(self.generation))
+        sign_records_in(self._scope(self.generation, self._part))
         start_hang_watch()
         watch_peers()
         if self._in_place:
@@ -247,13 +242,64 @@ class Group:
                                "this process's store is its group's own and may have died with the lost rank.")
         self.abort()
         self.form(self._membership.generation + 1)  # or a later one
+        self._tell_reactions()
+        return self._membership
+
+    def _tell_reactions(self) -> None:
         for key, reference in list(self._reactions.items()):
             reaction = reference()
             if reaction is None:
                 del self._reactions[key]
             else:
                 reaction(self._membership)
-        return self._membership
+
+    def form_part(self, part: str, layout: Layout | None = None) -> Membership:
+        """Abandon the current torch group and form, within this generation, one of ``layout``'s
+        members (by default the generation's) under the generation's keys and ``part``: the survivors
+        alone (``store.keys.BLOCK_PART``, ``without``) while they run a block between steps again, and
+        every member once they are done (``REJOIN_PART``); then tell every reaction. ``PeerLostError``
+        when it does not form (a member lost meanwhile): the next generation is the recovery's to form."""
+        self.abort()
+        generation = self.generation
+        layout = self._layout(generation) if layout is None else layout
+        rank, shares = layout.place_of(self.job_rank)
+        membership = Membership(generation, rank, len(layout.members), shares, layout.data_world_size)
+        try:
+            self._connect(membership, {}, part)
+            self._membership, self._part = membership, part
+            self.prove_members()
+        except MemberProofError:
+            raise
+        except Exception as failure:
+            why = self._given_up(generation, wait=not isinstance(failure, GenerationAbandonedError))
+            raise PeerLostError(f"a rank of the group vanished while a part of generation {generation} formed "
+                                f"({why or failure}); in-place recovery replaces it") from failure
+        self.install_diagnostics()
+        self._tell_reactions()
+        return membership
+
+    def without(self, ranks: list[int]) -> Layout:
+        """This generation's layout without the members of group ranks ``ranks``: their shares of the
+        data go to the others (``Layout.shrunk``)."""
+        layout = self._layout(self.generation)
+        return layout.shrunk({layout.members[rank] for rank in ranks})
+
+    def wait_outside(self) -> bool:
+        """A member the survivors left out of their block (``form_part``): leave the torch group and
+        wait until they ask it to rejoin (True), or until the generation is given up (False: a member
+        was lost meanwhile; the next generation is the caller's to meet)."""
+        self.abort()
+        generation = self.generation
+        while True:
+            if rejoin_announced(self._launcher_store, self._secret, self._attempt, generation):
+                return True
+            if self._given_up(generation) is not None:
+                return False
+            time.sleep(_OUTSIDE_LOOK_SECONDS)
+
+    def ask_to_rejoin(self) -> None:
+        """Tell the members left out of this generation's block that the survivors are done with it."""
+        announce_rejoin(self._launcher_store, self._secret, self._attempt, self.generation)
 
     def form(self, generation: int, **init_options: Any) -> Membership:
         """Meet ``generation`` (``meet``), form torch's default group there (``init_options``: more
@@ -269,7 +315,7 @@ class Group:
         while True:
             try:
                 self._connect(membership, init_options)
-                self._membership = membership
+                self._membership, self._part = membership, ""
                 self.prove_members()
                 break
             except MemberProofError:
@@ -286,7 +332,7 @@ class Group:
         self.install_diagnostics()
         return membership
 
-    def _connect(self, membership: Membership, init_options: dict[str, Any]) -> None:
+    def _connect(self, membership: Membership, init_options: dict[str, Any], part: str = "") -> None:
         """``init_process_group`` for ``membership``, through a store whose waits end when the
         generation is given up (``ddpkit.store.forming``). Connecting is bounded by the recovery
         timeout too (a member that died once its address was out, or whose link went down, never
@@ -298,7 +344,7 @@ class Group:
         else:
             seconds = recovery_timeout_seconds()
             connect_within = min(self._timeout, timedelta(seconds=seconds / _GLOO_CONNECT_WAITS))
-        store = forming(self.store_of(generation), lambda: self._given_up(generation), seconds)
+        store = forming(self.store_of(generation, part), lambda: self._given_up(generation), seconds)
         dist.init_process_group(self._backend, store=store, rank=membership.rank, world_size=membership.world_size,
                                 timeout=connect_within, **init_options)
         if connect_within < self._timeout:
@@ -397,25 +443,13 @@ class Group:
 
     def prove_members(self) -> None:
         """With a job secret, have every member of the torch group just formed prove that it holds
-        it, over the group's own connections (the store is anyone's: a process outside the job can
-        write its address there as a member's). ``MemberProofError`` on every rank that did, naming
-        the ranks that did not, before any state is sent or any object unpickled. Without a secret,
-        or on NCCL (whose tensors need a device chosen by then), nothing."""
+        it (``ddpkit.membership.member_proofs``); without one, or on NCCL, nothing."""
         if self._secret is None or self.world_size == 1 or self._backend != "gloo":
             return
-        scope = self._scope(self.generation)
-        drawn = b"".join(_gather_proofs(os.urandom(_NONCE_BYTES), self.world_size, scope))
-        proofs = _gather_proofs(member_proof(self._secret, scope, self.rank, drawn), self.world_size, scope)
-        impostors = [rank for rank, given in enumerate(proofs)
-                     if given != member_proof(self._secret, scope, rank, drawn)]
-        if impostors:
-            raise MemberProofError(
-                f"rank(s) {impostors} of the group just formed ({scope}) did not prove this job's secret "
-                f"({self._secret.source}): a process outside the job wrote itself into the store as that rank (anyone "
-                "who reaches the store's port can). Nothing was sent to it. Check who can reach the job's store port.")
+        prove_members(self._secret, self._scope(self.generation, self._part), self.rank, self.world_size)
 
-    def _scope(self, generation: int) -> str:
-        return generation_scope(self._attempt, generation)
+    def _scope(self, generation: int, part: str = "") -> str:
+        return generation_scope(self._attempt, generation) + (f" part {part}" if part else "")
 
     def _prefix(self, generation: int) -> str:
         return generation_prefix(self._secret, self._attempt, generation)
@@ -423,23 +457,6 @@ class Group:
     def _arrivals(self, generation: int) -> str:
         """The key of the count of ``generation``'s members that arrived."""
         return self._prefix(generation) + store_keys.ARRIVED
-
-
-def _gather_proofs(mine: bytes, world_size: int, scope: str) -> list[bytes]:
-    """Every member's ``mine`` (all of one length), by rank; ``MemberProofError`` when a member
-    does not take part within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
-    parts = [torch.empty(len(mine), dtype=torch.uint8) for _ in range(world_size)]
-    pending = dist.all_gather(parts, torch.frombuffer(bytearray(mine), dtype=torch.uint8), async_op=True)
-    seconds = recovery_timeout_seconds()
-    try:
-        wait_for(pending, within=seconds)
-    except TimeoutError:
-        leave_on_uncaught_exception()  # the gather stays pending in Gloo: exit without waiting for it
-        raise MemberProofError(
-            f"a member of the group just formed ({scope}) did not take part in proving the job's secret within "
-            f"{seconds:g} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): a process outside the job most likely wrote "
-            "itself into the store as a member. Nothing was sent to it.") from None
-    return [bytes(part.tolist()) for part in parts]
 
 
 def current_group() -> Group | None:

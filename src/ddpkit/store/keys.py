@@ -33,7 +33,8 @@ __all__ = [
     "LINK_PROBE", "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "STORE_HOST", "SUCCEEDED", "count_of", "launcher_record",
     "node_return", "of", "step_aside", "takeover",
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
-    "NODE_LOST", "PEER_LOST", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS", "WAITING",
+    "NODE_LOST", "PEER_LOST", "REJOIN", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
+    "WAITING", "BLOCK_PART", "REJOIN_PART",
     "generation_prefix", "hang_process", "hang_progress", "hang_stack", "launcher_prefixes", "member",
     "pool_started", "rendezvous_ticket", "signed_namespace", "torchrun_attempt_prefix",
 ]
@@ -64,6 +65,10 @@ FINISHED = "finished"
 NODE_LOST = "node_lost"
 ARRIVED = "arrived"
 WAITING = "waiting"
+REJOIN = "rejoin"
+# Parts of a generation formed within it (``Group.form_part``): the survivors alone, for a block
+# between steps, then every member again.
+BLOCK_PART, REJOIN_PART = "block/", "rejoin/"
 
 # -- the diagnostics' records (in the group's store) --------------------------------------------
 

@@ -33,10 +33,13 @@ from ddpkit.comm.collective_call import collective_call
 from ddpkit.comm.primitives import communication_device
 from ddpkit.diagnostics.waits import wait_for
 from ddpkit.environments.preemption import PreemptionNotice, preemption_signals
+from ddpkit.logs import get_logger
 from ddpkit.membership.connection import distributed_available
-from ddpkit.membership.group import Membership, current_group
+from ddpkit.membership.group import Group, Membership, current_group
 
-__all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "PreemptionAgreement", "StepAgreement"]
+__all__ = ["ROUND_INTERVAL_SECONDS", "WAIT_AT_ONCE_SECONDS", "GrowthWatch", "PreemptionAgreement", "StepAgreement"]
+
+_log = get_logger("recovery")
 
 # From this step time on the all-reduce is waited for at once: a decision a step late would
 # cost that much more, while the wait (a round trip, and on a GPU the host waiting for the
@@ -166,3 +169,24 @@ class PreemptionAgreement:
     def close(self) -> None:
         """Give the signals their handlers from before back."""
         self._notice.uninstall()
+
+
+class GrowthWatch:
+    """In a world that shrank: whether a node waits to join, decided by every rank at the same step
+    boundary (a ``StepAgreement``, whose rounds cost a tiny all-reduce now and then). Only the group's
+    rank 0 reads the store, at most every ``_LOOK_SECONDS``."""
+
+    _LOOK_SECONDS = 0.5
+
+    def __init__(self) -> None:
+        self._agreement = StepAgreement()
+        self._requested = False
+        self._next_look = 0.0
+
+    def decide(self, group: Group) -> bool:
+        if group.rank == 0 and not self._requested and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + self._LOOK_SECONDS
+            if (who := group.growth_requested()) is not None:
+                self._requested = True
+                _log.warning(f"ddpkit: {who}; the group grows at the next step boundary every rank agrees on")
+        return self._agreement.decide(self._requested)

@@ -48,26 +48,23 @@ gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ddpkit.comm.collectives import all_gather_object
 from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.logs import get_logger
-from ddpkit.membership.group import Group, current_group
+from ddpkit.membership.group import current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.training.agreement import StepAgreement
+from ddpkit.training.agreement import GrowthWatch
 from ddpkit.training.replicas import ReplicaCheck
-from ddpkit.training.state import TrackedState
-from ddpkit.training.state_transfer import broadcast_state
+from ddpkit.training.state import BufferSnapshot, TrackedState
+from ddpkit.training.state_transfer import exchange_state
 from ddpkit.variables import DDPKIT_READY_FILE
 
-__all__ = ["BufferSnapshot", "Exchange", "InPlaceRecovery", "Progress", "exchange_state"]
+__all__ = ["InPlaceRecovery", "Progress"]
 
 _log = get_logger("recovery")
 
@@ -79,25 +76,6 @@ class Progress:
     epoch: int = 0  # the epoch in progress
     batch: int = -1  # index, within the epoch, of the batch in hand (-1: none yet)
     steps: int = 0  # optimizer steps taken (equal on every rank; a replacement takes the survivors' count)
-
-
-class BufferSnapshot:
-    """A module's buffers as of the last optimizer step: a forward that failed, or is trained again
-    after a recovery, may have moved them (a batch norm's running statistics)."""
-
-    def __init__(self, module: nn.Module | None = None) -> None:
-        self.kept: list[torch.Tensor] = [] if module is None else [b.detach().clone() for b in module.buffers()]
-
-    def keep(self, module: nn.Module) -> None:
-        """Copy ``module``'s buffers as they are now into the snapshot."""
-        for kept, buffer in zip(self.kept, module.buffers()):
-            kept.copy_(buffer)
-
-    def restore(self, module: nn.Module) -> None:
-        """Put the snapshot back into ``module``'s buffers."""
-        with torch.no_grad():
-            for kept, buffer in zip(self.kept, module.buffers()):
-                buffer.copy_(kept)
 
 
 class InPlaceRecovery:
@@ -127,7 +105,7 @@ class InPlaceRecovery:
         # buffer snapshot, so that the one of that commit is kept while the next is taken.
         self._unapplied: _Commit | None = None
         self._spare_buffers: BufferSnapshot | None = None
-        self._growth: _GrowthWatch | None = None  # in a world that shrank: whether a node waits to join
+        self._growth: GrowthWatch | None = None  # in a world that shrank: whether a node waits to join
         # Whether the tracked state was checked since the start or the last recovery (``before_step``),
         # and whether this process looked for state left untracked (once: a pass over the heap).
         self._state_checked = False
@@ -303,7 +281,7 @@ class InPlaceRecovery:
             self._growth = None  # the world is whole: nothing can join
             return
         if self._growth is None:
-            self._growth = _GrowthWatch()
+            self._growth = GrowthWatch()
         try:
             grow = self._growth.decide(group)
         except PeerLostError:  # lost in the agreement's round: at a step boundary, nothing to train again
@@ -396,58 +374,9 @@ class _Commit:
     tracked: dict[str, Any]
 
 
-@dataclass
-class Exchange:
-    """What ``exchange_state`` did on this rank: the state every rank now holds, whether this rank
-    sent it, the ranks that replaced lost ones, and each rank's optimizer steps (-1: a replacement)."""
-
-    state: dict[str, Any]
-    sent: bool
-    replaced: list[int]
-    steps: list[int]
-
-
-def exchange_state(replacement: bool, steps: int, state: Callable[[], dict[str, Any]]) -> Exchange:
-    """The exchange of a new generation, on every rank of it: the ranks gather (is a replacement,
-    optimizer steps taken), and the survivor with the most steps (the lowest rank among equals)
-    sends ``state()`` (called on that rank only) to every other by one ``broadcast_state``.
-    ``RuntimeError`` when every rank is a replacement (no rank holds the state)."""
-    ranks = all_gather_object((replacement, -1 if replacement else steps))
-    candidates = [rank for rank, (is_replacement, _) in enumerate(ranks) if not is_replacement]
-    replaced = [rank for rank, (is_replacement, _) in enumerate(ranks) if is_replacement]
-    if not candidates:
-        raise RuntimeError("in-place recovery: every rank of the new generation is a replacement; no rank holds "
-                           "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
-    sender = max(candidates, key=lambda rank: (ranks[rank][1], -rank))
-    mine = torch.distributed.get_rank() == sender
-    sent: dict[str, Any] = broadcast_state(state() if mine else None, sender)
-    return Exchange(sent, mine, replaced, [taken for _, taken in ranks])
-
-
 _LOST = "a rank was lost"
 
 
 def _formed(generation: int) -> str:
     """How the replica check names a recovery, in the same words on every rank."""
     return f"the in-place recovery that formed generation {generation} of the group"
-
-
-class _GrowthWatch:
-    """In a world that shrank: whether a node waits to join, decided by every rank at the same step
-    boundary (a ``StepAgreement``, whose rounds cost a tiny all-reduce now and then). Only the group's
-    rank 0 reads the store, at most every ``_LOOK_SECONDS``."""
-
-    _LOOK_SECONDS = 0.5
-
-    def __init__(self) -> None:
-        self._agreement = StepAgreement()
-        self._requested = False
-        self._next_look = 0.0
-
-    def decide(self, group: Group) -> bool:
-        if group.rank == 0 and not self._requested and time.monotonic() >= self._next_look:
-            self._next_look = time.monotonic() + self._LOOK_SECONDS
-            if (who := group.growth_requested()) is not None:
-                self._requested = True
-                _log.warning(f"ddpkit: {who}; the group grows at the next step boundary every rank agrees on")
-        return self._agreement.decide(self._requested)

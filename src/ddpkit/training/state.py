@@ -36,7 +36,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ChainedScheduler, LRScheduler, SequentialLR
 from torch.optim.swa_utils import AveragedModel
 
-__all__ = ["Stateful", "TrackedState", "UntrackedStateError"]
+__all__ = ["BufferSnapshot", "Stateful", "TrackedState", "UntrackedStateError"]
 
 
 @runtime_checkable
@@ -196,3 +196,22 @@ def _averages(averaged: AveragedModel, model: nn.Module) -> bool:
     """Whether ``averaged`` is an average of ``model``'s parameters (the same shapes, in order)."""
     shapes = [p.shape for p in averaged.module.parameters()]
     return bool(shapes) and shapes == [p.shape for p in model.parameters()]
+
+
+class BufferSnapshot:
+    """A module's buffers as of the last optimizer step: a forward that failed, or is trained again
+    after a recovery, may have moved them (a batch norm's running statistics)."""
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        self.kept: list[torch.Tensor] = [] if module is None else [b.detach().clone() for b in module.buffers()]
+
+    def keep(self, module: nn.Module) -> None:
+        """Copy ``module``'s buffers as they are now into the snapshot."""
+        for kept, buffer in zip(self.kept, module.buffers()):
+            kept.copy_(buffer)
+
+    def restore(self, module: nn.Module) -> None:
+        """Put the snapshot back into ``module``'s buffers."""
+        with torch.no_grad():
+            for kept, buffer in zip(self.kept, module.buffers()):
+                buffer.copy_(kept)

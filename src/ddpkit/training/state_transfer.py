@@ -1,5 +1,6 @@
-"""The training state in flight: how in-place recovery sends a survivor's state (a model's and an
-optimizer's tensors, and everything around them) to every other rank in one broadcast.
+"""The training state in flight: which rank of a new generation sends it (``gather_places``,
+``send_state``; ``exchange_state`` does both), and how it travels: a survivor's state (a model's
+and an optimizer's tensors, and everything around them) reaches every other rank in one broadcast.
 
 The object is pickled with each tensor replaced by its index (``persistent_id``), so the pickle
 holds only the structure; the tensors travel as the bytes of one flat buffer, each at an aligned
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,15 +22,72 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ddpkit.comm.collective_call import collective_call
-from ddpkit.comm.collectives import broadcast_object
+from ddpkit.comm.collectives import all_gather_object, broadcast_object
 from ddpkit.comm.primitives import communication_device
 from ddpkit.diagnostics.waits import run_collective
 
-__all__ = ["broadcast_state"]
+__all__ = ["Exchange", "Places", "broadcast_state", "exchange_state", "gather_places", "send_state"]
 
 # Every tensor starts at a multiple of this many bytes in the flat buffer, so that a slice of it
 # can be viewed as the tensor's dtype again.
 _ALIGNMENT = 16
+
+
+@dataclass
+class Places:
+    """What every rank of a new generation said of itself, by rank (``gather_places``): whether it
+    replaces a lost rank, its optimizer steps (-1: a replacement), and the between-steps block it
+    was in when the rank was lost (None: none; ``ddpkit.training.between_steps``)."""
+
+    replacement: list[bool]
+    steps: list[int]
+    blocks: list[Any]
+
+    @property
+    def replaced(self) -> list[int]:
+        return [rank for rank, is_replacement in enumerate(self.replacement) if is_replacement]
+
+    @property
+    def survivors(self) -> list[int]:
+        return [rank for rank, is_replacement in enumerate(self.replacement) if not is_replacement]
+
+
+@dataclass
+class Exchange:
+    """What ``send_state`` did on this rank: the state every rank now holds, whether this rank
+    sent it, the ranks that replaced lost ones, and each rank's optimizer steps (-1: a replacement)."""
+
+    state: dict[str, Any]
+    sent: bool
+    replaced: list[int]
+    steps: list[int]
+
+
+def gather_places(replacement: bool, steps: int, block: Any = None) -> Places:
+    """The first collective of a new generation, on every rank of it: who replaces a lost rank, how
+    many optimizer steps each took, and which between-steps block each was in."""
+    gathered = all_gather_object((replacement, -1 if replacement else steps, block))
+    return Places([bool(entry[0]) for entry in gathered], [int(entry[1]) for entry in gathered],
+                  [entry[2] for entry in gathered])
+
+
+def send_state(places: Places, state: Callable[[], dict[str, Any]]) -> Exchange:
+    """The survivor with the most steps (the lowest rank among equals) sends ``state()`` (called on
+    that rank only) to every other rank by one ``broadcast_state``. ``RuntimeError`` when every rank
+    is a replacement (no rank holds the state)."""
+    candidates = places.survivors
+    if not candidates:
+        raise RuntimeError("in-place recovery: every rank of the new generation is a replacement; no rank holds "
+                           "the training state. Restart from a checkpoint (ddpkit run --max-restarts).")
+    sender = max(candidates, key=lambda rank: (places.steps[rank], -rank))
+    mine = dist.get_rank() == sender
+    sent: dict[str, Any] = broadcast_state(state() if mine else None, sender)
+    return Exchange(sent, mine, places.replaced, list(places.steps))
+
+
+def exchange_state(replacement: bool, steps: int, state: Callable[[], dict[str, Any]]) -> Exchange:
+    """The exchange of a new generation, on every rank of it: ``gather_places`` then ``send_state``."""
+    return send_state(gather_places(replacement, steps), state)
 
 
 def broadcast_state(obj: Any, src: int) -> Any:
