@@ -252,7 +252,9 @@ def main() -> None:
                     strategy.print(f"preempted: saved epoch {epoch + 1} batch {batch} to {checkpoint}; run the same "
                                    "command again to continue", flush=True)
                     strategy.exit_preempted()                                   # ddpkit
-        totals = strategy.reduce(totals, reduce_op="sum")
+        # Between steps: under in-place recovery a rank lost in it is recovered (the reduction runs
+        # again without it, and its replacement joins at the next step), not the job restarted.
+        totals = strategy.between_steps(strategy.reduce, totals, reduce_op="sum")  # ddpkit
         history.append((epoch + 1, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()))
         trained.append(history[-1][:2])
         trajectory.add(model)

@@ -119,15 +119,15 @@ PHASE_JOB = textwrap.dedent(
             open(f"joiner-paused-{{where}}", "w").write(where)
             time.sleep(600)  # until its node is killed
 
-    import torch.distributed, ddpkit.training.recovery
-    connect, gather = torch.distributed.init_process_group, ddpkit.training.recovery.all_gather_object
+    import torch.distributed, ddpkit.training.state_transfer
+    connect, gather = torch.distributed.init_process_group, ddpkit.training.state_transfer.all_gather_object
     def connecting(*args, **kwargs):
         pause_joiner("connecting")
         pause("connecting")  # (in generation 0 too: "connecting:0")
         return connect(*args, **kwargs)
 
     torch.distributed.init_process_group = connecting
-    ddpkit.training.recovery.all_gather_object = lambda *args: (pause_joiner("receiving"), gather(*args))[1]
+    ddpkit.training.state_transfer.all_gather_object = lambda *args: (pause_joiner("receiving"), gather(*args))[1]
 
     @elementwise_average
     def pausing_allreduce(state, bucket):

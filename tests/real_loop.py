@@ -13,7 +13,11 @@ Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environ
   learning rate from a step counter of its own, not tracked (nothing in torch marks it);
   ``epoch-collective`` all-reduces the epoch's loss with ``torch.distributed`` after the epoch,
   outside any step, a second after the epoch (``KILL=epoch-collective:STEP`` strikes before that second);
-  ``epoch-reduce`` the same through ``strategy.reduce`` (``KILL=epoch-reduce:STEP``).
+  ``epoch-reduce`` the same through ``strategy.reduce`` (``KILL=epoch-reduce:STEP``); ``epoch-block``
+  evaluates the model on a validation loader made by ``setup_dataloader`` after each epoch inside
+  ``strategy.between_steps`` (the sums reduced with ``torch.distributed`` and ``strategy.reduce``),
+  ``step-block`` the same after the step every 3 steps, ``top-block`` at the top of the loop's body
+  every 3 steps (``KILL=evaluation:STEP`` strikes inside it, before its all-reduce).
 - ``KILL``: ``PHASE:STEP``: the process started as rank ``KILL_RANK`` (1 by default) kills itself
   (SIGKILL) in optimizer step STEP + 1, where PHASE says (``forward``, ``backward``, ``collective``,
   ``optimizer-step``, ``scheduler-step``; ``checkpoint-save``: before its part of the save after the
@@ -32,7 +36,8 @@ Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environ
   ``STEP_SECONDS``: a pause after each step (0), so that a joining node's request is agreed on in time.
 
 Every rank writes ``final<rank>.pt`` in the working folder: the model's, the optimizer's and every
-tracked object's state, for the test to compare with the run without a fault.
+tracked object's state, and the evaluations it ran (step, mean loss), for the test to compare with
+the run without a fault.
 """
 
 from __future__ import annotations
@@ -99,11 +104,40 @@ generator = torch.Generator().manual_seed(1)
 samples = WORLD * BATCH * STEPS
 data = TensorDataset(torch.randn(samples, 16, generator=generator), torch.randint(0, 4, (samples,), generator=generator))
 loader = strategy.setup_dataloader(DataLoader(data, batch_size=BATCH, shuffle=True))
+rows = WORLD * 24
+held_out = TensorDataset(torch.randn(rows, 16, generator=generator), torch.randint(0, 4, (rows,), generator=generator))
+held_out_loader = strategy.setup_dataloader(DataLoader(held_out, batch_size=8))
 logged = []
 counted = 0
+evaluations: list[tuple[int, float, int]] = []
+evaluated: set[int] = set()
+
+
+def evaluate() -> float:
+    """The mean loss on the held-out rows, every rank's share summed (between steps)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for x, y in held_out_loader:
+            x, y = x.to(device), y.to(device)
+            total += torch.stack([nn.functional.cross_entropy(model(x), y, reduction="sum").double(),
+                                  torch.tensor(float(len(y)), dtype=torch.float64, device=device)])
+    model.train()
+    strike("evaluation")
+    dist.all_reduce(total)  # the user's own collective, and ddpkit's
+    count = strategy.reduce(torch.tensor([1.0], device=device), reduce_op="sum")
+    mean = (total[0] / total[1]).item()
+    evaluations.append((strategy.progress.steps, mean, int(count.item())))
+    return mean
+
+
+BLOCKS = FEATURES & {"epoch-block", "step-block", "top-block"}
 for epoch in strategy.epochs(EPOCHS):
     for x, y in strategy.batches(loader):
         x, y = x.to(device), y.to(device)
+        if "top-block" in BLOCKS and strategy.progress.steps % 3 == 0 and strategy.progress.steps not in evaluated | {0}:
+            evaluated.add(strategy.progress.steps)  # once per step (a batch handed out again comes back here)
+            strategy.between_steps(evaluate)
         with strategy.step():
             strike("forward")
             optimizer.zero_grad()
@@ -141,6 +175,9 @@ for epoch in strategy.epochs(EPOCHS):
                 if OVERLAP:
                     model.settle()
                 ema.update_parameters(model.module)
+        if "step-block" in BLOCKS and strategy.progress.steps % 3 == 0 and strategy.progress.steps not in evaluated:
+            evaluated.add(strategy.progress.steps)  # once per step (a step recovered comes back here untrained)
+            strategy.between_steps(evaluate)
         if strategy.global_rank == 0:
             open(f"step{strategy.progress.steps}", "w").close()
         while str(strategy.progress.steps) == os.environ.get("HOLD_AT") and not os.path.exists("go-on"):
@@ -148,6 +185,8 @@ for epoch in strategy.epochs(EPOCHS):
         time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
     if epoch_schedule is not None:
         epoch_schedule.step()
+    if "epoch-block" in BLOCKS:
+        strategy.between_steps(evaluate)
     if "epoch-collective" in FEATURES:  # outside any step: in-place recovery cannot redo it
         strike("epoch-collective")
         time.sleep(1.0)  # a rank killed before it is seen by the launcher first, and its replacement begins
@@ -162,7 +201,7 @@ for epoch in strategy.epochs(EPOCHS):
 tracked = {name: obj.state_dict() for name, obj in [("schedule", schedule), ("scaler", scaler), ("ema", ema),
                                                     ("epoch schedule", epoch_schedule)] if obj is not None}
 torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "tracked": tracked,
-            "steps": strategy.progress.steps, "world_size": strategy.world_size},
+            "steps": strategy.progress.steps, "world_size": strategy.world_size, "evaluations": evaluations},
            f"final{os.environ['RANK']}.pt")
 print(f"rank {os.environ['RANK']}: rank {strategy.global_rank} of {strategy.world_size} done after "
       f"{strategy.progress.steps} steps, recovered {strategy.recovered_in_place}", flush=True)

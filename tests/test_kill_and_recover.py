@@ -166,7 +166,7 @@ SCRIPT = textwrap.dedent(
     if FAULT == "survivor-dies-in-transfer" and rank == 2:
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        ddpkit.training.recovery.InPlaceRecovery._exchange = die
+        ddpkit.training.recovery.InPlaceRecovery._send = die
     torch.manual_seed(0)
     strategy = ddpkit.DDPStrategy()
     model, optimizer = strategy.setup(nn.Linear(8, 1), torch.optim.SGD(nn.Linear(8, 1).parameters(), lr=0.1))

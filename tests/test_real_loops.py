@@ -181,8 +181,50 @@ def test_a_rank_lost_in_a_collective_outside_the_step_ends_the_job_naming_the_lo
     assert re.match(r"ddpkit run: during the in-place recovery of rank 1: rank 0 \(local rank 0, pid \d+\) failed first "
                     r"with PeerLostError: a rank of the group vanished \(its collective failed on rank 0: ", causes[0])
     assert (f"while this rank was in {collective} that in-place recovery cannot redo: one outside "
-            "`with strategy.step():` (keep collectives inside the step)") in causes[0], causes[0]
+            "`with strategy.step():` and outside `strategy.between_steps(function)`") in causes[0], causes[0]
     assert "replaces it" not in causes[0], causes[0]
+
+
+BLOCKS = "schedule,epoch-schedule,ema,syncbn,collective"  # what the block tests train with, besides the block
+
+
+def evaluations_of(folder: Path, rank: int) -> list[tuple[int, float]]:
+    """(optimizer step, mean held-out loss) of each evaluation the process started as ``rank`` ran."""
+    state = torch.load(folder / f"final{rank}.pt", weights_only=False, map_location="cpu")
+    return [(step, mean) for step, mean, _ in state["evaluations"]]
+
+
+def assert_same_evaluations(expected: list[tuple[int, float]], got: list[tuple[int, float]], errors: str) -> None:
+    assert [step for step, _ in got] == [step for step, _ in expected], f"{got} against {expected}\n{errors}"
+    for (step, mean), (_, reference) in zip(got, expected):
+        assert mean == pytest.approx(reference, rel=1e-5), f"step {step}: {mean} against {reference}\n{errors}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("block", "strike"), [("epoch-block", "evaluation:8"), ("step-block", "evaluation:6"),
+                                                 ("top-block", "evaluation:6")])
+def test_a_rank_lost_in_an_evaluation_between_steps_is_replaced_and_every_rank_ends_as_without_the_fault(
+        tmp_path: Path, block: str, strike: str) -> None:
+    """Issue 61, item 2: an evaluation between steps inside ``strategy.between_steps`` (after an
+    epoch, after the step every 3 steps, at the top of the loop's body), rank 1 killed inside it just
+    before the evaluation's own ``torch.distributed.all_reduce``. The survivor's collective fails;
+    it runs the evaluation again from its start without the replacement, reading the lost rank's
+    share of the held-out loader too, and the replacement joins at the next step boundary. Every
+    rank ends with the state of the run without the fault, bit for bit, and the survivor's
+    evaluations (each the mean over every rank's held-out rows) are that run's. Before, the job
+    restarted every worker (or, without budget, ended)."""
+    reference = tmp_path / "fault_free"
+    features = f"{BLOCKS},{block}"
+    expected_run = run_loop(reference, FEATURES=features)
+    assert expected_run.returncode == 0, expected_run.stderr[-3000:]
+    expected = torch.load(reference / "final0.pt", weights_only=False)
+    result = run_loop(tmp_path, FEATURES=features, KILL=strike, KILL_RANK="1")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "runs again from its start without rank(s) [1], which join at the next step boundary" in result.stderr, \
+        result.stderr[-4000:]
+    assert "restarting all" not in result.stderr, result.stderr[-4000:]
+    assert_as_without_the_fault(tmp_path, expected, 2, result.stderr[-3000:], tolerance=0.0)
+    assert_same_evaluations(evaluations_of(reference, 0), evaluations_of(tmp_path, 0), result.stderr[-2000:])
 
 
 @pytest.mark.timeout(120)
@@ -360,3 +402,52 @@ def test_across_network_namespaces_a_node_lost_in_the_users_collective_shrinks_t
     finally:
         store.kill()
         store.wait()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("block", "strike"), [("epoch-block", "evaluation:8"), ("top-block", "evaluation:6")])
+def test_a_node_lost_in_an_evaluation_between_steps_shrinks_the_world_and_the_evaluation_runs_again(
+        tmp_path: Path, block: str, strike: str) -> None:
+    """Two nodes of one rank, ``--nnodes 1:2``, no spare: node 1 stopped inside an evaluation block
+    (after an epoch, or at the top of the loop's body) before its all-reduce, and killed. The survivor
+    runs the evaluation again alone over both shares of the held-out rows, then trains both shares:
+    its evaluations are those of the run without the fault, and it ends within 1e-6 of it. At the
+    top of the body the batch in hand was read with the survivor's own share only: it is read again
+    with both before its step trains it (a step on it would leave node 1's rows out)."""
+    reference = tmp_path / "fault_free"
+    features = f"{BLOCKS},{block}"
+    expected_run = run_loop(reference, FEATURES=features)
+    assert expected_run.returncode == 0, expected_run.stderr[-3000:]
+    expected = torch.load(reference / "final0.pt", weights_only=False)
+    store = start_store(port := find_free_port())
+    job = {"rdzv_id": f"real-{block}", "FEATURES": features, "PAUSE": strike, "KILL_RANK": "1"}
+    try:
+        launchers = start_nodes(tmp_path, port, "1:2", 2, **job)
+        wait_for(lambda: (tmp_path / "paused").exists(), "node 1's rank to stop inside the evaluation")
+        lost = node_of(tmp_path, 1)
+        kill_node(launchers[lost])
+        code = end_all([launchers[1 - lost]], timeout=150)[0]
+        errors = "\n".join(f"--- launcher{n}\n{text(tmp_path, f'launcher{n}.err')[-3000:]}" for n in range(2))
+        assert code == 0, errors
+        assert "no spare node took its place: the world shrank to 1 ranks" in text(tmp_path, f"launcher{1 - lost}.err")
+        assert_as_without_the_fault(tmp_path, expected, 1, errors)
+        assert_same_evaluations(evaluations_of(reference, 0), evaluations_of(tmp_path, 0), errors)
+    finally:
+        store.kill()
+        store.wait()
+
+
+
+def test_survivors_that_met_the_loss_in_different_places_end_the_job_naming_each_place() -> None:
+    """A survivor that had finished a block between steps (the lost rank completed its last
+    collective for it) meets the loss in its next collective, while another is still in the block:
+    the block cannot be run again by one of them only. Every rank raises, naming each survivor's place."""
+    from ddpkit.training.resumable_loop import BlockPlace
+    from ddpkit.training.state_transfer import Places
+
+    evaluation = BlockPlace("evaluate", 0, 1, 16)
+    Places([False, False, True], [16, 16, -1], [evaluation, evaluation, None]).check_same_block()  # the same: fine
+    with pytest.raises(RuntimeError, match=re.escape(
+            "the surviving ranks met the loss in different places (rank 0: the block between steps 'evaluate' "
+            "(after optimizer step 16, in epoch 1), rank 1: not in a block)")):
+        Places([False, False, True], [16, 16, -1], [evaluation, None, None]).check_same_block()

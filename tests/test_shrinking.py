@@ -252,7 +252,7 @@ def shrink_after_two_steps(loader: object) -> list[list[int]]:
         elif number == 2:  # the step's all-reduce failed: recover() formed the shrunk group
             if isinstance(loader, EpochDataLoader):
                 loader.follow_membership(Membership(1, 0, 2, (0, 2), 4))
-            recovery._rewind = recovery._reshard = True
+            recovery.position.rewind = recovery.position.reshard = True
         else:
             recovery._commit()
     return seen
@@ -293,7 +293,7 @@ def test_a_shrink_at_an_epoch_boundary_reads_the_next_epochs_shuffle_with_the_ne
 
     def shrink() -> None:  # what recover() does to the loop's side once the shrunk group is formed
         loader.follow_membership(Membership(0, 0, 1, (0, 1), 2))  # type: ignore[attr-defined]
-        recovery._rewind = recovery._reshard = True
+        recovery.position.rewind = recovery.position.reshard = True
 
     seen: dict[int, list[list[int]]] = {0: [], 1: []}
     for epoch in loop.epochs(2):

@@ -353,8 +353,9 @@ def _not_redone(lost: PeerLostError, collective: str, cause: BaseException) -> P
     """``lost`` reworded for a collective that in-place recovery cannot redo (outside a step)."""
     failure = PeerLostError(
         f"{_PROMISE.sub('', str(lost))}, while this rank was in {collective} that "
-        "in-place recovery cannot redo: one outside `with strategy.step():` (keep collectives inside the step), "
-        "or in a script that does not train in DDPStrategy's loop")
+        "in-place recovery cannot redo: one outside `with strategy.step():` and outside "
+        "`strategy.between_steps(function)` (run code between steps, an evaluation or a metric's reduction, "
+        "through it: it is then run again after a loss), or in a script that does not train in DDPStrategy's loop")
     failure.__cause__ = cause
     return failure.with_traceback(cause.__traceback__)
 

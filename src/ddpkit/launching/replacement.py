@@ -170,9 +170,12 @@ class Replacements:
             return None
         if all(os.path.exists(path) for _, path in pending.replacements):
             several = len(pending.replacements) > 1
+            outside = any(_said(path) == "outside" for _, path in pending.replacements)
             _log.warning(f"ddpkit run: the replacement{'s' if several else ''} of rank {pending.ranks()} "
-                         f"hold{'' if several else 's'} the survivors' state: recovered in place "
-                         f"{time.monotonic() - pending.started:.2f} s after the loss")
+                         + (f"wait{'' if several else 's'} outside the block between steps the other ranks run "
+                            "again, and join at their next step boundary: " if outside else
+                            f"hold{'' if several else 's'} the survivors' state: ")
+                         + f"recovered in place {time.monotonic() - pending.started:.2f} s after the loss")
             self._pending = None
             return None
         if time.monotonic() > pending.deadline:
@@ -180,6 +183,15 @@ class Replacements:
                     f"{pending.deadline - pending.started:.0f} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): the ranks did not "
                     "meet again.")
         return None
+
+
+def _said(path: str) -> str:
+    """What a replacement wrote in its ready file ("ready", or "outside": it waits outside a block)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
 
 
 # How often a spare that ended between recoveries is started again: one that keeps ending (a broken

@@ -242,26 +242,23 @@ class Group:
                                "this process's store is its group's own and may have died with the lost rank.")
         self.abort()
         self.form(self._membership.generation + 1)  # or a later one
-        self._tell_reactions()
+        _tell(self._reactions, self._membership)
         return self._membership
 
-    def _tell_reactions(self) -> None:
-        for key, reference in list(self._reactions.items()):
-            reaction = reference()
-            if reaction is None:
-                del self._reactions[key]
-            else:
-                reaction(self._membership)
-
-    def form_part(self, part: str, layout: Layout | None = None) -> Membership:
-        """Abandon the current torch group and form, within this generation, one of ``layout``'s
-        members (by default the generation's) under the generation's keys and ``part``: the survivors
-        alone (``store.keys.BLOCK_PART``, ``without``) while they run a block between steps again, and
-        every member once they are done (``REJOIN_PART``); then tell every reaction. ``PeerLostError``
-        when it does not form (a member lost meanwhile): the next generation is the recovery's to form."""
+    def form_part(self, part: str, without: list[int] | None = None) -> Membership:
+        """Abandon the current torch group and form, within this generation, a part of its members
+        under the generation's keys and ``part``'s: the survivors alone (``store.keys.BLOCK_PART``,
+        ``without`` the members of those group ranks, whose shares of the data the others take) while
+        they run a block between steps again, and every member once they are done (``REJOIN_PART``:
+        those waiting outside are told first); then tell every reaction. ``PeerLostError`` when it
+        does not form (a member lost meanwhile): the next generation is the recovery's to form."""
         self.abort()
         generation = self.generation
-        layout = self._layout(generation) if layout is None else layout
+        layout = self._layout(generation)
+        if without:
+            layout = layout.shrunk({layout.members[rank] for rank in without})
+        if part == store_keys.REJOIN_PART:
+            announce_rejoin(self._launcher_store, self._secret, self._attempt, generation)
         rank, shares = layout.place_of(self.job_rank)
         membership = Membership(generation, rank, len(layout.members), shares, layout.data_world_size)
         try:
@@ -275,31 +272,26 @@ class Group:
             raise PeerLostError(f"a rank of the group vanished while a part of generation {generation} formed "
                                 f"({why or failure}); in-place recovery replaces it") from failure
         self.install_diagnostics()
-        self._tell_reactions()
+        _tell(self._reactions, membership)
         return membership
-
-    def without(self, ranks: list[int]) -> Layout:
-        """This generation's layout without the members of group ranks ``ranks``: their shares of the
-        data go to the others (``Layout.shrunk``)."""
-        layout = self._layout(self.generation)
-        return layout.shrunk({layout.members[rank] for rank in ranks})
 
     def wait_outside(self) -> bool:
         """A member the survivors left out of their block (``form_part``): leave the torch group and
         wait until they ask it to rejoin (True), or until the generation is given up (False: a member
-        was lost meanwhile; the next generation is the caller's to meet)."""
+        was lost meanwhile; the next generation is the caller's to meet). When the training ends
+        first (``finish``), the process ends with 0: nothing is left for it to train."""
         self.abort()
         generation = self.generation
         while True:
             if rejoin_announced(self._launcher_store, self._secret, self._attempt, generation):
                 return True
+            if job_finished(self._launcher_store, self._secret, self._attempt, generation + 1):
+                _log.warning(f"ddpkit: the training ended while this rank ({self.job_rank}) waited to join the others "
+                             "after their block: nothing is left to train")
+                raise SystemExit(0)
             if self._given_up(generation) is not None:
                 return False
             time.sleep(_OUTSIDE_LOOK_SECONDS)
-
-    def ask_to_rejoin(self) -> None:
-        """Tell the members left out of this generation's block that the survivors are done with it."""
-        announce_rejoin(self._launcher_store, self._secret, self._attempt, self.generation)
 
     def form(self, generation: int, **init_options: Any) -> Membership:
         """Meet ``generation`` (``meet``), form torch's default group there (``init_options``: more
@@ -393,11 +385,11 @@ class Group:
                                      f"with this rank ({self.job_rank}, which was to join it): nothing is left to train")
                         raise SystemExit(0)
                     if (self._given_up(generation) is not None
-                            and self._launcher_store.add(self._arrivals(generation), 0) < len(layout.members)):
+                            and self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0) < len(layout.members)):
                         break  # it will never form: on to the next one
                     layout, next_look = self._layout(generation), now + _LAYOUT_LOOK_SECONDS
                 time.sleep(0.005)
-                arrived = self._launcher_store.add(self._arrivals(generation), 0)
+                arrived = self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0)
             else:
                 break
             generation += 1
@@ -421,7 +413,7 @@ class Group:
                 "reached), and a spare node took its ranks or the world shrank without them. This process ends; the "
                 "job goes on without it.")
         announce_waiting(self._launcher_store, self._secret, self._attempt, generation, this_process)
-        return self._launcher_store.add(self._arrivals(generation), 1), self._layout(generation)
+        return self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 1), self._layout(generation)
 
     def finish(self) -> None:
         """The training ended in this generation: ranks that wait for the next one (a node that asked
@@ -454,9 +446,16 @@ class Group:
     def _prefix(self, generation: int) -> str:
         return generation_prefix(self._secret, self._attempt, generation)
 
-    def _arrivals(self, generation: int) -> str:
-        """The key of the count of ``generation``'s members that arrived."""
-        return self._prefix(generation) + store_keys.ARRIVED
+
+
+def _tell(reactions: dict[int, Callable[[], Reaction | None]], membership: Membership) -> None:
+    """Call each reaction still alive with ``membership`` (``Group.on_reconfigure``); forget the dead."""
+    for key, reference in list(reactions.items()):
+        reaction = reference()
+        if reaction is None:
+            del reactions[key]
+        else:
+            reaction(membership)
 
 
 def current_group() -> Group | None:

@@ -20,8 +20,11 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
   too reads them from its loader anew, from that batch on (``ddpkit.training.data``).
 - **Between steps**, a rank lost during ``DDPStrategy.save_checkpoint`` is handled the same
   way by the survivors waiting in the save (see there); the replacement starts at the next
-  batch, or at the next epoch once the loop has left ``batches()``. Any other collective
-  between steps cannot be redone: the survivors fail.
+  batch, or at the next epoch once the loop has left ``batches()``. In a block of
+  ``strategy.between_steps(function)`` the survivors run ``function`` again on their own (the
+  block's part of the generation, ``Group.form_part``; the replacements wait outside) and the
+  replacements join at the next step boundary (``rejoin``). Any other collective between steps
+  cannot be redone: the survivors fail.
 - **The replacement** runs the script from the top. ``DDPStrategy.setup`` connects to the new
   generation, receives the state (``join``) before wrapping the model, and ``epochs()`` and
   ``batches()`` start where the survivors continue.
@@ -56,15 +59,17 @@ from torch import nn
 
 from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.logs import get_logger
-from ddpkit.membership.group import current_group
+from ddpkit.membership.group import Group, Membership, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
 from ddpkit.training.agreement import GrowthWatch
 from ddpkit.training.replicas import ReplicaCheck
+from ddpkit.training.resume_point import ResumePoint
 from ddpkit.training.state import BufferSnapshot, TrackedState
-from ddpkit.training.state_transfer import exchange_state
+from ddpkit.training.state_transfer import Places, gather_places, send_state
 from ddpkit.variables import DDPKIT_READY_FILE
 
-__all__ = ["InPlaceRecovery", "Progress"]
+__all__ = ["BatchReadAgain", "InPlaceRecovery", "Progress"]
 
 _log = get_logger("recovery")
 
@@ -87,13 +92,8 @@ class InPlaceRecovery:
         self.progress = progress
         self.tracked = tracked  # what the loop keeps beside model and optimizer: it moves with them
         # (epoch, index of the next batch) right after the last optimizer step: where a recovery continues.
-        self._resume = (0, 0)
-        # Set by ``recover``: the loop hands out the batches from ``_resume`` again instead of reading on.
-        self._rewind = False
-        # Set by ``recover`` when this rank's shares of the data changed (the world shrank): the loop
-        # reads the loader anew from ``_resume`` instead of handing out the batches it kept.
-        self._reshard = False
-        self._joined = False
+        # Where a recovery continues: the loop asks it where to start and tells it where it got to.
+        self.position = ResumePoint()
         self._recoveries = 0
         self._replaced: list[int] = []
         self._model: DistributedDataParallel | None = None
@@ -111,74 +111,58 @@ class InPlaceRecovery:
         self._state_checked = False
         self._looked_for_untracked = False
         self._replica_check: ReplicaCheck | None = None
+        # After a loss in a block between steps: the survivors run it again without the replacements,
+        # which wait outside until the next step boundary (``rejoin``); what the survivors were before.
+        self._outside: Membership | None = None
+        # In a replacement that joined there: the blocks the survivors finished at its starting point.
+        self.blocks_to_skip = 0
+        # The batch in hand was read with shares this rank no longer trains (``BatchReadAgain``).
+        self.batch_to_read_again = False
 
     @property
     def joined(self) -> bool:
         """Whether this process replaced a lost rank (``join`` ran): the loop starts at the survivors' place."""
-        return self._joined
+        return self.position.joined
 
     @property
     def recovered(self) -> bool:
         """Whether this process replaced a lost rank or survived the loss of one."""
-        return self._joined or self._recoveries > 0
+        return self.position.joined or self._recoveries > 0
 
     @property
     def replaced(self) -> list[int]:
         """The ranks of the current generation that replaced lost ones (set by each exchange)."""
         return list(self._replaced)
 
-    # -- where the loop is (``ResumableLoop``) --------------------------------------------------------
-
-    def first_epoch(self, start: int) -> int:
-        """The epoch the loop starts at: the survivors' in a replacement, else ``start``."""
-        return self._resume[0] if self._joined else start
-
-    def first_batch(self, epoch: int, skip: int) -> int:
-        """The batch ``epoch``'s loop starts at: the survivors' in a replacement's first epoch."""
-        if self._joined and self._resume[0] == epoch:
-            skip = max(skip, self._resume[1])
-        self.reached(epoch, skip)
-        return skip
-
-    def reached(self, epoch: int, batch: int) -> None:
-        """The loop is at ``batch`` of ``epoch`` (or past the epoch: the next one's batch 0) with
-        nothing trained since the last optimizer step: a rank lost from here on is replaced there."""
-        self._resume = max(self._resume, (epoch, batch))
-
-    def replay_from(self, epoch: int) -> int | None:
-        """After a recovery: the batch of ``epoch`` to hand out again from (once); None otherwise.
-        ``RuntimeError`` when the ranks continue in another epoch (a collective between epochs)."""
-        if not self._rewind:
-            return None
-        self._rewind = False
-        resume_epoch, resume_batch = self._resume
-        if resume_epoch != epoch:
-            raise RuntimeError(
-                f"in-place recovery: the ranks continue in epoch {resume_epoch}, but this rank iterates epoch "
-                f"{epoch}. Keep collectives between epochs outside the steps, or restart from a checkpoint.")
-        return resume_batch
-
-    def take_reshard(self) -> bool:
-        """Whether this rank's shares of the data changed in the last recovery (asked once, after
-        ``replay_from``): the batches kept since the last optimizer step are not its batches now."""
-        reshard, self._reshard = self._reshard, False
-        return reshard
-
-    def committed(self, epoch: int, applied: bool = True) -> int:
-        """How many of ``epoch``'s batches an optimizer step has committed (0 in a later epoch's
-        terms): ``applied``, those never trained again; else those a step was called on, including
-        one ``overlap_optimizer`` has not applied yet."""
-        resume = self._unapplied.resume if applied and self._unapplied is not None else self._resume
-        return resume[1] if resume[0] == epoch else 0
+    @property
+    def applied_at(self) -> tuple[int, int] | None:
+        """Where the last commit whose step is applied left the loop, while the last optimizer step
+        is not applied yet (``overlap_optimizer``); None otherwise (``ResumePoint.committed``)."""
+        return self._unapplied.resume if self._unapplied is not None else None
 
     # -- set-up --------------------------------------------------------------------------------
 
     def join(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """In a replacement, before its module is wrapped: receive the state of the survivors and
         load it into ``module`` and ``optimizer``; return it (``attach`` takes the bucket order)."""
-        state = self._exchange(module, optimizer, replacement=True)
-        self._joined = True
-        self._rewind = False  # the loop starts at the resume point (first_epoch, first_batch)
+        group = current_group()
+        places = gather_places(True, -1)
+        while group is not None and (block := next((b for b in places.blocks if b is not None), None)) is not None:
+            # The survivors run a block between steps again without this rank: it joins at their next
+            # step boundary. Waiting outside counts as held for the launcher (a block may last minutes).
+            self._tell_the_launcher(outside=True)
+            _log.warning(f"ddpkit: the other ranks run {block} again without this rank; it joins them at their "
+                         "next step boundary")
+            try:
+                if not group.wait_outside():
+                    raise PeerLostError("a rank was lost while this rank waited outside the block")
+                group.form_part(REJOIN_PART)
+            except PeerLostError:
+                group.form(group.generation + 1)  # a member lost meanwhile: the next generation (or a later one)
+            places = gather_places(True, -1)
+        state = self._send(places, module, optimizer)
+        self.position.joined = True
+        self.position.rewind = False  # the loop starts at the resume point (first_epoch, first_batch)
         return state
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, replica_check: ReplicaCheck,
@@ -201,10 +185,22 @@ class InPlaceRecovery:
             replica_check.recovered(_formed(group.generation if group is not None else 0))
         optimizer.register_step_post_hook(self._commit)
         model.when_step_applied(self._applied)
+        model.register_forward_pre_hook(self._refuse_a_stale_batch)
+        self._tell_the_launcher()
+
+    def _refuse_a_stale_batch(self, *_: Any) -> None:
+        if self.batch_to_read_again:
+            self.batch_to_read_again = False
+            raise BatchReadAgain("the batch in hand was read before the world shrank: it is read again")
+
+    @staticmethod
+    def _tell_the_launcher(outside: bool = False) -> None:
+        """Write the ready file: this rank can take part in a recovery (a replacement: holds the state,
+        or, ``outside``, waits outside a block between steps for it)."""
         ready_file = os.environ.get(DDPKIT_READY_FILE)
         if ready_file:
             with open(ready_file, "w", encoding="utf-8") as handle:
-                handle.write("ready\n")
+                handle.write("outside\n" if outside else "ready\n")
 
     def _commit(self, *_: Any) -> None:
         progress, model = self.progress, self._model
@@ -212,9 +208,9 @@ class InPlaceRecovery:
             # Applied bucket by bucket by the next forward: until it is, a recovery goes back to the
             # commit before it. The tracked objects are as they were when the step was asked for (a
             # schedule or a scaler moves after optimizer.step()).
-            self._unapplied = _Commit(self._resume, self._buffers, self._rng, self.tracked.copies(model.module))
+            self._unapplied = _Commit(self.position.at, self._buffers, self._rng, self.tracked.copies(model.module))
             self._buffers = self._spare_buffers if self._spare_buffers is not None else BufferSnapshot(model.module)
-        self._resume = (progress.epoch, progress.batch + 1)
+        self.position.at = (progress.epoch, progress.batch + 1)
         if model is not None:
             self._buffers.keep(model.module)
         self._rng = torch.get_rng_state()
@@ -234,7 +230,7 @@ class InPlaceRecovery:
         if unapplied is None:
             return
         self._spare_buffers, self._buffers = self._buffers, unapplied.buffers
-        self._resume, self._rng = unapplied.resume, unapplied.rng
+        self.position.at, self._rng = unapplied.resume, unapplied.rng
         self.tracked.restore(unapplied.tracked)
         self.progress.steps -= 1
 
@@ -260,10 +256,37 @@ class InPlaceRecovery:
 
     # -- after a rank was lost ---------------------------------------------------------------------
 
-    def recover(self) -> None:
+    def recover(self, block: Any = None) -> None:
         """In a survivor: form the next generation with the replacement and bring every rank to
-        the latest step any rank completed."""
-        self._form_next_generation(_LOST)
+        the latest step any rank completed. ``block``: the block between steps the loss struck in
+        (``ResumableLoop.between_steps``): the survivors run it again without the replacements, which
+        join at the next step boundary (``rejoin``); in a world that shrank, nobody joins."""
+        self._form_next_generation(_LOST, block)
+
+    def rejoin(self, blocks_done: int) -> None:
+        """At a step boundary after a block the survivors ran without the replacements (a no-op
+        otherwise): form the whole generation with them and send them the training state as it is
+        now; they start here, skipping the ``blocks_done`` blocks the survivors finished since the
+        boundary this rank's loop last passed (where a replacement's loop starts)."""
+        before, self._outside = self._outside, None
+        group, model, optimizer = current_group(), self._model, self._optimizer
+        if before is None or group is None or model is None or optimizer is None:
+            return
+        try:
+            after = group.form_part(REJOIN_PART)
+            state = self._send(gather_places(False, self.progress.steps), model.module, optimizer, now=True,
+                               blocks_done=blocks_done)
+        except PeerLostError:  # a member lost as the whole generation formed again
+            self._outside = before  # (what this rank trained before the first loss, for the next formation)
+            self._form_next_generation(_LOST)
+            return
+        if (after.shares, after.data_world_size) != (before.shares, before.data_world_size):
+            self.position.reshard = True
+        model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
+        if self._replica_check is not None:
+            self._replica_check.recovered(_formed(after.generation))
+        _log.warning(f"ddpkit: rank(s) {self._replaced} joined generation {after.generation} of the group at the step "
+                     "boundary after the block; recovered in place")
 
     def at_step_boundary(self) -> None:
         """Between two optimizer steps (the loop calls it after each committed batch, on every rank):
@@ -292,7 +315,7 @@ class InPlaceRecovery:
             self._growth = None
             self._form_next_generation("a node joins")
 
-    def _form_next_generation(self, why: str) -> None:
+    def _form_next_generation(self, why: str, block: Any = None) -> None:
         model, optimizer = self._model, self._optimizer
         if model is None or optimizer is None:
             raise RuntimeError("in-place recovery: the model and optimizer were never set up (DDPStrategy.setup).")
@@ -303,50 +326,82 @@ class InPlaceRecovery:
                                "`ddpkit run --recovery in-place`, so it cannot be formed again.")
         generation, before = group.generation + 1, group.membership
         _log.warning(f"ddpkit: {why}; forming generation {generation} of the group")
+        if self._outside is not None:  # lost again while replacements waited outside: compare with before then
+            before, self._outside = self._outside, None
         while True:
             after = group.reconfigure()
             try:
-                state = self._exchange(model.module, optimizer, replacement=False)
+                places = gather_places(False, self.progress.steps, block)
+                places.check_same_block()
+                if block is not None and places.replaced:
+                    after = self._leave_out(group, places, before)
+                    break
+                state = self._send(places, model.module, optimizer)
                 break
             except PeerLostError:  # a member of the new generation lost before it held the state: the next one
                 _log.warning(f"ddpkit: a rank of generation {after.generation} of the group was lost while the "
                              f"training state was sent; forming generation {after.generation + 1}")
+        if self._outside is not None:
+            model.resynchronise(*model.bucket_order())
+            self._fresh_window()
+            _log.warning(f"ddpkit: {block} runs again from its start without rank(s) {places.replaced}, which join at "
+                         "the next step boundary")
+            return
         if (after.shares, after.data_world_size) != (before.shares, before.data_world_size):
-            self._reshard = True
+            self.position.reshard = True
             _log.warning(f"ddpkit: the group has {after.world_size} ranks now; this rank (now rank {after.rank}) "
                          f"trains the shares {list(after.shares)} of each global batch of {after.data_world_size}")
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
-        optimizer.zero_grad(set_to_none=True)  # the redo starts a fresh accumulation window
-        self.tracked.start_fresh_window()
-        self._rewind = True
-        self._recoveries += 1
-        self._state_checked = False
+        self._fresh_window()
         if self._replica_check is not None:
             self._replica_check.recovered(_formed(after.generation))
         done = "grew in place" if after.world_size > before.world_size else "recovered in place"
-        _log.warning(f"ddpkit: {done}: generation {after.generation}, continuing at epoch {self._resume[0]} "
-                     f"batch {self._resume[1]} (optimizer step {self.progress.steps})")
+        _log.warning(f"ddpkit: {done}: generation {after.generation}, continuing at epoch {self.position.at[0]} "
+                     f"batch {self.position.at[1]} (optimizer step {self.progress.steps})")
 
-    def _exchange(self, module: nn.Module, optimizer: torch.optim.Optimizer, replacement: bool) -> dict[str, Any]:
-        """Pick the sender (the survivor with the most optimizer steps) and give every rank its state."""
-        exchange = exchange_state(replacement, self.progress.steps, lambda: self._state(module, optimizer))
+    def _fresh_window(self) -> None:
+        """After a recovery: the redo starts a fresh accumulation window from the resume point, and
+        the tracked state is checked again before the next step."""
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        self.tracked.start_fresh_window()
+        self.position.rewind = True
+        self._recoveries += 1
+        self._state_checked = False
+
+    def _leave_out(self, group: Group, places: Places, before: Membership) -> Membership:
+        """The survivors of a loss in a block between steps form the block's part of the generation
+        without the replacements (which wait outside until ``rejoin``), training their shares of the
+        data meanwhile."""
+        self._outside, self._replaced = before, places.replaced
+        return group.form_part(BLOCK_PART, without=places.replaced)
+
+    def _send(self, places: Places, module: nn.Module, optimizer: torch.optim.Optimizer, now: bool = False,
+              blocks_done: int = 0) -> dict[str, Any]:
+        """The sender (the survivor with the most optimizer steps) gives every rank its state: as of
+        its last optimizer step, or ``now`` (at a step boundary: the buffers and random state as they
+        are, since the replacements start from here)."""
+        exchange = send_state(places, lambda: self._state(module, optimizer, now, blocks_done))
         self._replaced = exchange.replaced
-        if exchange.sent:
-            self._restore_snapshot(module)
-        else:
+        if not exchange.sent:
             self._load(exchange.state, module, optimizer)
+        elif not now:
+            self._restore_snapshot(module)
         return exchange.state
 
-    def _state(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _state(self, module: nn.Module, optimizer: torch.optim.Optimizer, now: bool = False,
+               blocks_done: int = 0) -> dict[str, Any]:
         model_state = module.state_dict()
-        buffer_names = [name for name, _ in module.named_buffers()]
-        for name, kept in zip(buffer_names, self._buffers.kept):
-            if name in model_state:
-                model_state[name] = kept  # as of the last optimizer step: the failed forward may have moved them
+        if not now:
+            buffer_names = [name for name, _ in module.named_buffers()]
+            for name, kept in zip(buffer_names, self._buffers.kept):
+                if name in model_state:
+                    model_state[name] = kept  # as of the last optimizer step: the failed forward may have moved them
         order, may_change = self._model.bucket_order() if self._model is not None else ([], True)
         return {"model": model_state, "optimizer": optimizer.state_dict(), "tracked": self.tracked.state_dicts(),
-                "resume": self._resume, "steps": self.progress.steps, "rng": self._rng, "bucket_order": order,
-                "bucket_order_may_change": may_change}
+                "resume": self.position.at, "steps": self.progress.steps,
+                "rng": torch.get_rng_state() if now else self._rng, "bucket_order": order,
+                "bucket_order_may_change": may_change, "blocks_done": blocks_done}
 
     def _restore_snapshot(self, module: nn.Module) -> None:
         self._buffers.restore(module)
@@ -356,11 +411,18 @@ class InPlaceRecovery:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         self.tracked.receive(state["tracked"], optimizer)
-        self._resume = (int(state["resume"][0]), int(state["resume"][1]))
+        self.position.at = (int(state["resume"][0]), int(state["resume"][1]))
         self.progress.steps = int(state["steps"])
         self._rng = state["rng"]
         torch.set_rng_state(self._rng)
+        self.blocks_to_skip = int(state.get("blocks_done", 0))
         self._buffers.keep(module)  # nothing yet in a replacement: attach() takes them after this
+
+
+class BatchReadAgain(Exception):
+    """Raised by the model's forward in a step whose batch was read before a recovery between steps
+    changed this rank's shares of the data (a shrink in a block at the top of the loop's body): the
+    step trains nothing, and the loop hands the batch out again, read with the new shares."""
 
 
 @dataclass

@@ -7,8 +7,9 @@ batches since the last optimizer step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -23,10 +24,10 @@ from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.step_timings import StepTimings
 from ddpkit.training.agreement import PreemptionAgreement
 from ddpkit.training.data import EpochDataLoader, ShareSampler, set_epoch
-from ddpkit.training.recovery import InPlaceRecovery, Progress
+from ddpkit.training.recovery import BatchReadAgain, InPlaceRecovery, Progress
 from ddpkit.training.state import TrackedState
 
-__all__ = ["LoopMethods", "ResumableLoop", "release_frames"]
+__all__ = ["BlockPlace", "LoopMethods", "ResumableLoop", "release_frames"]
 
 _log = get_logger("recovery")
 
@@ -46,6 +47,15 @@ class ResumableLoop:
         # The last step() ended in a recovery, and no step began since: the code after the step block
         # runs before the step is trained again, where a replacement (which starts at that step) is not.
         self.step_recovered = False
+        self._block: BlockPlace | None = None  # inside between_steps(): a lost rank is its to recover from
+        # Where the loop last began a place a replacement can start at (a batch handed out, an epoch
+        # begun, the epochs ended): the blocks begun since, whether a step ran since, and whether the
+        # epoch's batches are all read (a replacement then starts at the next epoch).
+        self._blocks_here = 0
+        self._stepped_here = False
+        self._epoch_read = False
+        self._batch_in_hand = False  # a batch handed out whose step has not run yet
+        self._batch_stale = False  # ... read with shares this rank no longer trains
 
     def start_recovery(self, environment: ClusterEnvironment, wanted: Recovery | None,
                        optimizer: torch.optim.Optimizer | None, comm_state: object | None) -> InPlaceRecovery | None:
@@ -79,26 +89,44 @@ class ResumableLoop:
 
     def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
         recovery = self.recovery
-        epoch = recovery.first_epoch(start) if recovery is not None else start
+        epoch = recovery.position.first_epoch(start) if recovery is not None else start
         while epoch < stop:
             self.progress.epoch, self.progress.batch = epoch, -1
             if recovery is not None:
-                recovery.reached(epoch, 0)
+                recovery.position.reached(epoch, 0)
+            self._mark()
             yield epoch
             epoch += 1
+        self._mark()
+
+    def _mark(self, rejoin: bool = True) -> None:
+        """The loop is where a replacement can start (``_blocks_here``): ranks that waited outside a
+        block join here first (``InPlaceRecovery.rejoin``)."""
+        if rejoin and self.recovery is not None:
+            self.recovery.rejoin(0)
+        self._blocks_here, self._stepped_here, self._epoch_read, self._batch_stale = 0, False, False, False
+
+    def _after_a_recovery_between_steps(self) -> None:
+        """A recovery outside a step that changed this rank's shares of the data while a batch read
+        with the old ones is in hand (before its step): the step's forward refuses it, to read it again."""
+        if self.recovery is not None and self._batch_in_hand and self.recovery.position.reshard:
+            self._batch_stale = True
 
     def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
         epoch = self.progress.epoch
         recovery = self.recovery
         if recovery is not None:
-            skip = recovery.first_batch(epoch, skip)
+            skip = recovery.position.first_batch(epoch, skip)
+        if recovery is not None:
+            recovery.rejoin(0)  # before the loader is read: with the shares of the whole generation
         try:
             yield from self._batches_of_epoch(loader, epoch, skip, recovery)
         finally:
+            self._epoch_read = True
             if recovery is not None:
                 # The loop left the epoch (every batch read, or a break): a rank lost from here
                 # on (a save between epochs) is replaced at the next epoch's first batch.
-                recovery.reached(epoch + 1, 0)
+                recovery.position.reached(epoch + 1, 0)
 
     def _batches_of_epoch(self, loader: Iterable[Any], epoch: int, skip: int,
                           recovery: InPlaceRecovery | None) -> Iterator[Any]:
@@ -106,8 +134,10 @@ class ResumableLoop:
         uncommitted: list[tuple[int, Any]] = []  # batches since the last optimizer step (in-place recovery)
         again: list[tuple[int, Any]] = []
         while True:
-            replay = recovery.replay_from(epoch) if recovery is not None else None
-            if replay is not None and recovery is not None and recovery.take_reshard():
+            if recovery is not None:
+                recovery.rejoin(0)  # ranks that waited outside a block join before the next batch is read
+            replay = recovery.position.replay_from(epoch) if recovery is not None else None
+            if replay is not None and recovery is not None and recovery.position.take_reshard():
                 if not (isinstance(loader, EpochDataLoader) and isinstance(loader.sampler, ShareSampler)):
                     raise RuntimeError(
                         "in-place recovery: the world shrank and this rank now trains lost ranks' shares of the data "
@@ -135,9 +165,11 @@ class ResumableLoop:
                 if recovery is not None:
                     uncommitted.append((index, batch))
             self.progress.batch = index
+            self._mark(rejoin=False)
+            self._batch_in_hand = True
             yield batch
             if recovery is not None and uncommitted:
-                done, stepped = recovery.committed(epoch), recovery.committed(epoch, applied=False)
+                done, stepped = recovery.position.committed(epoch, recovery.applied_at), recovery.position.committed(epoch)
                 uncommitted = [(i, b) for i, b in uncommitted if i >= done]
                 # An optimizer step was called on every batch trained so far (not those a recovery
                 # hands out again after this one): a step boundary. With overlap_optimizer the last
@@ -159,11 +191,16 @@ class ResumableLoop:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         if self.recovery is not None:
+            self.recovery.rejoin(self._blocks_here)
+            self.recovery.blocks_to_skip = 0  # a replacement's blocks to skip come before its first step
+            self.recovery.batch_to_read_again = self._batch_stale  # its forward refuses it (BatchReadAgain)
             self.recovery.before_step()
-        self._in_step = True
+        self._in_step, self._stepped_here = True, True
         self.step_recovered = False
         try:
             yield
+        except BatchReadAgain:
+            self.step_recovered = True  # (its rewind is the recovery's): read again with this rank's new shares
         except PeerLostError as lost:
             if self.recovery is None:
                 raise
@@ -183,15 +220,53 @@ class ResumableLoop:
             self.recovery.recover()
             self.step_recovered = True
         finally:
-            self._in_step = False
+            self._in_step, self._batch_in_hand, self._batch_stale = False, False, False
+            if self.recovery is not None:
+                self.recovery.batch_to_read_again = False
+
+    def between_steps(self, function: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T | None:
+        """``function(*args, **kwargs)``; under in-place recovery, a rank lost inside it is replaced and
+        ``function`` runs again from its start on the new group, by the survivors alone (the world
+        shrank, or the replacements wait outside until the next step boundary). In a replacement
+        that starts where the survivors had finished this block, it is not run: None."""
+        recovery = self.recovery
+        if recovery is None:
+            return function(*args, **kwargs)
+        if self._in_step or self._block is not None:
+            where = "inside `with strategy.step():`" if self._in_step else f"inside {self._block}"
+            raise RuntimeError(f"strategy.between_steps({_name_of(function)}) was called {where}: a lost rank is "
+                               "recovered by the step (or the outer block) there. Call it between steps only.")
+        if not self._stepped_here and not self._epoch_read:
+            recovery.rejoin(self._blocks_here)  # where a replacement's loop comes too: it joins first
+        if recovery.blocks_to_skip > 0:
+            recovery.blocks_to_skip -= 1
+            self._blocks_here += 1
+            _log.info(f"ddpkit: {_name_of(function)} was run by the other ranks before this rank joined them: skipped")
+            return None
+        self._block = BlockPlace(_name_of(function), self._blocks_here, self.progress.epoch, self.progress.steps)
+        self._blocks_here += 1
+        try:
+            while True:
+                try:
+                    return function(*args, **kwargs)
+                except RuntimeError as error:
+                    lost = _lost_peer(error)
+                    if lost is None:
+                        raise
+                    release_frames(error)
+                    recovery.recover(self._block)
+                    self._after_a_recovery_between_steps()
+        finally:
+            self._block = None
 
     def recover_between_steps(self, lost: PeerLostError) -> list[int]:
         """A rank was lost outside ``step()`` (in a checkpoint save): recover as ``step()`` would and
         return the ranks that were replaced; re-raise ``lost`` when there is no recovery, or when
         the save was inside ``step()`` (which recovers itself)."""
-        if self.recovery is None or self._in_step:
+        if self.recovery is None or self._in_step or self._block is not None:
             raise lost
         self.recovery.recover()
+        self._after_a_recovery_between_steps()
         return self.recovery.replaced
 
 
@@ -223,6 +298,17 @@ class LoopMethods:
         """One training step; under in-place recovery a rank lost in it is replaced and the block
         ends quietly (``ddpkit.training.resumable_loop.ResumableLoop``)."""
         return self._loop.step()
+
+    def between_steps(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """Run ``function(*args, **kwargs)`` between two steps (an evaluation, a metric's reduction, a
+        collective of your own) and return what it returns. Under ``ddpkit run --recovery in-place``
+        a rank lost inside it is recovered instead of restarting every worker: ``function`` runs
+        again from its start on the new group, by the surviving ranks, which read the lost ranks'
+        shares of a loader made by ``setup_dataloader`` too; the replacement (or a spare node's
+        ranks) joins at the next step boundary, and a world that shrank stays so. Anywhere between
+        steps: after an epoch's batches, before or after the step in the loop's body. In a
+        replacement that starts where the other ranks had already run it, it is not run: None."""
+        return self._loop.between_steps(function, args, kwargs)
 
     def backward(self, loss: Tensor) -> None:
         with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
@@ -265,6 +351,40 @@ class LoopMethods:
     def recovered_in_place(self) -> bool:
         """Whether this process replaced a lost rank, or survived the loss of one (in-place recovery)."""
         return self._loop.recovery is not None and self._loop.recovery.recovered
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlace:
+    """Where a block between steps runs: its name, how many blocks began before it since the loop's
+    last place a replacement can start at, the epoch and the optimizer steps taken. Every survivor
+    of a loss inside it says where it was; all must say the same (``InPlaceRecovery``)."""
+
+    name: str
+    index: int
+    epoch: int
+    steps: int
+
+    def __str__(self) -> str:
+        return f"the block between steps {self.name!r} (after optimizer step {self.steps}, in epoch {self.epoch})"
+
+
+def _name_of(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", None) or getattr(function, "__name__", None) or repr(function)
+
+
+def _lost_peer(error: RuntimeError) -> PeerLostError | None:
+    """The loss of a peer behind ``error``: ddpkit's collectives raise ``PeerLostError``; a
+    ``torch.distributed`` call of the user's own fails with Gloo's error, read the same way as in
+    ``step()``. A failure a peer published is raised, named."""
+    if isinstance(error, PeerLostError):
+        return error
+    failure = failure_behind(error) if raised_by_torch_distributed(error) else None
+    if failure is None:
+        return None
+    if not isinstance(failure, PeerLostError):
+        raise raising(failure) from error
+    _log.warning(f"ddpkit: a collective of the block's own code failed: {failure}")
+    return failure
 
 
 def release_frames(error: BaseException) -> None:

@@ -51,6 +51,17 @@ class Places:
     def survivors(self) -> list[int]:
         return [rank for rank, is_replacement in enumerate(self.replacement) if not is_replacement]
 
+    def check_same_block(self) -> None:
+        """``RuntimeError`` on every rank when the survivors were not all in the same block between
+        steps when the rank was lost (one had finished it and met the loss in its next collective):
+        the block cannot be run again by some of them only."""
+        where = {repr(self.blocks[rank]) for rank in self.survivors}
+        if len(where) > 1:
+            each = ", ".join(f"rank {rank}: {self.blocks[rank] or 'not in a block'}" for rank in self.survivors)
+            raise RuntimeError(f"in-place recovery: the surviving ranks met the loss in different places ({each}), "
+                               "so the block between steps cannot be run again by all of them. The job ends; run it "
+                               "again from its checkpoint.")
+
 
 @dataclass
 class Exchange:
