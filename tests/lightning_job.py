@@ -21,7 +21,9 @@ it happened: the replacement, which runs the script again, does not), after it (
 ``PAUSE_AT=RANK:BATCH``: that rank writes OUT/paused at that batch of the first epoch, in its forward,
 and waits there until the test kills its node (once in the job: a process that takes its place goes on).
 Each node runs ``LOCAL_WORLD_SIZE`` ranks (``num_nodes``: the world over that).
-``CLIP=0``: no gradient clipping (0.5 by default). ``VALIDATE=0``: no validation. ``CHECKPOINTS=0``: no
+``CLIP=0``: no gradient clipping (0.5 by default). ``VALIDATE=0``: no validation; ``SANITY=0``: no sanity
+check before the fit (so that ``KILL_AT=R:B:validation`` strikes in the first epoch's validation). Each
+process saves the validation losses it logged (epoch, val_loss) to OUT/validation<RANK>.pt. ``CHECKPOINTS=0``: no
 ``ModelCheckpoint``.
 ``CHECKPOINT_EVERY=N``: also a checkpoint every N optimizer
 steps, in OUT/every (right after the step, in ``on_train_batch_end``).
@@ -125,6 +127,10 @@ class Regression(pl.LightningModule):
         if os.environ.get("OWN_COLLECTIVE_AT_EPOCH_END"):  # the user's own, between steps
             torch.distributed.all_reduce(torch.ones(1))
 
+    def on_validation_end(self) -> None:
+        if not self.trainer.sanity_checking:  # the epoch's validation loss, as every rank logged it
+            VALIDATION_LOSSES.append((self.current_epoch, float(self.trainer.callback_metrics["val_loss"])))
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         if (self.kill_phase == "validation" and self.kill_at == (self.global_rank, batch_idx)
@@ -156,6 +162,7 @@ class GradientNormsCallback(pl.Callback):
 
 
 NORMS: list[float] = []  # every gradient norm the hook read
+VALIDATION_LOSSES: list[tuple[int, float]] = []  # (epoch, val_loss) after each validation of the fit
 
 
 def data() -> TensorDataset:
@@ -222,6 +229,7 @@ def main(out: str, name: str) -> None:
     trainer = pl.Trainer(
         strategy=strategy_for("auto" if reference else name), accelerator="cpu", devices=devices, num_nodes=num_nodes,
         max_epochs=2, limit_val_batches=0 if os.environ.get("VALIDATE") == "0" else None,
+        num_sanity_val_steps=0 if os.environ.get("SANITY") == "0" else None,
         # Lightning refuses both with manual optimization
         accumulate_grad_batches=1 if manual else 2,
         gradient_clip_val=None if manual else float(os.environ.get("CLIP", "0.5")) or None,
@@ -241,6 +249,7 @@ def main(out: str, name: str) -> None:
     trainer.fit(module, training, DataLoader(data(), batch_size=batch), ckpt_path="last" if os.environ.get("RESUME") else None)
     if trainer.is_global_zero:
         torch.save(module.state_dict(), os.path.join(out, "final.pt"))
+    torch.save(VALIDATION_LOSSES, os.path.join(out, f"validation{os.environ.get('RANK', '0')}.pt"))
     print(f"rank {trainer.global_rank} of {trainer.world_size}: done with {type(trainer.strategy).__module__}."
           f"{type(trainer.strategy).__name__}, the model in {module.wrapped_in}{module.timed}, "
           f"{module.deferred} steps deferred, weights summing to {module.final_weight_sum!r} at on_train_end"

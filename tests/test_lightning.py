@@ -276,6 +276,32 @@ def test_a_rank_killed_inside_trainer_fit_is_replaced_in_place_and_the_fit_ends_
 
 
 @pytest.mark.timeout(240)
+def test_a_rank_lost_in_validation_inside_trainer_fit_runs_the_validation_again_and_its_loss_is_the_fault_frees(
+        tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
+    """Issue 61, item 2, inside ``Trainer.fit``: rank 1 killed in the first epoch's validation, in
+    ``validation_step`` before its ``self.log(..., sync_dist=True)``. The survivor's collective fails;
+    it runs Lightning's validation loop again from its start without the replacement, over every
+    rank's rows (its loader set up again for a world of one), and the replacement joins at the next
+    epoch's first training step. The epoch's logged validation loss is the run's without the fault
+    (it used to be the survivor's own rows from the lost batch on), and the fit ends as one process."""
+    fault_free = run_job(tmp_path / "fault_free", "ddpkit", SANITY="0")
+    assert fault_free.returncode == 0, fault_free.stderr[-4000:]
+    expected = torch.load(tmp_path / "fault_free" / "validation0.pt")
+    result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
+                     KILL_AT="1:1:validation", SANITY="0")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "validation loop runs again from its start without rank(s) [1]" in result.stderr, result.stderr[-4000:]
+    assert "joined generation 1 of the group at the training step after validation" in result.stderr
+    got = torch.load(tmp_path / "validation0.pt")
+    assert [epoch for epoch, _ in got] == [epoch for epoch, _ in expected] == [0, 1], (got, expected)
+    for (epoch, loss), (_, reference) in zip(got, expected):
+        assert loss == pytest.approx(reference, rel=1e-5), (epoch, loss, reference)
+    trained = torch.load(tmp_path / "final.pt")
+    largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
+    assert largest < 1e-6, largest
+
+
+@pytest.mark.timeout(240)
 def test_a_replacement_draws_the_random_numbers_the_lost_rank_would_have_drawn(tmp_path: Path) -> None:
     """With dropout the run equals no single process: it must equal the same job without the fault,
     which it does only when the replacement's random state is the lost rank's at the batch it starts
@@ -296,12 +322,19 @@ def test_a_replacement_draws_the_random_numbers_the_lost_rank_would_have_drawn(t
 @pytest.mark.timeout(240)
 def test_a_rank_lost_after_the_last_step_leaves_the_job_ending_with_zero(
         tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
-    """No training step is left to recover at: the survivors finish, and the replacement, waiting for
-    a generation that will not form, is told that nothing is left to train."""
+    """No training step is left to recover at. Without validation the survivors finish, and the
+    replacement, waiting for a generation that will not form, is told that nothing is left to train;
+    with it, the loss lands in the last validation, which the survivors run again without the
+    replacement, waiting outside, which is then told the same."""
     result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
-                     KILL_AT="1:7:batch_end:1")
+                     KILL_AT="1:7:batch_end:1", VALIDATE="0")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "the training ended before generation 1 of the group formed" in result.stderr, result.stderr[-4000:]
+    validated = run_job(tmp_path / "validated", "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
+                        KILL_AT="1:7:batch_end:1")
+    assert validated.returncode == 0, validated.stderr[-4000:]
+    assert "validation loop runs again from its start without rank(s) [1]" in validated.stderr
+    assert "the training ended while this rank (1) waited to join the others" in validated.stderr, validated.stderr[-4000:]
     trained = torch.load(tmp_path / "final.pt")
     largest = max((trained[name].double() - one_process[name].double()).abs().max().item() for name in one_process)
     assert largest < 1e-6, largest
@@ -311,10 +344,11 @@ def test_a_rank_lost_after_the_last_step_leaves_the_job_ending_with_zero(
 def test_a_rank_lost_in_the_users_own_collective_between_steps_restarts_every_worker_which_resume(
         tmp_path: Path, one_process: dict[str, torch.Tensor]) -> None:
     """What in place does not cover: a ``torch.distributed`` call of the user's own outside the
-    step (``on_train_epoch_end``, at the end of the second epoch). The survivor ends, the launcher
-    restarts every worker, and the fit resumes from the first epoch's checkpoint."""
+    step (``on_train_epoch_end``, at the end of the second epoch; no validation, which would take
+    the loss first and run again). The survivor ends, the launcher restarts every worker, and the
+    fit resumes from the first epoch's checkpoint."""
     result = run_job(tmp_path, "ddpkit", launcher=("--recovery", "in-place", "--max-restarts", "1"),
-                     KILL_AT="1:7:batch_end:1", OWN_COLLECTIVE_AT_EPOCH_END="1", RESUME="1")
+                     KILL_AT="1:7:batch_end:1", OWN_COLLECTIVE_AT_EPOCH_END="1", RESUME="1", VALIDATE="0")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "restarting all 2 workers" in result.stderr and "Restored all states" in result.stderr, result.stderr[-4000:]
     trained = torch.load(tmp_path / "final.pt")

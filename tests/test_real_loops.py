@@ -215,10 +215,10 @@ def test_a_rank_lost_in_an_evaluation_between_steps_is_replaced_and_every_rank_e
     restarted every worker (or, without budget, ended)."""
     reference = tmp_path / "fault_free"
     features = f"{BLOCKS},{block}"
-    expected_run = run_loop(reference, FEATURES=features)
+    expected_run = run_loop(reference, FEATURES=features, EPOCHS="2")
     assert expected_run.returncode == 0, expected_run.stderr[-3000:]
     expected = torch.load(reference / "final0.pt", weights_only=False)
-    result = run_loop(tmp_path, FEATURES=features, KILL=strike, KILL_RANK="1")
+    result = run_loop(tmp_path, FEATURES=features, KILL=strike, KILL_RANK="1", EPOCHS="2")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "runs again from its start without rank(s) [1], which join at the next step boundary" in result.stderr, \
         result.stderr[-4000:]
@@ -416,11 +416,11 @@ def test_a_node_lost_in_an_evaluation_between_steps_shrinks_the_world_and_the_ev
     with both before its step trains it (a step on it would leave node 1's rows out)."""
     reference = tmp_path / "fault_free"
     features = f"{BLOCKS},{block}"
-    expected_run = run_loop(reference, FEATURES=features)
+    expected_run = run_loop(reference, FEATURES=features, EPOCHS="2")
     assert expected_run.returncode == 0, expected_run.stderr[-3000:]
     expected = torch.load(reference / "final0.pt", weights_only=False)
     store = start_store(port := find_free_port())
-    job = {"rdzv_id": f"real-{block}", "FEATURES": features, "PAUSE": strike, "KILL_RANK": "1"}
+    job = {"rdzv_id": f"real-{block}", "FEATURES": features, "PAUSE": strike, "KILL_RANK": "1", "EPOCHS": "2"}
     try:
         launchers = start_nodes(tmp_path, port, "1:2", 2, **job)
         wait_for(lambda: (tmp_path / "paused").exists(), "node 1's rank to stop inside the evaluation")

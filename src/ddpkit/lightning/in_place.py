@@ -22,6 +22,12 @@ replaced by the launcher's warm spare while the other ranks keep their processes
   survivors), and for every batch of the window Lightning's per-batch broadcast, the forward's and
   the backward's.
 
+- **Validation** inside the fit: a rank lost in it makes the survivors form the next generation
+  without the replacement (which waits outside until the next training step, where the whole
+  generation forms again and it receives the checkpoint) and run the validation loop again from
+  its start, its logged values dropped and its loader set up again for their world: the epoch's
+  validation metrics are those of the run without the fault (``validation``).
+
 What a lost rank computed for itself only is gone: the replacement takes the sender's random state
 (the lost rank's own when Lightning seeded every rank alike, its default), and metrics logged in the
 batches trained again count twice in the survivors' epoch means.
@@ -32,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -43,14 +48,21 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
+from ddpkit.lightning.loops import forget_loader, move_back, redo_batch, start_again
 from ddpkit.logs import get_logger
 from ddpkit.membership.group import Group, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import no_sync
+from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
 from ddpkit.training.replicas import ReplicaCheck, check_every
 from ddpkit.training.resumable_loop import release_frames
 from ddpkit.training.state import BufferSnapshot, TrackedState
-from ddpkit.training.state_transfer import exchange_state
+from ddpkit.training.state_transfer import (
+    exchange_state,
+    gather_places,
+    places_after_the_survivors_block,
+    send_state,
+)
 from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["REPLACEMENT_CHECKPOINT", "ReplacementLauncher", "TrainerRecovery", "lost_peer"]
@@ -131,12 +143,16 @@ class TrainerRecovery:
         self._replica_check: ReplicaCheck | None = None
         self._in_commit = False  # inside the optimizer step's hook: the step counts as taken
         self._in_step = False  # inside training_step or backward: a lost rank is the step's to recover from
+        self._in_validation = False  # inside the fit's validation loop: a lost rank is the loop's to recover from
+        # After a loss in validation: the replacements that wait outside until the next training step.
+        self._outside: list[int] = []
 
     # -- a replacement ----------------------------------------------------------------------------
 
     def receive(self) -> None:
         """In a replacement, once connected: the survivors' checkpoint, held for ``checkpoint()``."""
-        self._received = exchange_state(True, -1, dict).state
+        places = places_after_the_survivors_block(gather_places(True, -1), _tell_the_launcher_outside)
+        self._received = send_state(places, dict).state
         self.joining = True
         _log.warning("ddpkit: replacing a lost rank in place: received the survivors' training state; the fit "
                      "loop starts at their last optimizer step")
@@ -195,6 +211,8 @@ class TrainerRecovery:
         """``step()`` (Lightning's ``training_step``), after a recovery from a rank lost since the last
         step, and again after each recovery from a rank lost in it."""
         self.joining = False  # a replacement's collectives go to the group from its first step on
+        if self._outside:
+            self._rejoin()
         if self.lost:
             self._recover_until_done(train_in_hand=False)
         with self._stepping():
@@ -219,6 +237,8 @@ class TrainerRecovery:
     def validation_step(self, step: Callable[[], T], own: Callable[[], T]) -> T:
         """``step()`` (Lightning's ``validation_step``), or ``own()`` (the module's, without the DDP
         module's collectives) once a rank was lost between steps."""
+        if self._in_validation:
+            return step()  # a rank lost here: the validation loop runs again (``validation``)
         if not self.lost:
             try:
                 return step()
@@ -230,7 +250,7 @@ class TrainerRecovery:
         """One of Lightning's collectives (``call``), or ``local()`` while this rank cannot take part
         with the others: a replacement before its first step, a survivor that lost a rank between
         steps. In a step a lost rank is the step's to recover from."""
-        if self._in_step:
+        if self._in_step or self._in_validation:
             return call()
         if self.joining or self.lost:
             return local()
@@ -280,6 +300,89 @@ class TrainerRecovery:
             finally:
                 self._in_commit = False
 
+    def validation(self, run: Callable[[], T], loop: Any) -> T:
+        """The fit's validation loop (``run``; ``loop``, Lightning's ``_EvaluationLoop``). A rank lost
+        inside it: the survivors form the next generation, leave the replacements outside (they join at
+        the next training step, ``_rejoin``) and run the loop again from its start, its logged values
+        dropped and its loader set up again for their world (they read the replacements' rows too)."""
+        if self.lost or self.joining:
+            return run()  # (on its own, as before: the next training step recovers)
+        self._in_validation = True
+        progress = loop.batch_progress.total.state_dict()
+        ran_again = False
+        try:
+            while True:
+                try:
+                    result = run()
+                    break
+                except (PeerLostError, RuntimeError) as error:
+                    self._take_loss(error)
+                self._leave_out_for_validation()
+                start_again(loop, self._trainer, progress)
+                ran_again = True
+        finally:
+            self._in_validation = False
+        if ran_again:
+            # Its loader dealt the rows for the survivors' part: set up for the whole world now, while
+            # the survivors alone take part in the barrier of its setup (the replacements have theirs).
+            forget_loader(loop)
+            loop.setup_data()
+        return result
+
+    def sampler_world(self) -> tuple[int, int] | None:
+        """The world and rank of the loaders Lightning sets up now: the survivors' part while they run
+        validation again without the replacements (its sampler then deals them the replacements' rows
+        too); None otherwise (Lightning's own: a training loader set up meanwhile, after a loss in the
+        sanity check, is dealt for the whole world the replacements rejoin at its first step)."""
+        group = current_group()
+        if self._in_validation and self._outside and group is not None:
+            return group.world_size, group.rank
+        return None
+
+    def _leave_out_for_validation(self) -> None:
+        trainer, model, group = self._trainer, self._model, current_group()
+        if trainer is None or model is None or group is None:
+            raise RuntimeError("in-place recovery inside Trainer.fit: the strategy was not set up under ddpkit run "
+                               "--recovery in-place (no model or group to recover).")
+        before = group.membership
+        _log.warning(f"ddpkit: a rank was lost in validation; forming generation {before.generation + 1} of the group")
+        while True:
+            after = group.reconfigure()
+            _refuse_a_shrink(before.world_size, after.world_size)
+            try:
+                places = gather_places(False, trainer.global_step, "Lightning's validation loop")
+                places.check_same_block()
+                group.form_part(BLOCK_PART, without=places.replaced)
+                break
+            except PeerLostError:
+                _log.warning(f"ddpkit: a rank of generation {after.generation} of the group was lost as it formed; "
+                             f"forming generation {after.generation + 1}")
+        self._outside = places.replaced
+        model.resynchronise(*model.bucket_order())
+        _log.warning(f"ddpkit: Lightning's validation loop runs again from its start without rank(s) {places.replaced}, "
+                     "which join at the next training step")
+
+    def _rejoin(self) -> None:
+        """At the first training step after a validation the survivors ran without the replacements:
+        form the whole generation with them and send them Lightning's checkpoint as of this step."""
+        trainer, model, group = self._trainer, self._model, current_group()
+        assert trainer is not None and model is not None and group is not None  # (``_leave_out_for_validation``)
+        self._outside = []
+        try:
+            after = group.form_part(REJOIN_PART)
+            exchange = send_state(gather_places(False, trainer.global_step),
+                                  lambda: self._checkpoint_to_send(trainer, model))
+        except PeerLostError:  # a member lost as the whole generation formed again: the standard recovery
+            self.lost = True
+            return
+        extra = exchange.state[_EXTRA]
+        model.resynchronise(extra["bucket_order"], extra["bucket_order_may_change"])
+        self.per_batch_broadcast(trainer)  # the replacement's first batch begins with it
+        if self._replica_check is not None:
+            self._replica_check.recovered(_formed())
+        _log.warning(f"ddpkit: rank(s) {exchange.replaced} joined generation {after.generation} of the group at the "
+                     "training step after validation; recovered in place")
+
     # -- a survivor -------------------------------------------------------------------------------
 
     def recover(self) -> None:
@@ -304,11 +407,7 @@ class TrainerRecovery:
         self._restore_snapshot()  # as of the last optimizer step: what the sender sends, and what every rank redoes from
         while True:
             after = group.reconfigure()
-            if after.world_size != before.world_size:
-                raise RuntimeError(
-                    f"in-place recovery inside Trainer.fit: the group has {after.world_size} ranks now, not "
-                    f"{before.world_size}, and Lightning's sampler cannot hand a lost rank's shares to the others. "
-                    "Run with a spare node, or without --nnodes MIN:MAX.")
+            _refuse_a_shrink(before.world_size, after.world_size)
             try:
                 exchange = exchange_state(False, trainer.global_step, lambda: self._checkpoint_to_send(trainer, model))
                 break
@@ -353,7 +452,7 @@ class TrainerRecovery:
         """Lightning's checkpoint as of the last optimizer step: the loops' counters and the loader's
         position moved back over the batches of the window trained since (the one in hand included)."""
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        _move_back(checkpoint, len(self._window) - 1)
+        move_back(checkpoint, len(self._window) - 1)
         order, may_change = model.bucket_order()
         checkpoint[_EXTRA] = {"rng": self._rng, "bucket_order": order, "bucket_order_may_change": may_change}
         return checkpoint
@@ -368,31 +467,23 @@ class TrainerRecovery:
             broadcast()
 
 
+def _refuse_a_shrink(before: int, after: int) -> None:
+    if after != before:
+        raise RuntimeError(
+            f"in-place recovery inside Trainer.fit: the group has {after} ranks now, not {before}, and Lightning's "
+            "sampler cannot hand a lost rank's shares to the others. Run with a spare node, or without --nnodes MIN:MAX.")
+
+
+def _tell_the_launcher_outside() -> None:
+    """A replacement waiting outside the survivors' validation: it holds no state yet, but the recovery
+    goes on (the launcher does not time it out; ``ddpkit.launching.replacement``)."""
+    ready_file = os.environ.get(DDPKIT_READY_FILE)
+    if ready_file:
+        with open(ready_file, "w", encoding="utf-8") as handle:
+            handle.write("outside\n")
+
+
 def _formed() -> str:
     """How the replica check names the last recovery, in the same words on every rank."""
     group = current_group()
     return f"the in-place recovery that formed generation {group.generation if group is not None else 0} of the group"
-
-
-def redo_batch(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, batch: Any, batch_idx: int) -> None:
-    """Train ``batch`` again as the fit loop trained it: Lightning's closure of the batch (its
-    ``training_step``, the loss scaled for the accumulation, the window's ``zero_grad`` on its first
-    batch, the backward through the strategy with its hooks)."""
-    loop = trainer.fit_loop.epoch_loop
-    closure = loop.automatic_optimization._make_closure(loop._build_kwargs(OrderedDict(), batch, batch_idx),
-                                                        optimizer, batch_idx)
-    closure()
-    closure.consume_result()
-
-
-def _move_back(checkpoint: dict[str, Any], batches: int) -> None:
-    """Count ``batches`` fewer trained in the checkpoint's training loop: its progress (every
-    counter at the batches done, as after an optimizer step) and ``ResumableBatches``' position."""
-    loop = checkpoint["loops"]["fit_loop"]
-    progress = loop["epoch_loop.batch_progress"]
-    for counts in (progress["total"], progress["current"]):
-        done = counts["processed"] - batches
-        counts.update(ready=done, started=done, processed=done, completed=done)
-    for state in loop["state_dict"].get("combined_loader", []) or []:
-        if isinstance(state, dict) and set(state) == {"epoch", "batches_trained"}:
-            state["batches_trained"] -= batches

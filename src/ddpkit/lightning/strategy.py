@@ -170,6 +170,29 @@ class DDPStrategy(LightningDDPStrategy):
                 self.model.time_optimizer(optimizer)
             if self._in_place is not None and trainer.state.fn == TrainerFn.FITTING:
                 self._in_place.attach(trainer, self.model, self.optimizers[0])
+                self._recover_in_validation(trainer)
+
+    def _recover_in_validation(self, trainer: pl.Trainer) -> None:
+        """The fit's validation loop runs again from its start after a rank was lost in it (``TrainerRecovery.validation``)."""
+        recovery, loop = self._in_place, trainer.fit_loop.epoch_loop.val_loop
+        if recovery is None or getattr(loop.run, "_ddpkit_recovers", False):
+            return
+        run = loop.run
+
+        def run_recovering() -> Any:
+            return recovery.validation(run, loop)
+
+        run_recovering._ddpkit_recovers = True  # type: ignore[attr-defined]
+        loop.run = run_recovering  # type: ignore[method-assign]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Lightning's sampler arguments; while the survivors of a loss in validation run it again
+        without the replacements, their part's (``TrainerRecovery.sampler_world``)."""
+        world = self._in_place.sampler_world() if self._in_place is not None else None
+        if world is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": world[0], "rank": world[1]}
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A file, as Lightning's; in a replacement, ``REPLACEMENT_CHECKPOINT``: the state the survivors sent."""
@@ -192,8 +215,10 @@ class DDPStrategy(LightningDDPStrategy):
         return self._in_place.training_step(lambda: step(*args, **kwargs))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's; under in-place recovery, after a rank was lost between steps, this rank's own
-        (the module's ``validation_step``, without the DDP module's buffer broadcast), its metrics local."""
+        """Lightning's; under in-place recovery a rank lost in the fit's validation loop makes it run
+        again (``TrainerRecovery.validation``); after a rank was lost between steps elsewhere, this
+        rank's own (the module's ``validation_step``, without the DDP module's buffer broadcast), its
+        metrics local."""
         step = super().validation_step
         if self._in_place is None:
             return step(*args, **kwargs)

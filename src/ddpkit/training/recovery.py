@@ -66,7 +66,7 @@ from ddpkit.training.agreement import GrowthWatch
 from ddpkit.training.replicas import ReplicaCheck
 from ddpkit.training.resume_point import ResumePoint
 from ddpkit.training.state import BufferSnapshot, TrackedState
-from ddpkit.training.state_transfer import Places, gather_places, send_state
+from ddpkit.training.state_transfer import Places, gather_places, places_after_the_survivors_block, send_state
 from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["BatchReadAgain", "InPlaceRecovery", "Progress"]
@@ -145,21 +145,8 @@ class InPlaceRecovery:
     def join(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """In a replacement, before its module is wrapped: receive the state of the survivors and
         load it into ``module`` and ``optimizer``; return it (``attach`` takes the bucket order)."""
-        group = current_group()
-        places = gather_places(True, -1)
-        while group is not None and (block := next((b for b in places.blocks if b is not None), None)) is not None:
-            # The survivors run a block between steps again without this rank: it joins at their next
-            # step boundary. Waiting outside counts as held for the launcher (a block may last minutes).
-            self._tell_the_launcher(outside=True)
-            _log.warning(f"ddpkit: the other ranks run {block} again without this rank; it joins them at their "
-                         "next step boundary")
-            try:
-                if not group.wait_outside():
-                    raise PeerLostError("a rank was lost while this rank waited outside the block")
-                group.form_part(REJOIN_PART)
-            except PeerLostError:
-                group.form(group.generation + 1)  # a member lost meanwhile: the next generation (or a later one)
-            places = gather_places(True, -1)
+        places = places_after_the_survivors_block(gather_places(True, -1),
+                                                  lambda: self._tell_the_launcher(outside=True))
         state = self._send(places, module, optimizer)
         self.position.joined = True
         self.position.rewind = False  # the loop starts at the resume point (first_epoch, first_batch)

@@ -24,9 +24,16 @@ from torch import Tensor
 from ddpkit.comm.collective_call import collective_call
 from ddpkit.comm.collectives import all_gather_object, broadcast_object
 from ddpkit.comm.primitives import communication_device
+from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.diagnostics.waits import run_collective
+from ddpkit.logs import get_logger
+from ddpkit.membership.group import current_group
+from ddpkit.store.keys import REJOIN_PART
 
-__all__ = ["Exchange", "Places", "broadcast_state", "exchange_state", "gather_places", "send_state"]
+__all__ = ["Exchange", "Places", "broadcast_state", "exchange_state", "gather_places", "places_after_the_survivors_block",
+           "send_state"]
+
+_log = get_logger("recovery")
 
 # Every tensor starts at a multiple of this many bytes in the flat buffer, so that a slice of it
 # can be viewed as the tensor's dtype again.
@@ -94,6 +101,26 @@ def send_state(places: Places, state: Callable[[], dict[str, Any]]) -> Exchange:
     mine = dist.get_rank() == sender
     sent: dict[str, Any] = broadcast_state(state() if mine else None, sender)
     return Exchange(sent, mine, places.replaced, list(places.steps))
+
+
+def places_after_the_survivors_block(places: Places, waiting: Callable[[], None]) -> Places:
+    """In a replacement, after ``gather_places``: while the survivors say they were in a block between
+    steps (they run it again without the replacements), call ``waiting`` (the launcher is told), wait
+    outside until they ask the replacements to rejoin at their next step boundary (or a later
+    generation forms), and gather again there; the places then."""
+    group = current_group()
+    while group is not None and (block := next((b for b in places.blocks if b is not None), None)) is not None:
+        waiting()
+        _log.warning(f"ddpkit: the other ranks run {block} again without this rank; it joins them at their next "
+                     "step boundary")
+        try:
+            if not group.wait_outside():
+                raise PeerLostError("a rank was lost while this rank waited outside the block")
+            group.form_part(REJOIN_PART)
+        except PeerLostError:
+            group.form(group.generation + 1)  # a member lost meanwhile: the next generation (or a later one)
+        places = gather_places(True, -1)
+    return places
 
 
 def exchange_state(replacement: bool, steps: int, state: Callable[[], dict[str, Any]]) -> Exchange:
