@@ -23,6 +23,8 @@ within two seconds half of the time: during the recovery it started):
 - ``kill-worker``: SIGKILL to a rank's process;
 - ``kill-in-save``: a rank kills itself (SIGKILL) as its epoch's checkpoint is saved (the
   example's ``--kill-during checkpoint-save``);
+- ``kill-in-block``: a rank kills itself (SIGKILL) in the reduction of an epoch's totals, the
+  example's block between steps (``strategy.between_steps``; ``--kill-during epoch-totals``);
 - ``kill-spare``: SIGKILL to the warm spare (in-place recovery);
 - ``kill-launcher``: SIGKILL to a node's ``ddpkit run`` (two nodes; node 0's hosts the store; the
   launchers wait 30 s for one another at the start, ``--rdzv-conf join_timeout=30``; in a world
@@ -81,7 +83,11 @@ from netns import Nodes
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 EXACT = 1e-6
-KINDS = ["kill-worker", "kill-in-save", "kill-spare", "kill-launcher", "freeze", "link-down", "preempt", "disk-full"]
+KINDS = ["kill-worker", "kill-in-save", "kill-spare", "kill-launcher", "freeze", "link-down", "preempt", "disk-full",
+         "kill-in-block"]
+# The faults the example injects in itself (once per run): the phase of ``--kill-during`` and where it is.
+SELF_KILLS = {"kill-in-save": ("checkpoint-save", "in the save after epoch"),
+              "kill-in-block": ("epoch-totals", "in the reduction of the totals (between_steps) of epoch")}
 OUTCOMES = ("exact", "ended", "refused", "hung", "wrong")
 SETUPS = ["in-place", "restart", "two-nodes", "shrink"]
 MULTI_NODE = ("two-nodes", "shrink")
@@ -89,6 +95,7 @@ MULTI_NODE = ("two-nodes", "shrink")
 NAMED = {
     "kill-worker": ["SIGKILL"],
     "kill-in-save": ["SIGKILL"],
+    "kill-in-block": ["SIGKILL"],
     "kill-spare": ["SIGKILL"],
     "kill-launcher": ["lost contact with the job's store", "could not reach the job's store", "did not come back",
                       "went silent",
@@ -406,7 +413,7 @@ def plan(index: int, chooser: random.Random, duration: float, namespaces: bool, 
     faults: list[Fault] = []
     for _ in range(chooser.randint(1, 3)):
         kind = chooser.choice(possible)
-        if kind == "kill-in-save" and any(fault.kind == kind for fault in faults):
+        if kind in SELF_KILLS and any(fault.kind in SELF_KILLS for fault in faults):
             kind = "kill-worker"  # the example kills itself once per run
         follows = faults and chooser.random() < 0.5  # during the recovery the fault before started
         at = faults[-1].at + chooser.uniform(0.1, 2.0) if follows else chooser.uniform(0.5, duration)
@@ -446,13 +453,14 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
              chooser: random.Random, reference: torch.Tensor) -> None:
     started = time.monotonic()
     extra = list(train)
-    save_kill = next((fault for fault in run.faults if fault.kind == "kill-in-save"), None)
-    if save_kill is not None:
+    self_kill = next((fault for fault in run.faults if fault.kind in SELF_KILLS), None)
+    if self_kill is not None:
         epoch = chooser.randint(1, max(1, epochs - 1))
         steps_per_epoch = int(train[train.index("--samples") + 1]) // 2 // 64
-        extra += ["--kill-at-step", str(epoch * steps_per_epoch), "--kill-during", "checkpoint-save",
+        phase, where = SELF_KILLS[self_kill.kind]
+        extra += ["--kill-at-step", str(epoch * steps_per_epoch), "--kill-during", phase,
                   "--kill-rank", str(chooser.randint(0, 1))]
-        save_kill.applied = f"rank kills itself in the save after epoch {epoch}"
+        self_kill.applied = f"rank kills itself {where} {epoch}"
     from ddpkit.environments import find_free_port
 
     with small_disk(folder / "checkpoint", any(fault.kind == "disk-full" for fault in run.faults)) as disk:
@@ -462,7 +470,7 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
             find_free_port("127.0.0.1"), find_free_port("127.0.0.1")]
         port = ports[0]
         job = Job(folder, run.setup, port, extra, namespaces if run.setup == "two-nodes" else None)
-        injector = Injector(job, [fault for fault in run.faults if fault.kind != "kill-in-save"], disk, chooser)
+        injector = Injector(job, [fault for fault in run.faults if fault.kind not in SELF_KILLS], disk, chooser)
         injector.start()
         finished = job.wait(bound)
         if not finished:

@@ -130,8 +130,10 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=lambda text: {int(rank) for rank in text.split(",")}, default={1},
                         help="the rank --kill-at-step kills, or several (1,2): killed together")
     parser.add_argument("--kill-during", default="backward",
-                        choices=["forward", "backward", "all-reduce-loss", "optimizer-step", "checkpoint-save"],
-                        help="where in the step --kill-at-step strikes (checkpoint-save: the save after its epoch)")
+                        choices=["forward", "backward", "all-reduce-loss", "optimizer-step", "epoch-totals",
+                                 "checkpoint-save"],
+                        help="where in the step --kill-at-step strikes (epoch-totals: in the reduction of the epoch's "
+                             "totals after it, between steps; checkpoint-save: the save after its epoch)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="rank 0 draws the loss and accuracy per epoch into this image (needs matplotlib)")
     parser.add_argument("--no-check-reference", dest="check_reference", action="store_false")
@@ -254,7 +256,8 @@ def main() -> None:
                     strategy.exit_preempted()                                   # ddpkit
         # Between steps: under in-place recovery a rank lost in it is recovered (the reduction runs
         # again without it, and its replacement joins at the next step), not the job restarted.
-        totals = strategy.between_steps(strategy.reduce, totals, reduce_op="sum")  # ddpkit
+        end_of_epoch = Fault(args, strategy, (epoch + 1) * len(loader))
+        totals = strategy.between_steps(epoch_totals, strategy, totals, end_of_epoch)  # ddpkit
         history.append((epoch + 1, (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()))
         trained.append(history[-1][:2])
         trajectory.add(model)
@@ -262,7 +265,7 @@ def main() -> None:
         strategy.print(f"epoch {epoch + 1}/{args.epochs}  loss {history[-1][1]:.4f}  "
                        f"accuracy {history[-1][2]:.3f}{last}", flush=True)
         if checkpoint:
-            Fault(args, strategy, (epoch + 1) * len(loader)).at("checkpoint-save")
+            end_of_epoch.at("checkpoint-save")
             strategy.save_checkpoint(checkpoint, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                                   "scheduler": schedule and schedule.state_dict(),
                                                   "epoch": epoch + 1, "batch": 0, "totals": totals,
@@ -306,6 +309,13 @@ def main() -> None:
     if checked is not None and not checked.within:
         raise SystemExit(f"the parameters differ from one process trained on the same batches more than rounding "
                          f"explains: {checked}")
+
+
+def epoch_totals(strategy: ddpkit.DDPStrategy, mine: torch.Tensor, fault: Fault) -> torch.Tensor:
+    """The epoch's loss, correct predictions and samples summed over the ranks: a block between
+    steps, which ``strategy.between_steps`` runs again after a rank lost in it."""
+    fault.at("epoch-totals")
+    return strategy.reduce(mine, reduce_op="sum")
 
 
 class Fault:
