@@ -48,7 +48,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
-from ddpkit.lightning.loops import forget_loader, move_back, redo_batch, start_again
+from ddpkit.lightning.loops import forget_loader, move_back, redo_batch, run_through, start_again
 from ddpkit.logs import get_logger
 from ddpkit.membership.group import Group, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
@@ -178,6 +178,7 @@ class TrainerRecovery:
         self._replica_check = ReplicaCheck(check_every(), lambda: (model.module, optimizer, tracked),
                                            lambda: trainer.global_step + self._in_commit, buffers=model.broadcast_buffers)
         optimizer.register_step_post_hook(self._commit)
+        run_through(trainer.fit_loop.epoch_loop.val_loop, self.validation)  # a rank lost in it: run again
         ready_file = os.environ.get(DDPKIT_READY_FILE)
         if ready_file:
             with open(ready_file, "w", encoding="utf-8") as handle:

@@ -7,12 +7,27 @@ batches trained again (``move_back``), and the validation loop set up to run aga
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["forget_loader", "move_back", "redo_batch", "start_again"]
+__all__ = ["forget_loader", "move_back", "redo_batch", "run_through", "start_again"]
+
+
+def run_through(loop: Any, runner: Callable[[Callable[[], Any], Any], Any]) -> None:
+    """Lightning's ``loop`` runs as ``runner(loop's own run, loop)`` from now on (once: a loop
+    already run through a runner keeps it)."""
+    if getattr(loop.run, "_ddpkit_runner", False):
+        return
+    run = loop.run
+
+    def run_through_runner() -> Any:
+        return runner(run, loop)
+
+    run_through_runner._ddpkit_runner = True  # type: ignore[attr-defined]
+    loop.run = run_through_runner
 
 
 def start_again(loop: Any, trainer: pl.Trainer | None, progress: dict[str, Any]) -> None:

@@ -170,20 +170,6 @@ class DDPStrategy(LightningDDPStrategy):
                 self.model.time_optimizer(optimizer)
             if self._in_place is not None and trainer.state.fn == TrainerFn.FITTING:
                 self._in_place.attach(trainer, self.model, self.optimizers[0])
-                self._recover_in_validation(trainer)
-
-    def _recover_in_validation(self, trainer: pl.Trainer) -> None:
-        """The fit's validation loop runs again from its start after a rank was lost in it (``TrainerRecovery.validation``)."""
-        recovery, loop = self._in_place, trainer.fit_loop.epoch_loop.val_loop
-        if recovery is None or getattr(loop.run, "_ddpkit_recovers", False):
-            return
-        run = loop.run
-
-        def run_recovering() -> Any:
-            return recovery.validation(run, loop)
-
-        run_recovering._ddpkit_recovers = True  # type: ignore[attr-defined]
-        loop.run = run_recovering  # type: ignore[method-assign]
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
