@@ -1,0 +1,305 @@
+"""The control plane at many nodes, simulated: ddpkit's real coordination against a real store.
+
+Each simulated node runs the launcher's coordination as ``ddpkit run`` does (``NodeCoordination``:
+its heartbeat thread, and the watch's poll of ``ended_elsewhere`` every 0.05 s, which reads the
+other launchers' beats, the failure, stop and left records, and under in-place recovery whether its
+place was taken) and its workers' store traffic (each rank's peer watch reading the failure record,
+its hang watch counting hang requests and publishing its progress), with the training replaced by
+nothing: only the coordination runs. Many nodes share a process; the store is a real ``ddpkit store``
+process. After a steady phase one node is killed (its beat and every thread of it stop, as when a
+node's power goes), and each surviving node's launcher is timed until it takes the node for silent
+(``detect_s``) and until it holds the decision (``agree_s``): the job ends (default), the world
+shrinks without it (``--in-place``: ``--nnodes MIN:MAX`` with MIN one less than the nodes).
+
+    python benchmarks/control_plane.py --nodes 8 64 256 1024 --ranks-per-node 8 [--in-place] [--seconds S] [--json]
+
+Printed per size: the store's requests per second in the steady phase, in all and per node (counted
+by every simulated client), the 99th percentile of a probe's request latency (a ``get`` every 20 ms
+from a client of its own), the detection and agreement times (median and worst over the survivors)
+and the keys the store holds at the end. ``lag`` is how far the simulated loops fell behind their
+periods (1.0: on time): above about 1.5 the simulator or the store could not keep up, and the rates
+are what was served, not what the design asks for (``demand_per_node``: the rate at lag 1).
+
+Simulated on one machine, whose cores the store and the simulator share: the figures are the
+coordination's, not a cluster's network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+_START_SECONDS = 600.0  # for a simulator process to connect and start its nodes
+_STEADY_START_SECONDS = 3.0  # after every simulated node started: the steady phase begins
+_DETECT_WAIT_SECONDS = 25.0  # after the kill: how long the survivors are watched
+_PROBE_SECONDS = 0.02
+_WATCH_POLL_SECONDS = 0.05  # the launcher's watch (``launching.launcher.run_workers``'s poll_interval)
+_SOCKETS_PER_NODE = 3  # the launcher's client, its beat's, its workers' (shared by the simulated ranks)
+_THREADS_PER_NODE = 4  # the beat, the client's request thread, the watch, the workers
+
+
+class Counted:
+    """A store client that counts its requests (every method call but the timeout's)."""
+
+    def __init__(self, store: Any, counter: list[int]) -> None:
+        self._store, self._counter = store, counter
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._store, name)
+        if not callable(attribute) or name in ("set_timeout",):
+            return attribute
+        counter = self._counter
+
+        def counted(*args: Any) -> Any:
+            counter[0] += 1
+            return attribute(*args)
+
+        return counted
+
+
+@dataclass
+class NodeTimes:
+    node: int
+    detected: float | None = None  # when this launcher took the killed node for silent (time.time)
+    decided: float | None = None  # when it held the decision (the job ends, or the world shrank)
+    lag: float = 1.0  # the watch loop's mean period over its nominal one, in the steady phase
+
+
+class SimulatedNode:
+    """One node: its launcher's coordination and its ranks' store traffic, on threads."""
+
+    def __init__(self, node: int, args: argparse.Namespace, port: int, counter: list[int]) -> None:
+        from ddpkit.launching.node_world import Shrinking
+        from ddpkit.launching.nodes import NodeCoordination
+        from ddpkit.store.client import BoundedStore, connect
+
+        self.node, self.args, self.counter = node, args, counter
+        self.killed = threading.Event()
+        shrinking = Shrinking(min_nodes=args.size - 1, nproc_per_node=args.ranks_per_node,
+                              spares_possible=False) if args.in_place else None
+        client = Counted(connect("127.0.0.1", port, 60.0), counter)
+        self.nodes = NodeCoordination(BoundedStore(client, 60.0), node, args.size, "127.0.0.1", port,
+                                      in_place=args.in_place, shrinking=shrinking, join_seconds=600.0)
+        self._beat_client = Counted(connect("127.0.0.1", port, 60.0), counter)
+        self._workers_client = Counted(connect("127.0.0.1", port, 60.0), counter)
+        self.times = NodeTimes(node)
+        self._loops: list[float] = []
+
+    def start(self) -> None:
+        self.nodes.beat_through(self._beat_client)
+        threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._workers, daemon=True).start()
+
+    def kill(self) -> None:
+        self.killed.set()
+        self.nodes.heartbeats.stop()
+
+    def _watch(self) -> None:
+        """The launcher's watch: ``ended_elsewhere`` every poll, as ``launching.watch.watch`` asks it."""
+        killed_node = self.args.size - 1
+        nodes = self.nodes
+        while not self.killed.is_set():
+            began = time.monotonic()
+            try:
+                ended = nodes.ended_elsewhere()
+            except Exception:  # noqa: BLE001 - the store went away at the end of the run
+                return
+            now = time.time()
+            silent = (killed_node in nodes.heartbeats._silent_since or killed_node in nodes.world._removed  # noqa: SLF001
+                      or nodes._lost is not None)  # noqa: SLF001
+            if silent and self.times.detected is None:
+                self.times.detected = now
+            decided = killed_node in nodes.world._removed or ended  # noqa: SLF001
+            if decided and self.times.decided is None:
+                self.times.decided = now
+            if ended:
+                return  # this launcher ends its workers: the job ended for it
+            time.sleep(_WATCH_POLL_SECONDS)
+            self._loops.append(time.monotonic() - began)
+
+    def _workers(self) -> None:
+        """The ranks' own store traffic: the peer watch's read of the failure record, the hang
+        watch's count of requests and its progress (``diagnostics.peer_watch``, ``diagnostics.hangs``)."""
+        from ddpkit.diagnostics import hangs, peer_watch
+        from ddpkit.diagnostics.failures import read_failure_record, record_signer
+        from ddpkit.store import keys
+
+        store, ranks = self._workers_client, range(self.node * self.args.ranks_per_node,
+                                                   (self.node + 1) * self.args.ranks_per_node)
+        signer = record_signer()
+        next_hang = time.monotonic()
+        entered = 0
+        while not self.killed.is_set():
+            try:
+                for _ in ranks:
+                    read_failure_record(store, timeout=None)
+                if time.monotonic() >= next_hang:
+                    next_hang += hangs._POLL_SECONDS  # noqa: SLF001
+                    entered += 1
+                    for rank in ranks:
+                        store.set(signer.key(keys.hang_progress(rank)), f"#{entered} all_reduce")
+                        store.add(signer.key(keys.HANG_REQUESTS), 0)
+            except Exception:  # noqa: BLE001 - the store went away at the end of the run
+                return
+            self.killed.wait(peer_watch._READ_SECONDS)  # noqa: SLF001
+
+    def loop_lag(self) -> float:
+        return statistics.fmean(self._loops) / _WATCH_POLL_SECONDS if self._loops else 1.0
+
+
+def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: str, go: Any, phases: Any,
+               results: Any) -> None:
+    """A simulator process: ``nodes`` started, said ready, then through the phases the main process
+    sets (``phases``: wall-clock times of the steady phase, the kill and the end), then their results."""
+    os.environ["DDPKIT_JOB_SECRET"] = secret
+    counter = [0]
+    simulated = [SimulatedNode(node, args, port, counter) for node in nodes]
+    for node in simulated:
+        node.start()
+    results.put("ready")
+    go.wait()
+    steady, kill, end = phases[:]
+    _sleep_until(steady)
+    counted, began = counter[0], time.time()
+    _sleep_until(kill)
+    steady_ops = (counter[0] - counted) / (time.time() - began)
+    lag = statistics.fmean(node.loop_lag() for node in simulated)
+    for node in simulated:
+        if node.node == args.size - 1:
+            node.kill()
+    _sleep_until(end)
+    results.put({"ops_per_s": steady_ops, "lag": lag,
+                 "times": [(node.node, node.times.detected, node.times.decided) for node in simulated
+                           if node.node != args.size - 1]})
+    for node in simulated:
+        node.kill()
+
+
+def _sleep_until(when: float) -> None:
+    time.sleep(max(0.0, when - time.time()))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def refuse_what_this_machine_cannot(size: int, processes: int) -> None:
+    """A size that needs more open files than this process may have is refused, naming the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = size * _SOCKETS_PER_NODE // processes + 64
+    if needed > soft:
+        raise SystemExit(f"control_plane.py: {size} nodes need about {needed} open files per simulator process "
+                         f"(--processes {processes}); this shell allows {soft} (ulimit -n; the hard limit is {hard}). "
+                         f"Raise it (ulimit -n {min(hard, needed * 2)}) or give more --processes.")
+
+
+def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    port = free_port()
+    store_process = subprocess.Popen([sys.executable, "-m", "ddpkit", "store", "--host", "127.0.0.1", "--port", str(port)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert store_process.stdout is not None
+        store_process.stdout.readline()  # it serves
+        probe = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        probe.set("probe", "1")
+        processes = min(args.processes, size)
+        args.size = size
+        context = multiprocessing.get_context("spawn")
+        results, go, phases = context.Queue(), context.Event(), context.Array("d", 3)
+        secret = secrets.token_hex(32)
+        workers = [context.Process(target=host_nodes, args=(list(range(index, size, processes)), args, port, secret,
+                                                             go, phases, results), daemon=True)
+                   for index in range(processes)]
+        for worker in workers:
+            worker.start()
+        for _ in workers:
+            if results.get(timeout=_START_SECONDS) != "ready":
+                raise RuntimeError("a simulator process did not start its nodes")
+        steady = time.time() + _STEADY_START_SECONDS
+        kill = steady + args.seconds
+        phases[:] = [steady, kill, kill + _DETECT_WAIT_SECONDS]
+        go.set()
+        latencies: list[float] = []
+        _sleep_until(steady)
+        while time.time() < kill:
+            began = time.perf_counter()
+            probe.get("probe")
+            latencies.append(time.perf_counter() - began)
+            time.sleep(_PROBE_SECONDS)
+        gathered = [results.get(timeout=_DETECT_WAIT_SECONDS + 120) for _ in workers]
+        keys = probe.num_keys()
+        for worker in workers:
+            worker.join(timeout=10)
+    finally:
+        store_process.terminate()
+        store_process.wait(timeout=10)
+    ops = sum(result["ops_per_s"] for result in gathered)
+    lag = statistics.fmean(result["lag"] for result in gathered)
+    detected = [when - kill for result in gathered for _, when, _ in result["times"] if when is not None]
+    decided = [when - kill for result in gathered for _, _, when in result["times"] if when is not None]
+    survivors = size - 1
+    latencies.sort()
+    return {
+        "nodes": size, "ranks_per_node": args.ranks_per_node, "in_place": args.in_place,
+        "store_ops_per_s": round(ops), "ops_per_node_per_s": round(ops / size, 1),
+        "demand_per_node": round(ops / size * lag, 1), "lag": round(lag, 2),
+        "store_p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1e3, 2) if latencies else None,
+        "detect_s": _spread(detected, survivors), "agree_s": _spread(decided, survivors), "keys": keys,
+    }
+
+
+def _spread(seconds: list[float], expected: int) -> dict[str, Any]:
+    """Median and worst, and how many of the ``expected`` survivors got there within the wait."""
+    if not seconds:
+        return {"median": None, "max": None, "of": f"0/{expected}"}
+    return {"median": round(statistics.median(seconds), 2), "max": round(max(seconds), 2),
+            "of": f"{len(seconds)}/{expected}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--in-place", action="store_true", help="in-place recovery, the world free to shrink by one node")
+    parser.add_argument("--seconds", type=float, default=10.0, help="the steady phase (default 10)")
+    parser.add_argument("--processes", type=int, default=4, help="simulator processes (default 4)")
+    parser.add_argument("--json", action="store_true", help="one JSON line per size")
+    args = parser.parse_args()
+    for size in args.nodes:
+        if size < 2:
+            raise SystemExit(f"control_plane.py: --nodes {size}: a node must be lost and others notice: give 2 or more")
+        refuse_what_this_machine_cannot(size, min(args.processes, size))
+    if not args.json:
+        print(f"{'nodes':>6} {'ranks':>5} {'ops/s':>9} {'per node':>9} {'demand':>8} {'lag':>5} {'p99 ms':>7} "
+              f"{'detect s (med/max)':>19} {'agree s (med/max)':>18} {'keys':>7}")
+    for size in args.nodes:
+        row = measure(size, args)
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
+        detect, agree = row["detect_s"], row["agree_s"]
+        print(f"{row['nodes']:>6} {row['ranks_per_node']:>5} {row['store_ops_per_s']:>9} {row['ops_per_node_per_s']:>9} "
+              f"{row['demand_per_node']:>8} {row['lag']:>5} {row['store_p99_ms']!s:>7} "
+              f"{detect['median']!s:>8}/{detect['max']!s:<5} {detect['of']:>5} "
+              f"{agree['median']!s:>7}/{agree['max']!s:<5} {agree['of']:>5} {row['keys']:>7}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
