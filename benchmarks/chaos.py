@@ -40,7 +40,12 @@ A run ends in one of these ways:
 
 - **exact**: the job finished (after a preemption: the same command again finished) with the
   ranks' parameters identical and within 1e-6 of the fault-free run's (the soak's first run, which
-  must match one process trained on the same batches in the plain job);
+  must match one process trained on the same batches in the plain job). A run whose world shrank
+  trains the same batches, but a survivor's one forward over two shares rounds unlike two ranks,
+  and training amplifies that from epoch to epoch (the example's own check derives its allowance
+  the same way): its parameters at each epoch's end must be within ``ROUNDING_FACTOR`` times the
+  gap between the fault-free run and a second fault-free run whose world shrank as it began (two
+  roundings of the same training), or 1e-6;
 - **ended naming the root cause**: the job ended (a budget spent, the disk full, a node lost)
   with the fault named in its output, and the same command with ``--resume`` then finished exact
   from the checkpoint it left (nothing of the work is lost but the steps since that checkpoint);
@@ -83,6 +88,7 @@ from netns import Nodes
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 EXACT = 1e-6
+ROUNDING_FACTOR = 10.0  # as examples/train.py's: the allowance of a shrunk run over the gap of two roundings
 KINDS = ["kill-worker", "kill-in-save", "kill-spare", "kill-launcher", "freeze", "link-down", "preempt", "disk-full",
          "kill-in-block"]
 # The faults the example injects in itself (once per run): the phase of ``--kill-during`` and where it is.
@@ -106,6 +112,7 @@ NAMED = {
     "disk-full": ["No space left on device"],
 }
 # What a resume refused before training says (``DDPStrategy.load_checkpoint``: another world's checkpoint).
+SHRANK = "the world shrank"  # a launcher's line when a lost node is left out
 REFUSED = "resuming it would train"
 HANG_SECONDS = 3
 FREEZE_SECONDS = 9  # past the report (3 s) and the abort (3 s more)
@@ -289,20 +296,56 @@ def summary_of(out: str) -> dict[str, object] | None:
     return None if line is None else json.loads(line.removeprefix("summary "))
 
 
-def exact(codes: list[int], out: str, folder: Path, reference: torch.Tensor | None) -> tuple[bool, str]:
+@dataclass
+class Reference:
+    """The fault-free run: its final parameters and buffers (``final``) and its parameters at the end
+    of each epoch (``epochs``); ``allowed`` is how far a run whose world shrank may be from those."""
+
+    final: torch.Tensor
+    epochs: list[torch.Tensor]
+    base: Path
+    train: list[str]
+    _allowed: list[float] | None = None
+
+    def allowed(self) -> list[float]:
+        """Per epoch, ``ROUNDING_FACTOR`` times the gap to a fault-free run that shrank as it began
+        (or ``EXACT``): trained when a run first needs it."""
+        if self._allowed is None:
+            other = shrunk_from_the_start(self.base, self.train)
+            self._allowed = [max(EXACT, ROUNDING_FACTOR * (mine - theirs).abs().max().item())
+                             for mine, theirs in zip(other, self.epochs)]
+        return self._allowed
+
+
+def exact(codes: list[int], out: str, folder: Path, reference: Reference | None,
+          shrank: bool = False) -> tuple[bool, str]:
     """Whether a finished command trained as it should: its ranks identical, and its parameters within
     ``EXACT`` of one process's (the example's own check, when it makes one) and of ``reference``
-    (the fault-free run's, when given: read from the checkpoint written after the last epoch)."""
+    (the fault-free run's, when given: read from the checkpoint written after the last epoch; a run
+    whose world ``shrank``: each epoch's within the reference's allowance)."""
     summary = summary_of(out)
     if summary is None or any(codes):
         return False, f"exit codes {codes}, summary {summary}"
     difference = summary["max_difference"]
     good = summary["identical"] is True and (difference is None or difference <= EXACT)
     detail = f"identical {summary['identical']}, max difference to one process {difference}"
-    if reference is not None:
-        fault_free = (final_parameters(folder) - reference).abs().max().item()
+    if reference is not None and shrank:
+        epochs = trajectory_of(folder)
+        gaps = [(mine - theirs).abs().max().item() for mine, theirs in zip(epochs, reference.epochs)]
+        worst = max((gap / allowed for gap, allowed in zip(gaps, reference.allowed())), default=float("inf"))
+        good = good and len(gaps) == len(reference.epochs) and worst <= 1.0
+        detail = (f"{detail}; the world shrank: to the fault-free run per epoch {', '.join(f'{g:.1e}' for g in gaps)}, "
+                  f"at most {worst:.2f} of the allowance rounding explains")
+    elif reference is not None:
+        fault_free = (final_parameters(folder) - reference.final).abs().max().item()
         good, detail = good and fault_free <= EXACT, f"{detail}, to the fault-free run {fault_free:.2e}"
     return good, detail
+
+
+def trajectory_of(folder: Path) -> list[torch.Tensor]:
+    """The parameters at the end of every epoch, from the checkpoint written after the last one."""
+    state = torch.load(folder / "checkpoint" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    return [epoch.double() for epoch in state["trajectory"]["epochs"]]
 
 
 def final_parameters(folder: Path) -> torch.Tensor:
@@ -422,7 +465,7 @@ def plan(index: int, chooser: random.Random, duration: float, namespaces: bool, 
 
 
 def execute(run: Run, base: Path, train: list[str], epochs: int, bound: float, namespaces: Nodes | None,
-            chooser: random.Random, reference: torch.Tensor) -> None:
+            chooser: random.Random, reference: Reference) -> None:
     folder = base / f"run{run.index}"
     folder.mkdir()
     try:
@@ -450,7 +493,7 @@ def end_all(folder: Path) -> list[int]:
 
 
 def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float, namespaces: Nodes | None,
-             chooser: random.Random, reference: torch.Tensor) -> None:
+             chooser: random.Random, reference: Reference) -> None:
     started = time.monotonic()
     extra = list(train)
     self_kill = next((fault for fault in run.faults if fault.kind in SELF_KILLS), None)
@@ -483,7 +526,7 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
         if not finished:
             run.outcome, run.detail = "hung", f"past {bound:.0f} s; its processes:\n{processes}\nlast output: {err[-3000:]}"
         elif all(code == 0 for code in codes):
-            good, run.detail = exact(codes, out, folder, reference)
+            good, run.detail = exact(codes, out, folder, reference, SHRANK in err)
             run.outcome = "exact" if good else "wrong"
         else:
             preempted = all(code == 75 for code in codes)
@@ -497,7 +540,7 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
             if not finished_again:
                 again.kill_all()
             out2, err2 = again.text()
-            good, detail = exact(again.codes(), out2, folder, reference)
+            good, detail = exact(again.codes(), out2, folder, reference, SHRANK in err or SHRANK in err2)
             refusal = next((line for line in err2.splitlines() if REFUSED in line), None)
             if not finished_again:
                 run.outcome, run.detail = "hung", f"the command after the end, past {bound:.0f} s: {err2[-400:]}"
@@ -521,9 +564,9 @@ def _execute(run: Run, folder: Path, train: list[str], epochs: int, bound: float
     run.seconds = time.monotonic() - started
 
 
-def calibrate(base: Path, train: list[str]) -> tuple[float, torch.Tensor]:
-    """The fault-free run's duration (seconds) and final parameters; it must finish, identical on
-    its ranks (and, in the plain job, within ``EXACT`` of one process)."""
+def calibrate(base: Path, train: list[str]) -> tuple[float, Reference]:
+    """The fault-free run's duration (seconds) and what runs are compared with (``Reference``); it
+    must finish, identical on its ranks (and, in the plain job, within ``EXACT`` of one process)."""
     folder = base / "fault-free"
     folder.mkdir()
     job = Job(folder, "restart", 0, train, None)
@@ -534,7 +577,31 @@ def calibrate(base: Path, train: list[str]) -> tuple[float, torch.Tensor]:
     good, detail = exact(job.codes(), out, folder, None)
     if not good:
         raise SystemExit(f"chaos: the fault-free run is not exact ({detail}):\n{err[-2000:]}")
-    return time.monotonic() - job.started, final_parameters(folder)
+    return time.monotonic() - job.started, Reference(final_parameters(folder), trajectory_of(folder), base, train)
+
+
+def shrunk_from_the_start(base: Path, train: list[str]) -> list[torch.Tensor]:
+    """A second rounding of the fault-free training, for the allowance of runs whose world shrank:
+    the world that may shrink, one launcher SIGKILLed as soon as the ranks train (rank 0 draws the
+    progress; killed before its launcher reached the job's store, a node is not left out: the job
+    ends), the survivor training both shares from its first steps on. Its parameters at each
+    epoch's end."""
+    from ddpkit.environments import find_free_port
+
+    folder = base / "shrunk-from-the-start"
+    folder.mkdir()
+    job = Job(folder, "shrink", find_free_port("127.0.0.1"), train, None)
+    while job.running() and time.monotonic() - job.started < 120 and not any(
+            "epoch 1:" in Path(stderr.name).read_text() for _, stderr in job.outputs):
+        time.sleep(0.02)
+    _signal(job.launchers[1].pid, signal.SIGKILL)
+    if not job.wait(600):
+        job.kill_all()
+        raise SystemExit("chaos: the fault-free run that shrank as it began did not finish within 600 s")
+    out, err = job.text()
+    if SHRANK not in err or summary_of(out) is None:
+        raise SystemExit(f"chaos: the fault-free run that shrank as it began did not shrink and finish:\n{err[-2000:]}")
+    return trajectory_of(folder)
 
 
 def table(runs: list[Run]) -> str:
