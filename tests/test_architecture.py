@@ -61,6 +61,8 @@ _BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "d
     ("store/job_secret.py", ("ddpkit.",)),  # the launcher and the diagnostics read it: no torch
     ("membership/generations.py", ("ddpkit.",)),  # the launcher and the group share it: no torch, only the secret
     ("variables.py", ("ddpkit.",)),  # names only: every part may import it
+    ("ready_file.py", ("ddpkit.launching", "ddpkit.training", "ddpkit.lightning", "ddpkit.parallel",
+                       "ddpkit.membership")),  # the contract both sides read: it imports neither
     ("store/keys.py", ("ddpkit.",)),  # the store's keys only: every part may import it
     ("process_state.py", ("ddpkit.",)),  # the process's state only: every part may import it
     ("membership/", ("ddpkit.comm", "ddpkit.parallel", "ddpkit.hooks", "ddpkit.training", "ddpkit.launching")),

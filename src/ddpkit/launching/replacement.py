@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
+from ddpkit.ready_file import OUTSIDE, what_it_said
 from ddpkit.variables import DDPKIT_GENERATION, DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["NO_REPLACEMENTS", "NoReplacements", "Replacements", "ready_file"]
@@ -170,7 +171,7 @@ class Replacements:
             return None
         if all(os.path.exists(path) for _, path in pending.replacements):
             several = len(pending.replacements) > 1
-            outside = any(_said(path) == "outside" for _, path in pending.replacements)
+            outside = any(what_it_said(path) == OUTSIDE for _, path in pending.replacements)
             _log.warning(f"ddpkit run: the replacement{'s' if several else ''} of rank {pending.ranks()} "
                          + (f"wait{'' if several else 's'} outside the block between steps the other ranks run "
                             "again, and join at their next step boundary: " if outside else
@@ -183,15 +184,6 @@ class Replacements:
                     f"{pending.deadline - pending.started:.0f} s ({DDPKIT_RECOVERY_TIMEOUT_SECONDS}): the ranks did not "
                     "meet again.")
         return None
-
-
-def _said(path: str) -> str:
-    """What a replacement wrote in its ready file ("ready", or "outside": it waits outside a block)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip()
-    except OSError:
-        return ""
 
 
 # How often a spare that ended between recoveries is started again: one that keeps ending (a broken

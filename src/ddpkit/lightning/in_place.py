@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -53,6 +52,7 @@ from ddpkit.logs import get_logger
 from ddpkit.membership.group import Group, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import no_sync
+from ddpkit.ready_file import tell_the_launcher
 from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
 from ddpkit.training.replicas import ReplicaCheck, check_every
 from ddpkit.training.resumable_loop import release_frames
@@ -63,7 +63,6 @@ from ddpkit.training.state_transfer import (
     places_after_the_survivors_block,
     send_state,
 )
-from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["REPLACEMENT_CHECKPOINT", "ReplacementLauncher", "TrainerRecovery", "lost_peer"]
 
@@ -151,7 +150,7 @@ class TrainerRecovery:
 
     def receive(self) -> None:
         """In a replacement, once connected: the survivors' checkpoint, held for ``checkpoint()``."""
-        places = places_after_the_survivors_block(gather_places(True, -1), _tell_the_launcher_outside)
+        places = places_after_the_survivors_block(gather_places(True, -1), lambda: tell_the_launcher(outside=True))
         self._received = send_state(places, dict).state
         self.joining = True
         _log.warning("ddpkit: replacing a lost rank in place: received the survivors' training state; the fit "
@@ -179,10 +178,7 @@ class TrainerRecovery:
                                            lambda: trainer.global_step + self._in_commit, buffers=model.broadcast_buffers)
         optimizer.register_step_post_hook(self._commit)
         run_through(trainer.fit_loop.epoch_loop.val_loop, self.validation)  # a rank lost in it: run again
-        ready_file = os.environ.get(DDPKIT_READY_FILE)
-        if ready_file:
-            with open(ready_file, "w", encoding="utf-8") as handle:
-                handle.write("ready\n")
+        tell_the_launcher()
 
     def batch_started(self, batch: Any, batch_idx: int) -> None:
         """The fit loop hands ``batch`` to ``training_step`` next (``strategy.on_train_batch_start``)."""
@@ -473,15 +469,6 @@ def _refuse_a_shrink(before: int, after: int) -> None:
         raise RuntimeError(
             f"in-place recovery inside Trainer.fit: the group has {after} ranks now, not {before}, and Lightning's "
             "sampler cannot hand a lost rank's shares to the others. Run with a spare node, or without --nnodes MIN:MAX.")
-
-
-def _tell_the_launcher_outside() -> None:
-    """A replacement waiting outside the survivors' validation: it holds no state yet, but the recovery
-    goes on (the launcher does not time it out; ``ddpkit.launching.replacement``)."""
-    ready_file = os.environ.get(DDPKIT_READY_FILE)
-    if ready_file:
-        with open(ready_file, "w", encoding="utf-8") as handle:
-            handle.write("outside\n")
 
 
 def _formed() -> str:

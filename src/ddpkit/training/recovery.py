@@ -50,7 +50,6 @@ gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,13 +60,13 @@ from ddpkit.diagnostics.failures import PeerLostError
 from ddpkit.logs import get_logger
 from ddpkit.membership.group import Group, Membership, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.ready_file import tell_the_launcher
 from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
 from ddpkit.training.agreement import GrowthWatch
 from ddpkit.training.replicas import ReplicaCheck
 from ddpkit.training.resume_point import ResumePoint
 from ddpkit.training.state import BufferSnapshot, TrackedState
 from ddpkit.training.state_transfer import Places, gather_places, places_after_the_survivors_block, send_state
-from ddpkit.variables import DDPKIT_READY_FILE
 
 __all__ = ["BatchReadAgain", "InPlaceRecovery", "Progress"]
 
@@ -146,7 +145,7 @@ class InPlaceRecovery:
         """In a replacement, before its module is wrapped: receive the state of the survivors and
         load it into ``module`` and ``optimizer``; return it (``attach`` takes the bucket order)."""
         places = places_after_the_survivors_block(gather_places(True, -1),
-                                                  lambda: self._tell_the_launcher(outside=True))
+                                                  lambda: tell_the_launcher(outside=True))
         state = self._send(places, module, optimizer)
         self.position.joined = True
         self.position.rewind = False  # the loop starts at the resume point (first_epoch, first_batch)
@@ -173,21 +172,12 @@ class InPlaceRecovery:
         optimizer.register_step_post_hook(self._commit)
         model.when_step_applied(self._applied)
         model.register_forward_pre_hook(self._refuse_a_stale_batch)
-        self._tell_the_launcher()
+        tell_the_launcher()
 
     def _refuse_a_stale_batch(self, *_: Any) -> None:
         if self.batch_to_read_again:
             self.batch_to_read_again = False
             raise BatchReadAgain("the batch in hand was read before the world shrank: it is read again")
-
-    @staticmethod
-    def _tell_the_launcher(outside: bool = False) -> None:
-        """Write the ready file: this rank can take part in a recovery (a replacement: holds the state,
-        or, ``outside``, waits outside a block between steps for it)."""
-        ready_file = os.environ.get(DDPKIT_READY_FILE)
-        if ready_file:
-            with open(ready_file, "w", encoding="utf-8") as handle:
-                handle.write("outside\n" if outside else "ready\n")
 
     def _commit(self, *_: Any) -> None:
         progress, model = self.progress, self._model
