@@ -124,7 +124,9 @@ def test_overlap_optimizer_awaits_the_gradients_for_a_hook_that_may_read_them_an
     assert all(run.returncode == 0 for run in runs.values()), runs["ddpkit"].stderr[-3000:] + runs["overlap"].stderr[-3000:]
     assert f"the gradients are awaited after each backward for {named}, which may read them" in runs["overlap"].stderr
     assert runs["overlap"].stdout.count("7 steps timed, 0 steps deferred") == 2, runs["overlap"].stdout
-    norms = {name: re.findall(r"(\d+) gradient norms summing to (\S+)", run.stdout) for name, run in runs.items()}
+    # Each rank prints its own (under gradient accumulation a micro-batch's gradients are its rank's
+    # own), in whichever order the ranks reach their output: compared as a set.
+    norms = {name: sorted(re.findall(r"(\d+) gradient norms summing to (\S+)", run.stdout)) for name, run in runs.items()}
     assert len(norms["overlap"]) == 2 and norms["overlap"] == norms["ddpkit"], norms
     expected, trained = (torch.load(tmp_path / name / "final.pt") for name in ("ddpkit", "overlap"))
     assert all(torch.equal(trained[name], expected[name]) for name in expected)
@@ -248,8 +250,7 @@ def test_a_number_of_nodes_the_trainer_does_not_have_is_refused_naming_both() ->
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("rank", "batch", "phase", "own"), [(1, 5, "forward", ""), (1, 4, "backward", ""),
-                                                          (0, 5, "backward", ""), (1, 4, "forward", "1"),
+@pytest.mark.parametrize(("rank", "batch", "phase", "own"), [(0, 5, "backward", ""), (1, 4, "forward", "1"),
                                                           (1, 7, "batch_end", ""), (1, 1, "validation", "")])
 def test_a_rank_killed_inside_trainer_fit_is_replaced_in_place_and_the_fit_ends_as_one_process(
         tmp_path: Path, one_process: dict[str, torch.Tensor], rank: int, batch: int, phase: str, own: str) -> None:
