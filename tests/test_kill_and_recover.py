@@ -58,7 +58,8 @@ def assert_same(parameters: list[torch.Tensor], expected: list[torch.Tensor], to
     assert difference <= tolerance, f"max difference to the fault-free run {difference:.3e}"
 
 
-@pytest.mark.parametrize(("phase", "rank"), [("forward", 1), ("backward", 1), ("optimizer-step", 1), ("backward", 0)])
+# The forward and the optimizer step of rank 1 are killed in tests/test_real_loops.py, in a real loop.
+@pytest.mark.parametrize(("phase", "rank"), [("backward", 1), ("backward", 0)])
 def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_without_the_fault(
         tmp_path: Path, fault_free: dict[int, list[torch.Tensor]], phase: str, rank: int) -> None:
     result = run_example(tmp_path, "--kill-at-step", "5", "--kill-during", phase, "--kill-rank", str(rank))
@@ -134,7 +135,8 @@ def test_a_rank_lost_during_a_checkpoint_save_between_epochs_is_replaced_in_plac
     assert_same(final_parameters(tmp_path), fault_free[2])
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer-step", "checkpoint-save"])
+# A restart resumes from the checkpoint wherever the rank was lost in the step: one phase of the step, and the save.
+@pytest.mark.parametrize("phase", ["backward", "checkpoint-save"])
 def test_a_killed_rank_restarts_every_worker_which_resume_and_end_as_without_the_fault(
         tmp_path: Path, fault_free: dict[int, list[torch.Tensor]], phase: str) -> None:
     # Step 12 is in the second epoch (8 steps each), so the restart resumes from the first epoch's checkpoint;

@@ -87,7 +87,8 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("phase", "rank"), [
-    ("forward:5", "1"), ("backward:5", "1"), ("collective:5", "1"), ("optimizer-step:5", "1"),
+    # (the user's collective: test_a_rank_lost_while_the_other_is_in_a_synchronised_batch_norm_or_its_own_collective...)
+    ("forward:5", "1"), ("backward:5", "1"), ("optimizer-step:5", "1"),
     ("scheduler-step:5", "1"), ("checkpoint-save:8", "1"), ("backward:11", "0")])
 def test_a_rank_killed_anywhere_in_a_real_loop_is_replaced_and_every_rank_ends_as_without_the_fault(
         tmp_path: Path, fault_free: dict[str, Any], phase: str, rank: str) -> None:

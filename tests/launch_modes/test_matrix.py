@@ -38,7 +38,8 @@ def processes_per_node(kind: str, mode: Mode) -> int:
 
 # Modes whose torchrun gives the ddpkit script the environment and store of another mode run beside
 # it: ``--max-restarts 1`` without a failure changes only TORCHELASTIC_MAX_RESTARTS, and
-# ``--standalone`` is a c10d rendezvous on this host (the agent's store, as in "c10d").
+# ``--standalone`` is a c10d rendezvous on this host (the agent's store, as in "c10d"). Nor with the
+# store outside the nodes: under torchrun the script reaches the agent's store as in "c10d".
 _TORCHRUN_AS_ANOTHER = {"standalone", "static nodes, restarts", "c10d, restarts"}
 
 
@@ -50,7 +51,7 @@ def torchrun_beside(kind: str, mode: Mode) -> bool:
     5-10 s a cell on two cores, as would torchrun's same environment again; under ``ddpkit run``
     every cell is checked against one process trained on the concatenated batches."""
     if kind == "ddpkit":
-        return mode.name not in _TORCHRUN_AS_ANOTHER
+        return mode.name not in _TORCHRUN_AS_ANOTHER and not mode.store_outside
     return kind == "plain" and mode.run_as != "script"
 
 
