@@ -19,6 +19,8 @@ from a client of its own), the detection and agreement times (median and worst o
 and the keys the store holds at the end. ``lag`` is how far the simulated loops fell behind their
 periods (1.0: on time): above about 1.5 the simulator or the store could not keep up, and the rates
 are what was served, not what the design asks for (``demand_per_node``: the rate at lag 1).
+``by source`` splits the requests per node among the launcher's watch and coordination, its beat
+thread and its ranks (``per_node_by_source`` in the JSON).
 
 Simulated on one machine, whose cores the store and the simulator share: the figures are the
 coordination's, not a cluster's network.
@@ -51,11 +53,16 @@ _SOCKETS_PER_NODE = 3  # the launcher's client, its beat's, its workers' (shared
 _THREADS_PER_NODE = 4  # the beat, the client's request thread, the watch, the workers
 
 
+# Where the requests come from: each simulated node's launcher (its watch and the coordination), its
+# beat thread, and its ranks (the peer and hang watches).
+SOURCES = ("launcher", "beat", "workers")
+
+
 class Counted:
     """A store client that counts its requests (every method call but the timeout's)."""
 
-    def __init__(self, store: Any, counter: list[int]) -> None:
-        self._store, self._counter = store, counter
+    def __init__(self, store: Any, counter: list[int], source: list[int]) -> None:
+        self._store, self._counter, self._source = store, counter, source
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._store, name)
@@ -63,8 +70,11 @@ class Counted:
             return attribute
         counter = self._counter
 
+        source = self._source
+
         def counted(*args: Any) -> Any:
             counter[0] += 1
+            source[0] += 1
             return attribute(*args)
 
         return counted
@@ -81,7 +91,8 @@ class NodeTimes:
 class SimulatedNode:
     """One node: its launcher's coordination and its ranks' store traffic, on threads."""
 
-    def __init__(self, node: int, args: argparse.Namespace, port: int, counter: list[int]) -> None:
+    def __init__(self, node: int, args: argparse.Namespace, port: int, counter: list[int],
+                 by_source: dict[str, list[int]]) -> None:
         from ddpkit.launching.node_world import Shrinking
         from ddpkit.launching.nodes import NodeCoordination
         from ddpkit.store.client import BoundedStore, connect
@@ -90,11 +101,11 @@ class SimulatedNode:
         self.killed = threading.Event()
         shrinking = Shrinking(min_nodes=args.size - 1, nproc_per_node=args.ranks_per_node,
                               spares_possible=False) if args.in_place else None
-        client = Counted(connect("127.0.0.1", port, 60.0), counter)
+        client = Counted(connect("127.0.0.1", port, 60.0), counter, by_source["launcher"])
         self.nodes = NodeCoordination(BoundedStore(client, 60.0), node, args.size, "127.0.0.1", port,
                                       in_place=args.in_place, shrinking=shrinking, join_seconds=600.0)
-        self._beat_client = Counted(connect("127.0.0.1", port, 60.0), counter)
-        self._workers_client = Counted(connect("127.0.0.1", port, 60.0), counter)
+        self._beat_client = Counted(connect("127.0.0.1", port, 60.0), counter, by_source["beat"])
+        self._workers_client = Counted(connect("127.0.0.1", port, 60.0), counter, by_source["workers"])
         self.times = NodeTimes(node)
         self._loops: list[float] = []
 
@@ -166,7 +177,8 @@ def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: st
     sets (``phases``: wall-clock times of the steady phase, the kill and the end), then their results."""
     os.environ["DDPKIT_JOB_SECRET"] = secret
     counter = [0]
-    simulated = [SimulatedNode(node, args, port, counter) for node in nodes]
+    by_source: dict[str, list[int]] = {source: [0] for source in SOURCES}
+    simulated = [SimulatedNode(node, args, port, counter, by_source) for node in nodes]
     for node in simulated:
         node.start()
     results.put("ready")
@@ -174,14 +186,17 @@ def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: st
     steady, kill, end = phases[:]
     _sleep_until(steady)
     counted, began = counter[0], time.time()
+    from_each = {source: by_source[source][0] for source in SOURCES}
     _sleep_until(kill)
-    steady_ops = (counter[0] - counted) / (time.time() - began)
+    elapsed = time.time() - began
+    steady_ops = (counter[0] - counted) / elapsed
+    steady_by_source = {source: (by_source[source][0] - from_each[source]) / elapsed for source in SOURCES}
     lag = statistics.fmean(node.loop_lag() for node in simulated)
     for node in simulated:
         if node.node == args.size - 1:
             node.kill()
     _sleep_until(end)
-    results.put({"ops_per_s": steady_ops, "lag": lag,
+    results.put({"ops_per_s": steady_ops, "by_source": steady_by_source, "lag": lag,
                  "times": [(node.node, node.times.detected, node.times.decided) for node in simulated
                            if node.node != args.size - 1]})
     for node in simulated:
@@ -259,6 +274,8 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "nodes": size, "ranks_per_node": args.ranks_per_node, "in_place": args.in_place,
         "store_ops_per_s": round(ops), "ops_per_node_per_s": round(ops / size, 1),
+        "per_node_by_source": {source: round(sum(result["by_source"][source] for result in gathered) / size, 1)
+                               for source in SOURCES},
         "demand_per_node": round(ops / size * lag, 1), "lag": round(lag, 2),
         "store_p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1e3, 2) if latencies else None,
         "detect_s": _spread(detected, survivors), "agree_s": _spread(decided, survivors), "keys": keys,
@@ -298,7 +315,8 @@ def main() -> None:
         print(f"{row['nodes']:>6} {row['ranks_per_node']:>5} {row['store_ops_per_s']:>9} {row['ops_per_node_per_s']:>9} "
               f"{row['demand_per_node']:>8} {row['lag']:>5} {row['store_p99_ms']!s:>7} "
               f"{detect['median']!s:>8}/{detect['max']!s:<5} {detect['of']:>5} "
-              f"{agree['median']!s:>7}/{agree['max']!s:<5} {agree['of']:>5} {row['keys']:>7}", flush=True)
+              f"{agree['median']!s:>7}/{agree['max']!s:<5} {agree['of']:>5} {row['keys']:>7}  by source "
+              + ", ".join(f"{source} {rate}" for source, rate in row["per_node_by_source"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,11 @@ class Heartbeats:
         """``node``'s launcher's last beat as the store holds it now (None: it never beat)."""
         return self._records.read(keys.of(keys.BEAT, node), keys.JOB_WIDE)
 
+    def last_beats(self, nodes: list[int]) -> dict[int, str | None]:
+        """``last_beat`` of each of ``nodes``, read at once (``LauncherRecords.read_many``)."""
+        beats = self._records.read_many([keys.of(keys.BEAT, node) for node in nodes], keys.JOB_WIDE)
+        return dict(zip(nodes, beats, strict=True))
+
     def silent_for(self, node: int, beat: str, now: float) -> float:
         """How long ``node``'s launcher has been silent as this launcher heard it, ``beat`` being its
         beat read ``now`` (0 when it changed since the last read: then remembered). A beat from a
@@ -122,13 +127,12 @@ class Heartbeats:
         it asks), until a new beat of the node is heard."""
         return self._silent_since.setdefault(node, now)
 
-    def silent_launcher(self, node: int) -> str | None:
-        """The last beat of ``node``'s launcher when it has been silent for the silent time (read now
-        and compared with what this launcher heard before), else None."""
-        beat = self.last_beat(node)
-        if beat is None:
-            return None
-        return beat if self.silent_for(node, beat, time.monotonic()) > self.silent_seconds else None
+    def silent_launchers(self, nodes: list[int]) -> dict[int, str]:
+        """The last beat of each of ``nodes``' launchers that has been silent for the silent time (read
+        now, at once, and compared with what this launcher heard before)."""
+        now = time.monotonic()
+        return {node: beat for node, beat in self.last_beats(nodes).items()
+                if beat is not None and self.silent_for(node, beat, now) > self.silent_seconds}
 
     def forget(self, node: int) -> None:
         """What was heard of ``node`` (this launcher is that node now)."""

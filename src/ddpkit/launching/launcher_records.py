@@ -3,7 +3,9 @@ and write to agree across nodes (their names: ``ddpkit.store.keys``, under ``lau
 
 With a job secret every value carries its HMAC (``ddpkit.store.job_secret``) and a forged one reads as
 absent. A record one node writes for itself is ``name/<node>``, with an unsigned count beside it
-that only says when there may be something new to read. Every request is bounded
+that only says when there may be something new to read, and every record written raises the job's
+count of news (``news``): a launcher that polls for what the others said reads that one count, and
+the records only when it changed, so that its requests do not grow with the records or the nodes. Every request is bounded
 (``BoundedStore``); a store that does not answer or is gone is ``NodeContactLostError``.
 """
 
@@ -46,6 +48,7 @@ class LauncherRecords:
         self.attempt = 0
         self._where = where  # the store's address, for the errors
         self._signer = RecordSigner(job_secret(), "launchers")
+        self._news_key = self._signer.key(keys.launcher_record(keys.NEWS, keys.JOB_WIDE))
 
     def key(self, name: str, attempt: int | None = None) -> str:
         """The store key of ``name`` in ``attempt`` (the current one by default)."""
@@ -56,11 +59,32 @@ class LauncherRecords:
 
     def put(self, name: str, value: str, attempt: int | None = None) -> None:
         self.call(self._signer.write, self.store, self.key(name, attempt), value)
+        self._raise_news()
+
+    def news(self) -> int:
+        """The job's count of records written: unchanged since a read, no record was written since
+        (raised after each write, so a record is there once the count says so). Not signed: a
+        stranger who raises it only makes the launchers read the records again."""
+        return int(self.call("add", self._news_key, 0))
+
+    def _raise_news(self) -> None:
+        self.call("add", self._news_key, 1)
 
     def read(self, name: str, attempt: int | None = None) -> str | None:
         """The value a launcher of the job wrote under ``name``; None when there is none (or a forged one)."""
         value: str | None = self.call(self._signer.read, self.store, self.key(name, attempt))
         return value
+
+    def read_many(self, names: list[str], attempt: int | None = None) -> list[str | None]:
+        """``read`` of each of ``names``, in two requests when all are there (one ``check``, one
+        ``multi_get``) instead of two each: how a launcher reads every node's beat at once."""
+        found = [self.key(name, attempt) for name in names]
+        if not found:
+            return []
+        if not self.call("check", found):  # some are not written yet: each read alone
+            return [self.read(name, attempt) for name in names]
+        values = self.call("multi_get", found)
+        return [self._signer.verify(key, value) for key, value in zip(found, values, strict=True)]
 
     def has(self, name: str, attempt: int | None = None) -> bool:
         return self.read(name, attempt) is not None
@@ -70,7 +94,10 @@ class LauncherRecords:
         launcher whose claim was written first."""
         key = self.key(name, keys.JOB_WIDE)
         signed = self._signer.sign(key, claimant)
-        return bool(self.call("compare_set", key, "", signed) == signed.encode())
+        won = bool(self.call("compare_set", key, "", signed) == signed.encode())
+        if won:
+            self._raise_news()
+        return won
 
     def count(self, name: str, by: int = 0, attempt: int | None = None) -> int:
         """The counter ``name`` raised by ``by`` (0: read)."""

@@ -137,7 +137,6 @@ class NodeCoordination:
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.nnodes = nnodes
         self.in_place = in_place
-        self._next_replaced_look = 0.0  # when ``ended_elsewhere`` next reads whether this node's place was taken
         # Whether this launcher hosts the store (then it leaves last): node 0's, or under a c10d
         # rendezvous the one on the endpoint's host (``launching.rendezvous``).
         self.hosts_store = node_rank == 0 if hosts_store is None else hosts_store
@@ -145,6 +144,13 @@ class NodeCoordination:
         self._joined_by = time.monotonic() + join_seconds  # a node not heard from by then is not coming
         self._next_look = 0.0
         self._lost: tuple[int, str] | None = None  # another node's launcher taken for lost, and why
+        # The job's count of records written (``LauncherRecords.news``), read at most once a poll:
+        # the count as last read, when, and the (attempt, count) each reader of it last saw.
+        self._news: int | None = None
+        self._news_read_at = -_POLL_SECONDS
+        self._news_seen: dict[str, tuple[int, int]] = {}
+        self._ended_elsewhere = False  # what the records said at the last look that read them
+        self._left: set[int] = set()  # the nodes whose launchers said they left, as last read
 
     @property
     def node_rank(self) -> int:
@@ -160,20 +166,37 @@ class NodeCoordination:
         """Say this launcher is alive, through ``store`` (a client for this alone), until ``leave``."""
         self.heartbeats.beat_through(store)
 
+    def _news_since(self, reader: str) -> bool:
+        """Whether a launcher may have written a record since ``reader`` last asked (in this
+        attempt): the job's count of records written (``LauncherRecords.news``), read at most once
+        per ``_POLL_SECONDS`` whoever asks, so that a look that finds nothing new costs one request."""
+        now = time.monotonic()
+        if self._news is None or now - self._news_read_at >= _POLL_SECONDS:
+            self._news = self.records.news()
+            self._news_read_at = now
+        # The attempt too: what the records said of the attempt before (a failure) is not this one's.
+        seen = (self.records.attempt, self._news)
+        fresh = self._news_seen.get(reader) != seen
+        self._news_seen[reader] = seen
+        return fresh
+
     def silent_node(self) -> str | None:
         """Why another node's launcher is taken for lost (no beat for the silent time and no word that
         it left, nor, under in-place recovery, a spare node that claimed its place), or None;
-        looked at once a second (in place: ten times), and once lost, always lost."""
+        looked at once a second (in place: ten times), and once lost, always lost. Every beat is
+        read at once (``Heartbeats.last_beats``: two requests), and who left only when a launcher
+        wrote a record since the last look."""
         now = time.monotonic()
         if self._lost is not None or now < self._next_look:
             return None if self._lost is None else self._lost[1]
         self._next_look = now + (0.1 if self.in_place else 1.0)
-        left = set(self.world.nodes_left())
+        if self._news_since("silent_node"):
+            self._left = set(self.world.nodes_left())
         silent_seconds = self.heartbeats.silent_seconds
-        for node in self.world.nodes():
-            if node == self.node_rank or node in left:
-                continue
-            beat = self.heartbeats.last_beat(node)
+        others = [node for node in self.world.nodes() if node != self.node_rank and node not in self._left]
+        beats = self.heartbeats.last_beats(others)
+        for node in others:
+            beat = beats[node]
             if beat is None:  # not arrived yet: its launcher may still be starting, or be gone before it arrived
                 if now > self._joined_by:
                     self._lost = (node, f"node {node}'s launcher did not reach the job's store within "
@@ -268,15 +291,18 @@ class NodeCoordination:
         """Whether another node's launcher announced a failure or a stop in the current attempt, left
         the job, or went silent (``silent_node``): its workers are gone, and this node's would wait.
         ``NodeReplacedError`` when a spare node took this node's place (``replaced_by``)."""
-        # Under in-place recovery the store is asked too, once a second: a node asked to step aside
-        # (``--stragglers replace``) that the world shrank without has no spare beating over its beat.
-        now = time.monotonic()
-        ask_store = self.in_place and now >= self._next_replaced_look
-        if ask_store:
-            self._next_replaced_look = now + 1.0
-        self.world.check_not_replaced(ask_store=ask_store)
-        return (bool(self._nodes_that_said(keys.FAILED)) or self.records.has(keys.STOP) or bool(self.world.nodes_left())
-                or self.silent_node() is not None)
+        # Under in-place recovery the store is asked too whether a claim on this node's place was
+        # written: a node asked to step aside (``--stragglers replace``) that the world shrank without
+        # has no spare beating over its beat.
+        # The records are read only when a launcher wrote one since the last look (a claim on this
+        # node's place, a failure, a stop, a node that left: ``_news_since``).
+        if self._news_since("ended_elsewhere"):
+            self.world.check_not_replaced(ask_store=True)
+            self._ended_elsewhere = (bool(self._nodes_that_said(keys.FAILED)) or self.records.has(keys.STOP)
+                                     or bool(self.world.nodes_left()))
+        else:
+            self.world.check_not_replaced(ask_store=False)
+        return self._ended_elsewhere or self.silent_node() is not None
 
     def announce_preemption(self, reason: str) -> None:
         """Tell the other launchers that this one passed a preemption on to its workers (they stop

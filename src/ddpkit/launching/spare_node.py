@@ -90,8 +90,10 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
                              f"its ranks in generation {generation} of the group, at the other nodes' next step boundary")
                 return Takeover(node, generation, attempt, spares, why, returns=True)
         asked = nodes.step_asides.any_asked()
-        for node in world.nodes():
-            beat, what = nodes.heartbeats.silent_launcher(node), "went silent"
+        world_nodes = world.nodes()
+        silent = nodes.heartbeats.silent_launchers(world_nodes)  # every beat read at once
+        for node in world_nodes:
+            beat, what = silent.get(node), "went silent"
             if beat is None and asked and (beat := nodes.heartbeats.last_beat(node)) is not None:
                 # Alive but slow: node 0's launcher asked it to step aside (``--stragglers replace``).
                 request = nodes.step_asides.request(node, launcher_of(beat))

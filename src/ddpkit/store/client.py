@@ -140,6 +140,9 @@ class BoundedStore:
     def check(self, keys: list[str]) -> bool:
         return bool(self._ask("check", keys))
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [bytes(value) for value in self._ask("multi_get", keys)]
+
     def add(self, key: str, amount: int) -> int:
         return int(self._ask("add", key, amount))
 

@@ -115,6 +115,9 @@ HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows 
 LINK_PROBE = "link-probe"  # link-probe/<node>: where its launcher's link probe listens (``launching.link_probe``)
 STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``launching.node_claims``)
 STORE_HOST = "store-host"  # the node whose launcher hosts the job's store (a c10d rendezvous's endpoint)
+#: A count raised after every launchers' record written (not signed): a launcher whose last read of it
+#: is still the count reads none of the records it watches (``LauncherRecords.news``).
+NEWS = "news"
 
 
 def launcher_record(name: str, attempt: int) -> str:
