@@ -262,3 +262,62 @@ def test_in_place_over_nccl_is_refused_unless_its_switch_is_on(
     assert "DDPKIT_NCCL_IN_PLACE=''" in message and "DDPKIT_NCCL_IN_PLACE=1" in message and "--backend gloo" in message
     monkeypatch.setenv("DDPKIT_NCCL_IN_PLACE", "1")
     validate(LaunchConfig(nproc_per_node=2, backend="nccl", max_restarts=1, recovery=Recovery.IN_PLACE), "report.py")
+
+
+def _option_strings(parser: object) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings}  # type: ignore[attr-defined]
+
+
+def test_every_flag_of_the_installed_torchrun_is_taken_by_ddpkit_run() -> None:
+    """Read from the installed torch's own parser: a torchrun flag that ``ddpkit run`` does not take
+    fails this test (a new torch release adds one), instead of a cluster's launch script."""
+    from torch.distributed.run import get_args_parser
+
+    from ddpkit.launching.cli import _parser
+
+    run = next(action for action in _parser()._actions if action.dest == "command").choices["run"]
+    missing = sorted(_option_strings(get_args_parser()) - _option_strings(run))
+    assert missing == [], f"torchrun's flags that ddpkit run refuses: {missing}"
+
+
+# torchrun's flags that ddpkit run has none of its own for, each with a value as a launch script gives it.
+TORCHRUN_FLAGS = ["--monitor-interval", "0.2", "--shutdown_timeout", "5", "--role", "trainer", "--start-method", "fork",
+                  "--event-log-handler", "console", "--run-path", "--local-addr", "127.0.0.1", "--logs-specs",
+                  "default", "--numa-binding", "node", "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1",
+                  "--virtual-local-rank", "--duplicate-stdout-filters", "apple,orange", "--duplicate_stderr_filters",
+                  "pear"]
+ROLE_JOB = textwrap.dedent(
+    """
+    import os
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} as {os.environ['ROLE_NAME']}: {total.item()}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_a_torchrun_command_line_with_every_flag_runs_under_ddpkit_run_saying_what_it_takes_another_way(
+        tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(ROLE_JOB)
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", *TORCHRUN_FLAGS, "job.py"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=80)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(re.findall(r"rank \d of \d as \w+: \S+", result.stdout)) == [
+        "rank 0 of 2 as trainer: 3.0", "rank 1 of 2 as trainer: 3.0"], result.stdout
+    for flag in ("start-method", "event-log-handler", "run-path", "local-addr", "logs-specs", "numa-binding",
+                 "signals-to-handle", "virtual-local-rank", "duplicate-stdout-filters", "duplicate-stderr-filters"):
+        assert result.stderr.count(f"ddpkit run: --{flag} is accepted for torchrun's command lines: ") == 1, (
+            flag, result.stderr[-3000:])
+    assert "--monitor-interval is accepted" not in result.stderr and "--role is accepted" not in result.stderr
+
+
+def test_torchruns_timings_are_the_launchers_and_a_bad_one_is_refused_naming_it(tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--monitor-interval", "-1", "job.py"]) == 2
+    assert "--monitor-interval='-1' is not a number of seconds above 0, e.g. 0.1." in capsys.readouterr().err
+    assert main(["run", "--shutdown-timeout", "soon", "job.py"]) == 2
+    assert "--shutdown-timeout='soon' is not a number of seconds, 0 or more, e.g. 30." in capsys.readouterr().err

@@ -46,6 +46,7 @@ from ddpkit.launching.rendezvous import (
 )
 from ddpkit.launching.report import report
 from ddpkit.launching.store_host import serve_outside_nodes
+from ddpkit.launching.torchrun_flags import add_torchrun_flags, notes_for
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
 
@@ -135,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
                "as --redirects)")
     _flag(run, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
     _health_flags(run)
+    add_torchrun_flags(run, _spellings)
     run.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     store = commands.add_parser(
@@ -295,6 +297,19 @@ def _number(flag: str, value: str, argv: Sequence[str], least: float, what: str)
     return number
 
 
+def _torchrun_timings(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, float]:
+    """torchrun's ``--monitor-interval`` and ``--shutdown-timeout``, as ``run_workers``'s poll interval
+    and grace, where given."""
+    timings = {}
+    if args.monitor_interval is not None:
+        timings["poll_interval"] = _number("monitor-interval", args.monitor_interval, argv, 0.001,
+                                           "a number of seconds above 0, e.g. 0.1")
+    if args.shutdown_timeout is not None:
+        timings["grace"] = _number("shutdown-timeout", args.shutdown_timeout, argv, 0.0,
+                                   "a number of seconds, 0 or more, e.g. 30")
+    return timings
+
+
 def _backend(value: str | None, argv: Sequence[str]) -> str | None:
     if value not in (None, "", *_BACKENDS):  # argparse checks choices on the command line, not defaults
         raise LaunchError(f"{_origin('backend', argv)}={value!r} is not a backend; use one of {', '.join(_BACKENDS)}.")
@@ -356,7 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_in_this_process(args, scheduler, preemption_signal)
     try:
         config = _launch_config(args, launcher_argv, preemption_signal)
-        code = run_workers(args.script, args.script_args, config)
+        timings = _torchrun_timings(args, launcher_argv)
+        for note in notes_for(args):
+            _log.info(note)
+        code = run_workers(args.script, args.script_args, config, **timings)
     except LaunchError as error:
         print(f"ddpkit run: {error}", file=sys.stderr)
         return 2
@@ -416,6 +434,7 @@ def _launch_config(args: argparse.Namespace, launcher_argv: Sequence[str],
         straggler_factor=_number("straggler-factor", args.straggler_factor, launcher_argv, 1.0,
                                  "a factor of 1 or more (a rank this much slower than the others is named), e.g. 1.2"),
         replace_stragglers=_stragglers(args.stragglers, launcher_argv),
+        role=args.role,
     )
 
 

@@ -72,6 +72,7 @@ class LaunchConfig:
     # ``--stragglers replace``: node 0's launcher asks a straggler's node to step aside for a spare
     # node (``launching.straggler_replacement``); otherwise (``name``) stragglers are named only.
     replace_stragglers: bool = False
+    role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
 
     @property
     def window_seconds(self) -> float | None:

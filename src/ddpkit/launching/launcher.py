@@ -122,7 +122,7 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
         "NODE_RANK": str(config.node_rank),
         "GROUP_RANK": str(config.node_rank),
         "GROUP_WORLD_SIZE": str(config.nnodes),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": config.role,
         "ROLE_RANK": rank,
         "ROLE_WORLD_SIZE": str(config.world_size),
         DDPKIT_LAUNCHED: "1",
