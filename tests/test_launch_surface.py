@@ -321,3 +321,48 @@ def test_torchruns_timings_are_the_launchers_and_a_bad_one_is_refused_naming_it(
     assert "--monitor-interval='-1' is not a number of seconds above 0, e.g. 0.1." in capsys.readouterr().err
     assert main(["run", "--shutdown-timeout", "soon", "job.py"]) == 2
     assert "--shutdown-timeout='soon' is not a number of seconds, 0 or more, e.g. 30." in capsys.readouterr().err
+
+
+def test_version_names_ddpkits_and_torchs(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    import ddpkit
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0
+    assert capsys.readouterr().out == f"ddpkit {ddpkit.__version__} (torch {torch.__version__})\n"
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["run", "--stragglers", "bogus", "job.py"],
+     "ddpkit run: argument --stragglers: invalid choice: 'bogus' (choose from 'name', 'replace')."),
+    (["run", "--recovery", "later", "job.py"],
+     "ddpkit run: argument --recovery: invalid choice: 'later' (choose from 'fail-fast', 'in-place')."),
+    (["run", "--backend", "mpich", "job.py"],
+     "ddpkit run: argument --backend: invalid choice: 'mpich' (choose from 'gloo', 'nccl', 'mpi')."),
+    (["run", "--no-such-flag", "job.py"], "ddpkit: unrecognized arguments: --no-such-flag."),
+])
+def test_a_flag_argparse_refuses_is_one_line_naming_the_value_and_the_help(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(said) and "--help` lists the flags" in err, err
+
+
+def test_run_help_groups_the_flags_shows_their_defaults_and_ends_with_examples(capsys: pytest.CaptureFixture[str],
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # each flag's help on one line
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    for group in ("the job's shape (torchrun's flags):", "what a failure costs:",
+                  "where the workers' output goes (torchrun's flags):", "the job's health, metrics and stragglers:",
+                  "torchrun's flags that ddpkit run takes another way:"):
+        assert f"\n{group}\n" in text, text
+    assert re.search(r"--report-every REPORT_EVERY, --report_every REPORT_EVERY\n.*\(default: 60\)\n", text), text
+    assert re.search(r"--straggler_factor STRAGGLER_FACTOR\n.*\(default: 1\.2\)\n", text), text
+    examples = text.split("\nexamples:\n")[1]
+    assert examples.count("  ddpkit run ") == 3, examples

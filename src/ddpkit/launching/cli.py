@@ -31,6 +31,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from ddpkit import __version__
 from ddpkit.environments import LocalEnvironment, Recovery, detect_environment
 from ddpkit.environments.preemption import parse_signal
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs
@@ -47,6 +48,7 @@ from ddpkit.launching.rendezvous import (
 from ddpkit.launching.report import report
 from ddpkit.launching.store_host import serve_outside_nodes
 from ddpkit.launching.torchrun_flags import add_torchrun_flags, notes_for
+from ddpkit.launching.usage import RUN_EXAMPLES, HelpWithDefaults, OneLineErrors, torch_version
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
 
@@ -66,14 +68,14 @@ def _spellings(name: str) -> list[str]:
     return [*short, dashed] if dashed == underscored else [*short, dashed, underscored]
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
+def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
     environment = launcher_flag_variable(name)
     default = os.environ.get(environment, kwargs.pop("default", None))
     help_text = f"{kwargs.pop('help', '')} (environment: {environment})"
     parser.add_argument(*_spellings(name), dest=name.replace("-", "_"), default=default, help=help_text, **kwargs)  # type: ignore[arg-type]
 
 
-def _switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:  # noqa: A002 - argparse's name
+def _switch(parser: argparse._ActionsContainer, name: str, help: str) -> None:  # noqa: A002 - argparse's name
     """An on/off flag, also on when its DDPKIT_ variable is 1, true or yes."""
     environment = launcher_flag_variable(name)
     default = os.environ.get(environment, "").strip().lower() in ("1", "true", "yes")
@@ -83,62 +85,75 @@ def _switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:  # n
 
 def _health_flags(run: argparse.ArgumentParser) -> None:
     """The job's health (``launching.health``) and what a straggler costs (``launching.straggler_replacement``)."""
-    _flag(run, "report-every", default="60",
+    health = run.add_argument_group("the job's health, metrics and stragglers")
+    _flag(health, "report-every", default="60",
           help="seconds between two lines of the job's health (steps/s, step time, the slowest rank and phase); 0: none")
-    _flag(run, "metrics", default=None,
+    _flag(health, "metrics", default=None,
           help="a file to append each window's per-rank step phases, stragglers and recoveries to (JSON lines; "
                "ddpkit report FILE reads it)")
-    _flag(run, "straggler-factor", default="1.2",
+    _flag(health, "straggler-factor", default="1.2",
           help="how much slower than the others' median a rank's compute or data wait must stay to be named")
-    _flag(run, "stragglers", default="name", choices=["name", "replace"],
+    _flag(health, "stragglers", default="name", choices=["name", "replace"],
           help="what a straggler costs: name it (the default), or replace its node by a waiting spare node "
                "(with --recovery in-place across nodes; the others' workers go on)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddpkit", description="ddpkit: data-parallel training launcher")
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="start and watch the workers of this node", allow_abbrev=False)
-    _flag(run, "nproc-per-node", default="1", help="processes on this node: a number, or 'auto'")
-    _flag(run, "nnodes", default="1", help="number of nodes, or MIN:MAX with --rdzv-backend c10d and --recovery "
+def _run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``ddpkit run``'s flags, in groups: the job's shape, what a failure costs, the output, the health."""
+    run = commands.add_parser("run", help="start and watch the workers of this node", allow_abbrev=False,
+                              formatter_class=HelpWithDefaults, epilog=RUN_EXAMPLES,
+                              description="Start this node's workers of a training script and watch them; a torchrun "
+                                          "command line works as it is.")
+    shape = run.add_argument_group("the job's shape (torchrun's flags)")
+    recovery = run.add_argument_group("what a failure costs")
+    output = run.add_argument_group("where the workers' output goes (torchrun's flags)")
+    _flag(shape, "nproc-per-node", default="1", help="processes on this node: a number, or 'auto'")
+    _flag(shape, "nnodes", default="1", help="number of nodes, or MIN:MAX with --rdzv-backend c10d and --recovery "
                                            "in-place (launchers beyond the world wait as spare nodes)")
-    _flag(run, "node-rank", default="0", help="this node's rank, 0..nnodes-1")
-    _flag(run, "master-addr", default="127.0.0.1", help="address of the node with rank 0")
-    _flag(run, "master-port", default=None, help="port on the master node (default: a free one, single node only)")
-    _flag(run, "backend", default=None, choices=list(_BACKENDS), help="torch.distributed backend")
-    _flag(run, "max-restarts", default="0", help="times to start every worker again after a failure")
-    _flag(run, "preemption-signal", default="TERM",
+    _flag(shape, "node-rank", default="0", help="this node's rank, 0..nnodes-1")
+    _flag(shape, "master-addr", default="127.0.0.1", help="address of the node with rank 0")
+    _flag(shape, "master-port", default=None, help="port on the master node (default: a free one, single node only)")
+    _flag(shape, "backend", default=None, choices=list(_BACKENDS), help="torch.distributed backend")
+    _flag(shape, "max-restarts", default="0", help="times to start every worker again after a failure")
+    _flag(recovery, "preemption-signal", default="TERM",
           help="signal that asks the workers to save and stop, besides SIGTERM (e.g. USR1 for Slurm's "
                "--signal=USR1@90; then SIGUSR1 prints no stacks)")
-    _flag(run, "recovery", default="fail-fast", choices=["fail-fast", "in-place"],
+    _flag(recovery, "recovery", default="fail-fast", choices=["fail-fast", "in-place"],
           help="what a killed worker costs: fail-fast ends (or, with --max-restarts, restarts) every worker; "
                "in-place replaces it from a warm spare while the others go on (each counts against --max-restarts)")
-    _flag(run, "rdzv-backend", default="static",
+    _flag(shape, "rdzv-backend", default="static",
           help="'static' (the default: --node-rank, --master-addr, --master-port) or 'c10d': each node gets its "
                "node rank as it arrives at --rdzv-endpoint")
-    _flag(run, "rdzv-endpoint", default="",
+    _flag(shape, "rdzv-endpoint", default="",
           help=f"HOST[:PORT] (default port {DEFAULT_PORT}) of the rendezvous, the same on every node; the launcher on "
                "HOST hosts it (static: the master address and port)")
-    _flag(run, "rdzv-id", default="none", help="the job's name at the rendezvous, the same on every node")
-    _flag(run, "rdzv-conf", default="", help="torchrun's key=value,... settings; ddpkit reads join_timeout (seconds, "
+    _flag(shape, "rdzv-id", default="none", help="the job's name at the rendezvous, the same on every node")
+    _flag(shape, "rdzv-conf", default="", help="torchrun's key=value,... settings; ddpkit reads join_timeout (seconds, "
                                              "default 600) and read_timeout (seconds, default 30)")
-    _switch(run, "standalone", help="one node on this machine: address and port chosen here (torchrun's flag)")
-    _switch(run, "module", help="run the script as a module, as 'python -m' does")
-    _switch(run, "no-python", help="run the script as a program (not with python); ddpkit's worker bootstrap "
+    _switch(shape, "standalone", help="one node on this machine: address and port chosen here (torchrun's flag)")
+    _switch(shape, "module", help="run the script as a module, as 'python -m' does")
+    _switch(shape, "no-python", help="run the script as a program (not with python); ddpkit's worker bootstrap "
                                    "(failure records, stack dumps, ending with the launcher) is then not in it")
-    _flag(run, "log-dir", default=None,
+    _flag(output, "log-dir", default=None,
           help="folder of the workers' log files: node<N>/attempt_<A>/<local rank>/{stdout,stderr}.log")
-    _flag(run, "redirects", default="0",
+    _flag(output, "redirects", default="0",
           help="streams written to the log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank "
                "(0:3,1:2)")
-    _flag(run, "tee", default="0",
+    _flag(output, "tee", default="0",
           help="streams written to the log files and to the console, each line prefixed with [rank<N>]: (values "
                "as --redirects)")
-    _flag(run, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
+    _flag(output, "local-ranks-filter", default="", help="local ranks shown on the console, e.g. 0 or 0,1 (default: all)")
     _health_flags(run)
     add_torchrun_flags(run, _spellings)
     run.add_argument("script", help="the training script (a module with -m, a program with --no-python)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineErrors(prog="ddpkit", description="ddpkit: data-parallel training launcher")
+    parser.add_argument("--version", action="version", version=f"ddpkit {__version__} (torch {torch_version()})")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _run_parser(commands)
     store = commands.add_parser(
         "store", allow_abbrev=False,
         help="keep a job's store outside the training nodes (a head node): the --rdzv-endpoint of a c10d rendezvous, "
