@@ -69,9 +69,17 @@ if TYPE_CHECKING:
     from ddpkit.training.strategy import DDPStrategy as DDPStrategy
 
 
+# Subpackages reachable as attributes after ``import ddpkit`` (``ddpkit.lightning.DDPStrategy()``),
+# imported when first used; Lightning's needs Lightning installed.
+_SUBPACKAGES = ("diagnostics", "distributed", "environments", "lightning", "testing")
+
+
 def __getattr__(name: str) -> Any:
     import importlib
 
+    if name in _SUBPACKAGES:
+        # ddpkit.lightning without Lightning raises ImportError saying what to install.
+        return importlib.import_module(f"ddpkit.{name}")
     module_name = _MODULE_OF.get(name)
     if module_name is None:
         raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")

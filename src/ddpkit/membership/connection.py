@@ -77,9 +77,9 @@ def init_dist_connection(
     """Export MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK from ``cluster_environment`` and initialise
     the default process group.
 
-    ``torch_distributed_backend`` defaults to the launcher's (``ddpkit run --backend``), else
-    ``"nccl"`` when CUDA is available, ``"gloo"`` otherwise. ``global_rank``/``world_size``
-    override the environment's. ``kwargs`` go to ``torch.distributed.init_process_group``;
+    ``torch_distributed_backend`` (or ``backend``, torch's name for it) defaults to the launcher's
+    (``ddpkit run --backend``), else ``"nccl"`` when CUDA is available, ``"gloo"`` otherwise.
+    ``global_rank``/``world_size`` override the environment's. ``kwargs`` go to ``torch.distributed.init_process_group``;
     ``timeout`` defaults to ``DEFAULT_TIMEOUT`` and may also be given in seconds. With world size 1
     no network is used (an in-memory store).
 
@@ -87,6 +87,7 @@ def init_dist_connection(
     it disagrees, ``RuntimeError`` says which values differ.
     """
     _require_distributed()
+    torch_distributed_backend = _backend_argument(torch_distributed_backend, kwargs)
     rank = cluster_environment.global_rank() if global_rank is None else global_rank
     size = cluster_environment.world_size() if world_size is None else world_size
     if global_rank is not None or world_size is not None:  # the environment checked its own values
@@ -125,6 +126,17 @@ def init_dist_connection(
     group.install_diagnostics()  # e.g. with hang diagnosis on, every rank can answer for its stack from the start
     if secret is None and size > 1 and rank == 0:
         _say_unauthenticated()
+
+
+def _backend_argument(torch_distributed_backend: str | None, kwargs: dict[str, Any]) -> str | None:
+    """The backend asked for: ``torch_distributed_backend`` (Lightning's name), or ``backend``
+    (``init_process_group``'s, which a torch user writes), taken out of ``kwargs``; both, different:
+    ``ValueError``."""
+    backend = kwargs.pop("backend", None)
+    if backend is not None and torch_distributed_backend is not None and backend != torch_distributed_backend:
+        raise ValueError(f"init_dist_connection was given backend={backend!r} and torch_distributed_backend="
+                         f"{torch_distributed_backend!r}: they name the same setting. Give one of them.")
+    return torch_distributed_backend if torch_distributed_backend is not None else backend
 
 
 def _launchers_store(environment: ClusterEnvironment, contract: LaunchContract,
