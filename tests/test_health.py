@@ -163,3 +163,38 @@ def test_a_node_whose_link_time_stays_over_the_others_by_the_factor_and_20_ms_is
     assert "straggler: rank 2 (node 1, host b): its node's link (its launcher sending 4 MiB to its neighbours') is " \
            "4.52x the other nodes' median" in out
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_ddpkit_report_names_the_lines_that_are_not_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A line cut short (the job ended while writing it) or another file's: counted and named, not
+    passed over in silence; a file of nothing else is refused as not a metrics file."""
+    metrics = tmp_path / "metrics.jsonl"
+    health = JobHealth(2.5, False, str(metrics), 1.2)
+    for start in range(3):
+        health.window([window(0, start), window(1, start)])
+    good = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([good[0], "not json", good[1], good[2][:40]]) + "\n")
+    assert report(str(metrics)) == 0
+    captured = capsys.readouterr()
+    assert "2 windows" in captured.out
+    assert (f"ddpkit report: 2 line(s) of {metrics} are not windows and were passed over (lines 2, 4): cut short by a "
+            "job that ended while writing, or another file's.") in captured.err
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(b"\x00\xff garbage\n{\"x\": 1}\n")
+    assert report(str(garbage)) == 2
+    assert (f"{garbage} holds no window of ddpkit run --metrics: none of its 2 lines is one (lines 1, 2)"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("no-such-folder/plot.png", "the folder {folder} does not exist"),
+    ("plot.xyz", ".xyz is not a format matplotlib writes; end the path with one of"),
+    ("plot", "no extension is not a format matplotlib writes"),
+])
+def test_ddpkit_report_refuses_a_plot_path_it_cannot_write_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, said: str) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    JobHealth(2.5, False, str(metrics), 1.2).window([window(0, 0), window(1, 0)])
+    assert report(str(metrics), str(tmp_path / name)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said.format(folder=tmp_path / "no-such-folder") in err, err

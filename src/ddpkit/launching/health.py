@@ -36,7 +36,7 @@ from ddpkit.logs import get_logger
 from ddpkit.store import keys
 
 __all__ = ["CONFIRM_SECONDS", "CONFIRM_WINDOWS", "MIN_SHARE", "Comparison", "JobHealth", "JobWindow", "SharedWindows",
-           "Straggler", "compare_links", "compare_ranks", "read_job_windows"]
+           "Straggler", "compare_links", "compare_ranks", "read_job_windows", "read_job_windows_and_malformed"]
 
 _log = get_logger("launching")
 
@@ -117,14 +117,22 @@ class JobWindow:
 
 def read_job_windows(path: str) -> list[JobWindow]:
     """Every window in a ``--metrics`` file (lines that are not one are passed over)."""
-    windows = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
+    return read_job_windows_and_malformed(path)[0]
+
+
+def read_job_windows_and_malformed(path: str) -> tuple[list[JobWindow], list[int]]:
+    """Every window in a ``--metrics`` file, and the numbers (from 1) of its lines that are not one (a
+    line cut short by a job that ended while writing it, or another file's)."""
+    windows, malformed = [], []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
             try:
                 windows.append(JobWindow(**json.loads(line)))
             except (ValueError, TypeError):
-                continue
-    return windows
+                malformed.append(number)
+    return windows, malformed
 
 
 def compare_ranks(ranks: Sequence[RankWindow]) -> list[Comparison]:

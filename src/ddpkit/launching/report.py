@@ -5,11 +5,12 @@ and each phase per rank over time, and across nodes each node's link time (matpl
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
 
-from ddpkit.launching.health import PHASE_NAMES, JobWindow, Straggler, read_job_windows
+from ddpkit.launching.health import PHASE_NAMES, JobWindow, Straggler, read_job_windows_and_malformed
 
 __all__ = ["plot_windows", "report"]
 
@@ -20,14 +21,24 @@ PLOTTED = ("step", "forward", "backward", "communication", "data")
 def report(path: str, plot: str | None = None) -> int:
     """Print ``path``'s windows (and draw them to ``plot``); the exit code."""
     try:
-        windows = read_job_windows(path)
+        windows, malformed = read_job_windows_and_malformed(path)
     except OSError as error:
         print(f"ddpkit report: cannot read {path} ({error}). Give the file of ddpkit run --metrics.", file=sys.stderr)
+        return 2
+    if not windows and malformed:
+        print(f"ddpkit report: {path} holds no window of ddpkit run --metrics: none of its {len(malformed)} lines is "
+              f"one ({_lines(malformed)}). Give the file of ddpkit run --metrics.", file=sys.stderr)
         return 2
     if not windows:
         print(f"ddpkit report: {path} holds no window of ddpkit run --metrics (a job shorter than one window, "
               "--report-every, writes none).", file=sys.stderr)
         return 1
+    if malformed:
+        print(f"ddpkit report: {len(malformed)} line(s) of {path} are not windows and were passed over "
+              f"({_lines(malformed)}): cut short by a job that ended while writing, or another file's.", file=sys.stderr)
+    if plot is not None and (refused := _refuse_the_plot_path(plot)) is not None:
+        print(f"ddpkit report: {refused}", file=sys.stderr)
+        return 2
     for window in windows:
         print(window.line().removeprefix("ddpkit run: "))
     named: dict[tuple[int, str], Straggler] = {}
@@ -45,6 +56,30 @@ def report(path: str, plot: str | None = None) -> int:
             return 2
         print(f"plot: {plot}")
     return 0
+
+
+def _lines(numbers: Sequence[int]) -> str:
+    """Line numbers as a person reads them: the first ten, and how many more."""
+    shown = ", ".join(map(str, numbers[:10]))
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}" + (f" and {len(numbers) - 10} more" if len(numbers) > 10 else "")
+
+
+def _refuse_the_plot_path(path: str) -> str | None:
+    """Why ``--plot path`` cannot be written (its folder missing, a format matplotlib does not write),
+    or None. Without matplotlib: None (the plot then says what to install)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path}: the folder {folder} does not exist. Make it, or give a path in a folder that does."
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    extension = os.path.splitext(path)[1].removeprefix(".").lower()
+    if extension not in formats:
+        return (f"--plot {path}: {'.' + extension if extension else 'no extension'} is not a format matplotlib "
+                f"writes; end the path with one of {', '.join('.' + name for name in sorted(formats))}.")
+    return None
 
 
 def plot_windows(windows: Sequence[JobWindow], path: str) -> None:
