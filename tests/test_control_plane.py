@@ -60,4 +60,4 @@ def test_a_launchers_quiet_watch_asks_the_store_as_often_at_32_nodes_as_at_4() -
     times a second) and the records every poll (about 650 requests a second at 32 nodes)."""
     few, many = requests_of_a_quiet_watch(4, 1.0), requests_of_a_quiet_watch(32, 1.0)
     assert many <= few * 1.25 + 2, (few, many)
-    assert many <= 50, many  # a count read every poll (20/s), two requests per look at the beats (10 looks/s)
+    assert many <= 25, many  # the count read ten times a second, two requests per look at the beats (4 looks/s)

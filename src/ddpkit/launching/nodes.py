@@ -101,6 +101,13 @@ __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeRepl
 # started comes back within it; a node 0 that is gone does not.
 _ANNOUNCE_SECONDS = 20.0
 _POLL_SECONDS = 0.02
+# How often the job's count of records written is read (whoever asks): a failure or a stop on another
+# node reaches this one's watch within it.
+_NEWS_SECONDS = 0.1
+# How often the other nodes' beats are looked at: in place, four times a second (a lost node is then
+# known within the silent time and a quarter of a second); otherwise once a second.
+_IN_PLACE_LOOK_SECONDS = 0.25
+_LOOK_SECONDS = 1.0
 # How long the others wait for a spare node to claim a silent node before taking it for lost, and
 # then for the spare's launcher to say it is alive as that node.
 _CLAIM_SECONDS = 2.0
@@ -147,7 +154,7 @@ class NodeCoordination:
         # The job's count of records written (``LauncherRecords.news``), read at most once a poll:
         # the count as last read, when, and the (attempt, count) each reader of it last saw.
         self._news: int | None = None
-        self._news_read_at = -_POLL_SECONDS
+        self._news_read_at = -_NEWS_SECONDS
         self._news_seen: dict[str, tuple[int, int]] = {}
         self._ended_elsewhere = False  # what the records said at the last look that read them
         self._left: set[int] = set()  # the nodes whose launchers said they left, as last read
@@ -169,9 +176,9 @@ class NodeCoordination:
     def _news_since(self, reader: str) -> bool:
         """Whether a launcher may have written a record since ``reader`` last asked (in this
         attempt): the job's count of records written (``LauncherRecords.news``), read at most once
-        per ``_POLL_SECONDS`` whoever asks, so that a look that finds nothing new costs one request."""
+        per ``_NEWS_SECONDS`` whoever asks, so that a look that finds nothing new costs one request."""
         now = time.monotonic()
-        if self._news is None or now - self._news_read_at >= _POLL_SECONDS:
+        if self._news is None or now - self._news_read_at >= _NEWS_SECONDS:
             self._news = self.records.news()
             self._news_read_at = now
         # The attempt too: what the records said of the attempt before (a failure) is not this one's.
@@ -183,13 +190,13 @@ class NodeCoordination:
     def silent_node(self) -> str | None:
         """Why another node's launcher is taken for lost (no beat for the silent time and no word that
         it left, nor, under in-place recovery, a spare node that claimed its place), or None;
-        looked at once a second (in place: ten times), and once lost, always lost. Every beat is
+        looked at once a second (in place: four times), and once lost, always lost. Every beat is
         read at once (``Heartbeats.last_beats``: two requests), and who left only when a launcher
         wrote a record since the last look."""
         now = time.monotonic()
         if self._lost is not None or now < self._next_look:
             return None if self._lost is None else self._lost[1]
-        self._next_look = now + (0.1 if self.in_place else 1.0)
+        self._next_look = now + (_IN_PLACE_LOOK_SECONDS if self.in_place else _LOOK_SECONDS)
         if self._news_since("silent_node"):
             self._left = set(self.world.nodes_left())
         silent_seconds = self.heartbeats.silent_seconds
