@@ -62,3 +62,9 @@ def test_init_dist_connection_takes_torchs_backend_keyword_and_refuses_two_that_
     assert result.stdout.splitlines() == [
         "gloo", "init_dist_connection was given backend='nccl' and torch_distributed_backend='gloo': they name the "
                 "same setting. Give one of them."], result.stdout
+
+
+def test_the_readme_is_read_in_one_sitting() -> None:
+    """At most 250 lines: the reference lives in docs/ (api.md, glossary.md, troubleshooting.md...)."""
+    lines = README.read_text().count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; move reference material to docs/"
