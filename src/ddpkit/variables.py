@@ -6,13 +6,13 @@ diagnostics all read it); the other modules say what each value means where they
 from __future__ import annotations
 
 __all__ = [
-    "DDPKIT_BACKEND", "DDPKIT_CHECK_REPLICAS", "DDPKIT_DEBUG", "DDPKIT_ERROR_FILE", "DDPKIT_GENERATION",
+    "DDPKIT_BACKEND", "DDPKIT_CHECK_REPLICAS", "DDPKIT_DEBUG", "DDPKIT_ERROR_FILE", "DDPKIT_FORK_WORKERS", "DDPKIT_GENERATION",
     "DDPKIT_HANG_ABORT_SECONDS", "DDPKIT_HANG_SECONDS", "DDPKIT_HOSTED_STORE", "DDPKIT_JOB_SECRET",
     "DDPKIT_JOB_SECRET_FILE", "DDPKIT_LAUNCHED", "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL", "DDPKIT_METRICS_FILE",
     "DDPKIT_METRICS_SECONDS", "DDPKIT_NCCL_IN_PLACE",
     "DDPKIT_PEER_FAILURE_EXIT_SECONDS", "DDPKIT_POOL_CONNECTION", "DDPKIT_PREEMPTION_SIGNAL", "DDPKIT_READY_FILE",
     "DDPKIT_RECOVERY", "DDPKIT_RECOVERY_TIMEOUT_SECONDS", "DDPKIT_RESTART_COUNT", "DDPKIT_STACK_FILE",
-    "DDPKIT_STDERR_PREFIXED", "DDPKIT_STORE_BIND", "launcher_flag_variable",
+    "DDPKIT_STDERR_PREFIXED", "DDPKIT_STORE_BIND", "DDPKIT_TEMPLATE_SOCKET", "launcher_flag_variable",
 ]
 
 # What ``ddpkit run`` (and in-script launching, and the function pool) tells each worker.
@@ -56,6 +56,11 @@ DDPKIT_POOL_CONNECTION = "DDPKIT_POOL_CONNECTION"
 
 #: The signal that asks the workers to save and stop, besides SIGTERM (``ddpkit run --preemption-signal``).
 DDPKIT_PREEMPTION_SIGNAL = "DDPKIT_PREEMPTION_SIGNAL"
+#: "0" starts each worker of ``ddpkit run`` as a fresh interpreter instead of forking it from the
+#: node's template, which has imported torch already (``launching.worker_template``).
+DDPKIT_FORK_WORKERS = "DDPKIT_FORK_WORKERS"
+#: The socket (an inherited file descriptor) on which a node's template is asked for workers.
+DDPKIT_TEMPLATE_SOCKET = "DDPKIT_TEMPLATE_SOCKET"
 #: How long the ranks of a new generation wait for each other (a replacement starts its script from
 #: the top) before giving up; the launcher waits a little longer for the recovery to finish.
 DDPKIT_RECOVERY_TIMEOUT_SECONDS = "DDPKIT_RECOVERY_TIMEOUT_SECONDS"

@@ -62,6 +62,7 @@ from ddpkit.launching.spare_node import Takeover, wait_as_spare
 from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.launching.straggler_replacement import StepAside, one_node_note
 from ddpkit.launching.watch import Outcome, Signals, agree_across_nodes, watch
+from ddpkit.launching.worker_template import WorkerTemplate
 from ddpkit.logs import get_logger
 from ddpkit.membership.generations import member_identity
 from ddpkit.store.client import GaveUpWaiting, connect
@@ -259,6 +260,10 @@ class _LauncherRun:
         self.signals = Signals(self.received, stack_requests, config.preemption_signal)
         self.command = worker_command(config.run_as, script, script_args)
         self.spare_command = [*self.command[:3], SPARE, *self.command[3:]]
+        # The node's workers are forked from one process that imported torch once, across restarts.
+        self.template = WorkerTemplate(os.environ)
+        if config.output.is_default():  # (the workers of routed streams start as fresh interpreters)
+            self.template.prepare(self.command, self.environment())
         self.output = config.output  # with its log folder once the job is joined
         self.replacements: Replacements | NoReplacements = NO_REPLACEMENTS  # the attempt's
         # The job's health line, metrics and stragglers (``launching.health``), across attempts.
@@ -308,7 +313,7 @@ class _LauncherRun:
         if log_folder is not None and not state.spare_node:
             shutil.rmtree(log_folder, ignore_errors=True)  # a former run's logs of this attempt, replaced
         workers = WorkerProcesses("run", None if self.output.is_default() else self.output, log_folder,
-                                  config.window_seconds)
+                                  config.window_seconds, self.template)
         self.replacements = NO_REPLACEMENTS
         try:
             if state.spare_node and state.nodes is not None and (code := self._take_a_place(workers)) is not None:
@@ -450,6 +455,7 @@ class _LauncherRun:
         if nodes is not None and nodes.node_rank >= 0:  # (a spare that took no node's place was never in the job)
             # After a stop signal here the others only need a moment to read it (announced at once).
             nodes.leave(wait_seconds=_LEAVE_AFTER_SIGNAL_SECONDS if self.received else self.grace + 5.0)
+        self.template.close()
         if store_host is not None:
             store_host.stop()
         if self.health is not None and self.health.probe is not None:

@@ -30,6 +30,7 @@ from typing import Any
 from ddpkit.diagnostics.records import read_error_record, record_time
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.output import OutputPlan, WorkerOutput
+from ddpkit.launching.worker_template import ForkedProcess, WorkerTemplate
 from ddpkit.variables import (
     DDPKIT_ERROR_FILE,
     DDPKIT_LAUNCHER_PID,
@@ -63,7 +64,7 @@ class WorkerProcess:
 
     local_rank: int
     rank: int
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess  # forked: by the node's template (launching.worker_template)
     error_file: str  # where it records its first failure (DDPKIT_ERROR_FILE)
     stack_file: str  # where it appends its stacks on SIGUSR1 (DDPKIT_STACK_FILE)
     metrics_file: str = ""  # where it appends its step windows (DDPKIT_METRICS_FILE), when asked for
@@ -81,8 +82,11 @@ class WorkerProcesses:
     """
 
     def __init__(self, purpose: str, output: OutputPlan | None = None, log_folder: str | None = None,
-                 window_seconds: float | None = None) -> None:
+                 window_seconds: float | None = None, template: WorkerTemplate | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix=f"ddpkit-{purpose}-")
+        # Where workers are forked from, when they can be (``launching.worker_template``); the
+        # caller's to close.
+        self._template = template
         self._window_seconds = window_seconds  # the workers' step windows (``launching.health``); None: none
         # Where the workers' streams go (``launching.output``; None: the launcher's own), and the
         # folder of this start's log files, one subfolder per local rank (or spare).
@@ -132,9 +136,15 @@ class WorkerProcesses:
             popen.update(output.popen_arguments())
             if routing is not None:
                 variables.update(routing.variables())
-        process = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True, **popen)
-        if output is not None:
-            output.started(process)
+        process: subprocess.Popen[bytes] | ForkedProcess | None = None
+        if self._template is not None and output is None and not any(popen.values()):  # no pipe, file or descriptor
+            process = self._template.fork(command, {**environment, **variables})
+        if process is None:
+            started = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True,
+                                       **popen)
+            if output is not None:
+                output.started(started)
+            process = started
         return WorkerProcess(local_rank, rank, process, error_file, stack_file, metrics_file, output=output)
 
     def replace(self, lost: WorkerProcess, spare: WorkerProcess, variables: Mapping[str, str]) -> None:
@@ -297,7 +307,7 @@ class WorkerProcesses:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(process: subprocess.Popen[bytes] | ForkedProcess, sig: int) -> None:
     """Send ``sig`` to the process group (session) a worker was started in, if it still exists."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)

@@ -17,8 +17,9 @@ __all__ = ["TORCHRUN_NOTES", "add_torchrun_flags", "notes_for"]
 
 # Flag -> (what it takes, the line said when it is given).
 TORCHRUN_NOTES: dict[str, tuple[str, str]] = {
-    "start-method": ("spawn|fork|forkserver", "ddpkit run starts each worker as a process of its own running the "
-                     "script, as torchrun does for a script; the start method applies to functions only"),
+    "start-method": ("spawn|fork|forkserver", "ddpkit run forks a script's workers from one process per node that "
+                     "imported torch once (DDPKIT_FORK_WORKERS=0: a fresh interpreter each, as torchrun starts a "
+                     "script's); torchrun's start method applies to functions only"),
     "event-log-handler": ("NAME", "ddpkit run records no torchelastic events; --metrics FILE records the job's "
                           "windows, stragglers and recoveries"),
     "run-path": ("", "ddpkit run's worker bootstrap runs the script with runpy.run_path already"),

@@ -2,6 +2,8 @@
 ``python -m ddpkit.launching.worker script.py [args]`` or ``python -m ddpkit.launching.worker -m module [args]``
 for ``ddpkit run`` and in-script launching, ``python -m ddpkit.launching.worker --serve-functions`` for
 the function pool of ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``);
+``python -m ddpkit.launching.worker --template script.py [args]`` for the process that forks a node's
+workers (``launching.worker_template``), each of which then comes back here as a worker;
 ``python -m ddpkit.launching.worker --spare script.py [args]`` for the warm spare of in-place
 recovery, which imports torch and ddpkit's training parts (and ddpkit's strategy for Lightning's
 Trainer, with Lightning, when the script imports Lightning), then waits for the launcher to write
@@ -31,7 +33,9 @@ import itertools
 import json
 import os
 import runpy
+import select
 import signal
+import socket
 import sys
 import traceback
 from typing import Any
@@ -42,8 +46,9 @@ from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception, uncaught_failure
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.processes import SERVE_FUNCTIONS, SPARE
+from ddpkit.launching.worker_template import TEMPLATE, WARM_MODULES
 from ddpkit.logs import get_logger
-from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE
+from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
 
 _log = get_logger("launching")
 
@@ -76,11 +81,15 @@ def _dump_stacks_on_request() -> None:
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit("usage: python -m ddpkit.launching.worker (script.py | -m module) [args...]")
+    if argv[0] == TEMPLATE:  # the node's template: it forks workers, each of which comes back to main
+        die_with_launcher()
+        serve_forks(argv[1:])
     _dump_stacks_on_request()
     die_with_launcher()
     if argv[0] == SPARE:
         argv = argv[1:]
         _wait_for_a_rank(argv)
+    _rank_read_at_import()
     # What exists now (the bootstrap, and torch, which it imported) lives until the process
     # ends: out of the collector's way, it costs no time in the script's full collections, nor
     # in the look for open files and the collection when the script has ended.
@@ -115,28 +124,46 @@ def main(argv: list[str]) -> None:
     _finish(0, namespace)
 
 
-# What a spare imports ahead of the script: the strategy brings the DDP module, the collectives and
-# in-place recovery. The launcher's own rule (import no more than it needs) is about the launcher and
-# a worker before its script; a spare's whole point is to have imported them already.
-_WARM_MODULES = ("torch", "ddpkit.training.strategy")
-# And for a script that imports Lightning, ddpkit's strategy for its Trainer (Lightning with it):
-# importing Lightning takes longer than the rest of a replacement's way back into the step.
+# For a script that imports Lightning, a spare and a template also import ddpkit's strategy for its
+# Trainer (Lightning with it): importing Lightning takes longer than the rest of a worker's way into
+# the step. (The launcher's own rule, import no more than it needs, is about the launcher and a
+# worker before its script; a spare's and a template's whole point is to have imported them already.)
 _LIGHTNING = frozenset({"lightning", "pytorch_lightning"})
+
+
+def _import_ahead(argv: list[str]) -> None:
+    """Import what the training script ``argv`` needs: torch, the compiler stack any optimizer's
+    first call imports, ddpkit's strategy (the DDP module, the collectives, in-place recovery)."""
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+    if _LIGHTNING & imported_packages(argv):
+        with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
+            importlib.import_module("ddpkit.lightning")
 
 
 def _wait_for_a_rank(argv: list[str]) -> None:
     """The warm spare: import what the training script ``argv`` needs (seconds, done ahead), then wait
     for the launcher to name the rank this process replaces; leave quietly when the launcher closes the pipe."""
-    for name in _WARM_MODULES:
-        importlib.import_module(name)
-    if _LIGHTNING & imported_packages(argv):
-        with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
-            importlib.import_module("ddpkit.lightning")
+    _import_ahead(argv)
     line = sys.stdin.readline()
     if not line.strip():
         os._exit(0)
     os.environ.update(json.loads(line))
     sys.stdin = open(os.devnull, encoding="utf-8")  # the pipe was the launcher's, not the script's input
+
+
+# Lightning's modules that note the process's rank when they are imported (``rank_zero_only.rank``,
+# from RANK and the like), under both of Lightning's package names.
+_RANK_AT_IMPORT = ("lightning.fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero")
+
+
+def _rank_read_at_import() -> None:
+    """What a module imported before this process knew its rank (by a warm spare, or the template a
+    worker was forked from) noted of the rank at its import, noted again as a fresh import would."""
+    for name in _RANK_AT_IMPORT:
+        module = sys.modules.get(name)
+        if module is not None:
+            module.rank_zero_only.rank = module._get_rank() or 0
 
 
 def imported_packages(argv: list[str]) -> set[str]:
@@ -222,6 +249,94 @@ def _tear_down_group() -> None:
         destroy_dist_connection()
     except RuntimeError as error:
         _log.debug(f"ddpkit: tearing down the process group after the script ended failed: {error}")
+
+
+# The template of a node's workers (``launching.worker_template``): it forks them.
+
+
+def serve_forks(argv: list[str]) -> None:
+    """The template's life: import what the script ``argv`` needs, say it is ready, then fork a
+    worker for each request and report each worker's end, until the launcher closes the socket."""
+    connection = socket.socket(fileno=int(os.environ.pop(DDPKIT_TEMPLATE_SOCKET)))
+    _import_ahead(argv)
+    refused = _why_forking_is_unsafe()
+    _send(connection, {"refused": refused} if refused else {"ready": True})
+    if refused:
+        os._exit(0)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
+    received, alive = b"", True
+    while alive:
+        ready, _, _ = select.select([connection.fileno(), wake_read], [], [], 1.0)
+        if wake_read in ready:
+            os.read(wake_read, 4096)
+        _report_ends(connection)
+        if connection.fileno() in ready:
+            data = connection.recv(1 << 16)
+            alive = bool(data)
+            received += data
+            *requests, received = received.split(b"\n")
+            for request in requests:
+                pid = _fork_worker(json.loads(request), (connection.fileno(), wake_read, wake_write))
+                _send(connection, {"started": pid})
+    os._exit(0)
+
+
+def _why_forking_is_unsafe() -> str | None:
+    """Why a worker forked now could not be the worker a fresh interpreter is (None: it could)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "an import initialised CUDA, which a forked worker could not use"
+    return None
+
+
+def _report_ends(connection: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(connection, {"ended": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _send(connection: socket.socket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # the launcher is gone: the template dies with it
+        connection.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _fork_worker(request: dict[str, Any], template_files: tuple[int, ...]) -> int:
+    """Fork one worker (the child never returns here): its own session, environment and working
+    directory, then the worker bootstrap, which ends the process."""
+    template_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for descriptor in template_files:
+            os.close(descriptor)
+        os.environ.clear()
+        os.environ.update(request["environment"])
+        os.environ[DDPKIT_LAUNCHER_PID] = str(template_pid)  # the worker dies with its parent
+        os.chdir(request["cwd"])
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()  # as a fresh interpreter's import would: its own entropy
+        main(request["argv"])  # ends the process itself
+    except SystemExit as exit_request:
+        code = exit_request.code if isinstance(exit_request.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 if __name__ == "__main__":

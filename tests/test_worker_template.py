@@ -1,0 +1,144 @@
+"""Warm starts (``launching.worker_template``): ``ddpkit run`` forks a script's workers from one
+process per node that imported torch once. Each forked worker must be the worker a fresh
+interpreter is (its rank's variables, working directory, arguments, thread count, its own random
+state), exit codes and signals must reach the launcher as before, restarts reuse the template, and
+nothing is left behind when the launcher or the template is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.launching.worker_template import forking_allowed, starts_differently
+
+pytestmark = pytest.mark.skipif(forking_allowed(os.environ) is not None,
+                                reason=f"workers are not forked here: {forking_allowed(os.environ)}")
+
+_REPORT = """
+import json, os, sys, time
+import numpy, torch
+ppid = os.getppid()
+with open(f"/proc/{ppid}/cmdline", "rb") as handle:
+    parent = handle.read().split(b"\\0")
+print(json.dumps({"attempt": int(os.environ["DDPKIT_RESTART_COUNT"]), "rank": int(os.environ["RANK"]),
+                  "pid": os.getpid(), "parent": ppid, "forked": b"--template" in parent, "cwd": os.getcwd(),
+                  "argv": sys.argv, "threads": torch.get_num_threads(), "omp": os.environ["OMP_NUM_THREADS"],
+                  "random": numpy.random.randint(1 << 30)}), flush=True)
+"""
+
+
+def _run(tmp_path: Path, body: str, *flags: str, env: dict[str, str] | None = None,
+         timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "job.py").write_text(_REPORT + body)
+    return subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", *flags, "job.py", "--flag"],
+                          cwd=tmp_path, env={**os.environ, **(env or {})}, text=True, capture_output=True,
+                          timeout=timeout)
+
+
+def _reports(stdout: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_forked_workers_are_each_their_own_worker_and_a_restart_forks_from_the_same_template(tmp_path: Path) -> None:
+    body = ("if os.environ['DDPKIT_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+            "    time.sleep(0.5)\n"
+            "    sys.exit(3)\n")
+    result = _run(tmp_path, body, "--max-restarts", "1")
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 (local rank 1" in result.stderr and "exited with code 3" in result.stderr, result.stderr
+    reports = _reports(result.stdout)
+    assert sorted((report["attempt"], report["rank"]) for report in reports) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(report["forked"] for report in reports), reports
+    assert len({report["parent"] for report in reports}) == 1, "the restart forked from another template"
+    assert len({report["pid"] for report in reports}) == 4
+    assert all(report["cwd"] == str(tmp_path) and report["argv"] == ["job.py", "--flag"] for report in reports)
+    assert all(report["threads"] == int(str(report["omp"])) for report in reports), reports
+    assert len({report["random"] for report in reports}) == 4, "the workers share numpy's random state"
+
+
+def test_a_killed_launcher_takes_the_template_and_its_forked_workers_with_it(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(_REPORT + "time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "job.py"],
+                                cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert launcher.stdout is not None
+    reports = [json.loads(launcher.stdout.readline()) for _ in range(2)]
+    pids = [int(report["pid"]) for report in reports] + [int(reports[0]["parent"])]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=10)
+    _assert_gone(pids, seconds=10)
+
+
+def test_a_template_killed_under_its_workers_ends_the_attempt_and_the_restart_starts_fresh_interpreters(
+        tmp_path: Path) -> None:
+    body = ("if os.environ['DDPKIT_RESTART_COUNT'] == '0':\n"
+            "    time.sleep(120)\n")
+    (tmp_path / "job.py").write_text(_REPORT + body)
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "--max-restarts", "1",
+                                 "job.py"], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert launcher.stdout is not None
+    first = [json.loads(launcher.stdout.readline()) for _ in range(2)]
+    start = time.monotonic()
+    os.kill(int(first[0]["parent"]), signal.SIGKILL)
+    rest, err = launcher.communicate(timeout=60)
+    assert time.monotonic() - start < 15
+    assert launcher.returncode == 0, err
+    again = _reports(rest)
+    assert sorted(report["rank"] for report in again) == [0, 1] and not any(report["forked"] for report in again)
+    assert "the next workers start as fresh interpreters" in err, err
+
+
+def test_with_fork_workers_off_each_worker_is_a_fresh_interpreter(tmp_path: Path) -> None:
+    result = _run(tmp_path, "", env={"DDPKIT_FORK_WORKERS": "0"})
+    assert result.returncode == 0, result.stderr
+    assert [report["forked"] for report in _reports(result.stdout)] == [False, False]
+
+
+def test_a_variable_read_when_an_interpreter_starts_that_differs_rules_out_a_fork() -> None:
+    template = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "RANK": "0", "PYTHONPATH": "a"}
+    assert starts_differently(template, {**template, "RANK": "1", "MASTER_PORT": "9"}) == []
+    assert starts_differently(template, {**template, "OMP_NUM_THREADS": "2", "PYTHONPATH": "b",
+                                         "TORCH_CPP_LOG_LEVEL": "INFO", "LD_PRELOAD": "x"}) == [
+        "LD_PRELOAD", "OMP_NUM_THREADS", "PYTHONPATH", "TORCH_CPP_LOG_LEVEL"]
+    assert starts_differently(template, {key: value for key, value in template.items() if key != "PYTHONPATH"}) == [
+        "PYTHONPATH"]
+    assert forking_allowed({"DDPKIT_FORK_WORKERS": "0"}) == "DDPKIT_FORK_WORKERS=0"
+
+
+def _assert_gone(pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.1)
+    assert not alive, f"still running: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_lightning_imported_by_the_template_knows_each_workers_rank(tmp_path: Path) -> None:
+    """Lightning notes the rank (``rank_zero_only.rank``) when it is imported: in the template that
+    was before any rank; a forked worker must see its own, as a fresh interpreter would."""
+    pytest.importorskip("lightning", reason="Lightning is not installed (pip install lightning)")
+    body = ("import lightning\n"
+            "from lightning.pytorch.utilities import rank_zero_only\n"
+            "print(json.dumps({'lightning_rank': rank_zero_only.rank, 'env_rank': int(os.environ['RANK'])}), "
+            "flush=True)\n")
+    result = _run(tmp_path, body)
+    assert result.returncode == 0, result.stderr
+    reports = _reports(result.stdout)
+    assert all(report["forked"] for report in reports if "forked" in report), reports
+    ranks = [(report["lightning_rank"], report["env_rank"]) for report in reports if "lightning_rank" in report]
+    assert sorted(ranks) == [(0, 0), (1, 1)], ranks
