@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,62 @@ def test_a_user_can_route_the_messages_through_their_own_logging(caplog: pytest.
         assert [(record.name, record.getMessage()) for record in caplog.records] == [("ddpkit.routing", "routed")]
     finally:
         root.handlers[:], root.propagate = saved
+
+
+def _on_a_terminal(text: str) -> list[str]:
+    """The lines a terminal shows for ``text``: a carriage return goes back to the line's start,
+    ESC[K clears the rest of the line, other characters overwrite."""
+    shown = []
+    for physical in text.replace("\r\n", "\n").split("\n"):
+        line: list[str] = []
+        cursor = 0
+        index = 0
+        while index < len(physical):
+            if physical.startswith("\x1b[K", index):
+                del line[cursor:]
+                index += 3
+                continue
+            character = physical[index]
+            if character == "\r":
+                cursor = 0
+            else:
+                line[cursor:cursor + 1] = [character]
+                cursor += 1
+            index += 1
+        shown.append("".join(line))
+    return shown
+
+
+def test_on_a_terminal_the_launchers_lines_start_on_a_line_of_their_own_under_a_progress_bar(tmp_path: Path) -> None:
+    """Issue 64, item 4: a worker's progress bar ends its line with a carriage return; the
+    launcher's restart notice and its failure summary must not continue that line."""
+    import pty
+
+    (tmp_path / "bar.py").write_text(
+        "import sys\n"
+        "sys.stderr.write('epoch 1:  12%|#2        | 16/128 [00:01<00:07]\\r')\n"
+        "sys.stderr.write('epoch 1:  13%|#3        | 17/128 [00:01<00:07]')\n"
+        "sys.stderr.flush()\n"
+        "sys.exit(1)\n")
+    controller, terminal = pty.openpty()
+    environment = {key: value for key, value in os.environ.items() if key not in ("RANK", "DDPKIT_LOG_LEVEL")}
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "--max-restarts", "1",
+                                 "bar.py"], cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal,
+                                env={**environment, "TERM": "xterm"})
+    os.close(terminal)
+    written = b""
+    while True:
+        try:
+            chunk = os.read(controller, 1 << 16)
+        except OSError:  # the terminal's other side is closed: every process has ended
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(controller)
+    assert launcher.wait(timeout=60) == 1
+    shown = _on_a_terminal(written.decode(errors="replace"))
+    ours = [line for line in shown if "ddpkit run:" in line]
+    assert any("exited with code 1" in line for line in ours), shown
+    assert any("restart" in line for line in ours), shown
+    assert all(line.startswith("ddpkit run:") for line in ours), shown

@@ -12,7 +12,11 @@ To route them yourself: ``logging.getLogger("ddpkit").handlers.clear()`` and
 The handler writes with ``os.write``, not ``sys.stderr``: a hang report comes from a watchdog
 thread while the main thread may be stuck half-way through a write to ``sys.stderr``.
 
-The launchers' failure summary is the answer of ``ddpkit run`` and stays a plain write to stderr.
+On a terminal each message starts on a line of its own even while a worker draws a progress bar
+(which ends its line with a carriage return, not a newline): the handler returns to the line's start
+and clears it first (``LINE_START``), as ``tqdm.write`` does; the bar draws itself again below at
+its next update. The launchers' failure summary is the answer of ``ddpkit run`` and stays a plain
+write to stderr, starting the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 
 from ddpkit.variables import DDPKIT_LOG_LEVEL, DDPKIT_STDERR_PREFIXED
 
-__all__ = ["get_logger", "log_level_problem"]
+__all__ = ["get_logger", "line_start", "log_level_problem"]
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -45,10 +49,24 @@ def _rank() -> str | None:
     return os.environ.get("RANK")
 
 
+# Back to the start of the line, and clear it (a progress bar's partial line).
+_LINE_START_ON_A_TERMINAL = "\r\x1b[K"
+
+
+def line_start(descriptor: int = 2) -> str:
+    """What a message written to ``descriptor`` starts with so that it starts on a line of its own:
+    on a terminal (not a dumb one), a return to the line's start that clears it; else nothing."""
+    try:
+        terminal = os.isatty(descriptor)
+    except OSError:
+        return ""
+    return _LINE_START_ON_A_TERMINAL if terminal and os.environ.get("TERM") != "dumb" else ""
+
+
 class _StandardErrorHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            os.write(2, (self.format(record) + "\n").encode(errors="replace"))
+            os.write(2, (line_start() + self.format(record) + "\n").encode(errors="replace"))
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
             self.handleError(record)
 

@@ -63,7 +63,7 @@ from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.launching.straggler_replacement import StepAside, one_node_note
 from ddpkit.launching.watch import Outcome, Signals, agree_across_nodes, watch
 from ddpkit.launching.worker_template import WorkerTemplate
-from ddpkit.logs import get_logger
+from ddpkit.logs import get_logger, line_start
 from ddpkit.membership.generations import member_identity
 from ddpkit.store.client import GaveUpWaiting, connect
 from ddpkit.store.job_secret import job_secret, new_job_secret
@@ -410,7 +410,8 @@ class _LauncherRun:
             return outcome.code
         count = config.nproc_per_node
         these = f"all {count} workers" + (f" of node {config.node_rank}" if config.nnodes > 1 else "")
-        print(f"ddpkit run: {outcome.cause}\nddpkit run: {these} were stopped.", file=sys.stderr, flush=True)
+        print(f"{line_start()}ddpkit run: {outcome.cause}\nddpkit run: {these} were stopped.", file=sys.stderr,
+              flush=True)
         if outcome.stopped_elsewhere:
             _log.error("ddpkit run: no restart after a stop signal on another node: ending the job.")
             return outcome.code
