@@ -198,3 +198,34 @@ def test_ddpkit_report_refuses_a_plot_path_it_cannot_write_in_one_line(
     assert report(str(metrics), str(tmp_path / name)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said.format(folder=tmp_path / "no-such-folder") in err, err
+
+
+def test_the_plot_reads_at_a_glance(tmp_path: Path) -> None:
+    """Issue 64, item 5: every phase the file holds in a panel whose milliseconds start at 0, time
+    from the first window's start (a single window too), every rank named once for all panels, and
+    each straggler's shading labelled with its rank and phase."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install matplotlib; .ci/run installs it)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ddpkit.launching.report import draw_windows
+
+    metrics = tmp_path / "metrics.jsonl"
+    health = JobHealth(2.5, False, str(metrics), 1.2)
+    for start in range(4):
+        health.window([window(0, 1000.0 + start), window(1, 1000.0 + start, data=0.030)])
+    figure = draw_windows(read_job_windows(str(metrics)))
+    panels = {axis.get_ylabel().split("\n")[0]: axis for axis in figure.axes}
+    assert list(panels) == ["step", "forward", "backward", "communication", "optimizer step", "data wait",
+                            "between steps"]
+    assert all(axis.get_ylim()[0] == 0 for axis in figure.axes)
+    assert figure.axes[-1].get_xlim() == (0.0, 4.0) and "since the first window's start" in figure.axes[-1].get_xlabel()
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == ["rank 0", "rank 1"]
+    assert all(axis.get_legend() is None for axis in figure.axes)
+    labelled = {name: {text.get_text() for text in axis.texts} for name, axis in panels.items()}
+    assert labelled["data wait"] == {"rank 1: data wait"} and labelled["step"] == {"rank 1: data wait"}
+    assert labelled["forward"] == set()
+
+    alone = draw_windows(read_job_windows(str(metrics))[:1])
+    xs = [x for axis in alone.axes for line in axis.get_lines() for x in line.get_xdata()]
+    assert alone.axes[-1].get_xlim() == (0.0, 1.0) and all(0 < x < 1 for x in xs)

@@ -9,13 +9,14 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from ddpkit.launching.health import PHASE_NAMES, JobWindow, Straggler, read_job_windows_and_malformed
+from ddpkit.launching.health import JobWindow, Straggler, read_job_windows_and_malformed
 
-__all__ = ["plot_windows", "report"]
+__all__ = ["draw_windows", "phases_held", "plot_windows", "report"]
 
-#: The phases drawn, one panel each, after the step time.
-PLOTTED = ("step", "forward", "backward", "communication", "data")
+#: The phases drawn, one panel each where the file holds them, the step time first.
+PLOTTED = ("step", "forward", "backward", "communication", "optimizer", "data", "between")
 
 
 def report(path: str, plot: str | None = None) -> int:
@@ -83,36 +84,103 @@ def _refuse_the_plot_path(path: str) -> str | None:
 
 
 def plot_windows(windows: Sequence[JobWindow], path: str) -> None:
-    """Step time and each phase per rank over the windows, one panel each, to ``path``."""
+    """Draw ``windows`` (``draw_windows``) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ranks = sorted({rank["rank"] for window in windows for rank in window.ranks})
-    nodes = sorted({node for window in windows for node in window.links}, key=int)
-    origin = windows[0].start
-    panels = len(PLOTTED) + bool(nodes)  # across nodes, the nodes' link times last
-    figure, axes = plt.subplots(panels, 1, figsize=(9, 2.2 * panels), sharex=True)
-    for axis, phase in zip(axes, PLOTTED, strict=False):
-        for rank in ranks:
-            points = [(window.start - origin, 1000 * entry[phase]) for window in windows for entry in window.ranks
-                      if entry["rank"] == rank]
-            axis.plot([x for x, _ in points], [y for _, y in points], marker=".", label=f"rank {rank}")
-        axis.set_ylabel(f"{PHASE_NAMES.get(phase, phase).split(' (')[0]} (ms)")
-        for window in windows:
-            if window.stragglers:
-                axis.axvspan(window.start - origin, window.start - origin + window.seconds, color="red", alpha=0.08)
-    if nodes:
-        for node in nodes:
-            points = [(window.start - origin, 1000 * window.links[node]) for window in windows if node in window.links]
-            axes[-1].plot([x for x, _ in points], [y for _, y in points], marker=".", label=f"node {node}")
-        axes[-1].set_ylabel("link (ms)")
-        axes[-1].legend(loc="upper right", fontsize="small", ncol=min(4, len(nodes)))
-    axes[0].legend(loc="upper right", fontsize="small", ncol=min(4, len(ranks)))
-    axes[0].set_title(f"ddpkit report: median per window, from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(origin))}"
-                      " (red: a straggler named)")
-    axes[-1].set_xlabel("seconds")
-    figure.tight_layout()
+    figure = draw_windows(windows)
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def phases_held(windows: Sequence[JobWindow]) -> list[str]:
+    """The phases the windows hold a time for (``PLOTTED``'s order), each drawn in a panel of its own."""
+    return [phase for phase in PLOTTED
+            if any(entry.get(phase) is not None for window in windows for entry in window.ranks)]
+
+
+def draw_windows(windows: Sequence[JobWindow]) -> Any:
+    """A matplotlib figure: each phase's median per rank per window, a panel per phase (and across
+    nodes one of each node's link time). Time runs from the first window's start; every axis of
+    milliseconds starts at 0; each rank (and node) is named once, in the figure's legend; each
+    window that named a straggler is shaded on its phase's panels and the step's, with its rank and phase."""
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({rank["rank"] for window in windows for rank in window.ranks})
+    nodes = sorted({node for window in windows for node in window.links}, key=int)
+    phases = phases_held(windows)
+    origin = windows[0].start
+    panels = len(phases) + bool(nodes)  # across nodes, the nodes' link times last
+    figure, grid = plt.subplots(panels, 1, figsize=(9, 1.9 * panels + 1.0), sharex=True, squeeze=False)
+    axes = [row[0] for row in grid]
+    panel_of = dict(zip([*phases, *(["link"] if nodes else [])], axes, strict=True))
+    colours = {rank: f"C{index % 10}" for index, rank in enumerate(ranks)}
+
+    def middle(window: JobWindow) -> float:  # a window's median is drawn at its middle
+        return window.start - origin + window.seconds / 2
+
+    for phase in phases:
+        axis = panel_of[phase]
+        for rank in ranks:
+            points = [(middle(window), 1000 * entry[phase]) for window in windows for entry in window.ranks
+                      if entry["rank"] == rank and entry.get(phase) is not None]
+            axis.plot([x for x, _ in points], [y for _, y in points], marker=".", color=colours[rank], label=f"rank {rank}")
+        axis.set_ylabel(f"{_PANEL_NAMES.get(phase, phase)}\n(ms)", fontsize="small")
+    if nodes:
+        for index, node in enumerate(nodes):
+            points = [(middle(window), 1000 * window.links[node]) for window in windows if node in window.links]
+            panel_of["link"].plot([x for x, _ in points], [y for _, y in points], marker="x", linestyle="--",
+                                  color=f"C{(len(ranks) + index) % 10}", label=f"node {node}")
+        panel_of["link"].set_ylabel("link of each node\n(ms)", fontsize="small")
+    for axis in axes:
+        axis.set_ylim(0, axis.get_ylim()[1] * 1.25)  # room above the lines for a straggler's label
+        axis.grid(alpha=0.3)
+    _shade_stragglers(windows, origin, panel_of)
+    axes[-1].set_xlim(0, max(window.start - origin + window.seconds for window in windows))
+    axes[-1].set_xlabel(f"seconds since the first window's start ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(origin))})")
+    handles, labels = [], []
+    for axis in axes:
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    height = figure.get_figheight()
+    figure.suptitle("ddpkit report: each rank's median per window (shaded: a straggler named)",
+                    y=1 - 0.1 / height, va="top", fontsize="medium")
+    figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.35 / height),
+                  ncol=min(8, len(labels)), fontsize="small", frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.7 / height))
+    return figure
+
+
+# A panel's name: the phase as the health line says it, short.
+_PANEL_NAMES = {"step": "step", "forward": "forward", "backward": "backward", "communication": "communication",
+                "optimizer": "optimizer step", "data": "data wait", "between": "between steps"}
+# The panels a straggler of each phase is shaded on, besides the step's.
+_STRAGGLER_PANELS = {"compute": ("forward", "backward"), "data": ("data",), "link": ("link",)}
+
+
+def _shade_stragglers(windows: Sequence[JobWindow], origin: float, panel_of: dict[str, Any]) -> None:
+    """One band, labelled once, for each run of windows that named the same straggler."""
+    bands: list[tuple[str, str, float, float]] = []  # (who, phase, from, to), seconds since ``origin``
+    for window in windows:
+        left, right = window.start - origin, window.start - origin + window.seconds
+        for fields in window.stragglers:
+            straggler = Straggler(**fields)
+            who = f"node {straggler.node}" if straggler.phase == "link" else f"rank {straggler.rank}"
+            same = [index for index, band in enumerate(bands) if band[:2] == (who, straggler.phase)
+                    and abs(band[3] - left) < 1e-6]
+            if same:
+                bands[same[0]] = (who, straggler.phase, bands[same[0]][2], right)
+            else:
+                bands.append((who, straggler.phase, left, right))
+    for who, phase, left, right in bands:
+        for name in ("step", *_STRAGGLER_PANELS.get(phase, ())):
+            axis = panel_of.get(name)
+            if axis is not None:
+                axis.axvspan(left, right, color="red", alpha=0.08)
+                axis.text((left + right) / 2, 0.97, f"{who}: {_PANEL_NAMES.get(phase, phase)}",
+                          transform=axis.get_xaxis_transform(), ha="center", va="top", fontsize="small",
+                          color="darkred", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
