@@ -64,7 +64,6 @@ _BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "d
     ("ready_file.py", ("ddpkit.launching", "ddpkit.training", "ddpkit.lightning", "ddpkit.parallel",
                        "ddpkit.membership")),  # the contract both sides read: it imports neither
     ("store/keys.py", ("ddpkit.",)),  # the store's keys only: every part may import it
-    ("store/news.py", ("ddpkit.",)),  # a group's news: every part may import it, it imports only those above
     ("process_state.py", ("ddpkit.",)),  # the process's state only: every part may import it
     ("membership/", ("ddpkit.comm", "ddpkit.parallel", "ddpkit.hooks", "ddpkit.training", "ddpkit.launching")),
     ("environments/", ("ddpkit.membership.connection", "ddpkit.comm", "ddpkit.parallel", "ddpkit.training",
@@ -88,11 +87,10 @@ def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) ->
         if not module.startswith(part):
             continue
         own_part = "ddpkit." + part.rstrip("/").removesuffix(".py").replace("/", ".")
-        # Every part may use the loggers, names, keys, secret, process state and a group's news.
+        # Every part may use the loggers, names, keys, secret and process state.
         for imported in imported_ddpkit_modules(module):
             if imported.startswith(own_part) or imported in ("ddpkit.logs", "ddpkit.variables", "ddpkit.store.keys",
-                                                             "ddpkit.store.job_secret", "ddpkit.process_state",
-                                                             "ddpkit.store.news"):
+                                                             "ddpkit.store.job_secret", "ddpkit.process_state"):
                 continue
             assert not imported.startswith(forbidden), f"{module} imports {imported}"
 

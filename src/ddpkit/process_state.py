@@ -75,9 +75,6 @@ class ProcessState:
         self.connection = ConnectionState()
         self.peer_watch: Any = None  # ``diagnostics.peer_watch``: the watch of this process's peers, once started
         self.peer_watch_lock = threading.Lock()
-        # ``store.news``: (a weak reference to the group, its NewsWatch or None) once asked for.
-        self.news: tuple[Callable[[], Any], Any] | None = None
-        self.news_lock = threading.Lock()
         self.exception_hook: Callable[..., object] | None = None  # ``diagnostics.exits``: the hook it installed
         self.store_requests_unanswered = threading.Event()  # ``launching.store_client``: a request never answered
         self.refused_keys: set[str] = set()  # ``job_secret``: keys whose forged values were already reported

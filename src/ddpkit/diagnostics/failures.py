@@ -51,7 +51,6 @@ from ddpkit.diagnostics.records import exception_record, write_error_record
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
 from ddpkit.store.job_secret import JobSecretError, RecordSigner, job_secret
-from ddpkit.store.news import announce
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "announced_loss",
@@ -163,9 +162,7 @@ def record_failure(record: dict[str, object], publish: bool = True, tear_down: b
     if store is None:
         return
     try:
-        signer = record_signer()
-        publish_first(store, signer, FAILURE, json.dumps(record))
-        announce(store, signer.namespace, signer.scope)  # the other ranks' peer watches wake for it
+        publish_first(store, record_signer(), FAILURE, json.dumps(record))
     except RuntimeError:
         return  # the store is gone (its host died first): nothing to tell, and no one to tell it
     if dist.get_rank() == 0:
@@ -272,9 +269,7 @@ def note_lost_peer(error: BaseException) -> PeerLostError:
     store = _default_store()
     if store is not None:
         with contextlib.suppress(RuntimeError):
-            signer = record_signer()
-            publish_first(store, signer, LOST, f"rank {_this_rank()}: {error}".splitlines()[0])
-            announce(store, signer.namespace, signer.scope)
+            publish_first(store, record_signer(), LOST, f"rank {_this_rank()}: {error}".splitlines()[0])
     return PeerLostError(f"a rank of the group vanished (its collective failed on rank {_this_rank()}: "
                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__}); "
                          "in-place recovery replaces it")

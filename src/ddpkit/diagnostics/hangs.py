@@ -11,18 +11,15 @@ to choose, ``DDPKIT_HANG_SECONDS=0`` to turn it off.
 
 Each rank notes in memory the sequence number, operation and call site of every ddpkit
 collective it enters (no communication on the training path); a thread of each rank publishes
-that progress in the process group's store when it has changed, at most once every
-``_progress_seconds`` (a sixth of the set time, 1 to 10 s: a report comes that late anyway,
-and an answer carries the rank's latest), and checks once a second:
+that progress in the process group's store when it has changed, at most once a second,
+and checks:
 
 - if this rank's collective has waited longer than the set time, it asks every rank for its
   stack (a counter in the store), and about a second later logs a report: the collective, the
   ranks that have not arrived (their last collective is an earlier one) and each rank's last
   collective and current Python stack (that of its main thread, read by the thread even while
   the main thread is blocked);
-- if another rank asked, it posts its own stack. A request is news (``store.news``): the count of
-  requests is read when the group's news says something happened, and every
-  ``_FALLBACK_SECONDS`` besides (every second where the store gives no news).
+- if another rank asked, it posts its own stack.
 
 A rank that cannot answer is named and described: on the reporting rank's machine, a stopped
 process (SIGSTOP, a debugger) is said to be stopped; a running one whose threads cannot run is
@@ -62,7 +59,6 @@ from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
-from ddpkit.store.news import announce, default_group_news
 from ddpkit.variables import DDPKIT_HANG_ABORT_SECONDS, DDPKIT_HANG_SECONDS, DDPKIT_STACK_FILE
 
 __all__ = ["DEFAULT_HANG_SECONDS", "last_report", "watch_for_hangs"]
@@ -72,8 +68,6 @@ _log = get_logger("diagnostics")
 DEFAULT_HANG_SECONDS = 60.0
 # Once a second: the reports come a minute late anyway, and the store is shared by every rank.
 _POLL_SECONDS = 1.0
-# How often the count of requests is read without news of one.
-_FALLBACK_SECONDS = 5.0
 # How long a rank that runs under ddpkit's bootstrap gets to write its stack after SIGUSR1.
 _SIGNALLED_STACK_SECONDS = 0.5
 # How long the reporting rank waits for the others' stacks.
@@ -100,13 +94,10 @@ class HangWatch:
         self.ended_sequence = 0
         self.requests_answered = 0
         self.report = ""
-        self.progress_published_at = 0.0
-        self.news_seen, self.requests_read_at = -1, 0.0
         # Every value is signed with the job secret when there is one: a forged progress would name
         # the wrong rank, a forged process record would have the reporting rank signal any pid and
         # read any file (its "stack file").
         self.signer = record_signer()
-        self.news = default_group_news(self.signer.namespace, self.signer.scope)  # (its requests are news)
         # Where this process is, for a reporting rank on the same machine when this one cannot answer.
         self._write(store_keys.hang_process(self.rank), json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "stack_file": os.environ.get(DDPKIT_STACK_FILE)}))
@@ -138,16 +129,15 @@ class HangWatch:
 
     def _check(self) -> None:
         entered, last_entered = self.entered, self.last_entered
-        if entered != self.published and time.monotonic() - self.progress_published_at >= _progress_seconds(self.seconds):
+        if entered != self.published:
             self._write(store_keys.hang_progress(self.rank), last_entered)
-            self.published, self.progress_published_at = entered, time.monotonic()
+            self.published = entered
         current = self.current
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
             # The requests' count cannot be signed: a stranger who adds to it makes every rank post its
             # stack (signed, so not forged), nothing more.
             request = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 1)
-            announce(self.store, self.signer.namespace, self.signer.scope)  # the others' watches wake for it
             self._answer_requests(request)
             self.report, self.missing = self._build_report(current, request)
             self.reported_at = time.monotonic()
@@ -158,20 +148,7 @@ class HangWatch:
             self.ended_sequence = current[0]
             self._end_the_job(current)
             return
-        if self._requests_may_have_come():
-            self._answer_requests()
-
-    def _requests_may_have_come(self) -> bool:
-        """Whether to read the count of requests now: the group has news since the last read, or
-        none came for ``_FALLBACK_SECONDS`` (or the store gives no news)."""
-        news = self.news
-        if news is not None and not news.ended:
-            count = news.wait_for_more(self.news_seen, 0.0)
-            if count == self.news_seen and time.monotonic() - self.requests_read_at < _FALLBACK_SECONDS:
-                return False
-            self.news_seen = count
-        self.requests_read_at = time.monotonic()
-        return True
+        self._answer_requests()
 
     def _answer_requests(self, latest: int | None = None) -> None:
         """Post this rank's stack for every request it has not answered, up to ``latest`` (None: the
@@ -229,11 +206,9 @@ class HangWatch:
         for rank, key in enumerate(keys):
             progress = self._read(store_keys.hang_progress(rank)) or "no ddpkit collective yet"
             entered = int(progress[1:].split()[0]) if progress.startswith("#") else 0
-            answer = self._read(key)
-            entered = max(entered, _entered_by_answer(answer))  # an answer is newer than the published progress
             if entered < sequence:
                 missing.append(rank)
-            stack = answer or self._describe_silent_rank(rank, key)
+            stack = self._read(key) or self._describe_silent_rank(rank, key)
             sections.append(f"--- rank {rank}: last entered {progress}; now {stack}")
         lines.append(f"Ranks that have not arrived: {missing or 'none (they are in it: a slow peer or the network)'}.")
         return "\n".join(lines) + "\n" + "".join(sections), missing
@@ -268,24 +243,6 @@ class HangWatch:
     def _read(self, name: str) -> str | None:
         """The value of ``name`` one of the job's ranks wrote; None when there is none (or only a forged one)."""
         return self.signer.read(self.store, self.signer.key(name))
-
-
-def _entered_by_answer(answer: str | None) -> int:
-    """The last collective a rank entered, as its answer to a request says (``_answer_requests``:
-    "in #N ..." or "in no collective (entered N)"); 0 without an answer."""
-    if answer is None:
-        return 0
-    where = answer.split("\n", 1)[0]
-    if where.startswith("in #"):
-        return int(where[4:].split()[0])
-    if where.startswith("in no collective (entered "):
-        return int(where.removeprefix("in no collective (entered ").split(")")[0])
-    return 0
-
-
-def _progress_seconds(seconds: float) -> float:
-    """How often a rank's progress is published for a watch that reports after ``seconds``."""
-    return min(10.0, max(1.0, seconds / 6))
 
 
 def _process_state(pid: int) -> str | None:

@@ -2,11 +2,8 @@
 rank's main thread is blocked in a call ddpkit cannot interrupt.
 
 ddpkit's own collectives wait in slices and raise ``PeerFailedError`` by themselves
-(``ddpkit.diagnostics.waits``). Two cases are left, and the watch handles them. It reads the
-store's failure record when the group's news says something was published (``store.news``: a
-wait held open by the store, not a poll), and every ``_FALLBACK_SECONDS`` besides; where the
-store gives no news (it cannot be cloned), and under NCCL with in-place recovery (a launcher's
-announcement of a lost node is not news), every ``_READ_SECONDS``:
+(``ddpkit.diagnostics.waits``). Two cases are left, and the watch, which reads the store's
+failure record every ``_READ_SECONDS``, handles them:
 
 - **NCCL.** A kernel waiting for a failed peer never returns until its communicator is
   aborted. When a peer's failure appears, the watch aborts this process's NCCL communicators
@@ -44,17 +41,14 @@ from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.failures import (
     PeerFailedError,
     announced_loss,
-    lost_peers_expected,
     peer_failure_raised,
     read_failure_record,
     record_exception,
-    record_signer,
     store_host_gone,
 )
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
-from ddpkit.store.news import default_group_news
 from ddpkit.variables import DDPKIT_PEER_FAILURE_EXIT_SECONDS
 
 __all__ = ["PEER_FAILED_EXIT_CODE", "abort_nccl_communicators", "watch_peers"]
@@ -64,10 +58,8 @@ _log = get_logger("diagnostics")
 # The exit code of a rank the watch ended because a peer failed (sysexits' EX_UNAVAILABLE: the
 # service, here the group, is gone). Distinct from 1, the code of the rank that failed itself.
 PEER_FAILED_EXIT_CODE = 69
-# How often the watch reads the store without news: one small request per rank, four times a second.
+# How often the watch reads the store: one small request per rank, four times a second.
 _READ_SECONDS = 0.25
-# How often it reads anyway with news (a store that froze, a record another writer left without news).
-_FALLBACK_SECONDS = 5.0
 _DEFAULT_EXIT_SECONDS = 1.0
 
 
@@ -88,13 +80,8 @@ class _PeerWatch:
         return group is not None and dist.is_initialized() and dist.distributed_c10d._get_default_group() is group
 
     def _run(self) -> None:
-        signer = record_signer()
-        news, seen = default_group_news(signer.namespace, signer.scope), -1
         while True:
-            if news is None or news.ended or (self.backend == "nccl" and lost_peers_expected()):
-                time.sleep(_READ_SECONDS)
-            else:
-                seen = news.wait_for_more(seen, _FALLBACK_SECONDS)
+            time.sleep(_READ_SECONDS)
             if not self._current():
                 return
             try:

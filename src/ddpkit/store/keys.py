@@ -11,7 +11,6 @@ namespace (``NAMESPACE`` without a job secret; ``signed_namespace`` with one, ``
         failure, failure_seen, peer_lost        the diagnostics' records, in the group's store
         hang/...                                the hang watch's requests and answers
         (torch's own keys for the group)
-    <namespace>news/<scope>/count, .../<n>     a group's news, what its ranks' watches wait for (``store.news``)
     <namespace>launchers/                       the launchers' agreement across nodes (``launcher_record``):
         beat/<node>, left/<node>, removed/<node>, takeover/<node>/<launcher>, return/<node>/<generation>,
         node-losses, generation                 job-wide (``JOB_WIDE``)
@@ -34,9 +33,9 @@ __all__ = [
     "LINK_PROBE", "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "STORE_HOST", "SUCCEEDED", "count_of", "launcher_record",
     "node_return", "of", "step_aside", "takeover",
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
-    "NEWS_COUNT", "NODE_LOST", "PEER_LOST", "REJOIN", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
+    "NODE_LOST", "PEER_LOST", "REJOIN", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
     "WAITING", "BLOCK_PART", "REJOIN_PART",
-    "generation_prefix", "hang_process", "news", "news_base", "hang_progress", "hang_stack", "launcher_prefixes", "member",
+    "generation_prefix", "hang_process", "hang_progress", "hang_stack", "launcher_prefixes", "member",
     "pool_started", "rendezvous_ticket", "signed_namespace", "torchrun_attempt_prefix",
 ]
 
@@ -77,18 +76,6 @@ FAILURE = "failure"
 FAILURE_SEEN = "failure_seen"
 PEER_LOST = "peer_lost"
 HANG_REQUESTS = "hang/requests"
-#: A group's count of news (``store.news``), and the key each raise of it writes, under ``news_base``.
-NEWS_COUNT = "count"
-
-
-def news(number: int) -> str:
-    return str(number)
-
-
-def news_base(namespace: str, scope: str) -> str:
-    """Where a group's news is, in the TCP store under the group's prefixes: its scope (the attempt
-    and the generation) in the job's namespace."""
-    return f"{namespace}news/{scope}/"
 
 
 def hang_stack(request: int, rank: int) -> str:
