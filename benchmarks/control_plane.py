@@ -4,7 +4,8 @@ Each simulated node runs the launcher's coordination as ``ddpkit run`` does (``N
 its heartbeat thread, and the watch's poll of ``ended_elsewhere`` every 0.05 s, which reads the
 other launchers' beats, the failure, stop and left records, and under in-place recovery whether its
 place was taken) and its workers' store traffic (each rank's peer watch reading the failure record,
-its hang watch counting hang requests and publishing its progress), with the training replaced by
+its hang watch counting hang requests and publishing its progress, both told of news by their
+launcher and reading the store only every fallback period), with the training replaced by
 nothing: only the coordination runs. Many nodes share a process; the store is a real ``ddpkit store``
 process. After a steady phase one node is killed (its beat and every thread of it stop, as when a
 node's power goes), and each surviving node's launcher is timed until it takes the node for silent
@@ -142,30 +143,35 @@ class SimulatedNode:
             self._loops.append(time.monotonic() - began)
 
     def _workers(self) -> None:
-        """The ranks' own store traffic: the peer watch's read of the failure record, the hang
-        watch's count of requests and its progress (``diagnostics.peer_watch``, ``diagnostics.hangs``)."""
-        from ddpkit.diagnostics import hangs, peer_watch
+        """The ranks' own store traffic in a quiet job (``diagnostics.peer_watch``, ``diagnostics.hangs``):
+        their launcher relays the job's count of news to them (``diagnostics.relayed_news``, a local
+        file), so each rank reads the failure record and the count of hang requests only every
+        fallback period, and publishes its progress every ``hangs._progress_seconds`` of the
+        default hang time."""
+        from ddpkit.diagnostics import hangs, relayed_news
         from ddpkit.diagnostics.failures import read_failure_record, record_signer
         from ddpkit.store import keys
 
         store, ranks = self._workers_client, range(self.node * self.args.ranks_per_node,
                                                    (self.node + 1) * self.args.ranks_per_node)
         signer = record_signer()
-        next_hang = time.monotonic()
+        next_read = next_progress = time.monotonic()
         entered = 0
         while not self.killed.is_set():
             try:
-                for _ in ranks:
-                    read_failure_record(store, timeout=None)
-                if time.monotonic() >= next_hang:
-                    next_hang += hangs._POLL_SECONDS  # noqa: SLF001
+                if time.monotonic() >= next_read:
+                    next_read += relayed_news.FALLBACK_SECONDS
+                    for _ in ranks:
+                        read_failure_record(store, timeout=None)
+                        store.add(signer.key(keys.HANG_REQUESTS), 0)
+                if time.monotonic() >= next_progress:
+                    next_progress += hangs._progress_seconds(hangs.DEFAULT_HANG_SECONDS)  # noqa: SLF001
                     entered += 1
                     for rank in ranks:
                         store.set(signer.key(keys.hang_progress(rank)), f"#{entered} all_reduce")
-                        store.add(signer.key(keys.HANG_REQUESTS), 0)
             except Exception:  # noqa: BLE001 - the store went away at the end of the run
                 return
-            self.killed.wait(peer_watch._READ_SECONDS)  # noqa: SLF001
+            self.killed.wait(0.25)
 
     def loop_lag(self) -> float:
         return statistics.fmean(self._loops) / _WATCH_POLL_SECONDS if self._loops else 1.0

@@ -27,7 +27,10 @@ import numpy, torch
 ppid = os.getppid()
 with open(f"/proc/{ppid}/cmdline", "rb") as handle:
     parent = handle.read().split(b"\\0")
+with open(f"/proc/{ppid}/stat") as handle:
+    grandparent = int(handle.read().rsplit(")", 1)[1].split()[1])
 print(json.dumps({"attempt": int(os.environ["DDPKIT_RESTART_COUNT"]), "rank": int(os.environ["RANK"]),
+                  "launcher": int(os.environ["DDPKIT_LAUNCHER_PID"]), "grandparent": grandparent,
                   "pid": os.getpid(), "parent": ppid, "forked": b"--template" in parent, "cwd": os.getcwd(),
                   "argv": sys.argv, "threads": torch.get_num_threads(), "omp": os.environ["OMP_NUM_THREADS"],
                   "random": numpy.random.randint(1 << 30)}), flush=True)
@@ -61,6 +64,8 @@ def test_forked_workers_are_each_their_own_worker_and_a_restart_forks_from_the_s
     assert all(report["cwd"] == str(tmp_path) and report["argv"] == ["job.py", "--flag"] for report in reports)
     assert all(report["threads"] == int(str(report["omp"])) for report in reports), reports
     assert len({report["random"] for report in reports}) == 4, "the workers share numpy's random state"
+    # DDPKIT_LAUNCHER_PID names the launcher (a script may signal it), not the template between them.
+    assert all(report["launcher"] == report["grandparent"] for report in reports), reports
 
 
 def test_a_killed_launcher_takes_the_template_and_its_forked_workers_with_it(tmp_path: Path) -> None:

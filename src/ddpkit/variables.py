@@ -9,7 +9,7 @@ __all__ = [
     "DDPKIT_BACKEND", "DDPKIT_CHECK_REPLICAS", "DDPKIT_DEBUG", "DDPKIT_ERROR_FILE", "DDPKIT_FORK_WORKERS", "DDPKIT_GENERATION",
     "DDPKIT_HANG_ABORT_SECONDS", "DDPKIT_HANG_SECONDS", "DDPKIT_HOSTED_STORE", "DDPKIT_JOB_SECRET",
     "DDPKIT_JOB_SECRET_FILE", "DDPKIT_LAUNCHED", "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL", "DDPKIT_METRICS_FILE",
-    "DDPKIT_METRICS_SECONDS", "DDPKIT_NCCL_IN_PLACE",
+    "DDPKIT_METRICS_SECONDS", "DDPKIT_NCCL_IN_PLACE", "DDPKIT_NEWS_FILE",
     "DDPKIT_PEER_FAILURE_EXIT_SECONDS", "DDPKIT_POOL_CONNECTION", "DDPKIT_PREEMPTION_SIGNAL", "DDPKIT_READY_FILE",
     "DDPKIT_RECOVERY", "DDPKIT_RECOVERY_TIMEOUT_SECONDS", "DDPKIT_RESTART_COUNT", "DDPKIT_STACK_FILE",
     "DDPKIT_STDERR_PREFIXED", "DDPKIT_STORE_BIND", "DDPKIT_TEMPLATE_SOCKET", "launcher_flag_variable",
@@ -43,6 +43,9 @@ DDPKIT_STACK_FILE = "DDPKIT_STACK_FILE"
 #: recovery: the launcher's sign that the rank can take part in one and, from a process that
 #: replaced a lost rank, that it holds the survivors' state (the recovery is over).
 DDPKIT_READY_FILE = "DDPKIT_READY_FILE"
+#: Across nodes, the file in which the launcher keeps the job's count of news for its workers'
+#: watches (``diagnostics.relayed_news``): they read the store when it changed.
+DDPKIT_NEWS_FILE = "DDPKIT_NEWS_FILE"
 #: Where a worker appends its steps' phases once per window, and the window's length in seconds
 #: (``ddpkit run --report-every``/``--metrics``: ``diagnostics.step_windows``).
 DDPKIT_METRICS_FILE = "DDPKIT_METRICS_FILE"

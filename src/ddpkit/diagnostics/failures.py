@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
+from ddpkit.diagnostics.relayed_news import announce
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
 from ddpkit.store.job_secret import JobSecretError, RecordSigner, job_secret
@@ -163,6 +164,7 @@ def record_failure(record: dict[str, object], publish: bool = True, tear_down: b
         return
     try:
         publish_first(store, record_signer(), FAILURE, json.dumps(record))
+        announce(store)  # the other ranks' peer watches read it at their launchers' word
     except RuntimeError:
         return  # the store is gone (its host died first): nothing to tell, and no one to tell it
     if dist.get_rank() == 0:
@@ -270,6 +272,7 @@ def note_lost_peer(error: BaseException) -> PeerLostError:
     if store is not None:
         with contextlib.suppress(RuntimeError):
             publish_first(store, record_signer(), LOST, f"rank {_this_rank()}: {error}".splitlines()[0])
+            announce(store)
     return PeerLostError(f"a rank of the group vanished (its collective failed on rank {_this_rank()}: "
                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__}); "
                          "in-place recovery replaces it")

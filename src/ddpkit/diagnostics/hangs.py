@@ -11,15 +11,18 @@ to choose, ``DDPKIT_HANG_SECONDS=0`` to turn it off.
 
 Each rank notes in memory the sequence number, operation and call site of every ddpkit
 collective it enters (no communication on the training path); a thread of each rank publishes
-that progress in the process group's store when it has changed, at most once a second,
-and checks:
+that progress in the process group's store when it has changed, at most once every
+``_progress_seconds`` (a sixth of the set time, 1 to 10 s: a report comes that late anyway, and
+an answer to a request carries the rank's latest), and checks once a second:
 
 - if this rank's collective has waited longer than the set time, it asks every rank for its
   stack (a counter in the store), and about a second later logs a report: the collective, the
   ranks that have not arrived (their last collective is an earlier one) and each rank's last
   collective and current Python stack (that of its main thread, read by the thread even while
   the main thread is blocked);
-- if another rank asked, it posts its own stack.
+- if another rank asked, it posts its own stack. Under ``ddpkit run`` across nodes a request is
+  news its launcher relays (``diagnostics.relayed_news``): the count of requests is read when the
+  news changed, and every ``relayed_news.FALLBACK_SECONDS`` besides; elsewhere every second.
 
 A rank that cannot answer is named and described: on the reporting rank's machine, a stopped
 process (SIGSTOP, a debugger) is said to be stopped; a running one whose threads cannot run is
@@ -40,6 +43,7 @@ for tests and tools.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -55,6 +59,7 @@ import torch.distributed as dist
 
 from ddpkit.diagnostics.failures import record_failure, record_signer
 from ddpkit.diagnostics.records import failure_record
+from ddpkit.diagnostics.relayed_news import FALLBACK_SECONDS, announce, relayed_news
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
@@ -94,6 +99,8 @@ class HangWatch:
         self.ended_sequence = 0
         self.requests_answered = 0
         self.report = ""
+        self.progress_published_at = -math.inf
+        self.news, self.requests_read_at = relayed_news(), -math.inf
         # Every value is signed with the job secret when there is one: a forged progress would name
         # the wrong rank, a forged process record would have the reporting rank signal any pid and
         # read any file (its "stack file").
@@ -129,15 +136,16 @@ class HangWatch:
 
     def _check(self) -> None:
         entered, last_entered = self.entered, self.last_entered
-        if entered != self.published:
+        if entered != self.published and time.monotonic() - self.progress_published_at >= _progress_seconds(self.seconds):
             self._write(store_keys.hang_progress(self.rank), last_entered)
-            self.published = entered
+            self.published, self.progress_published_at = entered, time.monotonic()
         current = self.current
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
             # The requests' count cannot be signed: a stranger who adds to it makes every rank post its
             # stack (signed, so not forged), nothing more.
             request = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 1)
+            announce(self.store)  # the others' launchers relay it to their watches
             self._answer_requests(request)
             self.report, self.missing = self._build_report(current, request)
             self.reported_at = time.monotonic()
@@ -148,7 +156,17 @@ class HangWatch:
             self.ended_sequence = current[0]
             self._end_the_job(current)
             return
-        self._answer_requests()
+        if self._requests_may_have_come():
+            self._answer_requests()
+
+    def _requests_may_have_come(self) -> bool:
+        """Whether to read the count of requests now: without relayed news always; with it when
+        the news changed, or none came for ``FALLBACK_SECONDS``."""
+        news = self.news
+        if news is not None and not news.changed() and time.monotonic() - self.requests_read_at < FALLBACK_SECONDS:
+            return False
+        self.requests_read_at = time.monotonic()
+        return True
 
     def _answer_requests(self, latest: int | None = None) -> None:
         """Post this rank's stack for every request it has not answered, up to ``latest`` (None: the
@@ -206,9 +224,11 @@ class HangWatch:
         for rank, key in enumerate(keys):
             progress = self._read(store_keys.hang_progress(rank)) or "no ddpkit collective yet"
             entered = int(progress[1:].split()[0]) if progress.startswith("#") else 0
+            answer = self._read(key)
+            entered = max(entered, _entered_by_answer(answer))  # an answer is newer than the published progress
             if entered < sequence:
                 missing.append(rank)
-            stack = self._read(key) or self._describe_silent_rank(rank, key)
+            stack = answer or self._describe_silent_rank(rank, key)
             sections.append(f"--- rank {rank}: last entered {progress}; now {stack}")
         lines.append(f"Ranks that have not arrived: {missing or 'none (they are in it: a slow peer or the network)'}.")
         return "\n".join(lines) + "\n" + "".join(sections), missing
@@ -243,6 +263,24 @@ class HangWatch:
     def _read(self, name: str) -> str | None:
         """The value of ``name`` one of the job's ranks wrote; None when there is none (or only a forged one)."""
         return self.signer.read(self.store, self.signer.key(name))
+
+
+def _entered_by_answer(answer: str | None) -> int:
+    """The last collective a rank entered, as its answer to a request says (``_answer_requests``:
+    "in #N ..." or "in no collective (entered N)"); 0 without an answer."""
+    if answer is None:
+        return 0
+    where = answer.split("\n", 1)[0]
+    if where.startswith("in #"):
+        return int(where[4:].split()[0])
+    if where.startswith("in no collective (entered "):
+        return int(where.removeprefix("in no collective (entered ").split(")")[0])
+    return 0
+
+
+def _progress_seconds(seconds: float) -> float:
+    """How often a rank's progress is published for a watch that reports after ``seconds``."""
+    return min(10.0, max(1.0, seconds / 6))
 
 
 def _process_state(pid: int) -> str | None:

@@ -2,8 +2,11 @@
 rank's main thread is blocked in a call ddpkit cannot interrupt.
 
 ddpkit's own collectives wait in slices and raise ``PeerFailedError`` by themselves
-(``ddpkit.diagnostics.waits``). Two cases are left, and the watch, which reads the store's
-failure record every ``_READ_SECONDS``, handles them:
+(``ddpkit.diagnostics.waits``). Two cases are left, and the watch handles them. It reads the
+store's failure record every ``_READ_SECONDS``; under ``ddpkit run`` across nodes only when the
+launcher's count of news changed, and every ``relayed_news.FALLBACK_SECONDS`` besides
+(``diagnostics.relayed_news``; under NCCL with in-place recovery always, since a launcher's
+record of a lost node is read here too):
 
 - **NCCL.** A kernel waiting for a failed peer never returns until its communicator is
   aborted. When a peer's failure appears, the watch aborts this process's NCCL communicators
@@ -41,11 +44,13 @@ from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.failures import (
     PeerFailedError,
     announced_loss,
+    lost_peers_expected,
     peer_failure_raised,
     read_failure_record,
     record_exception,
     store_host_gone,
 )
+from ddpkit.diagnostics.relayed_news import FALLBACK_SECONDS, relayed_news
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
@@ -80,10 +85,15 @@ class _PeerWatch:
         return group is not None and dist.is_initialized() and dist.distributed_c10d._get_default_group() is group
 
     def _run(self) -> None:
+        news, read_at = relayed_news(), 0.0
         while True:
             time.sleep(_READ_SECONDS)
             if not self._current():
                 return
+            if (news is not None and not (self.backend == "nccl" and lost_peers_expected()) and not news.changed()
+                    and time.monotonic() - read_at < FALLBACK_SECONDS):
+                continue  # nothing new, by the launcher's word
+            read_at = time.monotonic()
             try:
                 record = read_failure_record(self.store, timeout=None)  # see read_failure_record
             except RuntimeError:

@@ -41,6 +41,7 @@ from typing import Any
 
 from ddpkit._allocator import MALLOC_DEFAULTS, malloc_chosen
 from ddpkit._network import address_towards, find_free_port, gloo_interface_towards
+from ddpkit.diagnostics.relayed_news import write_news_file
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
@@ -65,7 +66,7 @@ from ddpkit.launching.watch import Outcome, Signals, agree_across_nodes, watch
 from ddpkit.launching.worker_template import WorkerTemplate
 from ddpkit.logs import get_logger, line_start
 from ddpkit.membership.generations import member_identity
-from ddpkit.store.client import GaveUpWaiting, connect
+from ddpkit.store.client import GaveUpWaiting, connect, import_distributed
 from ddpkit.store.job_secret import job_secret, new_job_secret
 from ddpkit.variables import (
     DDPKIT_BACKEND,
@@ -74,6 +75,7 @@ from ddpkit.variables import (
     DDPKIT_JOB_SECRET,
     DDPKIT_JOB_SECRET_FILE,
     DDPKIT_LAUNCHED,
+    DDPKIT_NEWS_FILE,
     DDPKIT_PREEMPTION_SIGNAL,
     DDPKIT_READY_FILE,
     DDPKIT_RECOVERY,
@@ -266,6 +268,7 @@ class _LauncherRun:
             self.template.prepare(self.command, self.environment())
         self.output = config.output  # with its log folder once the job is joined
         self.replacements: Replacements | NoReplacements = NO_REPLACEMENTS  # the attempt's
+        self.news_file: str | None = None  # the attempt's file of news for its workers (across nodes)
         # The job's health line, metrics and stragglers (``launching.health``), across attempts.
         self.health = None if config.window_seconds is None else JobHealth(
             config.window_seconds, config.report_every > 0, config.metrics, config.straggler_factor,
@@ -285,6 +288,11 @@ class _LauncherRun:
         """Meet the other nodes at the rendezvous (when there is one), choose the port and host the
         store when this launcher does; an exit code when the rendezvous failed, else None."""
         state, config = self.state, self.state.config
+        if config.coordinates_nodes:
+            # The client of the launchers' store, imported now (while the node's template imports in
+            # its own process), not after the workers started: workers forked from a warm template
+            # train within a second, and a launcher still importing then would not watch the others.
+            import_distributed()
         if config.rendezvous is not None:
             state.store_host = host_rendezvous(config.rendezvous, self.environment())
             try:
@@ -321,6 +329,8 @@ class _LauncherRun:
             self._start(workers)
             if config.coordinates_nodes and state.nodes is None:
                 state.nodes = connect_nodes(state.config, state.port, workers, self.stop_waiting)
+            if state.nodes is not None and self.news_file is not None:
+                state.nodes.relay_news_to(self.news_file)
             if self.health is not None:
                 self.health.node = state.config.node_rank  # a spare node took its place's
                 if state.nodes is not None:  # node 0's launcher reports every node's ranks
@@ -342,6 +352,8 @@ class _LauncherRun:
         except GaveUpWaiting as stopped:  # waiting for the other nodes' workers to finish too
             return self.gave_up(stopped, "the other nodes were not waited for")
         finally:
+            if state.nodes is not None:
+                state.nodes.relay_news_to(None)  # the file goes with the workers' folder
             workers.close(self.grace)
             state.restart_count += self.replacements.used  # replacements spend the same budget
 
@@ -372,8 +384,14 @@ class _LauncherRun:
         replacement of lost ranks under in-place recovery."""
         state, config = self.state, self.state.config
         takeover, generation = state.takeover, state.takeover.generation if state.takeover is not None else 0
+        # Across nodes this launcher relays the job's news to its workers' watches (``diagnostics.relayed_news``).
+        self.news_file = os.path.join(workers.folder, "news") if config.coordinates_nodes else None
+        if self.news_file is not None:
+            write_news_file(self.news_file, 0)
         for local_rank in range(config.nproc_per_node):
             variables = rank_variables(config, state.port, local_rank, state.restart_count)
+            if self.news_file is not None:
+                variables[DDPKIT_NEWS_FILE] = self.news_file
             rank = int(variables["RANK"])
             if config.recovery is Recovery.IN_PLACE:
                 variables[DDPKIT_READY_FILE] = ready_file(workers.folder, generation, rank)

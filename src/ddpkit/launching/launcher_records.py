@@ -48,7 +48,7 @@ class LauncherRecords:
         self.attempt = 0
         self._where = where  # the store's address, for the errors
         self._signer = RecordSigner(job_secret(), "launchers")
-        self._news_key = self._signer.key(keys.launcher_record(keys.NEWS, keys.JOB_WIDE))
+        self._news_key = keys.launchers_news(self._signer.namespace)
 
     def key(self, name: str, attempt: int | None = None) -> str:
         """The store key of ``name`` in ``attempt`` (the current one by default)."""

@@ -69,11 +69,13 @@ Every wait here also ends, with ``GaveUpWaiting``, when the launcher's ``give_up
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit.diagnostics.relayed_news import write_news_file
 from ddpkit.launching.heartbeats import Heartbeats
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError, may_wait_beyond_max
 from ddpkit.launching.node_claims import ClaimKind, StepAsideRequests, claim_kind
@@ -100,6 +102,9 @@ __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeRepl
 # other nodes (which would otherwise wait for this node's ranks): a network that flapped as the job
 # started comes back within it; a node 0 that is gone does not.
 _ANNOUNCE_SECONDS = 20.0
+# ... unless the store's port refuses connections that long: the store is gone (a node 0 that is
+# only starting listens within it).
+_REFUSED_SECONDS = 3.0
 _POLL_SECONDS = 0.02
 # How often the job's count of records written is read (whoever asks): a failure or a stop on another
 # node reaches this one's watch within it.
@@ -156,6 +161,10 @@ class NodeCoordination:
         self._news: int | None = None
         self._news_read_at = -_NEWS_SECONDS
         self._news_seen: dict[str, tuple[int, int]] = {}
+        # Where the count goes for this node's workers' watches (``diagnostics.relayed_news``), and
+        # the count last written there.
+        self._news_file: str | None = None
+        self._news_relayed: int | None = None
         self._ended_elsewhere = False  # what the records said at the last look that read them
         self._left: set[int] = set()  # the nodes whose launchers said they left, as last read
 
@@ -181,11 +190,25 @@ class NodeCoordination:
         if self._news is None or now - self._news_read_at >= _NEWS_SECONDS:
             self._news = self.records.news()
             self._news_read_at = now
+            if self._news_file is not None and self._news != self._news_relayed:
+                try:
+                    write_news_file(self._news_file, self._news)
+                    self._news_relayed = self._news
+                except OSError as error:  # its folder went with its workers: they read the store themselves
+                    _log.debug(f"ddpkit run: no longer relaying news to {self._news_file}: {error}")
+                    self._news_file = None
         # The attempt too: what the records said of the attempt before (a failure) is not this one's.
         seen = (self.records.attempt, self._news)
         fresh = self._news_seen.get(reader) != seen
         self._news_seen[reader] = seen
         return fresh
+
+    def relay_news_to(self, path: str | None) -> None:
+        """From now on, write the job's count of news to ``path`` as it is read, for this node's
+        workers' watches (``DDPKIT_NEWS_FILE``: they read the store when it changed); None: stop,
+        the attempt's workers are gone."""
+        self._news_file, self._news_relayed = path, None
+        self._news_read_at = -_NEWS_SECONDS  # read (and written there) at the next look
 
     def silent_node(self) -> str | None:
         """Why another node's launcher is taken for lost (no beat for the silent time and no word that
@@ -254,13 +277,25 @@ class NodeCoordination:
         they wait."""
         failure: list[str] = []
         failed_at: list[float] = []
+        refused_since: list[float] = []  # since when the store's port has refused connections, after the failure
+
+        def store_gone() -> bool:
+            """The store's port has refused connections for ``_REFUSED_SECONDS`` (its host answers,
+            nothing listens: a store that is gone; a network that flapped times out instead)."""
+            if not _refuses_connections(address, port):
+                refused_since.clear()
+                return False
+            refused_since[:1] = refused_since[:1] or [time.monotonic()]
+            return time.monotonic() - refused_since[0] >= _REFUSED_SECONDS
 
         def stop_waiting() -> str | None:
             if not failure and (failed := workers_failed()) is not None:
                 failure.append(failed)
                 failed_at.append(time.monotonic())
             if failure:
-                return failure[0] if time.monotonic() - failed_at[0] > _ANNOUNCE_SECONDS else give_up()
+                if time.monotonic() - failed_at[0] > _ANNOUNCE_SECONDS or store_gone():
+                    return failure[0]
+                return give_up()
             return "every worker of this node ended" if workers_ended() else give_up()
 
         join_seconds = waits.join_timeout
@@ -271,8 +306,9 @@ class NodeCoordination:
                 raise
             raise NodeContactLostError(
                 f"node {node_rank}'s launcher could not reach the job's store at {address}:{port}, and meanwhile "
-                f"{failure[0]}; nor within {_ANNOUNCE_SECONDS:g} s after that: the launcher that hosts the store "
-                "(node 0's) ended or its host is unreachable. Its output says why.") from None
+                f"{failure[0]}; since then its port refused connections for {_REFUSED_SECONDS:g} s, or nothing "
+                f"answered within {_ANNOUNCE_SECONDS:g} s: the launcher that hosts the store (node 0's) ended or its host is "
+                "unreachable. Its output says why.") from None
         except StoreUnreachableError as error:
             raise NodeContactLostError(
                 f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted by the "
@@ -469,3 +505,15 @@ class NodeCoordination:
                 time.sleep(_POLL_SECONDS)
         except NodeContactLostError:
             pass  # node 0 already gone: nothing to wait for
+
+
+def _refuses_connections(address: str, port: int) -> bool:
+    """Whether ``address:port`` refuses a connection: its host answers, and nothing listens there
+    (a store that is gone; a network that flapped times out or is unreachable instead)."""
+    try:
+        socket.create_connection((address, port), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from ddpkit.variables import DDPKIT_FORK_WORKERS
+
 __all__ = ["TORCHRUN_NOTES", "add_torchrun_flags", "notes_for"]
 
 # Flag -> (what it takes, the line said when it is given).
 TORCHRUN_NOTES: dict[str, tuple[str, str]] = {
     "start-method": ("spawn|fork|forkserver", "ddpkit run forks a script's workers from one process per node that "
-                     "imported torch once (DDPKIT_FORK_WORKERS=0: a fresh interpreter each, as torchrun starts a "
+                     f"imported torch once ({DDPKIT_FORK_WORKERS}=0: a fresh interpreter each, as torchrun starts a "
                      "script's); torchrun's start method applies to functions only"),
     "event-log-handler": ("NAME", "ddpkit run records no torchelastic events; --metrics FILE records the job's "
                           "windows, stragglers and recoveries"),

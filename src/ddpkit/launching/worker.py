@@ -55,9 +55,15 @@ _log = get_logger("launching")
 _PR_SET_PDEATHSIG = 1
 
 
+# The process a worker forked by the node's template dies with: the template, itself dying with the
+# launcher (``DDPKIT_LAUNCHER_PID`` keeps naming the launcher, which a script may signal).
+_FORKED_BY: int | None = None
+
+
 def die_with_launcher() -> None:
-    """Ask the kernel for SIGTERM when the launcher dies; exit at once if it is gone already."""
-    launcher = int(os.environ.get(DDPKIT_LAUNCHER_PID, "0"))
+    """Ask the kernel for SIGTERM when the launcher (a forked worker: the template) dies; exit at
+    once if it is gone already."""
+    launcher = _FORKED_BY or int(os.environ.get(DDPKIT_LAUNCHER_PID, "0"))
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -325,7 +331,8 @@ def _fork_worker(request: dict[str, Any], template_files: tuple[int, ...]) -> in
             os.close(descriptor)
         os.environ.clear()
         os.environ.update(request["environment"])
-        os.environ[DDPKIT_LAUNCHER_PID] = str(template_pid)  # the worker dies with its parent
+        global _FORKED_BY
+        _FORKED_BY = template_pid  # the worker dies with its parent
         os.chdir(request["cwd"])
         numpy = sys.modules.get("numpy")
         if numpy is not None:

@@ -35,7 +35,7 @@ __all__ = [
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
     "NODE_LOST", "PEER_LOST", "REJOIN", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
     "WAITING", "BLOCK_PART", "REJOIN_PART",
-    "generation_prefix", "hang_process", "hang_progress", "hang_stack", "launcher_prefixes", "member",
+    "generation_prefix", "hang_process", "launchers_news", "hang_progress", "hang_stack", "launcher_prefixes", "member",
     "pool_started", "rendezvous_ticket", "signed_namespace", "torchrun_attempt_prefix",
 ]
 
@@ -118,6 +118,12 @@ STORE_HOST = "store-host"  # the node whose launcher hosts the job's store (a c1
 #: A count raised after every launchers' record written (not signed): a launcher whose last read of it
 #: is still the count reads none of the records it watches (``LauncherRecords.news``).
 NEWS = "news"
+
+
+def launchers_news(namespace: str) -> str:
+    """The job's count of news (``NEWS``) under the job's ``namespace``: the launchers raise it with
+    each record, and ranks whose launcher relays it with each record the others must react to."""
+    return namespace + launcher_record(NEWS, JOB_WIDE)
 
 
 def launcher_record(name: str, attempt: int) -> str:
