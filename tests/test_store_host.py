@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from ddpkit.environments import Recovery, find_free_port
 from ddpkit.launching.config import LaunchConfig
-from ddpkit.launching.launcher import rank_variables
 from ddpkit.launching.rendezvous import Endpoint, RendezvousSettings
 from ddpkit.launching.store_host import StoreHost
+from ddpkit.launching.worker_environment import rank_variables
 
 # What torchrun 2.13's agent gives every worker (local_elastic_agent._start_workers), NCCL's setting aside.
 TORCHRUN_VARIABLES = {"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",

@@ -35,7 +35,7 @@ from ddpkit import __version__
 from ddpkit.environments import LocalEnvironment, Recovery, detect_environment
 from ddpkit.environments.preemption import parse_signal
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs
-from ddpkit.launching.launcher import run_workers, stop_signals, worker_command
+from ddpkit.launching.launcher import run_workers, stop_signals
 from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
 from ddpkit.launching.rendezvous import (
     DEFAULT_PORT,
@@ -49,6 +49,7 @@ from ddpkit.launching.report import report
 from ddpkit.launching.store_host import serve_outside_nodes
 from ddpkit.launching.torchrun_flags import add_torchrun_flags, notes_for
 from ddpkit.launching.usage import RUN_EXAMPLES, HelpWithDefaults, OneLineErrors, torch_version
+from ddpkit.launching.worker_environment import worker_command
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
 

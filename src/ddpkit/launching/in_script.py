@@ -31,8 +31,13 @@ from ddpkit._network import find_free_port
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.config import LaunchConfig, RunAs
-from ddpkit.launching.launcher import job_secret_for_workers, performance_defaults, rank_variables, worker_command
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
+from ddpkit.launching.worker_environment import (
+    job_secret_for_workers,
+    performance_defaults,
+    rank_variables,
+    worker_command,
+)
 from ddpkit.logs import get_logger
 
 __all__: list[str] = []

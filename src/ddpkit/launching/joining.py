@@ -9,24 +9,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+import socket
+import time
+from collections.abc import Callable, Mapping
 
 from ddpkit._network import listen_on, store_bind_address
 from ddpkit.environments import Recovery
 from ddpkit.launching.config import LaunchConfig, LaunchError
-from ddpkit.launching.nodes import NodeCoordination, Shrinking, may_wait_beyond_max
+from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
 from ddpkit.launching.processes import WorkerProcesses
-from ddpkit.launching.rendezvous import RendezvousSettings, claim_endpoint, join
+from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits, claim_endpoint, join
 from ddpkit.launching.store_host import StoreHost
 from ddpkit.launching.watch import failure_of
 from ddpkit.logs import get_logger
 from ddpkit.membership.generations import announce_node_lost
-from ddpkit.store.client import GaveUpWaiting, GiveUp, connect
+from ddpkit.store.client import BoundedStore, GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
 from ddpkit.store.job_secret import job_secret
 
 __all__ = ["announce_loss", "connect_nodes", "host_rendezvous", "host_store", "join_rendezvous"]
 
 _log = get_logger("launching")
+
+# How long a launcher whose workers failed before it reached the store still tries to, to tell the
+# other nodes (which would otherwise wait for this node's ranks): a network that flapped as the job
+# started comes back within it; a node 0 that is gone does not.
+_ANNOUNCE_SECONDS = 20.0
+# ... unless the store's port refuses connections that long: the store is gone (a node 0 that is
+# only starting listens within it).
+_REFUSED_SECONDS = 3.0
 
 
 def announce_loss(config: LaunchConfig, port: int, environment: Mapping[str, str], attempt: int, generation: int,
@@ -48,9 +58,9 @@ def connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
     the workers) or every worker here ended meanwhile (their end is this node's outcome); a
     failure of a worker meanwhile is ``NodeContactLostError``."""
     try:
-        return NodeCoordination.connect(config.master_addr, port, config.node_rank, config.nnodes, config.store_waits,
-                                        functools.partial(failure_of, workers),
-                                        lambda: None not in workers.exit_codes(), stop_waiting)
+        return reach_the_nodes(config.master_addr, port, config.node_rank, config.nnodes, config.store_waits,
+                               functools.partial(failure_of, workers), lambda: None not in workers.exit_codes(),
+                               stop_waiting)
     except GaveUpWaiting as stopped:
         _log.warning(f"ddpkit run: node {config.node_rank}'s launcher stopped waiting for the job's store at "
                      f"{config.master_addr}:{port} ({stopped.reason}); the other nodes' launchers are not told how "
@@ -111,3 +121,75 @@ def join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_
             if hosts_store:  # a node that must not step aside (``launching.straggler_replacement``)
                 nodes.step_asides.say_store_host()
     return config, nodes, spare
+
+
+def reach_the_nodes(address: str, port: int, node_rank: int, nnodes: int, waits: StoreWaits,
+                    workers_failed: Callable[[], str | None] = never_give_up,
+                    workers_ended: Callable[[], bool] = lambda: False,
+                    give_up: GiveUp = never_give_up) -> NodeCoordination:
+    """Reach the job's store on node 0, waiting for it to come up (up to ``waits.join_timeout``;
+    each request then bounded by ``waits.read_timeout``). The workers start before this: when
+    they fail meanwhile (``workers_failed`` describes how) the store is not awaited any longer
+    (``NodeContactLostError``): node 0's launcher may have ended after its workers met this
+    node's, and a store that is gone never comes up. It is still tried for ``_ANNOUNCE_SECONDS``
+    after the failure: when it answers (a network that flapped), the failure is announced as any
+    other, and the other nodes do not wait for this node's ranks. When the workers all ended
+    without a failure (``workers_ended``), or ``give_up`` gives a reason (a stop signal), the
+    wait ends with ``GaveUpWaiting``; ``give_up`` is also what ``finish`` and ``meet`` ask while
+    they wait."""
+    failure: list[str] = []
+    failed_at: list[float] = []
+    refused_since: list[float] = []  # since when the store's port has refused connections, after the failure
+
+    def store_gone() -> bool:
+        """The store's port has refused connections for ``_REFUSED_SECONDS`` (its host answers,
+        nothing listens: a store that is gone; a network that flapped times out instead)."""
+        if not _refuses_connections(address, port):
+            refused_since.clear()
+            return False
+        refused_since[:1] = refused_since[:1] or [time.monotonic()]
+        return time.monotonic() - refused_since[0] >= _REFUSED_SECONDS
+
+    def stop_waiting() -> str | None:
+        if not failure and (failed := workers_failed()) is not None:
+            failure.append(failed)
+            failed_at.append(time.monotonic())
+        if failure:
+            if time.monotonic() - failed_at[0] > _ANNOUNCE_SECONDS or store_gone():
+                return failure[0]
+            return give_up()
+        return "every worker of this node ended" if workers_ended() else give_up()
+
+    join_seconds = waits.join_timeout
+    try:
+        store = connect(address, port, join_seconds, stop_waiting)
+    except GaveUpWaiting as stopped:
+        if not failure or stopped.reason != failure[0]:
+            raise
+        raise NodeContactLostError(
+            f"node {node_rank}'s launcher could not reach the job's store at {address}:{port}, and meanwhile "
+            f"{failure[0]}; since then its port refused connections for {_REFUSED_SECONDS:g} s, or nothing "
+            f"answered within {_ANNOUNCE_SECONDS:g} s: the launcher that hosts the store (node 0's) ended or its "
+            "host is unreachable. Its output says why.") from None
+    except StoreUnreachableError as error:
+        raise NodeContactLostError(
+            f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted by the "
+            f"launcher of node 0) within {join_seconds:g} s (--rdzv-conf join_timeout): {error}. Start "
+            "`ddpkit run --node-rank 0` with the same --master-addr and --master-port, and check that this host "
+            "can reach it.") from None
+    coordination = NodeCoordination(BoundedStore(store, waits.read_timeout), node_rank, nnodes, address, port,
+                                    give_up=give_up, join_seconds=join_seconds)
+    coordination.beat_through(connect(address, port, waits.read_timeout))
+    return coordination
+
+
+def _refuses_connections(address: str, port: int) -> bool:
+    """Whether ``address:port`` refuses a connection: its host answers, and nothing listens there
+    (a store that is gone; a network that flapped times out or is unreachable instead)."""
+    try:
+        socket.create_connection((address, port), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False

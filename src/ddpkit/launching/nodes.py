@@ -69,9 +69,7 @@ Every wait here also ends, with ``GaveUpWaiting``, when the launcher's ``give_up
 from __future__ import annotations
 
 import json
-import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,8 +86,6 @@ from ddpkit.store.client import (
     BoundedStore,
     GaveUpWaiting,
     GiveUp,
-    StoreUnreachableError,
-    connect,
     never_give_up,
 )
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
@@ -98,13 +94,6 @@ _log = get_logger("launching")
 
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "may_wait_beyond_max"]
 
-# How long a launcher whose workers failed before it reached the store still tries to, to tell the
-# other nodes (which would otherwise wait for this node's ranks): a network that flapped as the job
-# started comes back within it; a node 0 that is gone does not.
-_ANNOUNCE_SECONDS = 20.0
-# ... unless the store's port refuses connections that long: the store is gone (a node 0 that is
-# only starting listens within it).
-_REFUSED_SECONDS = 3.0
 _POLL_SECONDS = 0.02
 # How often the job's count of records written is read (whoever asks): a failure or a stop on another
 # node reaches this one's watch within it.
@@ -259,66 +248,6 @@ class NodeCoordination:
             spares_possible = shrinking is None or shrinking.spares_possible or self.world.removals_seen > 0
             return spares_possible and now - since < _CLAIM_SECONDS and self.world.node_losses_left()
         return claim_kind(claimant) is ClaimKind.SPARE and now - since < _TAKEOVER_SECONDS
-
-    @classmethod
-    def connect(cls, address: str, port: int, node_rank: int, nnodes: int, waits: StoreWaits,
-                workers_failed: Callable[[], str | None] = never_give_up,
-                workers_ended: Callable[[], bool] = lambda: False,
-                give_up: GiveUp = never_give_up) -> NodeCoordination:
-        """Reach the job's store on node 0, waiting for it to come up (up to ``waits.join_timeout``;
-        each request then bounded by ``waits.read_timeout``). The workers start before this: when
-        they fail meanwhile (``workers_failed`` describes how) the store is not awaited any longer
-        (``NodeContactLostError``): node 0's launcher may have ended after its workers met this
-        node's, and a store that is gone never comes up. It is still tried for ``_ANNOUNCE_SECONDS``
-        after the failure: when it answers (a network that flapped), the failure is announced as any
-        other, and the other nodes do not wait for this node's ranks. When the workers all ended
-        without a failure (``workers_ended``), or ``give_up`` gives a reason (a stop signal), the
-        wait ends with ``GaveUpWaiting``; ``give_up`` is also what ``finish`` and ``meet`` ask while
-        they wait."""
-        failure: list[str] = []
-        failed_at: list[float] = []
-        refused_since: list[float] = []  # since when the store's port has refused connections, after the failure
-
-        def store_gone() -> bool:
-            """The store's port has refused connections for ``_REFUSED_SECONDS`` (its host answers,
-            nothing listens: a store that is gone; a network that flapped times out instead)."""
-            if not _refuses_connections(address, port):
-                refused_since.clear()
-                return False
-            refused_since[:1] = refused_since[:1] or [time.monotonic()]
-            return time.monotonic() - refused_since[0] >= _REFUSED_SECONDS
-
-        def stop_waiting() -> str | None:
-            if not failure and (failed := workers_failed()) is not None:
-                failure.append(failed)
-                failed_at.append(time.monotonic())
-            if failure:
-                if time.monotonic() - failed_at[0] > _ANNOUNCE_SECONDS or store_gone():
-                    return failure[0]
-                return give_up()
-            return "every worker of this node ended" if workers_ended() else give_up()
-
-        join_seconds = waits.join_timeout
-        try:
-            store = connect(address, port, join_seconds, stop_waiting)
-        except GaveUpWaiting as stopped:
-            if not failure or stopped.reason != failure[0]:
-                raise
-            raise NodeContactLostError(
-                f"node {node_rank}'s launcher could not reach the job's store at {address}:{port}, and meanwhile "
-                f"{failure[0]}; since then its port refused connections for {_REFUSED_SECONDS:g} s, or nothing "
-                f"answered within {_ANNOUNCE_SECONDS:g} s: the launcher that hosts the store (node 0's) ended or its host is "
-                "unreachable. Its output says why.") from None
-        except StoreUnreachableError as error:
-            raise NodeContactLostError(
-                f"node {node_rank}'s launcher could not reach the job's store at {address}:{port} (hosted by the "
-                f"launcher of node 0) within {join_seconds:g} s (--rdzv-conf join_timeout): {error}. Start "
-                "`ddpkit run --node-rank 0` with the same --master-addr and --master-port, and check that this host "
-                "can reach it.") from None
-        coordination = cls(BoundedStore(store, waits.read_timeout), node_rank, nnodes, address, port, give_up=give_up,
-                           join_seconds=join_seconds)
-        coordination.beat_through(connect(address, port, waits.read_timeout))
-        return coordination
 
     def announce_failure(self) -> None:
         """Tell the other launchers that this node's workers failed in the current attempt
@@ -506,14 +435,3 @@ class NodeCoordination:
         except NodeContactLostError:
             pass  # node 0 already gone: nothing to wait for
 
-
-def _refuses_connections(address: str, port: int) -> bool:
-    """Whether ``address:port`` refuses a connection: its host answers, and nothing listens there
-    (a store that is gone; a network that flapped times out or is unreachable instead)."""
-    try:
-        socket.create_connection((address, port), timeout=1.0).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return False

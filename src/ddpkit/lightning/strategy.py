@@ -48,7 +48,7 @@ from ddpkit.diagnostics.records import trace_record
 from ddpkit.environments import detect_environment
 from ddpkit.environments.contract import launch_contract
 from ddpkit.hooks.registration import register_ddp_comm_hook
-from ddpkit.launching.launcher import job_secret_for_workers
+from ddpkit.launching.worker_environment import job_secret_for_workers
 from ddpkit.lightning.environment import DdpkitEnvironment
 from ddpkit.lightning.in_place import REPLACEMENT_CHECKPOINT, ReplacementLauncher, TrainerRecovery
 from ddpkit.lightning.layer_sync import DdpkitSyncBatchNorm
