@@ -198,3 +198,10 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier = children
     return found
+
+
+def launcher_workers(launcher: int) -> list[int]:
+    """The workers of a ``ddpkit run`` launcher: its descendants that run the worker bootstrap, less
+    the node's template (the launcher's child that forks them; the forked workers keep its command line)."""
+    return [pid for pid in descendants(launcher) if "ddpkit.launching.worker" in (command := command_line(pid))
+            and not ("--template" in command and parent_pid(pid) == launcher)]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import command_line, descendants, example_summary, parent_pid
+from helpers import descendants, example_summary, launcher_workers
 from torch.distributed import TCPStore
 
 from ddpkit._network import find_free_port
@@ -235,8 +235,7 @@ def test_a_node_whose_network_flapped_as_its_workers_failed_still_tells_the_othe
     try:
         launchers.append(node(1, namespace1))
         deadline = time.monotonic() + 30
-        while not (workers := [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if parent_pid(pid) ==
-                               launchers[1].pid and "ddpkit.launching.worker" in command_line(pid)]):
+        while not (workers := launcher_workers(launchers[1].pid)):
             assert time.monotonic() < deadline and launchers[1].poll() is None, launchers[1].communicate()
             time.sleep(0.05)
         time.sleep(4.0)  # the launcher is trying to reach the store (it imports torch first)

@@ -25,7 +25,8 @@ def test_the_readme_has_the_snippets_these_tests_run() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launch", [["-m", "ddpkit", "run", "--nproc-per-node", "2"], []], ids=["ddpkit-run", "alone"])
 def test_the_quickstart_runs_under_ddpkit_run_and_as_one_process(tmp_path: Path, launch: list[str]) -> None:
-    (tmp_path / "script.py").write_text(python_snippets()[0] + "print('done', env.global_rank(), mean_loss.item())\n")
+    # One write (the ranks print at once, each piece a write of its own when unbuffered).
+    (tmp_path / "script.py").write_text(python_snippets()[0] + "print(f'done {env.global_rank()} {mean_loss.item()}')\n")
     result = subprocess.run([sys.executable, *launch, "script.py"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -61,12 +61,16 @@ _FORKED_BY: int | None = None
 
 
 def die_with_launcher() -> None:
-    """Ask the kernel for SIGTERM when the launcher (a forked worker: the template) dies; exit at
-    once if it is gone already."""
+    """Ask the kernel for SIGTERM when the launcher dies; exit at once if it is gone already.
+
+    A worker forked by the node's template asks for SIGKILL when the template dies: the template
+    passes the launcher's end on as SIGTERM itself (``serve_forks``), so its own death, alone, is a
+    crash of the node's workers, which the launcher restarts or replaces, not a preemption."""
     launcher = _FORKED_BY or int(os.environ.get(DDPKIT_LAUNCHER_PID, "0"))
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG,
+                                                    signal.SIGKILL if _FORKED_BY else signal.SIGTERM)
         except (OSError, AttributeError):
             pass
     if launcher and os.getppid() != launcher:  # it died before prctl took effect
@@ -273,20 +277,32 @@ def serve_forks(argv: list[str]) -> None:
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
-    received, alive = b"", True
-    while alive:
-        ready, _, _ = select.select([connection.fileno(), wake_read], [], [], 1.0)
+    launcher_gone: list[int] = []  # the launcher died (SIGTERM from the kernel) or closed the socket
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: launcher_gone.append(1))
+    received, children, passed_on = b"", set[int](), False
+    while not (passed_on and not children):
+        ready, _, _ = select.select([wake_read] if launcher_gone else [connection.fileno(), wake_read], [], [], 1.0)
         if wake_read in ready:
             os.read(wake_read, 4096)
-        _report_ends(connection)
-        if connection.fileno() in ready:
+        children -= _report_ends(connection)
+        if connection.fileno() in ready and not launcher_gone:
             data = connection.recv(1 << 16)
-            alive = bool(data)
+            if not data:
+                launcher_gone.append(1)
             received += data
             *requests, received = received.split(b"\n")
             for request in requests:
                 pid = _fork_worker(json.loads(request), (connection.fileno(), wake_read, wake_write))
+                children.add(pid)
                 _send(connection, {"started": pid})
+        if launcher_gone and not passed_on:
+            # The launcher's end reaches each worker as it would have without a template: SIGTERM
+            # (its process only, as the kernel's would), then this process waits for them to end,
+            # since its own end would kill them.
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            passed_on = True
     os._exit(0)
 
 
@@ -299,14 +315,17 @@ def _why_forking_is_unsafe() -> str | None:
     return None
 
 
-def _report_ends(connection: socket.socket) -> None:
+def _report_ends(connection: socket.socket) -> set[int]:
+    """Reap the workers that ended and tell the launcher their codes; their pids."""
+    ended: set[int] = set()
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return ended
         if pid == 0:
-            return
+            return ended
+        ended.add(pid)
         _send(connection, {"ended": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
@@ -327,6 +346,7 @@ def _fork_worker(request: dict[str, Any], template_files: tuple[int, ...]) -> in
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter's (the script may take it)
         for descriptor in template_files:
             os.close(descriptor)
         os.environ.clear()

@@ -22,8 +22,10 @@ for the workers started after; the launcher says so once.
 The template's side is the worker bootstrap's (``launching.worker.serve_forks``). It speaks JSON
 lines on a socket: the launcher asks ``{"argv": ..., "environment": ..., "cwd": ...}`` and is told
 ``{"started": pid}``, and ``{"ended": pid, "code": code}`` when a worker ends (the template is the
-workers' parent, and reaps them: ``code`` as ``subprocess.Popen``'s ``returncode``). The template
-dies with the launcher (``PR_SET_PDEATHSIG``), and its workers with it.
+workers' parent, and reaps them: ``code`` as ``subprocess.Popen``'s ``returncode``). When the
+launcher dies the template passes SIGTERM on to each worker, as the kernel would have without it,
+and waits for them; a template that dies alone takes its workers with it (SIGKILL), a crash the
+launcher restarts or replaces.
 """
 
 from __future__ import annotations
@@ -180,8 +182,8 @@ class WorkerTemplate:
         with self._lock:
             self._read(block=False)
             if pid not in self._ended and self._gone and not _exists(pid):
-                # Its template died, and it with the template (its parent-death signal).
-                self._ended[pid] = -signal.SIGTERM
+                # Its template died, and it with the template (its parent-death signal, SIGKILL).
+                self._ended[pid] = -signal.SIGKILL
             return self._ended.get(pid)
 
     def close(self) -> None:
