@@ -147,3 +147,42 @@ def test_lightning_imported_by_the_template_knows_each_workers_rank(tmp_path: Pa
     assert all(report["forked"] for report in reports if "forked" in report), reports
     ranks = [(report["lightning_rank"], report["env_rank"]) for report in reports if "lightning_rank" in report]
     assert sorted(ranks) == [(0, 0), (1, 1)], ranks
+
+
+def test_a_template_that_dies_alone_is_a_crash_that_restarts_not_a_preemption(tmp_path: Path) -> None:
+    """The template killed by itself (the out-of-memory killer, say) takes its workers with it as a
+    crash (SIGKILL), which ``--max-restarts`` restarts; a SIGTERM would have had a training script
+    save and stop as if preempted (exit 75), and the job would have ended there."""
+    from test_preemption import PREEMPTIBLE
+
+    (tmp_path / "preemptible.py").write_text(PREEMPTIBLE)
+    launcher = subprocess.Popen([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "--max-restarts", "1",
+                                 "preemptible.py"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**os.environ, "STEPS": "60", "STEP_SECONDS": "0.05"})
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"step{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+        time.sleep(0.05)
+    template = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if _parent(pid) == launcher.pid and b"--template" in _command(pid)]
+    assert len(template) == 1
+    os.kill(template[0], signal.SIGKILL)
+    _, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 0, err
+    assert not list(tmp_path.glob("stopped*")) and "restarting all 2 workers" in err, err
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _command(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
