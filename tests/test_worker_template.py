@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import assert_gone, command_line, descendants, parent_pid
 
 from ddpkit.launching.worker_template import forking_allowed, starts_differently
 
@@ -77,7 +78,7 @@ def test_a_killed_launcher_takes_the_template_and_its_forked_workers_with_it(tmp
     pids = [int(report["pid"]) for report in reports] + [int(reports[0]["parent"])]
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=10)
-    _assert_gone(pids, seconds=10)
+    assert_gone(pids, within=10)
 
 
 def test_a_template_killed_under_its_workers_ends_the_attempt_and_the_restart_starts_fresh_interpreters(
@@ -116,23 +117,6 @@ def test_a_variable_read_when_an_interpreter_starts_that_differs_rules_out_a_for
     assert forking_allowed({"DDPKIT_FORK_WORKERS": "0"}) == "DDPKIT_FORK_WORKERS=0"
 
 
-def _assert_gone(pids: list[int], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _running(pid)]
-        time.sleep(0.1)
-    assert not alive, f"still running: {alive}"
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_lightning_imported_by_the_template_knows_each_workers_rank(tmp_path: Path) -> None:
     """Lightning notes the rank (``rank_zero_only.rank``) when it is imported: in the template that
     was before any rank; a forked worker must see its own, as a fresh interpreter would."""
@@ -163,26 +147,10 @@ def test_a_template_that_dies_alone_is_a_crash_that_restarts_not_a_preemption(tm
     while not all((tmp_path / f"step{rank}").exists() for rank in (0, 1)):
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
         time.sleep(0.05)
-    template = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                if _parent(pid) == launcher.pid and b"--template" in _command(pid)]
+    template = [pid for pid in descendants(launcher.pid)
+                if parent_pid(pid) == launcher.pid and "--template" in command_line(pid)]
     assert len(template) == 1
     os.kill(template[0], signal.SIGKILL)
     _, err = launcher.communicate(timeout=90)
     assert launcher.returncode == 0, err
     assert not list(tmp_path.glob("stopped*")) and "restarting all 2 workers" in err, err
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _command(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read()
-    except OSError:
-        return b""

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.records import exception_record, write_error_record
-from ddpkit.diagnostics.relayed_news import announce
+from ddpkit.diagnostics.relayed_news import announce, tcp_store_under
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
 from ddpkit.store.job_secret import JobSecretError, RecordSigner, job_secret
@@ -392,10 +392,8 @@ def _store_host_name() -> str:
 
 def _tcp_address(store: Any) -> tuple[str, int] | None:
     """(host, port) of the TCP store under ``store``'s prefixes; None for other stores."""
-    while store is not None and hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    host, port = getattr(store, "host", None), getattr(store, "port", None)
-    return (host, port) if isinstance(host, str) and isinstance(port, int) else None
+    tcp = tcp_store_under(store)
+    return None if tcp is None else (tcp.host, tcp.port)
 
 
 def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -> dict[str, Any] | None:

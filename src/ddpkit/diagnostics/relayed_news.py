@@ -25,7 +25,7 @@ from ddpkit.store import keys as store_keys
 from ddpkit.store.job_secret import RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_NEWS_FILE
 
-__all__ = ["FALLBACK_SECONDS", "RelayedNews", "announce", "relayed_news", "write_news_file"]
+__all__ = ["FALLBACK_SECONDS", "RelayedNews", "announce", "relayed_news", "tcp_store_under", "write_news_file"]
 
 # How often a watch reads the store anyway when its launcher relays news (a record written by a
 # process that raised no news, a launcher that stopped relaying).
@@ -37,7 +37,7 @@ def announce(store: Any) -> None:
     ``store`` (a group's store), when a launcher relays it (``DDPKIT_NEWS_FILE``); nothing otherwise."""
     if not os.environ.get(DDPKIT_NEWS_FILE):
         return
-    tcp = _tcp_store_under(store)
+    tcp = tcp_store_under(store)
     if tcp is not None:
         tcp.add(store_keys.launchers_news(RecordSigner(job_secret()).namespace), 1)
 
@@ -76,9 +76,10 @@ def write_news_file(path: str, count: int) -> None:
     os.replace(partial, path)
 
 
-def _tcp_store_under(store: Any) -> Any:
+def tcp_store_under(store: Any) -> Any:
     """The TCP store under ``store``'s prefixes and wrappers (the job's, where the launchers count
-    their news); None for another kind of store."""
+    their news; ``failures.store_host_gone`` probes its address); None for another kind of store."""
     while store is not None and hasattr(store, "underlying_store"):
         store = store.underlying_store
-    return store if isinstance(getattr(store, "port", None), int) else None
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return store if isinstance(host, str) and isinstance(port, int) else None

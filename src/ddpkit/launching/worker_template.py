@@ -144,7 +144,6 @@ class WorkerTemplate:
         self._lock = threading.Lock()
         self._received = b""
         self._ended: dict[int, int] = {}
-        self._children: set[int] = set()
         self._gone = False
         self._ready = False  # the template said it imported what the workers need
 
@@ -174,7 +173,6 @@ class WorkerTemplate:
             answer = self._ask(request)
         if answer is None:
             return None
-        self._children.add(answer)
         return ForkedProcess(answer, self, command)
 
     def exit_code(self, pid: int) -> int | None:
