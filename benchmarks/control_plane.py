@@ -1,27 +1,30 @@
 """The control plane at many nodes, simulated: ddpkit's real coordination against a real store.
 
 Each simulated node runs the launcher's coordination as ``ddpkit run`` does (``NodeCoordination``:
-its heartbeat thread, and the watch's poll of ``ended_elsewhere`` every 0.05 s, which reads the
-other launchers' beats, the failure, stop and left records, and under in-place recovery whether its
-place was taken) and its workers' store traffic (each rank's peer watch reading the failure record,
-its hang watch counting hang requests and publishing its progress, both told of news by their
-launcher and reading the store only every fallback period), with the training replaced by
-nothing: only the coordination runs. Many nodes share a process; the store is a real ``ddpkit store``
-process. After a steady phase one node is killed (its beat and every thread of it stop, as when a
-node's power goes), and each surviving node's launcher is timed until it takes the node for silent
-(``detect_s``) and until it holds the decision (``agree_s``): the job ends (default), the world
-shrinks without it (``--in-place``: ``--nnodes MIN:MAX`` with MIN one less than the nodes).
+its beat, and the watch's poll of ``ended_elsewhere``, which looks at the job four times a
+second: the count of news and the beats this launcher watches in one request, the records
+only when the news changed), its health window (published every ``--window`` seconds; node 0's
+launcher reads every node's), and its workers' store traffic (each rank's peer watch reading the
+failure record, its hang watch counting hang requests and publishing its progress, both told of
+news by their launcher and reading the store only every fallback period), with the training
+replaced by nothing: only the coordination runs. Many nodes share a process, their tasks run by one
+scheduler thread at their periods; the store is a real ``ddpkit store`` process. After a steady
+phase one node is killed (its beat and every request of it stop, as when a node's power goes), and
+each surviving node's launcher is timed until it knows the node silent (``detect_s``: it watches
+the node and found it silent, or read another launcher's report) and until it holds the decision
+(``agree_s``): the job ends (default), the world shrinks without it (``--in-place``: ``--nnodes
+MIN:MAX`` with MIN one less than the nodes).
 
     python benchmarks/control_plane.py --nodes 8 64 256 1024 --ranks-per-node 8 [--in-place] [--seconds S] [--json]
 
 Printed per size: the store's requests per second in the steady phase, in all and per node (counted
 by every simulated client), the 99th percentile of a probe's request latency (a ``get`` every 20 ms
 from a client of its own), the detection and agreement times (median and worst over the survivors)
-and the keys the store holds at the end. ``lag`` is how far the simulated loops fell behind their
-periods (1.0: on time): above about 1.5 the simulator or the store could not keep up, and the rates
-are what was served, not what the design asks for (``demand_per_node``: the rate at lag 1).
+and the keys the store holds at the end. ``late ms`` is the median time a simulated task ran after
+it was due (the worst simulator process): when it nears the periods (250 ms), the simulator or the
+store could not keep up and the rates are what was served, not what the design asks for.
 ``by source`` splits the requests per node among the launcher's watch and coordination, its beat
-thread and its ranks (``per_node_by_source`` in the JSON).
+and its ranks (``per_node_by_source`` in the JSON).
 
 Simulated on one machine, whose cores the store and the simulator share: the figures are the
 coordination's, not a cluster's network.
@@ -30,9 +33,11 @@ coordination's, not a cluster's network.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import multiprocessing
 import os
+import random
 import resource
 import secrets
 import socket
@@ -49,9 +54,11 @@ _START_SECONDS = 600.0  # for a simulator process to connect and start its nodes
 _STEADY_START_SECONDS = 3.0  # after every simulated node started: the steady phase begins
 _DETECT_WAIT_SECONDS = 25.0  # after the kill: how long the survivors are watched
 _PROBE_SECONDS = 0.02
-_WATCH_POLL_SECONDS = 0.05  # the launcher's watch (``launching.launcher.run_workers``'s poll_interval)
-_SOCKETS_PER_NODE = 3  # the launcher's client, its beat's, its workers' (shared by the simulated ranks)
-_THREADS_PER_NODE = 4  # the beat, the client's request thread, the watch, the workers
+# The launcher's watch: ``launching.watch`` polls every 0.05 s, and looks at the job every 0.25 s
+# (``launching.nodes``); the simulator polls every 0.1 s, which the looks follow within 0.1 s.
+_WATCH_POLL_SECONDS = 0.1
+_WORKERS_SECONDS = 1.0  # the ranks' tasks are due every 10 s or more: looked at once a second
+_SOCKETS_PER_NODE = 1  # one connection a node (``SimulatedNode``)
 
 
 # Where the requests come from: each simulated node's launcher (its watch and the coordination), its
@@ -84,65 +91,65 @@ class Counted:
 @dataclass
 class NodeTimes:
     node: int
-    detected: float | None = None  # when this launcher took the killed node for silent (time.time)
+    detected: float | None = None  # when this launcher knew the killed node silent (time.time)
     decided: float | None = None  # when it held the decision (the job ends, or the world shrank)
-    lag: float = 1.0  # the watch loop's mean period over its nominal one, in the steady phase
 
 
 class SimulatedNode:
-    """One node: its launcher's coordination and its ranks' store traffic, on threads."""
+    """One node: its launcher's coordination and its ranks' store traffic, driven by its process's
+    scheduler (``Scheduler``) at the periods ``ddpkit run`` uses."""
 
     def __init__(self, node: int, args: argparse.Namespace, port: int, counter: list[int],
                  by_source: dict[str, list[int]]) -> None:
+        from ddpkit.launching.health import SharedWindows
         from ddpkit.launching.node_world import Shrinking
         from ddpkit.launching.nodes import NodeCoordination
-        from ddpkit.store.client import BoundedStore, connect
+        from ddpkit.store.client import connect
 
         self.node, self.args, self.counter = node, args, counter
-        self.killed = threading.Event()
+        self.killed = False
         shrinking = Shrinking(min_nodes=args.size - 1, nproc_per_node=args.ranks_per_node,
                               spares_possible=False) if args.in_place else None
-        client = Counted(connect("127.0.0.1", port, 60.0), counter, by_source["launcher"])
-        self.nodes = NodeCoordination(BoundedStore(client, 60.0), node, args.size, "127.0.0.1", port,
+        # One connection for the node's launcher, beat and ranks: the scheduler runs their tasks one at
+        # a time, and a simulator of a thousand nodes could not open and serve three thousand.
+        connection = connect("127.0.0.1", port, 60.0)
+        client = Counted(connection, counter, by_source["launcher"])
+        client.seconds = 60.0  # what ``BoundedStore`` says of its bound (its errors name it)
+        self.nodes = NodeCoordination(client, node, args.size, "127.0.0.1", port,  # type: ignore[arg-type]
                                       in_place=args.in_place, shrinking=shrinking, join_seconds=600.0)
-        self._beat_client = Counted(connect("127.0.0.1", port, 60.0), counter, by_source["beat"])
-        self._workers_client = Counted(connect("127.0.0.1", port, 60.0), counter, by_source["workers"])
+        self.beat = self.nodes.heartbeats.beats_through(Counted(connection, counter, by_source["beat"]))
+        self.windows = SharedWindows(self.nodes.records, self.nodes.world.nodes)
+        self._workers_client = Counted(connection, counter, by_source["workers"])
         self.times = NodeTimes(node)
-        self._loops: list[float] = []
+        self.ended = False  # this launcher took the job for ended (it would end its workers)
+        # Each node's workers started at their own moment: their periods do not line up across nodes.
+        from ddpkit.diagnostics import hangs, relayed_news
 
-    def start(self) -> None:
-        self.nodes.beat_through(self._beat_client)
-        threading.Thread(target=self._watch, daemon=True).start()
-        threading.Thread(target=self._workers, daemon=True).start()
+        self._next_read = time.monotonic() + random.uniform(0, relayed_news.FALLBACK_SECONDS)
+        self._next_progress = time.monotonic() + random.uniform(
+            0, hangs._progress_seconds(hangs.DEFAULT_HANG_SECONDS))  # noqa: SLF001
+        self._entered = 0
 
     def kill(self) -> None:
-        self.killed.set()
+        """The node's power goes: its beat and every request of it stop."""
+        self.killed = True
         self.nodes.heartbeats.stop()
 
-    def _watch(self) -> None:
-        """The launcher's watch: ``ended_elsewhere`` every poll, as ``launching.watch.watch`` asks it."""
+    def watch(self) -> None:
+        """The launcher's watch: ``ended_elsewhere``, as ``launching.watch.watch`` asks it each poll."""
         killed_node = self.args.size - 1
         nodes = self.nodes
-        while not self.killed.is_set():
-            began = time.monotonic()
-            try:
-                ended = nodes.ended_elsewhere()
-            except Exception:  # noqa: BLE001 - the store went away at the end of the run
-                return
-            now = time.time()
-            silent = (killed_node in nodes.heartbeats._silent_since or killed_node in nodes.world._removed  # noqa: SLF001
-                      or nodes._lost is not None)  # noqa: SLF001
-            if silent and self.times.detected is None:
-                self.times.detected = now
-            decided = killed_node in nodes.world._removed or ended  # noqa: SLF001
-            if decided and self.times.decided is None:
-                self.times.decided = now
-            if ended:
-                return  # this launcher ends its workers: the job ended for it
-            time.sleep(_WATCH_POLL_SECONDS)
-            self._loops.append(time.monotonic() - began)
+        ended = nodes.ended_elsewhere()
+        now = time.time()
+        knows = (killed_node in nodes.heartbeats._silent_since or killed_node in nodes.looks.reports
+                 or killed_node not in nodes.world.nodes() or nodes._lost is not None)  # noqa: SLF001
+        if knows and self.times.detected is None:
+            self.times.detected = now
+        if (killed_node not in nodes.world.nodes() or ended) and self.times.decided is None:
+            self.times.decided = now
+        self.ended = ended
 
-    def _workers(self) -> None:
+    def workers(self) -> None:
         """The ranks' own store traffic in a quiet job (``diagnostics.peer_watch``, ``diagnostics.hangs``):
         their launcher relays the job's count of news to them (``diagnostics.relayed_news``, a local
         file), so each rank reads the failure record and the count of hang requests only every
@@ -155,26 +162,76 @@ class SimulatedNode:
         store, ranks = self._workers_client, range(self.node * self.args.ranks_per_node,
                                                    (self.node + 1) * self.args.ranks_per_node)
         signer = record_signer()
-        next_read = next_progress = time.monotonic()
-        entered = 0
-        while not self.killed.is_set():
+        if time.monotonic() >= self._next_read:
+            self._next_read = time.monotonic() + relayed_news.FALLBACK_SECONDS
+            for _ in ranks:
+                read_failure_record(store, timeout=None)
+                store.add(signer.key(keys.HANG_REQUESTS), 0)
+        if time.monotonic() >= self._next_progress:
+            self._next_progress = time.monotonic() + hangs._progress_seconds(hangs.DEFAULT_HANG_SECONDS)  # noqa: SLF001
+            self._entered += 1
+            for rank in ranks:
+                store.set(signer.key(keys.hang_progress(rank)), f"#{self._entered} all_reduce")
+
+    def window(self) -> None:
+        """The node's health window (``launching.health``): its ranks' windows published, and node 0's
+        launcher reads every node's."""
+        start = time.time() - self.args.window
+        self.windows.publish(start, self.node, "host", [], None)
+        if self.node == 0:
+            self.windows.collect(start)
+
+
+class Scheduler:
+    """Runs each simulated node's beat, watch, ranks and window at their periods, from one thread
+    (a thread per node and task would spend the simulator's CPU switching between them)."""
+
+    def __init__(self, simulated: list[SimulatedNode], args: argparse.Namespace) -> None:
+        self.simulated = simulated
+        self._queue: list[tuple[float, int, int, str]] = []
+        self._late: list[float] = []
+        self._stopped = threading.Event()
+        self._sequence = 0
+        self.measuring = False  # lateness is counted in the steady phase only
+        beat_seconds = simulated[0].nodes.heartbeats.beat_seconds
+        self.periods = {"beat": beat_seconds, "watch": _WATCH_POLL_SECONDS, "workers": _WORKERS_SECONDS, "window": args.window}
+        now = time.monotonic()
+        for index, _ in enumerate(simulated):
+            for kind, period in self.periods.items():
+                self._push(now + random.uniform(0, period), index, kind)
+
+    def _push(self, due: float, index: int, kind: str) -> None:
+        self._sequence += 1
+        heapq.heappush(self._queue, (due, self._sequence, index, kind))
+
+    def run(self) -> None:
+        while not self._stopped.is_set() and self._queue:
+            due, _, index, kind = heapq.heappop(self._queue)
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            elif self.measuring:
+                self._late.append(-wait)
+            node = self.simulated[index]
+            if node.killed or node.ended:
+                continue
             try:
-                if time.monotonic() >= next_read:
-                    next_read += relayed_news.FALLBACK_SECONDS
-                    for _ in ranks:
-                        read_failure_record(store, timeout=None)
-                        store.add(signer.key(keys.HANG_REQUESTS), 0)
-                if time.monotonic() >= next_progress:
-                    next_progress += hangs._progress_seconds(hangs.DEFAULT_HANG_SECONDS)  # noqa: SLF001
-                    entered += 1
-                    for rank in ranks:
-                        store.set(signer.key(keys.hang_progress(rank)), f"#{entered} all_reduce")
+                if kind == "beat":
+                    if not node.beat():
+                        continue
+                else:
+                    getattr(node, kind)()
             except Exception:  # noqa: BLE001 - the store went away at the end of the run
                 return
-            self.killed.wait(0.25)
+            # A task run late is next due a period after it ran, as a late launcher's loop would be.
+            self._push(max(due + self.periods[kind], time.monotonic()), index, kind)
 
-    def loop_lag(self) -> float:
-        return statistics.fmean(self._loops) / _WATCH_POLL_SECONDS if self._loops else 1.0
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def lateness(self) -> float:
+        """The median of how late a task ran after it was due (seconds): the simulator's own lag."""
+        return statistics.median(self._late) if self._late else 0.0
 
 
 def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: str, go: Any, phases: Any,
@@ -185,28 +242,32 @@ def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: st
     counter = [0]
     by_source: dict[str, list[int]] = {source: [0] for source in SOURCES}
     simulated = [SimulatedNode(node, args, port, counter, by_source) for node in nodes]
-    for node in simulated:
-        node.start()
+    scheduler = Scheduler(simulated, args)
+    threading.Thread(target=scheduler.run, daemon=True).start()
     results.put("ready")
     go.wait()
     steady, kill, end = phases[:]
     _sleep_until(steady)
     counted, began = counter[0], time.time()
+    scheduler.measuring = True
     from_each = {source: by_source[source][0] for source in SOURCES}
     _sleep_until(kill)
     elapsed = time.time() - began
     steady_ops = (counter[0] - counted) / elapsed
     steady_by_source = {source: (by_source[source][0] - from_each[source]) / elapsed for source in SOURCES}
-    lag = statistics.fmean(node.loop_lag() for node in simulated)
+    late = scheduler.lateness()
     for node in simulated:
         if node.node == args.size - 1:
             node.kill()
     _sleep_until(end)
-    results.put({"ops_per_s": steady_ops, "by_source": steady_by_source, "lag": lag,
+    scheduler.stop()
+    results.put({"ops_per_s": steady_ops, "by_source": steady_by_source, "late_s": late,
                  "times": [(node.node, node.times.detected, node.times.decided) for node in simulated
                            if node.node != args.size - 1]})
-    for node in simulated:
-        node.kill()
+    results.close()
+    results.join_thread()
+    # Threads still in torch's store client would abort the interpreter's finalisation (docs/hazards.md).
+    os._exit(0)
 
 
 def _sleep_until(when: float) -> None:
@@ -272,7 +333,7 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         store_process.terminate()
         store_process.wait(timeout=10)
     ops = sum(result["ops_per_s"] for result in gathered)
-    lag = statistics.fmean(result["lag"] for result in gathered)
+    late = max(result["late_s"] for result in gathered)
     detected = [when - kill for result in gathered for _, when, _ in result["times"] if when is not None]
     decided = [when - kill for result in gathered for _, _, when in result["times"] if when is not None]
     survivors = size - 1
@@ -282,7 +343,7 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         "store_ops_per_s": round(ops), "ops_per_node_per_s": round(ops / size, 1),
         "per_node_by_source": {source: round(sum(result["by_source"][source] for result in gathered) / size, 1)
                                for source in SOURCES},
-        "demand_per_node": round(ops / size * lag, 1), "lag": round(lag, 2),
+        "late_ms": round(late * 1e3, 1),
         "store_p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1e3, 2) if latencies else None,
         "detect_s": _spread(detected, survivors), "agree_s": _spread(decided, survivors), "keys": keys,
     }
@@ -291,8 +352,10 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
 def _spread(seconds: list[float], expected: int) -> dict[str, Any]:
     """Median and worst, and how many of the ``expected`` survivors got there within the wait."""
     if not seconds:
-        return {"median": None, "max": None, "of": f"0/{expected}"}
-    return {"median": round(statistics.median(seconds), 2), "max": round(max(seconds), 2),
+        return {"min": None, "median": None, "p99": None, "max": None, "of": f"0/{expected}"}
+    ordered = sorted(seconds)
+    return {"min": round(ordered[0], 2), "median": round(statistics.median(ordered), 2),
+            "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 2), "max": round(ordered[-1], 2),
             "of": f"{len(seconds)}/{expected}"}
 
 
@@ -303,6 +366,8 @@ def main() -> None:
     parser.add_argument("--in-place", action="store_true", help="in-place recovery, the world free to shrink by one node")
     parser.add_argument("--seconds", type=float, default=10.0, help="the steady phase (default 10)")
     parser.add_argument("--processes", type=int, default=4, help="simulator processes (default 4)")
+    parser.add_argument("--window", type=float, default=60.0,
+                        help="the health windows' length (ddpkit run --report-every; default 60)")
     parser.add_argument("--json", action="store_true", help="one JSON line per size")
     args = parser.parse_args()
     for size in args.nodes:
@@ -310,7 +375,7 @@ def main() -> None:
             raise SystemExit(f"control_plane.py: --nodes {size}: a node must be lost and others notice: give 2 or more")
         refuse_what_this_machine_cannot(size, min(args.processes, size))
     if not args.json:
-        print(f"{'nodes':>6} {'ranks':>5} {'ops/s':>9} {'per node':>9} {'demand':>8} {'lag':>5} {'p99 ms':>7} "
+        print(f"{'nodes':>6} {'ranks':>5} {'ops/s':>9} {'per node':>9} {'late ms':>7} {'p99 ms':>7} "
               f"{'detect s (med/max)':>19} {'agree s (med/max)':>18} {'keys':>7}")
     for size in args.nodes:
         row = measure(size, args)
@@ -319,7 +384,7 @@ def main() -> None:
             continue
         detect, agree = row["detect_s"], row["agree_s"]
         print(f"{row['nodes']:>6} {row['ranks_per_node']:>5} {row['store_ops_per_s']:>9} {row['ops_per_node_per_s']:>9} "
-              f"{row['demand_per_node']:>8} {row['lag']:>5} {row['store_p99_ms']!s:>7} "
+              f"{row['late_ms']:>7} {row['store_p99_ms']!s:>7} "
               f"{detect['median']!s:>8}/{detect['max']!s:<5} {detect['of']:>5} "
               f"{agree['median']!s:>7}/{agree['max']!s:<5} {agree['of']:>5} {row['keys']:>7}  by source "
               + ", ".join(f"{source} {rate}" for source, rate in row["per_node_by_source"].items()), flush=True)

@@ -319,6 +319,7 @@ def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() 
     zero, one = (NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), rank, 2, "127.0.0.1",
                                   store.port, in_place=True, shrinking=shrinking) for rank in (0, 1))
     one.world.remove(0)  # node 1's launcher shrank the world without node 0
+    zero.looks.look()  # the news read, and with it the world's removals
     assert zero.world.nodes() == [1] and one.world.nodes() == [1]
     with pytest.raises(TimeoutError, match="the world shrank without node\\(s\\) 0"):
         one.meet(1, 5.0)

@@ -4,13 +4,13 @@ several times a second.
 A rank's peer watch (a peer's published failure) and hang watch (a request for its stack) used
 to read the group's store four times a second and once a second each, which at a thousand nodes
 of eight ranks is most of the store's load (issue 62). Under ``ddpkit run`` across nodes the
-launcher already reads the job's count of news ten times a second (``launching.nodes``): every
+launcher already reads the job's count of news four times a second (``launching.nodes``): every
 record a launcher writes raises it, and so, here, does every record a rank writes that the others
 must react to (``announce``: a published failure, a lost peer's note, a hang request; the workers'
 store is the launchers' then). The launcher writes the count to a file of its own folder
 (``DDPKIT_NEWS_FILE``), and the watches look at that file (a local read) and ask the store only
 when it changed, and every ``FALLBACK_SECONDS`` besides. A rank's news thus reaches the others'
-watches within the launcher's read and the watch's look (about 0.35 s).
+watches within the launcher's look and the watch's (about 0.5 s).
 
 Without that file (no launcher, one node, torchrun) the watches read the store as before. A
 blocking wait on the store was tried instead and left: docs/hazards.md says why.
@@ -28,8 +28,9 @@ from ddpkit.variables import DDPKIT_NEWS_FILE
 __all__ = ["FALLBACK_SECONDS", "RelayedNews", "announce", "relayed_news", "tcp_store_under", "write_news_file"]
 
 # How often a watch reads the store anyway when its launcher relays news (a record written by a
-# process that raised no news, a launcher that stopped relaying).
-FALLBACK_SECONDS = 5.0
+# process that raised no news, a launcher that stopped relaying): rarely, since every rank under a
+# relaying launcher raises the news, and a launcher's end ends its workers.
+FALLBACK_SECONDS = 15.0
 
 
 def announce(store: Any) -> None:

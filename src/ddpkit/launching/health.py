@@ -180,6 +180,10 @@ class NodeRecord(NamedTuple):
     link: float | None
 
 
+# How many of its last windows a node keeps in the store: node 0 reads one as the next ends.
+_KEPT_WINDOWS = 2
+
+
 class SharedWindows:
     """Across nodes (the launchers' records in the job's store, ``launcher_records``): every node's
     launcher publishes its ranks' windows and its link time, and node 0's reads them all and
@@ -187,10 +191,19 @@ class SharedWindows:
 
     def __init__(self, records: LauncherRecords, world: Callable[[], list[int]]) -> None:
         self.records, self.world = records, world
+        self._published: list[str] = []  # this node's windows in the store, oldest first
 
     def publish(self, start: float, node: int, host: str, windows: Iterable[RankWindow], link: float | None) -> None:
+        """This node's windows starting at ``start``, for node 0's launcher to read (``collect``).
+        No launcher polls for them: the news is not raised (every launcher would read the records
+        again, N times a window). The windows before the last ``_KEPT_WINDOWS`` are deleted (node 0
+        read them long ago): the store's keys do not grow with the run's length."""
         value = json.dumps({"host": host, "windows": [asdict(window) for window in windows], "link": link})
-        self.records.put(keys.of(f"{keys.HEALTH}/{start:.0f}", node), value, keys.JOB_WIDE)
+        name = keys.of(f"{keys.HEALTH}/{start:.0f}", node)
+        self.records.put(name, value, keys.JOB_WIDE, news=False)
+        self._published.append(name)
+        while len(self._published) > _KEPT_WINDOWS:
+            self.records.call("delete_key", self.records.key(self._published.pop(0), keys.JOB_WIDE))
 
     def collect(self, start: float) -> tuple[dict[int, NodeRecord], list[int]]:
         """What the nodes of the world published for the window ``start``, by node, and the world's nodes."""

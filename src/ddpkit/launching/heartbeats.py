@@ -1,17 +1,27 @@
 """The launchers' heartbeats: each says it is alive from a thread of its own, through a store client
-of its own (its main thread may be busy ending workers for seconds), and reads the others' beats
-to know how long each has been silent.
+of its own (its main thread may be busy ending workers for seconds), and reads the beats it
+watches to know how long each has been silent.
 
 A beat is the launcher's id and a count. Under in-place recovery a beat after the first replaces
 only this launcher's own last one: a launcher that finds another's there was taken for lost, and a
 spare node beats as its node now (``replaced``).
+
+Not every launcher reads every beat: that would cost the store N beats' worth of bytes per look
+per node, N^2 in all. Of the world's live nodes in order, the first one's launcher watches every
+other node, and each other launcher the two nodes before it in a ring (``watched``): every node is
+watched by the first and by the two after it, so any two nodes lost together are still seen at
+once. A launcher that finds a node silent reports it
+(``report_silent``, once per silence for the whole job, in the launchers' log ``silent``); every
+launcher reads the reports when the job's news changes and believes them (``believe_silent``):
+the silent node's beat is then read by every launcher, until it is decided (the job ends, the
+world shrinks without it, or a spare node beats as it).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 from ddpkit.launching.launcher_records import LauncherRecords
@@ -20,7 +30,7 @@ from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys
 
-__all__ = ["Heartbeats"]
+__all__ = ["Heartbeats", "watched"]
 
 _log = get_logger("launching")
 
@@ -35,6 +45,23 @@ _IN_PLACE_BEAT_SECONDS = 0.25
 _IN_PLACE_SILENT_SECONDS = 2.0
 # How long ``stop`` waits for a beat under way (on a link that works, milliseconds).
 _STOP_SECONDS = 1.0
+
+
+# How far past the silent time a reported node is believed silent (a report is already the silence).
+_BELIEVED_MARGIN = 1e-3
+
+
+def watched(live: list[int], node: int) -> list[int]:
+    """The nodes whose beats ``node``'s launcher watches, of the ``live`` nodes in order: every other
+    one for the first node, the two before it for the others (the last two for the second: every
+    node is watched by the first and by the two after it, in a ring), none for a node not among
+    them (a spare node, or one taken for lost)."""
+    if node not in live:
+        return []
+    position = live.index(node)
+    if position == 0:
+        return live[1:]
+    return sorted({live[position - 1], live[(position - 2) % len(live)]} - {node})
 
 
 class Heartbeats:
@@ -57,26 +84,38 @@ class Heartbeats:
     def beat_through(self, store: Any) -> None:
         """Say this launcher is alive every beat, through ``store`` (a client for this alone), from a
         daemon thread, until ``stop``."""
-        key = self._records.key(keys.of(keys.BEAT, self._records.node_rank), keys.JOB_WIDE)
+        beat = self.beats_through(store)
 
-        def beat() -> None:
-            count, last = 0, None
-            while not self._stopped.is_set():
-                count += 1
-                value = self._records.sign(key, f"{self.launcher_id}:{count}")
-                try:
-                    if last is None or not self._in_place:
-                        store.set(key, value)
-                    elif bytes(store.compare_set(key, last, value)) != value.encode():
-                        self.replaced.set()
-                        return
-                except Exception:  # the store is gone: the main thread finds out at its next request
-                    return
-                last = value
+        def beat_until_stopped() -> None:
+            while not self._stopped.is_set() and beat():
                 self._stopped.wait(self.beat_seconds)
 
-        self._thread = threading.Thread(target=beat, name="ddpkit-launcher-beat", daemon=True)
+        self._thread = threading.Thread(target=beat_until_stopped, name="ddpkit-launcher-beat", daemon=True)
         self._thread.start()
+
+    def beats_through(self, store: Any) -> Callable[[], bool]:
+        """One beat of this launcher's at each call, through ``store``: False once it must beat no
+        more (a spare node beats as this node: ``replaced``; the store is gone, which the main
+        thread finds out at its next request). ``beat_through`` calls it every beat."""
+        key = self._records.key(keys.of(keys.BEAT, self._records.node_rank), keys.JOB_WIDE)
+        count, last = 0, ""
+
+        def beat() -> bool:
+            nonlocal count, last
+            count += 1
+            value = self._records.sign(key, f"{self.launcher_id}:{count}")
+            try:
+                if not last or not self._in_place:
+                    store.set(key, value)
+                elif bytes(store.compare_set(key, last, value)) != value.encode():
+                    self.replaced.set()
+                    return False
+            except Exception:  # noqa: BLE001 - the store's client raises several kinds, all meaning it is gone
+                return False
+            last = value
+            return True
+
+        return beat
 
     def stop(self) -> None:
         """Stop beating. A beat still in torch's store client a moment later (a link down) would end
@@ -95,11 +134,6 @@ class Heartbeats:
     def last_beat(self, node: int) -> str | None:
         """``node``'s launcher's last beat as the store holds it now (None: it never beat)."""
         return self._records.read(keys.of(keys.BEAT, node), keys.JOB_WIDE)
-
-    def last_beats(self, nodes: list[int]) -> dict[int, str | None]:
-        """``last_beat`` of each of ``nodes``, read at once (``LauncherRecords.read_many``)."""
-        beats = self._records.read_many([keys.of(keys.BEAT, node) for node in nodes], keys.JOB_WIDE)
-        return dict(zip(nodes, beats, strict=True))
 
     def silent_for(self, node: int, beat: str, now: float) -> float:
         """How long ``node``'s launcher has been silent as this launcher heard it, ``beat`` being its
@@ -127,12 +161,27 @@ class Heartbeats:
         it asks), until a new beat of the node is heard."""
         return self._silent_since.setdefault(node, now)
 
-    def silent_launchers(self, nodes: list[int]) -> dict[int, str]:
-        """The last beat of each of ``nodes``' launchers that has been silent for the silent time (read
-        now, at once, and compared with what this launcher heard before)."""
-        now = time.monotonic()
-        return {node: beat for node, beat in self.last_beats(nodes).items()
-                if beat is not None and self.silent_for(node, beat, now) > self.silent_seconds}
+    def believe_silent(self, node: int, beat: str, now: float) -> None:
+        """Take ``node`` for silent past the silent time at ``beat`` (another launcher that watches
+        it reported it), unless a later beat of it was heard here."""
+        last = self._heard.get(node)
+        if last is None or last[0] == beat:
+            heard_at = now - self.silent_seconds - _BELIEVED_MARGIN
+            self._heard[node] = (beat, heard_at if last is None else min(last[1], heard_at))
+
+    def report_silent(self, node: int, beat: str) -> bool:
+        """Tell every launcher that ``node`` went silent at ``beat``, unless one did already: True
+        when this launcher's report is the one written."""
+        return self._records.append_once(keys.SILENT, f"{node}/{launcher_of(beat)}", f"{node} {beat}")
+
+    def reports_after(self, count: int) -> list[tuple[int, str]]:
+        """The silent nodes reported after the first ``count`` reports (``report_silent``), as
+        (node, beat), in order."""
+        reports = []
+        for entry in self._records.read_log(keys.SILENT, count, keys.JOB_WIDE):
+            node, _, beat = entry.partition(" ")
+            reports.append((int(node) if node.lstrip("-").isdigit() else -1, beat))
+        return reports
 
     def forget(self, node: int) -> None:
         """What was heard of ``node`` (this launcher is that node now)."""

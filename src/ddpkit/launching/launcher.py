@@ -240,7 +240,7 @@ class _LauncherRun:
             if config.coordinates_nodes and state.nodes is None:
                 state.nodes = connect_nodes(state.config, state.port, workers, self.stop_waiting)
             if state.nodes is not None and self.news_file is not None:
-                state.nodes.relay_news_to(self.news_file)
+                state.nodes.looks.relay_news_to(self.news_file)
             if self.health is not None:
                 self.health.node = state.config.node_rank  # a spare node took its place's
                 if state.nodes is not None:  # node 0's launcher reports every node's ranks
@@ -263,7 +263,7 @@ class _LauncherRun:
             return self.gave_up(stopped, "the other nodes were not waited for")
         finally:
             if state.nodes is not None:
-                state.nodes.relay_news_to(None)  # the file goes with the workers' folder
+                state.nodes.looks.relay_news_to(None)  # the file goes with the workers' folder
             workers.close(self.grace)
             state.restart_count += self.replacements.used  # replacements spend the same budget
 

@@ -5,8 +5,12 @@ With a job secret every value carries its HMAC (``ddpkit.store.job_secret``) and
 absent. A record one node writes for itself is ``name/<node>``, with an unsigned count beside it
 that only says when there may be something new to read, and every record written raises the job's
 count of news (``news``): a launcher that polls for what the others said reads that one count, and
-the records only when it changed, so that its requests do not grow with the records or the nodes. Every request is bounded
-(``BoundedStore``); a store that does not answer or is gone is ``NodeContactLostError``.
+the records only when it changed, so that its requests do not grow with the records or the nodes.
+What every launcher must learn of one by one (a node reported silent, the world shrunk or grown)
+is also appended to a log of its own (``append``), which each reader reads on from where it
+stopped (``read_log``): a change costs each launcher the entries it adds, not a read per node.
+Every request is bounded (``BoundedStore``); a store that does not answer or is gone is
+``NodeContactLostError``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class LauncherRecords:
         self._where = where  # the store's address, for the errors
         self._signer = RecordSigner(job_secret(), "launchers")
         self._news_key = keys.launchers_news(self._signer.namespace)
+        # Keys seen in the store: a launcher's keys are never deleted while the job runs, so these
+        # can be read together with one ``multi_get`` (which would wait for a key not there).
+        self._present: set[str] = set()
 
     def key(self, name: str, attempt: int | None = None) -> str:
         """The store key of ``name`` in ``attempt`` (the current one by default)."""
@@ -57,9 +64,13 @@ class LauncherRecords:
     def sign(self, key: str, value: str) -> str:
         return self._signer.sign(key, value)
 
-    def put(self, name: str, value: str, attempt: int | None = None) -> None:
+    def put(self, name: str, value: str, attempt: int | None = None, news: bool = True) -> None:
+        """Write the signed record ``name``; ``news``: raise the job's count of news after it (False
+        for a record no launcher polls for, such as a health window: raising it would make every
+        launcher read the records again)."""
         self.call(self._signer.write, self.store, self.key(name, attempt), value)
-        self._raise_news()
+        if news:
+            self._raise_news()
 
     def news(self) -> int:
         """The job's count of records written: unchanged since a read, no record was written since
@@ -70,21 +81,61 @@ class LauncherRecords:
     def _raise_news(self) -> None:
         self.call("add", self._news_key, 1)
 
+    def news_and_reads(self, names: list[str], attempt: int | None = None) -> tuple[int, list[str | None]]:
+        """The job's count of news (``news``) and ``read`` of each of ``names``, in one request
+        (a ``multi_get``) once each key was seen in the store; a key not seen yet costs a ``check``
+        until it is there (a node's first beat). How a launcher looks at the job each period."""
+        found = [self.key(name, attempt) for name in names]
+        if self._news_key not in self._present:
+            self.news()  # creates the count
+            self._present.add(self._news_key)
+        unseen = [key for key in found if key not in self._present]
+        for key in unseen:
+            if self.call("check", [key]):
+                self._present.add(key)
+        present = [key for key in found if key in self._present]
+        values = self.call("multi_get", [self._news_key, *present])
+        read = dict(zip(present, values[1:], strict=True))
+        return int(values[0]), [None if key not in read else self._signer.verify(key, read[key]) for key in found]
+
+    def append(self, name: str, value: str, attempt: int | None = None) -> None:
+        """Append the signed ``value`` to the log ``name`` (``read_log``), and raise the news after it."""
+        index = self.count(keys.count_of(name), 1, attempt)
+        self.put(keys.log_entry(name, index), value, attempt)
+
+    def append_once(self, name: str, once: str, value: str) -> bool:
+        """``append`` to the job-wide log ``name``, unless a launcher appended for ``once`` already
+        (the first to ask does): True when this one did."""
+        key = self.key(keys.log_entry(name, once), keys.JOB_WIDE)
+        signed = self._signer.sign(key, value)
+        if self.call("compare_set", key, "", signed) != signed.encode():
+            return False
+        self.append(name, value, keys.JOB_WIDE)
+        return True
+
+    def read_log(self, name: str, after: int, attempt: int | None = None) -> list[str]:
+        """The entries of the log ``name`` after the first ``after``, in order, up to the first not
+        written yet (its writer raises the news once it is: read on then), in two requests. A
+        forged entry reads as an empty one."""
+        count = self.hint(name, attempt)
+        wanted = [self.key(keys.log_entry(name, index), attempt) for index in range(after + 1, count + 1)]
+        if not wanted:
+            return []
+        if self.call("check", wanted):
+            values = self.call("multi_get", wanted)
+            return [self._signer.verify(key, value) or "" for key, value in zip(wanted, values, strict=True)]
+        entries = []
+        for index in range(after + 1, count + 1):
+            entry = self.read(keys.log_entry(name, index), attempt)
+            if entry is None:
+                break
+            entries.append(entry)
+        return entries
+
     def read(self, name: str, attempt: int | None = None) -> str | None:
         """The value a launcher of the job wrote under ``name``; None when there is none (or a forged one)."""
         value: str | None = self.call(self._signer.read, self.store, self.key(name, attempt))
         return value
-
-    def read_many(self, names: list[str], attempt: int | None = None) -> list[str | None]:
-        """``read`` of each of ``names``, in two requests when all are there (one ``check``, one
-        ``multi_get``) instead of two each: how a launcher reads every node's beat at once."""
-        found = [self.key(name, attempt) for name in names]
-        if not found:
-            return []
-        if not self.call("check", found):  # some are not written yet: each read alone
-            return [self.read(name, attempt) for name in names]
-        values = self.call("multi_get", found)
-        return [self._signer.verify(key, value) for key, value in zip(found, values, strict=True)]
 
     def has(self, name: str, attempt: int | None = None) -> bool:
         return self.read(name, attempt) is not None
@@ -109,9 +160,10 @@ class LauncherRecords:
 
     def say(self, node: int, name: str, value: str = "1", attempt: int | None = None) -> None:
         """The signed ``name/<node>`` of ``node`` (this launcher's, or one the world shrank without),
-        and its count raised."""
-        self.put(keys.of(name, node), value, attempt)
+        and its count raised, then the news: a launcher that reads the news reads the count raised."""
+        self.call(self._signer.write, self.store, self.key(keys.of(name, node), attempt), value)
         self.count(keys.count_of(name), 1, attempt)
+        self._raise_news()
 
     def nodes_that_said(self, name: str, nodes: Iterable[int], attempt: int | None = None) -> list[int]:
         """Those of ``nodes`` that said ``name``."""

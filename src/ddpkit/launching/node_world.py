@@ -65,18 +65,29 @@ class NodeWorld:
         # Under in-place recovery, how many lost nodes the job recovers from (``--max-restarts``; None: any).
         self.node_losses_allowed = node_losses_allowed if in_place else None
         self._removed: set[int] = set()  # nodes the world shrank without (and not brought back), as read so far
-        self.removals_seen = 0  # the count of removals and returns when ``_removed`` was read
+        self.removals_seen = 0  # the entries of the log of removals and returns read so far
 
     # -- the world -------------------------------------------------------------------------------
 
     def nodes(self) -> list[int]:
-        """The nodes of the world now: every node the rendezvous closed with, but those it shrank without."""
-        records = self._records
-        if self.shrinking is not None and (hint := records.hint(keys.REMOVED_NODE, keys.JOB_WIDE)) != self.removals_seen:
-            self.removals_seen = hint
-            self._removed = {node for node in range(self.nnodes)
-                             if (records.read(keys.of(keys.REMOVED_NODE, node), keys.JOB_WIDE) or "").startswith(_OUT)}
+        """The nodes of the world as this launcher last read them (``refresh``): every node the
+        rendezvous closed with, but those it shrank without."""
         return [node for node in range(self.nnodes) if node not in self._removed]
+
+    def refresh(self) -> None:
+        """Read on the log of the world's removals and returns (``remove``, ``bring_back``): the
+        launcher asks at each change of the job's news, and pays for the entries added since."""
+        if self.shrinking is None:
+            return
+        for entry in self._records.read_log(keys.REMOVED_NODE, self.removals_seen, keys.JOB_WIDE):
+            self.removals_seen += 1
+            node, _, what = entry.partition(" ")
+            if not node.isdigit():
+                continue  # a forged entry: nothing
+            if what.startswith(_OUT):
+                self._removed.add(int(node))
+            else:
+                self._removed.discard(int(node))
 
     def removed(self) -> list[int]:
         """The nodes the world shrank without and no spare node brought back yet."""
@@ -94,18 +105,6 @@ class NodeWorld:
     def job_over(self) -> bool:
         """Whether every node's launcher left the job (a spare then has nothing to wait for)."""
         return len(self.nodes_left()) >= len(self.nodes())
-
-    def latest_attempt(self) -> int:
-        """The attempt the nodes run now: the last one opened (``NodeCoordination.meet``)."""
-        attempt = 0
-        while self._records.has(keys.OPEN, attempt + 1):
-            attempt += 1
-        return attempt
-
-    def training_ends(self) -> bool:
-        """Whether a node's workers all finished in the attempt the nodes run: a node brought back
-        now would find no step left to join at."""
-        return bool(self._records.nodes_that_said(keys.SUCCEEDED, self.nodes(), self.latest_attempt()))
 
     # -- the budget of lost nodes and the generations -------------------------------------------
 
@@ -195,7 +194,7 @@ class NodeWorld:
         for rank in sorted(lost):
             records.call(claim_rank, records.store, secret, records.attempt, generation, rank, REMOVED)
         records.call(write_layout, records.store, secret, records.attempt, generation, layout)
-        records.say(node, keys.REMOVED_NODE, f"{_OUT} {generation}", keys.JOB_WIDE)
+        self._say_removal(node, f"{_OUT} {generation}")
         self._removed.add(node)
         lost_because = why or f"node {node}'s launcher went silent and no spare node took its place"
         why = f"{lost_because}: the world shrank to {len(layout.members)} ranks"
@@ -215,6 +214,12 @@ class NodeWorld:
         for rank, holder in holders.items():
             records.call(claim_rank, records.store, secret, attempt, generation, rank, holder)
         records.call(announce_node_lost, records.store, secret, attempt, generation - 1, why)
+
+    def _say_removal(self, node: int, what: str) -> None:
+        """Say that ``node`` is out of the world, or back (``what``): its record (``claim_return``
+        reads it) and an entry in the log every launcher reads on (``refresh``)."""
+        self._records.put(keys.of(keys.REMOVED_NODE, node), what, keys.JOB_WIDE, news=False)
+        self._records.append(keys.REMOVED_NODE, f"{node} {what}", keys.JOB_WIDE)
 
     def claim_return(self, node: int, text: str) -> bool:
         """Claim the place of ``node``, which the world shrank without, to bring it back: True for the
@@ -236,7 +241,8 @@ class NodeWorld:
         for rank, holder in holders.items():
             records.call(claim_rank, records.store, secret, attempt, generation, rank, holder)
         records.call(write_layout, records.store, secret, attempt, generation, layout)
-        records.say(records.node_rank, keys.REMOVED_NODE, f"back {generation}", keys.JOB_WIDE)
+        self._say_removal(records.node_rank, f"back {generation}")
+        self._removed.discard(records.node_rank)
         records.call(announce_growth, records.store, secret, attempt, generation - 1, why)
         _log.warning(f"ddpkit run: this node (node {records.node_rank}) joins the world again in generation "
                      f"{generation} of the group, at the survivors' next step boundary: {len(layout.members)} ranks")

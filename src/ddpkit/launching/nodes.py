@@ -28,7 +28,10 @@ one may be there to read:
 - each launcher says it is alive once a second from a thread of its own (``launching.heartbeats``): one
   silent for the silent time (``launching.heartbeats``), or never heard from within the join timeout, is taken for lost
   (``silent_node``), which ends the others' workers as its failure would have, since nothing else
-  may tell them (a rank killed before the group formed breaks no connection). Under in-place
+  may tell them (a rank killed before the group formed breaks no connection). A launcher reads only
+  the beats it watches (the first live node's all, each other's the two before it) and the nodes
+  reported silent, together with the job's count of news, in one request a look
+  (``launching.job_look``): the launcher that finds a node silent reports it to the others. Under in-place
   recovery a spare node may claim a silent node's place (``launching.spare_node``) and beat as it;
   the lost launcher, if it answers again, finds the spare's beat where its own was (a beat
   replaces only its own last one) and ends its workers without announcing anything
@@ -73,8 +76,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.diagnostics.relayed_news import write_news_file
 from ddpkit.launching.heartbeats import Heartbeats
+from ddpkit.launching.job_look import JobLook
 from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError, may_wait_beyond_max
 from ddpkit.launching.node_claims import ClaimKind, StepAsideRequests, claim_kind
 from ddpkit.launching.node_world import NodeReplacedError, NodeWorld, Shrinking
@@ -95,13 +98,6 @@ _log = get_logger("launching")
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "may_wait_beyond_max"]
 
 _POLL_SECONDS = 0.02
-# How often the job's count of records written is read (whoever asks): a failure or a stop on another
-# node reaches this one's watch within it.
-_NEWS_SECONDS = 0.1
-# How often the other nodes' beats are looked at: in place, four times a second (a lost node is then
-# known within the silent time and a quarter of a second); otherwise once a second.
-_IN_PLACE_LOOK_SECONDS = 0.25
-_LOOK_SECONDS = 1.0
 # How long the others wait for a spare node to claim a silent node before taking it for lost, and
 # then for the spare's launcher to say it is alive as that node.
 _CLAIM_SECONDS = 2.0
@@ -143,19 +139,12 @@ class NodeCoordination:
         self.hosts_store = node_rank == 0 if hosts_store is None else hosts_store
         self._join_seconds = join_seconds
         self._joined_by = time.monotonic() + join_seconds  # a node not heard from by then is not coming
-        self._next_look = 0.0
         self._lost: tuple[int, str] | None = None  # another node's launcher taken for lost, and why
-        # The job's count of records written (``LauncherRecords.news``), read at most once a poll:
-        # the count as last read, when, and the (attempt, count) each reader of it last saw.
-        self._news: int | None = None
-        self._news_read_at = -_NEWS_SECONDS
-        self._news_seen: dict[str, tuple[int, int]] = {}
-        # Where the count goes for this node's workers' watches (``diagnostics.relayed_news``), and
-        # the count last written there.
-        self._news_file: str | None = None
-        self._news_relayed: int | None = None
+        # What this launcher reads of the job at each look (``launching.job_look``).
+        self.looks = JobLook(self.records, self.heartbeats, self.world)
+        self._judged_at = -1.0  # the look whose beats ``silent_node`` judged last
         self._ended_elsewhere = False  # what the records said at the last look that read them
-        self._left: set[int] = set()  # the nodes whose launchers said they left, as last read
+        self._reported: set[tuple[int, str]] = set()  # the silences this launcher reported
 
     @property
     def node_rank(self) -> int:
@@ -171,67 +160,47 @@ class NodeCoordination:
         """Say this launcher is alive, through ``store`` (a client for this alone), until ``leave``."""
         self.heartbeats.beat_through(store)
 
-    def _news_since(self, reader: str) -> bool:
-        """Whether a launcher may have written a record since ``reader`` last asked (in this
-        attempt): the job's count of records written (``LauncherRecords.news``), read at most once
-        per ``_NEWS_SECONDS`` whoever asks, so that a look that finds nothing new costs one request."""
-        now = time.monotonic()
-        if self._news is None or now - self._news_read_at >= _NEWS_SECONDS:
-            self._news = self.records.news()
-            self._news_read_at = now
-            if self._news_file is not None and self._news != self._news_relayed:
-                try:
-                    write_news_file(self._news_file, self._news)
-                    self._news_relayed = self._news
-                except OSError as error:  # its folder went with its workers: they read the store themselves
-                    _log.debug(f"ddpkit run: no longer relaying news to {self._news_file}: {error}")
-                    self._news_file = None
-        # The attempt too: what the records said of the attempt before (a failure) is not this one's.
-        seen = (self.records.attempt, self._news)
-        fresh = self._news_seen.get(reader) != seen
-        self._news_seen[reader] = seen
-        return fresh
-
-    def relay_news_to(self, path: str | None) -> None:
-        """From now on, write the job's count of news to ``path`` as it is read, for this node's
-        workers' watches (``DDPKIT_NEWS_FILE``: they read the store when it changed); None: stop,
-        the attempt's workers are gone."""
-        self._news_file, self._news_relayed = path, None
-        self._news_read_at = -_NEWS_SECONDS  # read (and written there) at the next look
-
     def silent_node(self) -> str | None:
         """Why another node's launcher is taken for lost (no beat for the silent time and no word that
         it left, nor, under in-place recovery, a spare node that claimed its place), or None;
-        looked at once a second (in place: four times), and once lost, always lost. Every beat is
-        read at once (``Heartbeats.last_beats``: two requests), and who left only when a launcher
-        wrote a record since the last look."""
-        now = time.monotonic()
-        if self._lost is not None or now < self._next_look:
-            return None if self._lost is None else self._lost[1]
-        self._next_look = now + (_IN_PLACE_LOOK_SECONDS if self.in_place else _LOOK_SECONDS)
-        if self._news_since("silent_node"):
-            self._left = set(self.world.nodes_left())
+        judged at each look (``look``: the nodes this launcher watches, and those reported silent),
+        and once lost, always lost. A node found silent here is reported to every launcher."""
+        if self._lost is not None:
+            return self._lost[1]
+        looks = self.looks
+        looks.look()
+        if self._judged_at == looks.looked_at:
+            return None
+        now = self._judged_at = looks.looked_at
         silent_seconds = self.heartbeats.silent_seconds
-        others = [node for node in self.world.nodes() if node != self.node_rank and node not in self._left]
-        beats = self.heartbeats.last_beats(others)
-        for node in others:
-            beat = beats[node]
+        world = self.world.nodes()
+        for node, beat in looks.beats.items():
+            if node not in world or node in looks.left:
+                continue
             if beat is None:  # not arrived yet: its launcher may still be starting, or be gone before it arrived
                 if now > self._joined_by:
                     self._lost = (node, f"node {node}'s launcher did not reach the job's store within "
                                         f"{self._join_seconds:g} s of this one's (--rdzv-conf join_timeout): it ended or "
                                         "was lost before it did")
                 continue
-            if self.heartbeats.silent_for(node, beat, now) > silent_seconds and not self._taken_over(node, beat, now):
-                if self.world.shrinks_without(node, beat):
-                    continue
-                spent = ""
-                if not self.world.node_losses_left():
-                    allowed = self.world.node_losses_allowed
-                    spent = (f"; the job recovered from {allowed} lost node(s) already, all that "
-                             f"--max-restarts={allowed} allows, so it ends")
-                self._lost = (node, f"node {node}'s launcher went silent: no word from it for "
-                                    f"{silent_seconds:g} s (killed with its workers, or its host lost){spent}")
+            if looks.reports.get(node) == beat:
+                self.heartbeats.believe_silent(node, beat, now)
+            if self.heartbeats.silent_for(node, beat, now) <= silent_seconds:
+                continue
+            if node not in looks.reports and (node, beat) not in self._reported:
+                self._reported.add((node, beat))
+                self.heartbeats.report_silent(node, beat)
+            if self._taken_over(node, beat, now) or self.world.shrinks_without(node, beat):
+                continue
+            spent = ""
+            if not self.world.node_losses_left():
+                allowed = self.world.node_losses_allowed
+                spent = (f"; the job recovered from {allowed} lost node(s) already, all that "
+                         f"--max-restarts={allowed} allows, so it ends")
+            self._lost = (node, f"node {node}'s launcher went silent: no word from it for "
+                                f"{silent_seconds:g} s (killed with its workers, or its host lost){spent}")
+            looks.lost_node = node
+            break
         return None if self._lost is None else self._lost[1]
 
     def _taken_over(self, node: int, beat: str, now: float) -> bool:
@@ -267,11 +236,11 @@ class NodeCoordination:
         # written: a node asked to step aside (``--stragglers replace``) that the world shrank without
         # has no spare beating over its beat.
         # The records are read only when a launcher wrote one since the last look (a claim on this
-        # node's place, a failure, a stop, a node that left: ``_news_since``).
-        if self._news_since("ended_elsewhere"):
+        # node's place, a failure, a stop, a node that left: ``JobLook.news_since``).
+        if self.looks.news_since("ended_elsewhere"):
             self.world.check_not_replaced(ask_store=True)
             self._ended_elsewhere = (bool(self._nodes_that_said(keys.FAILED)) or self.records.has(keys.STOP)
-                                     or bool(self.world.nodes_left()))
+                                     or bool(self.looks.left))
         else:
             self.world.check_not_replaced(ask_store=False)
         return self._ended_elsewhere or self.silent_node() is not None
@@ -347,13 +316,17 @@ class NodeCoordination:
         """Count this node's workers as done and wait until every node's are (True), or another
         launcher announces a failure or a stop in this attempt (False)."""
         self.records.say(self.node_rank, keys.SUCCEEDED)
-        while len(succeeded := self._nodes_that_said(keys.SUCCEEDED)) < len(self.world.nodes()):
+        succeeded: list[int] = []
+        while True:
+            if self.looks.news_since("finish"):  # a node that says it succeeded raises the news
+                succeeded = self._nodes_that_said(keys.SUCCEEDED)
+                if len(succeeded) >= len(self.world.nodes()):
+                    return True
             # A node that finished too may leave between the two reads: its success counts first.
             if self.ended_elsewhere() and self._nodes_that_said(keys.SUCCEEDED) == succeeded:
                 return False
             self._check_give_up()
             time.sleep(poll)
-        return True
 
     def meet(self, attempt: int, timeout_seconds: float) -> None:
         """Wait until every node's launcher is ready to start ``attempt`` (a restart), then make it

@@ -3,9 +3,10 @@
 
 The rendezvous closes with the world's nodes (``launching.rendezvous``); a launcher that arrives
 later, up to MAX, is a spare. It starts one warm spare worker per local rank (torch and ddpkit
-imported, waiting for a rank: ``launching.worker --spare``) and watches the world's launchers
-say they are alive (``NodeCoordination``: beats four times a second under in-place recovery).
-When one goes silent (its launcher and workers killed, its host lost), the spare claims its place
+imported, waiting for a rank: ``launching.worker --spare``) and waits for a launcher of the world
+to report a node silent (``JobLook.silent_launchers``: the launchers that watch a node's
+beat report it; the spare reads the reports when the job's news changes, and then the silent
+node's beat). When one goes silent (its launcher and workers killed, its host lost), the spare claims its place
 (the first claim written wins, so two spares never take one node), becomes that node, and hands
 its warm spares the lost node's ranks in the next generation of the group
 (``NodeWorld.next_generation``). It holds those ranks of that generation for its warm
@@ -43,6 +44,7 @@ from ddpkit.launching.node_claims import launcher_of
 from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.processes import WorkerProcess
 from ddpkit.logs import get_logger
+from ddpkit.store import keys
 from ddpkit.store.client import GaveUpWaiting, GiveUp
 
 __all__ = ["Takeover", "wait_as_spare"]
@@ -77,33 +79,38 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
         # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
         if (reason := give_up()) is not None:
             raise GaveUpWaiting(reason)
-        if world.job_over():
-            return None
-        for node in world.removed():
-            if world.training_ends():
-                break  # no step boundary is left to join at
-            if world.claim_return(node, claimant):
-                world.take_place_of(node)
-                generation, attempt = world.next_generation(), world.latest_attempt()
-                why = f"node {node} joins the world again ({claimant})"
-                _log.warning(f"ddpkit run: the world shrank without node {node}; this spare node takes its place and "
-                             f"its ranks in generation {generation} of the group, at the other nodes' next step boundary")
-                return Takeover(node, generation, attempt, spares, why, returns=True)
-        asked = nodes.step_asides.any_asked()
-        world_nodes = world.nodes()
-        silent = nodes.heartbeats.silent_launchers(world_nodes)  # every beat read at once
-        for node in world_nodes:
-            beat, what = silent.get(node), "went silent"
-            if beat is None and asked and (beat := nodes.heartbeats.last_beat(node)) is not None:
-                # Alive but slow: node 0's launcher asked it to step aside (``--stragglers replace``).
-                request = nodes.step_asides.request(node, launcher_of(beat))
-                beat, what = (beat, f"was asked to step aside ({request})") if request is not None else (None, "")
-            if beat is None or world.said_left(node) or not world.node_losses_left():
+        # The records are read only when the job's news changed (``NodeCoordination.look``).
+        if nodes.looks.news_since("spare"):
+            if world.job_over():
+                return None
+            for node in world.removed():
+                if _training_ends(nodes):
+                    break  # no step boundary is left to join at
+                if world.claim_return(node, claimant):
+                    world.take_place_of(node)
+                    generation, attempt = world.next_generation(), _latest_attempt(nodes)
+                    why = f"node {node} joins the world again ({claimant})"
+                    _log.warning(f"ddpkit run: the world shrank without node {node}; this spare node takes its place "
+                                 f"and its ranks in generation {generation} of the group, at the other nodes' next step "
+                                 "boundary")
+                    return Takeover(node, generation, attempt, spares, why, returns=True)
+            asked = nodes.step_asides.any_asked()
+            candidates = {node: (beat, "went silent") for node, beat in nodes.looks.silent_launchers().items()}
+            if asked:
+                for node in world.nodes():
+                    # Alive but slow: node 0's launcher asked it to step aside (``--stragglers replace``).
+                    if node not in candidates and (beat := nodes.heartbeats.last_beat(node)) is not None and (
+                            request := nodes.step_asides.request(node, launcher_of(beat))) is not None:
+                        candidates[node] = (beat, f"was asked to step aside ({request})")
+        else:
+            candidates = {node: (beat, "went silent") for node, beat in nodes.looks.silent_launchers().items()}
+        for node, (beat, what) in sorted(candidates.items()):
+            if world.said_left(node) or not world.node_losses_left():
                 continue  # (with no node loss left, the others end the job: this spare leaves with it)
             if world.claim(node, beat, claimant):
                 world.spend_node_loss()
                 world.take_place_of(node)
-                generation, attempt = world.next_generation(), world.latest_attempt()
+                generation, attempt = world.next_generation(), _latest_attempt(nodes)
                 _log.warning(f"ddpkit run: node {node}'s launcher {what}; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
                 why = f"node {node}'s launcher {what}; {claimant} took its place"
@@ -112,3 +119,17 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
             if spare.process.poll() is not None:  # a takeover needs one warm spare per local rank
                 spares[number] = start_spare()
         time.sleep(_POLL_SECONDS)
+
+
+def _latest_attempt(nodes: NodeCoordination) -> int:
+    """The attempt the nodes run now: the last one opened (``NodeCoordination.meet``)."""
+    attempt = 0
+    while nodes.records.has(keys.OPEN, attempt + 1):
+        attempt += 1
+    return attempt
+
+
+def _training_ends(nodes: NodeCoordination) -> bool:
+    """Whether a node's workers all finished in the attempt the nodes run: a node brought back now
+    would find no step left to join at."""
+    return bool(nodes.records.nodes_that_said(keys.SUCCEEDED, nodes.world.nodes(), _latest_attempt(nodes)))

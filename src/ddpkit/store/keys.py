@@ -30,8 +30,8 @@ from __future__ import annotations
 
 __all__ = [
     "ARRIVED", "ARRIVED_NODE", "BEAT", "CAUSE", "FAILED", "GENERATION_COUNT", "JOB_WIDE", "LEFT", "NODE_LOSSES", "OPEN",
-    "LINK_PROBE", "PREEMPTED", "REMOVED_NODE", "STEP_ASIDE", "STOP", "STORE_HOST", "SUCCEEDED", "count_of", "launcher_record",
-    "node_return", "of", "step_aside", "takeover",
+    "LINK_PROBE", "PREEMPTED", "REMOVED_NODE", "SILENT", "STEP_ASIDE", "STOP", "STORE_HOST", "SUCCEEDED", "count_of",
+    "launcher_record", "log_entry", "node_return", "of", "step_aside", "takeover",
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
     "NODE_LOST", "PEER_LOST", "REJOIN", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
     "WAITING", "BLOCK_PART", "REJOIN_PART",
@@ -111,6 +111,8 @@ JOB_WIDE = -1
 BEAT, LEFT, REMOVED_NODE, FAILED, SUCCEEDED = "beat", "left", "removed", "failed", "succeeded"
 CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "stop", "open"
 NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
+#: The log of nodes reported silent by a launcher that watches their beat (``launching.heartbeats``).
+SILENT = "silent"
 HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``launching.health``)
 LINK_PROBE = "link-probe"  # link-probe/<node>: where its launcher's link probe listens (``launching.link_probe``)
 STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``launching.node_claims``)
@@ -140,6 +142,11 @@ def of(name: str, node: int) -> str:
 def count_of(name: str) -> str:
     """The count beside the records ``name/<node>`` (a hint to read them; not signed)."""
     return f"{name}/count"
+
+
+def log_entry(name: str, index: int | str) -> str:
+    """Entry ``index`` of the launchers' log ``name`` (``LauncherRecords.append``)."""
+    return f"{name}/log/{index}"
 
 
 def takeover(node: int, launcher: str) -> str:
