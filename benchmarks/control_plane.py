@@ -52,10 +52,10 @@ from typing import Any
 
 _START_SECONDS = 600.0  # for a simulator process to connect and start its nodes
 _STEADY_START_SECONDS = 3.0  # after every simulated node started: the steady phase begins
-_DETECT_WAIT_SECONDS = 25.0  # after the kill: how long the survivors are watched
+_DETECT_WAIT_SECONDS = 25.0  # after the kill: how long the survivors are watched (--detect-wait)
 _PROBE_SECONDS = 0.02
 # The launcher's watch: ``launching.watch`` polls every 0.05 s, and looks at the job every 0.25 s
-# (``launching.nodes``); the simulator polls every 0.1 s, which the looks follow within 0.1 s.
+# (``control_plane.nodes``); the simulator polls every 0.1 s, which the looks follow within 0.1 s.
 _WATCH_POLL_SECONDS = 0.1
 _WORKERS_SECONDS = 1.0  # the ranks' tasks are due every 10 s or more: looked at once a second
 _SOCKETS_PER_NODE = 1  # one connection a node (``SimulatedNode``)
@@ -101,9 +101,9 @@ class SimulatedNode:
 
     def __init__(self, node: int, args: argparse.Namespace, port: int, counter: list[int],
                  by_source: dict[str, list[int]]) -> None:
+        from ddpkit.control_plane.node_world import Shrinking
+        from ddpkit.control_plane.nodes import NodeCoordination
         from ddpkit.launching.health import SharedWindows
-        from ddpkit.launching.node_world import Shrinking
-        from ddpkit.launching.nodes import NodeCoordination
         from ddpkit.store.client import connect
 
         self.node, self.args, self.counter = node, args, counter
@@ -316,7 +316,7 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError("a simulator process did not start its nodes")
         steady = time.time() + _STEADY_START_SECONDS
         kill = steady + args.seconds
-        phases[:] = [steady, kill, kill + _DETECT_WAIT_SECONDS]
+        phases[:] = [steady, kill, kill + args.detect_wait]
         go.set()
         latencies: list[float] = []
         _sleep_until(steady)
@@ -325,7 +325,7 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
             probe.get("probe")
             latencies.append(time.perf_counter() - began)
             time.sleep(_PROBE_SECONDS)
-        gathered = [results.get(timeout=_DETECT_WAIT_SECONDS + 120) for _ in workers]
+        gathered = [results.get(timeout=args.detect_wait + 120) for _ in workers]
         keys = probe.num_keys()
         for worker in workers:
             worker.join(timeout=10)
@@ -368,6 +368,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="simulator processes (default 4)")
     parser.add_argument("--window", type=float, default=60.0,
                         help="the health windows' length (ddpkit run --report-every; default 60)")
+    parser.add_argument("--detect-wait", type=float, default=_DETECT_WAIT_SECONDS,
+                        help="how long the survivors are watched after the kill (default 25 s)")
     parser.add_argument("--json", action="store_true", help="one JSON line per size")
     args = parser.parse_args()
     for size in args.nodes:

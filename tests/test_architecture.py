@@ -52,7 +52,7 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
 # the diagnostics, the membership (connection, group, generations), communication, the DDP module
 # and hooks, the training loop's side; the launcher beside them all, importing none of the worker's.
 _BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "ddpkit.parallel", "ddpkit.hooks",
-                    "ddpkit.training", "ddpkit.launching", "ddpkit.environments")
+                    "ddpkit.training", "ddpkit.launching", "ddpkit.environments", "ddpkit.control_plane")
 
 
 @pytest.mark.parametrize(("part", "forbidden"), [
@@ -81,6 +81,10 @@ _BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "d
                                     "ddpkit.parallel")),
     ("parallel/", ("ddpkit.training", "ddpkit.launching")),
     ("launching/", ("ddpkit.parallel", "ddpkit.training.strategy", "ddpkit.comm")),
+    # The launchers' agreement across nodes: the store and the generations' layout, not the launcher's
+    # processes (whose parts use it), the worker's connection or the training side.
+    ("control_plane/", ("ddpkit.launching", "ddpkit.membership.connection", "ddpkit.membership.group", "ddpkit.comm",
+                        "ddpkit.parallel", "ddpkit.hooks", "ddpkit.training", "ddpkit.lightning", "ddpkit.environments")),
 ])
 def test_imports_go_the_documented_way(part: str, forbidden: tuple[str, ...]) -> None:
     for module in modules():

@@ -19,8 +19,8 @@ from helpers import descendants, example_summary, launcher_workers
 from torch.distributed import TCPStore
 
 from ddpkit._network import find_free_port
+from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.launching import watch as watch_module
-from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.store.client import BoundedStore, connect
 

@@ -3,7 +3,7 @@ relays the job's count of news, quiet ranks' peer and hang watches leave the sto
 failure a rank publishes still ends a peer blocked in its own collective within about a second.
 
 This test plays the launcher's relay itself (it reads the count in the store, as
-``launching.nodes`` does, and writes the file the workers were given), and every byte the ranks
+``control_plane.nodes`` does, and writes the file the workers were given), and every byte the ranks
 send the store passes through a counting proxy in this process. The launchers' side runs in every
 test across nodes (tests/test_node_restarts.py, tests/test_spare_node.py, ...)."""
 

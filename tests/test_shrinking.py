@@ -34,9 +34,9 @@ from torch import nn
 from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from ddpkit.control_plane import heartbeats as heartbeats_module
+from ddpkit.control_plane.nodes import NodeCoordination, Shrinking
 from ddpkit.environments import find_free_port
-from ddpkit.launching import heartbeats as heartbeats_module
-from ddpkit.launching.nodes import NodeCoordination, Shrinking
 from ddpkit.membership.generations import Layout
 from ddpkit.membership.group import Group, Membership, set_current_group
 from ddpkit.parallel.batchnorm import SyncBatchNorm

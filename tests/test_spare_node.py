@@ -32,10 +32,10 @@ from launchers import (
 )
 from torch.distributed import TCPStore
 
+from ddpkit.control_plane import heartbeats as heartbeats_module
+from ddpkit.control_plane import nodes as nodes_module
+from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.environments import find_free_port
-from ddpkit.launching import heartbeats as heartbeats_module
-from ddpkit.launching import nodes as nodes_module
-from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.spare_node import wait_as_spare
 from ddpkit.membership.generations import announce_node_lost, claim_rank, generation_prefix, node_lost
 from ddpkit.process_state import PROCESS

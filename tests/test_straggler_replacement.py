@@ -27,10 +27,10 @@ from launchers import (
 )
 from torch.distributed import TCPStore
 
+from ddpkit.control_plane.node_claims import launcher_of
+from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.environments import find_free_port
 from ddpkit.launching.health import Straggler
-from ddpkit.launching.node_claims import launcher_of
-from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.launching.straggler_replacement import StepAside
 from ddpkit.store.client import BoundedStore, connect
 

@@ -4,7 +4,7 @@ several times a second.
 A rank's peer watch (a peer's published failure) and hang watch (a request for its stack) used
 to read the group's store four times a second and once a second each, which at a thousand nodes
 of eight ranks is most of the store's load (issue 62). Under ``ddpkit run`` across nodes the
-launcher already reads the job's count of news four times a second (``launching.nodes``): every
+launcher already reads the job's count of news four times a second (``control_plane.nodes``): every
 record a launcher writes raises it, and so, here, does every record a rank writes that the others
 must react to (``announce``: a published failure, a lost peer's note, a hang request; the workers'
 store is the launchers' then). The launcher writes the count to a file of its own folder

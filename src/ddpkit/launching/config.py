@@ -59,7 +59,7 @@ class LaunchConfig:
     # How long the launchers of several nodes wait for one another to reach the job's store, and
     # for one answer from it (torchrun's ``--rdzv-conf join_timeout`` and ``read_timeout``, also
     # read for static nodes): a node not heard from by then, or a store that does not answer, ends
-    # the others' wait (``launching.nodes``).
+    # the others' wait (``control_plane.nodes``).
     store_waits: StoreWaits = field(default_factory=StoreWaits)
     # ``--nnodes MIN:MAX``'s MAX (None: a fixed number): the rendezvous may close with up to MAX
     # nodes, and launchers beyond the world wait as spare nodes (``launching.rendezvous``).
@@ -88,13 +88,13 @@ class LaunchConfig:
     @property
     def hosts_store(self) -> bool:
         """Whether the job's store is a launcher's rather than rank 0's: under in-place recovery,
-        when the launchers of several nodes restart together (``launching.nodes``), and under a
+        when the launchers of several nodes restart together (``control_plane.nodes``), and under a
         c10d rendezvous (the store at the endpoint)."""
         return self.recovery is Recovery.IN_PLACE or self.rendezvous is not None or self.coordinates_nodes
 
     @property
     def coordinates_nodes(self) -> bool:
-        """Whether the launchers of several nodes agree on the job's end (``launching.nodes``): when
+        """Whether the launchers of several nodes agree on the job's end (``control_plane.nodes``): when
         they restart together, and under a c10d rendezvous, where the launcher that hosts the
         store must outlive the others."""
         several = self.nnodes > 1 or self.max_nodes is not None  # spare nodes wait beside one node too

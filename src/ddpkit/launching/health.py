@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from ddpkit.control_plane.launcher_records import LauncherRecords, NodeContactLostError
 from ddpkit.diagnostics.step_windows import RankWindow, read_windows
-from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
 from ddpkit.launching.link_probe import LINK_FLOOR_SECONDS, PROBE_BYTES, LinkProbe, neighbours_of, say_where
 from ddpkit.logs import get_logger
 from ddpkit.store import keys

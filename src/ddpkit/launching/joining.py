@@ -1,6 +1,6 @@
 """How one node's launcher joins a job across nodes: it hosts the job's store (node 0's, or the
 rendezvous endpoint's host's launcher: ``launching.store_host``), meets the other launchers at the
-rendezvous (``launching.rendezvous``), connects to their agreement (``launching.nodes``), and, on
+rendezvous (``launching.rendezvous``), connects to their agreement (``control_plane.nodes``), and, on
 NCCL under in-place recovery, tells the workers of a generation through the store that ranks
 were lost.
 """
@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from ddpkit._network import listen_on, store_bind_address
+from ddpkit.control_plane.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
 from ddpkit.environments import Recovery
 from ddpkit.launching.config import LaunchConfig, LaunchError
-from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
 from ddpkit.launching.processes import WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits, claim_endpoint, join
 from ddpkit.launching.store_host import StoreHost
@@ -51,7 +51,7 @@ def announce_loss(config: LaunchConfig, port: int, environment: Mapping[str, str
 
 def connect_nodes(config: LaunchConfig, port: int, workers: WorkerProcesses,
                    stop_waiting: GiveUp) -> NodeCoordination | None:
-    """This launcher's part in the agreement between the nodes (``launching.nodes``), connected
+    """This launcher's part in the agreement between the nodes (``control_plane.nodes``), connected
     after its workers started, so that the import of torch's store client overlaps theirs.
 
     None when it stopped waiting for the store because a signal came (``watch`` passes it on to
@@ -105,7 +105,7 @@ def join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_
     place, store = join(endpoint, rendezvous.run_id, config.nnodes, waits, stop_waiting, config.max_nodes,
                         beyond_max=may_wait_beyond_max if config.max_nodes is not None else None)
     spare = place.node_rank is None
-    # With --nnodes MIN:MAX under in-place recovery the world may shrink to MIN nodes (``launching.nodes``).
+    # With --nnodes MIN:MAX under in-place recovery the world may shrink to MIN nodes (``control_plane.nodes``).
     shrinking = None if config.max_nodes is None else Shrinking(
         min_nodes=config.nnodes, nproc_per_node=config.nproc_per_node, spares_possible=place.nnodes < config.max_nodes)
     config = dataclasses.replace(config, node_rank=place.node_rank or 0, nnodes=place.nnodes,

@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpkit._network import address_towards, find_free_port
+from ddpkit.control_plane.node_world import NodeSteppedAside
+from ddpkit.control_plane.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.diagnostics.relayed_news import write_news_file
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
@@ -47,8 +49,6 @@ from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.config import LaunchConfig, LaunchError, validate
 from ddpkit.launching.health import JobHealth, SharedWindows
 from ddpkit.launching.joining import announce_loss, connect_nodes, host_rendezvous, host_store, join_rendezvous
-from ddpkit.launching.node_world import NodeSteppedAside
-from ddpkit.launching.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.launching.pool import RankFailedError, WorkerPool
 from ddpkit.launching.processes import SPARE, WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousError

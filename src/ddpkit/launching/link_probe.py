@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ddpkit.launching.launcher_records import LauncherRecords
+from ddpkit.control_plane.launcher_records import LauncherRecords
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
 

@@ -11,7 +11,7 @@ through the store (``join``): the n-th to arrive is node n - 1, one endpoint ser
 id, and nobody starts a worker before all ``--nnodes`` launchers arrived (within ``join_timeout``,
 torchrun's ``--rdzv-conf`` key, 600 s by default). From then on the job is a static one whose
 master address and port are the endpoint's, and whose store is the launchers' (the workers meet
-there, one key prefix per attempt, as under restarts across nodes: ``launching.nodes``); node
+there, one key prefix per attempt, as under restarts across nodes: ``control_plane.nodes``); node
 ranks stay the same across restarts.
 
 With ``--nnodes MIN:MAX`` (under in-place recovery) the rendezvous closes with MAX nodes, or with
@@ -87,7 +87,7 @@ class RendezvousSettings:
 @dataclass(frozen=True)
 class StoreWaits:
     """torchrun's ``--rdzv-conf`` settings ddpkit reads, for a c10d rendezvous and for static
-    nodes whose launchers coordinate (``launching.nodes``)."""
+    nodes whose launchers coordinate (``control_plane.nodes``)."""
 
     # How long the launchers wait for one another to reach the job's store (600 s, torchrun's
     # default: the nodes of a job are rarely started at the same second).
@@ -219,10 +219,10 @@ def join(endpoint: Endpoint, run_id: str, nnodes: int, waits: StoreWaits,
     """Join the rendezvous ``run_id`` at ``endpoint`` and wait until it closes: with ``nnodes`` launchers,
     or with ``max_nodes`` given (``--nnodes MIN:MAX``, MIN being ``nnodes``), with MAX, or with at least
     MIN once ``waits.last_call_timeout`` passed since MIN arrived. This launcher's place (its node rank
-    is its order of arrival) and the store's client (kept for ``launching.nodes``). ``give_up`` ends
+    is its order of arrival) and the store's client (kept for ``control_plane.nodes``). ``give_up`` ends
     the wait with ``GaveUpWaiting`` (a stop signal, the store host gone). A launcher that arrives
     beyond MAX is refused, unless the rendezvous closed and ``beyond_max(store, places past MAX)``
-    says it may wait as a spare node (the world shrank, or nodes were lost: ``launching.nodes.may_wait_beyond_max``)."""
+    says it may wait as a spare node (the world shrank, or nodes were lost: ``control_plane.nodes.may_wait_beyond_max``)."""
     join_timeout = waits.join_timeout
     if held_without_a_listener(endpoint):
         raise RendezvousError(

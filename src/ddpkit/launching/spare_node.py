@@ -22,7 +22,7 @@ A node alive but slow, which node 0's launcher asked to step aside (``ddpkit run
 replace``, ``launching.straggler_replacement``), is claimed the same way, for the launcher there: that
 launcher then finds its place taken and leaves.
 
-When the world shrank without a node instead (no spare was waiting then: ``launching.nodes``), a
+When the world shrank without a node instead (no spare was waiting then: ``control_plane.nodes``), a
 spare that waits later brings it back: its claim on the removed node's place (the first written
 wins) makes it that node, its warm spares take the node's ranks and shares of the data again in
 the group's next generation, and the survivors' workers form it at a step boundary they agree on
@@ -40,8 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddpkit.launching.node_claims import launcher_of
-from ddpkit.launching.nodes import NodeCoordination
+from ddpkit.control_plane.node_claims import launcher_of
+from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.launching.processes import WorkerProcess
 from ddpkit.logs import get_logger
 from ddpkit.store import keys

@@ -6,7 +6,7 @@ the one a user runs outside the training nodes (``ddpkit store``: ``serve_outsid
 ``torch.distributed.TCPStore``) outlives any one of them: without it, the store lives in rank 0,
 and losing rank 0 would lose the group's only meeting point. With ``--nnodes N --max-restarts M``
 node 0's launcher starts it, and the launchers of every node agree on restarts through it
-(``launching.nodes``). It is a process of its own so that the launcher need not import torch
+(``control_plane.nodes``). It is a process of its own so that the launcher need not import torch
 to host it (see docs/architecture.md; torchrun's agent hosts it itself). Under torchrun's c10d
 rendezvous the launcher on the endpoint's host hands it the socket it bound (``--listen-fd``).
 
@@ -46,12 +46,11 @@ from datetime import timedelta
 from typing import IO, Any
 
 from ddpkit._network import listen_on
+from ddpkit.control_plane.launcher_records import clear_worker_keys
 from ddpkit.launching.processes import describe_exit
-from ddpkit.store import keys as store_keys
-from ddpkit.store.job_secret import RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_LAUNCHER_PID
 
-__all__ = ["StoreHost", "StoreHostError", "clear_worker_keys", "launcher_key_prefixes", "main", "serve_outside_nodes"]
+__all__ = ["StoreHost", "StoreHostError", "main", "serve_outside_nodes"]
 
 _CLEAR = "clear"
 # How long the launcher waits for the host to clear the keys; a host that takes longer is stuck.
@@ -146,23 +145,6 @@ def _last_line(path: str) -> str:
     except OSError:
         return ""
     return lines[-1] if lines else ""
-
-
-def launcher_key_prefixes() -> tuple[str, ...]:
-    """Keys that belong to the launchers (``launching.nodes``, ``launching.rendezvous``) and outlive
-    attempts: under the job's prefix (``ddpkit.store.job_secret``; the store host has the launcher's
-    environment), and the rendezvous id, which is outside it."""
-    return store_keys.launcher_prefixes(RecordSigner(job_secret()).namespace)
-
-
-def clear_worker_keys(store: Any) -> int:
-    """Delete every key of ``store`` but the launchers'; the number deleted."""
-    deleted = 0
-    kept = launcher_key_prefixes()
-    for key in store.list_keys():
-        if not key.startswith(kept) and store.delete_key(key):
-            deleted += 1
-    return deleted
 
 
 def _serve(address: str, port: int, listen_fd: int | None) -> Any:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ddpkit.control_plane.launcher_records import NodeContactLostError
+from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.launching.health import Straggler
-from ddpkit.launching.launcher_records import NodeContactLostError
-from ddpkit.launching.nodes import NodeCoordination
 from ddpkit.logs import get_logger
 
 __all__ = ["SPARE_SECONDS", "StepAside", "one_node_note"]

@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ddpkit.control_plane.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.health import JobHealth
-from ddpkit.launching.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.launching.replacement import NO_REPLACEMENTS, NoReplacements, Replacements
 from ddpkit.launching.store_host import StoreHost
@@ -60,7 +60,7 @@ class Outcome:
     code: int  # the launcher's exit code if nothing is restarted
     cause: str | None = None  # the root cause of a failure; None: success, preempted, or stopped by a signal
     recorded_at: float | None = None  # when the root cause's exception was recorded (None: no record)
-    elsewhere: bool = False  # another node's launcher ended this attempt (``launching.nodes``)
+    elsewhere: bool = False  # another node's launcher ended this attempt (``control_plane.nodes``)
     stopped_elsewhere: bool = False  # another node's launcher was stopped by a signal: nothing is restarted
 
 
@@ -204,7 +204,7 @@ def _failures_within(workers: WorkerProcesses, seconds: float, poll_interval: fl
 
 
 def agree_across_nodes(nodes: NodeCoordination, outcome: Outcome, grace: float) -> Outcome:
-    """Turn this node's outcome into the job's (``launching.nodes``): workers that succeeded wait
+    """Turn this node's outcome into the job's (``control_plane.nodes``): workers that succeeded wait
     for the other nodes' (whose failure is this attempt's failure too); after a failure every
     launcher names the same root cause, the likeliest of those the nodes published."""
     if outcome.code == 0 and outcome.cause is None:

@@ -16,7 +16,7 @@ things there before its warm spares join:
   read this between slices (``ddpkit.diagnostics.failures``) and they form the next generation.
 
 When no spare node waits and enough nodes remain (``--nnodes MIN:MAX``), a survivor's launcher
-shrinks the world instead (``launching.nodes``): it writes the next generation's **layout**
+shrinks the world instead (``control_plane.nodes``): it writes the next generation's **layout**
 (``Layout``, ``write_layout``) before it says the node was lost, and holds the lost ranks there for
 no process (``REMOVED``), which fences them out as a spare's claim would. A layout says which of
 the job's ranks (``RANK`` as the launchers started them) are the group's members, in group-rank

@@ -1,4 +1,4 @@
-"""A launcher's client of the job's store (``launching.rendezvous``, ``launching.nodes``).
+"""A launcher's client of the job's store (``launching.rendezvous``, ``control_plane.nodes``).
 
 Two things every launcher that reaches the store needs, whatever it waits for there:
 

@@ -107,15 +107,15 @@ def rendezvous_ticket(number: int) -> str:
 #: The attempt of a launchers' record that belongs to the whole job, not one attempt.
 JOB_WIDE = -1
 
-# The launchers' records (``launching.launcher_records``): a name, or a name and a node (``of``).
+# The launchers' records (``control_plane.launcher_records``): a name, or a name and a node (``of``).
 BEAT, LEFT, REMOVED_NODE, FAILED, SUCCEEDED = "beat", "left", "removed", "failed", "succeeded"
 CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "stop", "open"
 NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
-#: The log of nodes reported silent by a launcher that watches their beat (``launching.heartbeats``).
+#: The log of nodes reported silent by a launcher that watches their beat (``control_plane.heartbeats``).
 SILENT = "silent"
 HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``launching.health``)
 LINK_PROBE = "link-probe"  # link-probe/<node>: where its launcher's link probe listens (``launching.link_probe``)
-STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``launching.node_claims``)
+STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``control_plane.node_claims``)
 STORE_HOST = "store-host"  # the node whose launcher hosts the job's store (a c10d rendezvous's endpoint)
 #: A count raised after every launchers' record written (not signed): a launcher whose last read of it
 #: is still the count reads none of the records it watches (``LauncherRecords.news``).

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 
-from ddpkit.launching.launcher_records import LauncherRecords
+from ddpkit.control_plane.launcher_records import LauncherRecords
 from ddpkit.store import keys
 
 __all__ = ["ClaimKind", "StepAsideRequests", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim",

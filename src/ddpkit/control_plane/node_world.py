@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ddpkit.launching.heartbeats import Heartbeats
-from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError
-from ddpkit.launching.node_claims import (
+from ddpkit.control_plane.heartbeats import Heartbeats
+from ddpkit.control_plane.launcher_records import LauncherRecords, NodeContactLostError
+from ddpkit.control_plane.node_claims import (
     ClaimKind,
     claim,
     claim_kind,
@@ -121,12 +121,12 @@ class NodeWorld:
         """Count one more formation of the workers' group across the job (an in-place recovery on any
         node, or a spare node's takeover) and return its number: every node's workers agree on it.
         ``NodeReplacedError`` when a spare node took this node's place (its count is the spare's).
-        A read, then a write: safe because only the launcher whose claim won (one per change of the
-        world) or a node's own in-place recovery counts, never two at once for the same change."""
+        One atomic ``add``: two changes at once (a rank replaced on one node while another node is
+        lost) get two numbers, where a read and then a write could give both the same. The count is
+        not signed; its key is under the job's namespace, which a stranger without the secret cannot
+        name."""
         self.check_not_replaced(ask_store=True)
-        generation = int(self._records.read(keys.GENERATION_COUNT, keys.JOB_WIDE) or 0) + 1
-        self._records.put(keys.GENERATION_COUNT, str(generation), keys.JOB_WIDE)
-        return generation
+        return self._records.count(keys.GENERATION_COUNT, 1, keys.JOB_WIDE)
 
     # -- claims on a silent node's place ------------------------------------------------------------
 

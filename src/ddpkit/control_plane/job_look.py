@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 
+from ddpkit.control_plane.heartbeats import Heartbeats, watched
+from ddpkit.control_plane.launcher_records import LauncherRecords
+from ddpkit.control_plane.node_world import NodeWorld
 from ddpkit.diagnostics.relayed_news import write_news_file
-from ddpkit.launching.heartbeats import Heartbeats, watched
-from ddpkit.launching.launcher_records import LauncherRecords
-from ddpkit.launching.node_world import NodeWorld
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
 

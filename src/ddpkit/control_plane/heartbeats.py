@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ddpkit.launching.launcher_records import LauncherRecords
-from ddpkit.launching.node_claims import ClaimKind, claim_kind, claimant, launcher_of, step_aside_request
+from ddpkit.control_plane.launcher_records import LauncherRecords
+from ddpkit.control_plane.node_claims import ClaimKind, claim_kind, claimant, launcher_of, step_aside_request
 from ddpkit.logs import get_logger
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys

@@ -25,18 +25,18 @@ one may be there to read:
   when to give up;
 - the launcher that hosts the store (node 0's; under a c10d rendezvous the one on the endpoint's
   host) keeps it until every launcher has left (``leave``), or a few seconds;
-- each launcher says it is alive once a second from a thread of its own (``launching.heartbeats``): one
-  silent for the silent time (``launching.heartbeats``), or never heard from within the join timeout, is taken for lost
+- each launcher says it is alive once a second from a thread of its own (``control_plane.heartbeats``): one
+  silent for the silent time (``control_plane.heartbeats``), or never heard from within the join timeout, is taken for lost
   (``silent_node``), which ends the others' workers as its failure would have, since nothing else
   may tell them (a rank killed before the group formed breaks no connection). A launcher reads only
   the beats it watches (the first live node's all, each other's the two before it) and the nodes
   reported silent, together with the job's count of news, in one request a look
-  (``launching.job_look``): the launcher that finds a node silent reports it to the others. Under in-place
+  (``control_plane.job_look``): the launcher that finds a node silent reports it to the others. Under in-place
   recovery a spare node may claim a silent node's place (``launching.spare_node``) and beat as it;
   the lost launcher, if it answers again, finds the spare's beat where its own was (a beat
   replaces only its own last one) and ends its workers without announcing anything
   (``NodeReplacedError``);
-- under in-place recovery with ``--nnodes MIN:MAX`` (``Shrinking``, ``launching.node_world``), a silent node that no spare
+- under in-place recovery with ``--nnodes MIN:MAX`` (``Shrinking``, ``control_plane.node_world``), a silent node that no spare
   node takes over while at least MIN nodes would remain is left out instead: the first survivor's
   launcher whose claim on its place wins lays the next generation of the workers' group out
   without its ranks (``ddpkit.membership.generations.Layout``: the survivors train the lost ranks' shares of
@@ -56,9 +56,9 @@ one may be there to read:
 
 ``NodeCoordination`` is the facade the launcher holds: the outcome of an attempt (failures, stops,
 root cause, the restart barrier, leaving) is its own; its parts are the signed records
-(``launching.launcher_records``, every key named in ``ddpkit.store.keys``), the heartbeats
-(``launching.heartbeats``), the claims on a silent node's place (``launching.node_claims``) and
-the world's nodes as they change (``NodeCoordination.world``: ``launching.node_world``).
+(``control_plane.launcher_records``, every key named in ``ddpkit.store.keys``), the heartbeats
+(``control_plane.heartbeats``), the claims on a silent node's place (``control_plane.node_claims``) and
+the world's nodes as they change (``NodeCoordination.world``: ``control_plane.node_world``).
 
 Under a c10d rendezvous (``launching.rendezvous``) this agreement is used whenever there are several
 nodes, restarts or not: the store is a launcher's, so the one that hosts it must outlive the others.
@@ -76,13 +76,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.launching.heartbeats import Heartbeats
-from ddpkit.launching.job_look import JobLook
-from ddpkit.launching.launcher_records import LauncherRecords, NodeContactLostError, may_wait_beyond_max
-from ddpkit.launching.node_claims import ClaimKind, StepAsideRequests, claim_kind
-from ddpkit.launching.node_world import NodeReplacedError, NodeWorld, Shrinking
-from ddpkit.launching.rendezvous import StoreWaits
-from ddpkit.launching.store_host import clear_worker_keys
+from ddpkit.control_plane.heartbeats import Heartbeats
+from ddpkit.control_plane.job_look import JobLook
+from ddpkit.control_plane.launcher_records import (
+    LauncherRecords,
+    NodeContactLostError,
+    clear_worker_keys,
+    may_wait_beyond_max,
+)
+from ddpkit.control_plane.node_claims import ClaimKind, StepAsideRequests, claim_kind
+from ddpkit.control_plane.node_world import NodeReplacedError, NodeWorld, Shrinking
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
 from ddpkit.store.client import (
@@ -98,6 +101,9 @@ _log = get_logger("launching")
 __all__ = ["FailureCause", "NodeContactLostError", "NodeCoordination", "NodeReplacedError", "Shrinking", "may_wait_beyond_max"]
 
 _POLL_SECONDS = 0.02
+# How long a node's launcher may take to reach the job's store (torchrun's join_timeout, as
+# ``launching.rendezvous.StoreWaits``, which the launcher passes on).
+_JOIN_SECONDS = 600.0
 # How long the others wait for a spare node to claim a silent node before taking it for lost, and
 # then for the spare's launcher to say it is alive as that node.
 _CLAIM_SECONDS = 2.0
@@ -123,7 +129,7 @@ class NodeCoordination:
 
     def __init__(self, store: BoundedStore, node_rank: int, nnodes: int, address: str, port: int,
                  hosts_store: bool | None = None, give_up: GiveUp = never_give_up,
-                 join_seconds: float = StoreWaits.join_timeout, in_place: bool = False,
+                 join_seconds: float = _JOIN_SECONDS, in_place: bool = False,
                  shrinking: Shrinking | None = None, node_losses_allowed: int | None = None) -> None:
         self.records = LauncherRecords(store, node_rank, f"{address}:{port}")
         self.heartbeats = Heartbeats(self.records, in_place)
@@ -140,11 +146,12 @@ class NodeCoordination:
         self._join_seconds = join_seconds
         self._joined_by = time.monotonic() + join_seconds  # a node not heard from by then is not coming
         self._lost: tuple[int, str] | None = None  # another node's launcher taken for lost, and why
-        # What this launcher reads of the job at each look (``launching.job_look``).
+        # What this launcher reads of the job at each look (``control_plane.job_look``).
         self.looks = JobLook(self.records, self.heartbeats, self.world)
         self._judged_at = -1.0  # the look whose beats ``silent_node`` judged last
         self._ended_elsewhere = False  # what the records said at the last look that read them
         self._reported: set[tuple[int, str]] = set()  # the silences this launcher reported
+        self._arrivals_checked = False  # whether every node's first beat was looked for after the join timeout
 
     @property
     def node_rank(self) -> int:
@@ -174,15 +181,18 @@ class NodeCoordination:
         now = self._judged_at = looks.looked_at
         silent_seconds = self.heartbeats.silent_seconds
         world = self.world.nodes()
+        if now > self._joined_by and not self._arrivals_checked:
+            # Once, for every node (not only those watched): a launcher that never beat is not coming.
+            self._arrivals_checked = True
+            if unheard := self._nodes_never_heard():
+                looks.lost_node = unheard[0]
+                self._lost = (unheard[0], f"node {unheard[0]}'s launcher did not reach the job's store within "
+                                          f"{self._join_seconds:g} s of this one's (--rdzv-conf join_timeout): it ended "
+                                          "or was lost before it did")
+                return self._lost[1]
         for node, beat in looks.beats.items():
-            if node not in world or node in looks.left:
-                continue
-            if beat is None:  # not arrived yet: its launcher may still be starting, or be gone before it arrived
-                if now > self._joined_by:
-                    self._lost = (node, f"node {node}'s launcher did not reach the job's store within "
-                                        f"{self._join_seconds:g} s of this one's (--rdzv-conf join_timeout): it ended or "
-                                        "was lost before it did")
-                continue
+            if node not in world or node in looks.left or node == self.node_rank or beat is None:
+                continue  # (None: not arrived yet; its launcher may still be starting)
             if looks.reports.get(node) == beat:
                 self.heartbeats.believe_silent(node, beat, now)
             if self.heartbeats.silent_for(node, beat, now) <= silent_seconds:
@@ -254,7 +264,7 @@ class NodeCoordination:
         """Where the preemption this node's workers stopped for came from, when no signal came to
         this launcher: another launcher that announced one, or a launcher gone silent (its workers
         had SIGTERM from the kernel when it died, and saved as for a preemption); waits up to
-        the silent time out of place (``launching.heartbeats``) and a little for either."""
+        the silent time out of place (``control_plane.heartbeats``) and a little for either."""
         deadline = time.monotonic() + Heartbeats.SILENT_SECONDS + 2.0
         while True:
             said = [text for node in self.world.nodes()
@@ -274,10 +284,12 @@ class NodeCoordination:
             time.sleep(0.1)
 
     def _nodes_never_heard(self) -> list[int]:
-        """The world's other nodes whose launcher never beat, nor said it left."""
+        """The world's other nodes whose launcher never beat, nor said it left (one request when all did)."""
+        others = [node for node in self.world.nodes() if node != self.node_rank]
+        if self.records.all_written([keys.of(keys.BEAT, node) for node in others], keys.JOB_WIDE):
+            return []
         left = set(self.world.nodes_left())
-        return [node for node in self.world.nodes() if node != self.node_rank and node not in left
-                and self.heartbeats.last_beat(node) is None]
+        return [node for node in others if node not in left and self.heartbeats.last_beat(node) is None]
 
     def stop_reason(self, attempt: int | None = None) -> str | None:
         """Why another launcher stopped the job (no restart), when one did."""
@@ -337,7 +349,7 @@ class NodeCoordination:
         any launcher's, or outside the nodes: ``ddpkit store``) and says the attempt is open; the
         others wait for that before they start workers."""
         self._refuse_a_shrunk_world(attempt)
-        self.records.put(keys.of(keys.ARRIVED_NODE, self.node_rank), "1", attempt)
+        self.records.say(self.node_rank, keys.ARRIVED_NODE, "1", attempt)
         deadline = time.monotonic() + timeout_seconds
         said_waiting = False
         while True:
@@ -347,7 +359,8 @@ class NodeCoordination:
             # a collective between steps fails the survivors' workers about as soon as it is gone,
             # and the world shrinks without it a heartbeat's silence later).
             self._refuse_a_shrunk_world(attempt)
-            missing = [node for node in range(self.nnodes) if not self.records.has(keys.of(keys.ARRIVED_NODE, node), attempt)]
+            arrived = set(self.records.nodes_that_said(keys.ARRIVED_NODE, range(self.nnodes), attempt))
+            missing = [node for node in range(self.nnodes) if node not in arrived]
             if not missing:
                 break
             if not said_waiting:  # a launcher that waits says for whom, once

@@ -1,4 +1,4 @@
-"""The launchers' signed records in the job's store: what ``launching.nodes`` and its parts read
+"""The launchers' signed records in the job's store: what ``control_plane.nodes`` and its parts read
 and write to agree across nodes (their names: ``ddpkit.store.keys``, under ``launchers/``).
 
 With a job secret every value carries its HMAC (``ddpkit.store.job_secret``) and a forged one reads as
@@ -22,7 +22,24 @@ from ddpkit.store import keys
 from ddpkit.store.client import BoundedStore, StoreRequestTimeout
 from ddpkit.store.job_secret import RecordSigner, job_secret
 
-__all__ = ["LauncherRecords", "NodeContactLostError", "may_wait_beyond_max"]
+__all__ = ["LauncherRecords", "NodeContactLostError", "clear_worker_keys", "launcher_key_prefixes", "may_wait_beyond_max"]
+
+
+def launcher_key_prefixes() -> tuple[str, ...]:
+    """Keys that belong to the launchers (``LauncherRecords``, ``launching.rendezvous``) and outlive
+    attempts: under the job's prefix (``ddpkit.store.job_secret``; the store host has the launcher's
+    environment), and the rendezvous id, which is outside it."""
+    return keys.launcher_prefixes(RecordSigner(job_secret()).namespace)
+
+
+def clear_worker_keys(store: Any) -> int:
+    """Delete every key of ``store`` but the launchers'; the number deleted."""
+    deleted = 0
+    kept = launcher_key_prefixes()
+    for key in store.list_keys():
+        if not key.startswith(kept) and store.delete_key(key):
+            deleted += 1
+    return deleted
 
 
 class NodeContactLostError(RuntimeError):
@@ -56,6 +73,8 @@ class LauncherRecords:
         # Keys seen in the store: a launcher's keys are never deleted while the job runs, so these
         # can be read together with one ``multi_get`` (which would wait for a key not there).
         self._present: set[str] = set()
+        # What ``nodes_that_said`` read of each (name, attempt): the log's entries read, the nodes in them.
+        self._said: dict[tuple[str, int], tuple[int, set[int]]] = {}
 
     def key(self, name: str, attempt: int | None = None) -> str:
         """The store key of ``name`` in ``attempt`` (the current one by default)."""
@@ -137,6 +156,10 @@ class LauncherRecords:
         value: str | None = self.call(self._signer.read, self.store, self.key(name, attempt))
         return value
 
+    def all_written(self, names: list[str], attempt: int | None = None) -> bool:
+        """Whether a record is written under each of ``names`` (one request; not checked for a signature)."""
+        return not names or bool(self.call("check", [self.key(name, attempt) for name in names]))
+
     def has(self, name: str, attempt: int | None = None) -> bool:
         return self.read(name, attempt) is not None
 
@@ -160,16 +183,24 @@ class LauncherRecords:
 
     def say(self, node: int, name: str, value: str = "1", attempt: int | None = None) -> None:
         """The signed ``name/<node>`` of ``node`` (this launcher's, or one the world shrank without),
-        and its count raised, then the news: a launcher that reads the news reads the count raised."""
+        then the node in the log ``name`` (its count raised first), then the news: a launcher that
+        reads the news reads the count raised (``nodes_that_said``)."""
         self.call(self._signer.write, self.store, self.key(keys.of(name, node), attempt), value)
-        self.count(keys.count_of(name), 1, attempt)
+        index = self.count(keys.count_of(name), 1, attempt)
+        self.call(self._signer.write, self.store, self.key(keys.log_entry(name, index), attempt), str(node))
         self._raise_news()
 
     def nodes_that_said(self, name: str, nodes: Iterable[int], attempt: int | None = None) -> list[int]:
-        """Those of ``nodes`` that said ``name``."""
-        if self.hint(name, attempt) == 0:
-            return []
-        return [node for node in nodes if self.read(keys.of(name, node), attempt) is not None]
+        """Those of ``nodes`` that said ``name``: the log ``name`` read on from where this launcher
+        stopped (one request when nothing was said since; the entries said since otherwise, never
+        a read per node)."""
+        attempt = self.attempt if attempt is None else attempt
+        read, said = self._said.setdefault((name, attempt), (0, set()))
+        entries = self.read_log(name, read, attempt)
+        if entries:
+            said = said | {int(entry) for entry in entries if entry.lstrip("-").isdigit()}
+            self._said[(name, attempt)] = (read + len(entries), said)
+        return [node for node in nodes if node in said]
 
     def call(self, method: str | Callable[..., Any], *args: Any) -> Any:
         """The store's ``method`` (or a function of the store, given it in ``args``) called; a store that
