@@ -89,7 +89,7 @@ class LauncherRecords:
         launcher read the records again)."""
         self.call(self._signer.write, self.store, self.key(name, attempt), value)
         if news:
-            self._raise_news()
+            self.raise_news()
 
     def news(self) -> int:
         """The job's count of records written: unchanged since a read, no record was written since
@@ -97,7 +97,9 @@ class LauncherRecords:
         stranger who raises it only makes the launchers read the records again."""
         return int(self.call("add", self._news_key, 0))
 
-    def _raise_news(self) -> None:
+    def raise_news(self) -> None:
+        """Raise the job's count of news: after a record written through ``call`` that the launchers or
+        the workers must react to (a node's loss announced to a generation)."""
         self.call("add", self._news_key, 1)
 
     def news_and_reads(self, names: list[str], attempt: int | None = None) -> tuple[int, list[str | None]]:
@@ -170,7 +172,7 @@ class LauncherRecords:
         signed = self._signer.sign(key, claimant)
         won = bool(self.call("compare_set", key, "", signed) == signed.encode())
         if won:
-            self._raise_news()
+            self.raise_news()
         return won
 
     def count(self, name: str, by: int = 0, attempt: int | None = None) -> int:
@@ -188,7 +190,7 @@ class LauncherRecords:
         self.call(self._signer.write, self.store, self.key(keys.of(name, node), attempt), value)
         index = self.count(keys.count_of(name), 1, attempt)
         self.call(self._signer.write, self.store, self.key(keys.log_entry(name, index), attempt), str(node))
-        self._raise_news()
+        self.raise_news()
 
     def nodes_that_said(self, name: str, nodes: Iterable[int], attempt: int | None = None) -> list[int]:
         """Those of ``nodes`` that said ``name``: the log ``name`` read on from where this launcher

@@ -199,6 +199,7 @@ class NodeWorld:
         lost_because = why or f"node {node}'s launcher went silent and no spare node took its place"
         why = f"{lost_because}: the world shrank to {len(layout.members)} ranks"
         records.call(announce_node_lost, records.store, secret, records.attempt, generation - 1, why)
+        records.raise_news()  # the survivors' workers read it when their launcher relays the news
         _log.warning(f"ddpkit run: {why} on {len(self.nodes())} node(s) in generation {generation} of the group; "
                      f"the survivors train the lost ranks' shares of each global batch too (the global batch stays "
                      f"{layout.data_world_size} shares)")
@@ -214,6 +215,7 @@ class NodeWorld:
         for rank, holder in holders.items():
             records.call(claim_rank, records.store, secret, attempt, generation, rank, holder)
         records.call(announce_node_lost, records.store, secret, attempt, generation - 1, why)
+        records.raise_news()  # the survivors' workers read it when their launcher relays the news
 
     def _say_removal(self, node: int, what: str) -> None:
         """Say that ``node`` is out of the world, or back (``what``): its record (``claim_return``
@@ -244,6 +246,7 @@ class NodeWorld:
         self._say_removal(records.node_rank, f"back {generation}")
         self._removed.discard(records.node_rank)
         records.call(announce_growth, records.store, secret, attempt, generation - 1, why)
+        records.raise_news()  # the survivors' workers read it when their launcher relays the news
         _log.warning(f"ddpkit run: this node (node {records.node_rank}) joins the world again in generation "
                      f"{generation} of the group, at the survivors' next step boundary: {len(layout.members)} ranks")
 
