@@ -34,6 +34,7 @@ class JobLook:
 
     def __init__(self, records: LauncherRecords, heartbeats: Heartbeats, world: NodeWorld) -> None:
         self._records, self._heartbeats, self._world = records, heartbeats, world
+        self.seconds = LOOK_SECONDS  # between two looks (a spare node waiting looks more often)
         self.looked_at = -LOOK_SECONDS  # when (time.monotonic)
         self.beats: dict[int, str | None] = {}  # the last beat of each node read (None: it never beat)
         self.left: set[int] = set()  # the nodes whose launchers said they left
@@ -52,7 +53,7 @@ class JobLook:
         """Read the count of news and the watched beats, unless a look was made within ``LOOK_SECONDS``;
         read what the news may say when the count changed, and relay it to this node's workers."""
         now = time.monotonic()
-        if now - self.looked_at < LOOK_SECONDS:
+        if now - self.looked_at < self.seconds:
             return
         nodes = self._watched_nodes()
         news, beats = self._records.news_and_reads([keys.of(keys.BEAT, node) for node in nodes], keys.JOB_WIDE)
@@ -111,6 +112,8 @@ class JobLook:
 
     def silent_launchers(self) -> dict[int, str]:
         """The nodes reported silent that still are, with the beat they went silent at: what a spare
-        node waits for (``launching.spare_node``)."""
+        node waits for (``launching.spare_node``). A report read at this look is believed before its
+        node's beat is read (at the next look): a claim names the silent launcher, so one that beat
+        again meanwhile is not taken over by it."""
         self.look()
-        return {node: beat for node, beat in self.reports.items() if self.beats.get(node) == beat}
+        return {node: beat for node, beat in self.reports.items() if self.beats.get(node, beat) == beat}

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddpkit.control_plane.job_look import LOOK_SECONDS
 from ddpkit.control_plane.node_claims import launcher_of
 from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.launching.processes import WorkerProcess
@@ -74,6 +75,16 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
     every node's launcher left (None). ``GaveUpWaiting`` when ``give_up`` gives a reason."""
     spares = [start_spare() for _ in range(count)]
     claimant = f"spare launcher pid {os.getpid()}"
+    # A spare looks at the job at every poll: the survivors wait for its claim, and there are few spares.
+    nodes.looks.seconds = _POLL_SECONDS
+    try:
+        return _wait(nodes, spares, start_spare, claimant, give_up)
+    finally:
+        nodes.looks.seconds = LOOK_SECONDS
+
+
+def _wait(nodes: NodeCoordination, spares: list[WorkerProcess], start_spare: Callable[[], WorkerProcess],
+          claimant: str, give_up: GiveUp) -> Takeover | None:
     world = nodes.world
     while True:
         # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
