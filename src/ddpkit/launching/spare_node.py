@@ -90,8 +90,9 @@ def _wait(nodes: NodeCoordination, spares: list[WorkerProcess], start_spare: Cal
         # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
         if (reason := give_up()) is not None:
             raise GaveUpWaiting(reason)
-        # The records are read only when the job's news changed (``NodeCoordination.look``).
-        if nodes.looks.news_since("spare"):
+        # The records are read only when the job's news changed (``JobLook.look``).
+        fresh = nodes.looks.news_since("spare")
+        if fresh:
             if world.job_over():
                 return None
             for node in world.removed():
@@ -105,16 +106,13 @@ def _wait(nodes: NodeCoordination, spares: list[WorkerProcess], start_spare: Cal
                                  f"and its ranks in generation {generation} of the group, at the other nodes' next step "
                                  "boundary")
                     return Takeover(node, generation, attempt, spares, why, returns=True)
-            asked = nodes.step_asides.any_asked()
-            candidates = {node: (beat, "went silent") for node, beat in nodes.looks.silent_launchers().items()}
-            if asked:
-                for node in world.nodes():
-                    # Alive but slow: node 0's launcher asked it to step aside (``--stragglers replace``).
-                    if node not in candidates and (beat := nodes.heartbeats.last_beat(node)) is not None and (
-                            request := nodes.step_asides.request(node, launcher_of(beat))) is not None:
-                        candidates[node] = (beat, f"was asked to step aside ({request})")
-        else:
-            candidates = {node: (beat, "went silent") for node, beat in nodes.looks.silent_launchers().items()}
+        candidates = {node: (beat, "went silent") for node, beat in nodes.looks.silent_launchers().items()}
+        if fresh and nodes.step_asides.any_asked():
+            for node in world.nodes():
+                # Alive but slow: node 0's launcher asked it to step aside (``--stragglers replace``).
+                if node not in candidates and (beat := nodes.heartbeats.last_beat(node)) is not None and (
+                        request := nodes.step_asides.request(node, launcher_of(beat))) is not None:
+                    candidates[node] = (beat, f"was asked to step aside ({request})")
         for node, (beat, what) in sorted(candidates.items()):
             if world.said_left(node) or not world.node_losses_left():
                 continue  # (with no node loss left, the others end the job: this spare leaves with it)
