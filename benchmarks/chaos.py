@@ -590,10 +590,10 @@ def calibrate(base: Path, train: list[str]) -> tuple[float, Reference]:
 
 def shrunk_from_the_start(base: Path, train: list[str]) -> list[torch.Tensor]:
     """A second rounding of the fault-free training, for the allowance of runs whose world shrank:
-    the world that may shrink, one launcher SIGKILLed as soon as the ranks train (rank 0 draws the
-    progress; killed before its launcher reached the job's store, a node is not left out: the job
-    ends), the survivor training both shares from its first steps on. Its parameters at each
-    epoch's end."""
+    the world that may shrink, one node (its launcher and every process it started) SIGKILLed as
+    soon as the ranks train (rank 0 draws the progress; killed before its launcher reached the
+    job's store, a node is not left out: the job ends), the survivor training both shares from its
+    first steps on. Its parameters at each epoch's end."""
     from ddpkit.environments import find_free_port
 
     folder = base / "shrunk-from-the-start"
@@ -602,7 +602,12 @@ def shrunk_from_the_start(base: Path, train: list[str]) -> list[torch.Tensor]:
     while job.running() and time.monotonic() - job.started < 120 and not any(
             "epoch 1:" in Path(stderr.name).read_text() for _, stderr in job.outputs):
         time.sleep(0.02)
-    _signal(job.launchers[1].pid, signal.SIGKILL)
+    # The whole node: a launcher killed alone leaves its workers a SIGTERM from the kernel, and when
+    # their preemption is agreed before the launcher's silence is (2 s), the job stops with 75
+    # instead of shrinking (docs/never-lose-work.md).
+    node = job.launchers[1].pid
+    for pid in [node, *descendants(node)]:
+        _signal(pid, signal.SIGKILL)
     if not job.wait(600):
         job.kill_all()
         raise SystemExit("chaos: the fault-free run that shrank as it began did not finish within 600 s")

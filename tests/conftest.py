@@ -1,17 +1,76 @@
-"""Shared multi-rank pools (spawned once per test session, respawned after a failing test), and two
-network namespaces for tests of several nodes."""
+"""Shared multi-rank pools (spawned once per test session, respawned after a failing test), two
+network namespaces for tests of several nodes, and the lock that runs a test marked ``alone`` with
+nothing beside it when pytest-xdist runs two tests at once (pyproject.toml's ``-n 2``)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import IO
 
 import pytest
 
 from ddpkit.testing import WorkerPool
+
+
+class _AloneLock:
+    """A readers-writer lock shared by the test run's xdist workers, made of two files locked with
+    ``flock``: every test holds the run's lock shared, a test marked ``alone`` holds it exclusively,
+    so it starts once the other worker's test has ended and the other worker waits for it. Whoever
+    waits first goes first (the turnstile), so a worker with many short tests cannot keep an
+    ``alone`` test waiting. Timing tests are marked: a second job on two cores would measure it."""
+
+    def __init__(self, run: str) -> None:
+        self.folder = Path(tempfile.gettempdir()) / f"ddpkit-test-run-{run}"
+        self.folder.mkdir(exist_ok=True)
+        self._turnstile: IO[bytes] = open(self.folder / "turnstile", "ab")  # held for the worker's life
+        self._tests: IO[bytes] = open(self.folder / "tests", "ab")
+
+    @contextlib.contextmanager
+    def held(self, alone: bool) -> Iterator[None]:
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._tests, fcntl.LOCK_UN)
+
+
+_alone_lock: _AloneLock | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "alone: runs with no other test beside it (it measures time or load)")
+
+
+def pytest_unconfigure() -> None:
+    """The lock's files go with the first worker to end: the other holds its own open files."""
+    if _alone_lock is not None:
+        shutil.rmtree(_alone_lock.folder, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    """Every test, its fixtures' set-up and tear-down included, under the run's lock (xdist only)."""
+    global _alone_lock
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    if _alone_lock is None:
+        _alone_lock = _AloneLock(run)
+    with _alone_lock.held(item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(autouse=True)

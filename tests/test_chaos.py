@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Alone: the soak's faults land at set times into the jobs' steps.
+pytestmark = pytest.mark.alone
+
 CHAOS = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
 # A draw whose first eight runs have every kind of fault at least once and each of the four set-ups,
 # the world that may shrink with a node's launcher killed among them, and a rank killed in the

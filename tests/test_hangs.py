@@ -23,6 +23,9 @@ from ddpkit.diagnostics.failures import FAILURE, record_signer
 from ddpkit.diagnostics.hangs import last_report, watch_for_hangs
 from ddpkit.testing import WorkerPool
 
+# Alone: the hang watch's answer is bounded within a second or two of its timeout.
+pytestmark = pytest.mark.alone
+
 HANG_SECONDS = 1.0
 
 

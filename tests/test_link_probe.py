@@ -14,6 +14,9 @@ import pytest
 from ddpkit.launching import link_probe
 from ddpkit.launching.link_probe import PROBE_BYTES, TOKEN_SECONDS, LinkProbe
 
+# Alone: the probes' round trips are bounded under a second.
+pytestmark = pytest.mark.alone
+
 
 @pytest.mark.timeout(60)
 def test_two_probes_time_their_sends_to_each_other_in_turns_and_a_stranger_gets_no_answer(

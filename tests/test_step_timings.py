@@ -16,6 +16,9 @@ from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.step_timings import StepClock
 from ddpkit.testing import WorkerPool
 
+# Alone: they compare ranks' step times, which a test beside them would skew.
+pytestmark = pytest.mark.alone
+
 STEPS, EXTRA_SECONDS = 12, 0.03
 
 

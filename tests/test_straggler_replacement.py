@@ -34,6 +34,9 @@ from ddpkit.launching.health import Straggler
 from ddpkit.launching.straggler_replacement import StepAside
 from ddpkit.store.client import BoundedStore, connect
 
+# Alone: a straggler is named by its step times: a test beside it would slow some rank.
+pytestmark = pytest.mark.alone
+
 STEPS, WORLD = 1500, 2  # slow_node_job.py's steps and ranks (its batch is launchers.BATCH)
 
 JOB = Path(__file__).resolve().parent / "slow_node_job.py"  # SLOW_NODE_SECONDS slows a node's data loader

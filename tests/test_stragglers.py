@@ -19,6 +19,9 @@ import pytest
 from ddpkit._network import find_free_port
 from ddpkit.launching.health import read_job_windows
 
+# Alone: they name a rank slower than the others: a test beside them would be the slowness.
+pytestmark = pytest.mark.alone
+
 JOB = Path(__file__).resolve().parent / "stragglers_job.py"
 
 
