@@ -13,7 +13,9 @@ phase one node is killed (its beat and every request of it stop, as when a node'
 each surviving node's launcher is timed until it knows the node silent (``detect_s``: it watches
 the node and found it silent, or read another launcher's report) and until it holds the decision
 (``agree_s``): the job ends (default), the world shrinks without it (``--in-place``: ``--nnodes
-MIN:MAX`` with MIN one less than the nodes).
+MIN:MAX`` with MIN one less than the nodes). Under ``--in-place`` each survivor's ranks then meet
+the generation the shrink laid out, as ``Group.meet`` does (``formed_s``: until they counted every
+member; ``meet_requests_per_s``: what all the ranks asked of the store meanwhile).
 
     python benchmarks/control_plane.py --nodes 8 64 256 1024 --ranks-per-node 8 [--in-place] [--seconds S] [--json]
 
@@ -93,6 +95,7 @@ class NodeTimes:
     node: int
     detected: float | None = None  # when this launcher knew the killed node silent (time.time)
     decided: float | None = None  # when it held the decision (the job ends, or the world shrank)
+    formed: float | None = None  # when its ranks counted every member of the next generation (--in-place)
 
 
 class SimulatedNode:
@@ -120,6 +123,10 @@ class SimulatedNode:
         self.beat = self.nodes.heartbeats.beats_through(Counted(connection, counter, by_source["beat"]))
         self.windows = SharedWindows(self.nodes.records, self.nodes.world.nodes)
         self._workers_client = Counted(connection, counter, by_source["workers"])
+        self.meeting: float | None = None  # when the ranks began to meet (the launcher's decision)
+        self.next_count = 0.0  # when the ranks count the arrivals next (``meet``)
+        self._members = 0
+        self._next_look = 0.0
         self.times = NodeTimes(node)
         self.ended = False  # this launcher took the job for ended (it would end its workers)
         # Each node's workers started at their own moment: their periods do not line up across nodes.
@@ -147,7 +154,47 @@ class SimulatedNode:
             self.times.detected = now
         if (killed_node not in nodes.world.nodes() or ended) and self.times.decided is None:
             self.times.decided = now
+            if self.args.in_place and not ended:
+                self.meeting = time.monotonic()
         self.ended = ended
+
+    def meet(self, store: Any) -> float | None:
+        """The node's ranks meeting the generation the shrink laid out, as ``Group.meet`` does, through
+        ``store`` (``meet_ranks``'s connection): each claims its rank, counts itself in and reads the
+        layout, then counts the arrivals and looks at the launchers' records at ``meet_periods`` of
+        the layout's size. The seconds until the next count, or None once every member arrived
+        (``times.formed``)."""
+        from ddpkit.membership import generations
+        from ddpkit.membership.group import meet_periods
+        from ddpkit.store import keys
+        from ddpkit.store.job_secret import job_secret
+
+        secret, generation = job_secret(), 1
+        arrived_key = generations.generation_prefix(secret, 0, generation) + keys.ARRIVED
+        ranks = range(self.node * self.args.ranks_per_node, (self.node + 1) * self.args.ranks_per_node)
+        world = self.args.size * self.args.ranks_per_node
+        now = time.monotonic()
+        if not self._members:
+            for rank in ranks:
+                generations.claim_rank(store, secret, 0, generation, rank, f"simulated:{rank}")
+                generations.announce_waiting(store, secret, 0, generation, f"simulated:{rank}")
+                arrived = store.add(arrived_key, 1)
+            self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
+        else:
+            for _ in ranks:
+                arrived = store.add(arrived_key, 0)
+        count_every, look_every = meet_periods(self._members)
+        if now >= self._next_look:
+            self._next_look = now + look_every
+            for _ in ranks:
+                generations.job_finished(store, secret, 0, generation)
+                generations.node_lost(store, secret, 0, generation)
+                generations.waiting_for(store, secret, 0, generation + 1)
+                self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
+        if arrived >= self._members:
+            self.times.formed = time.time()
+            return None
+        return count_every
 
     def workers(self) -> None:
         """The ranks' own store traffic in a quiet job (``diagnostics.peer_watch``, ``diagnostics.hangs``):
@@ -234,6 +281,25 @@ class Scheduler:
         return statistics.median(self._late) if self._late else 0.0
 
 
+def meet_ranks(simulated: list[SimulatedNode], port: int, requests: list[int], stopped: threading.Event) -> None:
+    """The ranks of this process's surviving nodes meeting the shrunk world's generation, from a
+    thread and a connection of their own (in ``ddpkit run`` they are other processes than the
+    launcher): each node's ``meet`` once its launcher held the decision, at the periods it returns."""
+    from ddpkit.store.client import connect
+
+    store = Counted(connect("127.0.0.1", port, 60.0), [0], requests)
+    while not stopped.wait(0.001):
+        for node in simulated:
+            if node.meeting is None or node.times.formed is not None or time.monotonic() < node.next_count:
+                continue
+            try:
+                delay = node.meet(store)
+            except Exception:  # noqa: BLE001 - the store went away at the end of the run
+                return
+            if delay is not None:
+                node.next_count = time.monotonic() + delay
+
+
 def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: str, go: Any, phases: Any,
                results: Any) -> None:
     """A simulator process: ``nodes`` started, said ready, then through the phases the main process
@@ -244,6 +310,9 @@ def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: st
     simulated = [SimulatedNode(node, args, port, counter, by_source) for node in nodes]
     scheduler = Scheduler(simulated, args)
     threading.Thread(target=scheduler.run, daemon=True).start()
+    meet_requests, meet_stopped = [0], threading.Event()
+    if args.in_place:
+        threading.Thread(target=meet_ranks, args=(simulated, port, meet_requests, meet_stopped), daemon=True).start()
     results.put("ready")
     go.wait()
     steady, kill, end = phases[:]
@@ -261,9 +330,11 @@ def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: st
             node.kill()
     _sleep_until(end)
     scheduler.stop()
+    meet_stopped.set()
     results.put({"ops_per_s": steady_ops, "by_source": steady_by_source, "late_s": late,
-                 "times": [(node.node, node.times.detected, node.times.decided) for node in simulated
-                           if node.node != args.size - 1]})
+                 "times": [(node.node, node.times.detected, node.times.decided, node.times.formed) for node in simulated
+                           if node.node != args.size - 1],
+                 "meet_requests": meet_requests[0]})
     results.close()
     results.join_thread()
     # Threads still in torch's store client would abort the interpreter's finalisation (docs/hazards.md).
@@ -334,8 +405,9 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         store_process.wait(timeout=10)
     ops = sum(result["ops_per_s"] for result in gathered)
     late = max(result["late_s"] for result in gathered)
-    detected = [when - kill for result in gathered for _, when, _ in result["times"] if when is not None]
-    decided = [when - kill for result in gathered for _, _, when in result["times"] if when is not None]
+    detected = [when - kill for result in gathered for _, when, _, _ in result["times"] if when is not None]
+    decided = [when - kill for result in gathered for _, _, when, _ in result["times"] if when is not None]
+    formed = [when - kill for result in gathered for *_, when in result["times"] if when is not None]
     survivors = size - 1
     latencies.sort()
     return {
@@ -346,6 +418,11 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         "late_ms": round(late * 1e3, 1),
         "store_p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1e3, 2) if latencies else None,
         "detect_s": _spread(detected, survivors), "agree_s": _spread(decided, survivors), "keys": keys,
+        # --in-place: until each survivor's ranks counted every member of the shrunk generation, and
+        # what they asked of the store meanwhile (per second of that phase, from the decision on).
+        "formed_s": _spread(formed, survivors) if args.in_place else None,
+        "meet_requests_per_s": (round(sum(result["meet_requests"] for result in gathered)
+                                      / max(1e-3, max(formed) - min(decided))) if args.in_place and formed else None),
     }
 
 
@@ -389,7 +466,9 @@ def main() -> None:
               f"{row['late_ms']:>7} {row['store_p99_ms']!s:>7} "
               f"{detect['median']!s:>8}/{detect['max']!s:<5} {detect['of']:>5} "
               f"{agree['median']!s:>7}/{agree['max']!s:<5} {agree['of']:>5} {row['keys']:>7}  by source "
-              + ", ".join(f"{source} {rate}" for source, rate in row["per_node_by_source"].items()), flush=True)
+              + ", ".join(f"{source} {rate}" for source, rate in row["per_node_by_source"].items())
+              + (f"; formed s {row['formed_s']['median']}/{row['formed_s']['max']} ({row['formed_s']['of']}), "
+                 f"meeting {row['meet_requests_per_s']} req/s" if row["formed_s"] else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ with ``--nodes``, what a whole node killed costs.
     python benchmarks/recovery.py [--ranks 2 4] [--runs 3] [--modes in-place restart torchrun] [--steps 40]
     python benchmarks/recovery.py --nodes 2 3 [--runs 20] [--node-modes shrink spare-node torchrun] [--netns]
 
-The 8x1024 MLP of ``ddp_step.py`` (batch 64 per rank, one thread per rank), trained with
+The 8x1024 MLP of ``ddp_step.py`` (``--width`` to change it; batch 64 per rank, one thread per rank), trained with
 ``DDPStrategy``'s loop (``epochs``/``batches``/``step``) by a script this benchmark writes to a
 temporary folder. Each rank appends (step, wall time) to a file after every step and saves
 nothing else but a checkpoint every 10 steps, rank 0 the final parameters. Per run, one rank
@@ -71,10 +71,10 @@ SCRIPT = textwrap.dedent(
     from torch import nn
     import ddpkit
 
-    steps = int(sys.argv[1])
+    steps, width = int(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(1024, 1024), nn.ReLU())])
+    model = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(width, width), nn.ReLU())])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     strategy = ddpkit.DDPStrategy()
     model, optimizer = strategy.setup(model, optimizer)
@@ -87,7 +87,7 @@ SCRIPT = textwrap.dedent(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         first = state["batch"]
-    batches = [(torch.randn(64, 1024, generator=torch.Generator().manual_seed(1000 * step + rank)),)
+    batches = [(torch.randn(64, width, generator=torch.Generator().manual_seed(1000 * step + rank)),)
                for step in range(steps)]
     log = open(f"steps.{rank}", "a", buffering=1)
     for epoch in strategy.epochs(1):
@@ -108,13 +108,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def command(mode: str, ranks: int, steps: int) -> list[str]:
+def command(mode: str, ranks: int, steps: int, width: int) -> list[str]:
     if mode == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--max-restarts", "1",
-                "--master-port", str(find_free_port()), "train.py", str(steps)]
+                "--master-port", str(find_free_port()), "train.py", str(steps), str(width)]
     recovery = ["--recovery", "in-place"] if mode in ("in-place", "fault-free") else []
     return [sys.executable, "-m", "ddpkit", "run", *recovery, "--max-restarts", "1", "--nproc-per-node", str(ranks),
-            "train.py", str(steps)]
+            "train.py", str(steps), str(width)]
 
 
 def completed(folder: Path, rank: int) -> list[tuple[int, float]]:
@@ -129,13 +129,13 @@ def completed(folder: Path, rank: int) -> list[tuple[int, float]]:
     return rows
 
 
-def run(mode: str, ranks: int, steps: int, kill: bool, seed: int) -> dict[str, Any] | None:
+def run(mode: str, ranks: int, steps: int, width: int, kill: bool, seed: int) -> dict[str, Any] | None:
     """One run; None when it did not finish."""
     chooser = random.Random(seed)
     # After a step that a checkpoint save follows, the kill lands in the save (between steps).
     kill_after = chooser.randrange(5, steps - 9)
     victim = chooser.randrange(ranks)
-    return run_script(mode, SCRIPT, command(mode, ranks, steps), kill_after if kill else None, victim)
+    return run_script(mode, SCRIPT, command(mode, ranks, steps, width), kill_after if kill else None, victim)
 
 
 def run_script(mode: str, script: str, argv: list[str], kill_after: int | None, victim: int,
@@ -452,15 +452,17 @@ def main() -> None:
     parser.add_argument("--node-modes", nargs="+", default=["shrink", "spare-node", "torchrun"],
                         choices=["shrink", "spare-node", "torchrun"])
     parser.add_argument("--netns", action="store_true", help="node modes: each node in a network namespace")
-    parser.add_argument("--width", type=int, default=512, help="node modes: the MLP's width")
+    parser.add_argument("--width", type=int, help="the MLP's width (default 1024 for ranks, 512 for --nodes)")
     args = parser.parse_args()
     if args.nodes:
+        args.width = args.width or 512
         main_nodes(args)
         return
+    args.width = args.width or 1024
     for ranks in args.ranks:
-        compare_modes(lambda mode, kill, seed, ranks=ranks: run(mode, ranks, args.steps, kill, seed), args.modes,
-                      args.runs, 1000 * ranks, f"{ranks} ranks, {args.steps} steps, kill -9 of a random rank after a "
-                      f"random step, {args.runs} runs per mode (interleaved)")
+        compare_modes(lambda mode, kill, seed, ranks=ranks: run(mode, ranks, args.steps, args.width, kill, seed),
+                      args.modes, args.runs, 1000 * ranks, f"{ranks} ranks, 8x{args.width} MLP, {args.steps} steps, "
+                      f"kill -9 of a random rank after a random step, {args.runs} runs per mode (interleaved)")
 
 
 def compare_modes(run_mode: Callable[[str, bool, int], dict[str, Any] | None], modes: list[str], runs: int,

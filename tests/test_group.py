@@ -370,3 +370,58 @@ def test_an_abandoned_group_still_referenced_elsewhere_is_named_and_one_that_is_
         logger.propagate = propagated
     said = [record.getMessage() for record in caplog.records if "still referenced" in record.getMessage()]
     assert len(said) == 1 and said[0].startswith("ddpkit: the torch group of generation 3, which this rank left"), said
+
+
+class CountedStore:
+    """A launcher's store that counts the requests made of it, by method (the store's own is a HashStore)."""
+
+    def __init__(self) -> None:
+        self.store = dist.HashStore()  # type: ignore[attr-defined]
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self.store, name)
+
+        def counted(*args: object) -> object:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return method(*args)
+        return counted
+
+
+@pytest.mark.parametrize(("members", "fewest", "most"), [(2, 60, 400), (4096, 1, 12)])
+def test_a_rank_waiting_for_its_generations_members_asks_the_store_less_often_the_bigger_the_world(
+        members: int, fewest: int, most: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank waits a second for the others of generation 1 (they never come): in a world of two it
+    counts the arrivals every 5 ms, in a world of 4,096 every 0.82 s and looks at the launchers'
+    records every 3.3 s, so that all its members together ask the store at most 10,000 times a
+    second (counting every 5 ms and looking every 50 ms, they asked 6e5 times)."""
+    from ddpkit.membership.generations import Layout, write_layout
+    from ddpkit.membership.group import Group, Membership
+
+    monkeypatch.setenv(DDPKIT_RECOVERY_TIMEOUT_SECONDS, "1")
+    store = CountedStore()
+    write_layout(store, None, 0, 1, Layout.initial(members))
+    group = Group(Membership(0, 0, members), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    store.calls.clear()
+    with pytest.raises(TimeoutError, match=f"only 1 of the {members} ranks arrived for generation 1"):
+        group.meet(1)
+    requests = sum(store.calls.values())
+    assert fewest <= requests <= most, store.calls
+
+
+def test_a_generations_layout_is_read_back_to_the_last_generation_known_not_to_generation_1() -> None:
+    """A rank of generation 40 reads the layout of 41 in two requests (41, then its own 40's known),
+    not 41; a layout written for a generation after the known one is still the one read."""
+    from ddpkit.membership.generations import Layout, layout_at, write_layout
+
+    store = CountedStore()
+    shrunk = Layout.initial(4).shrunk({3})
+    write_layout(store, None, 0, 7, shrunk)
+    assert layout_at(store, None, 0, 41, 4) == shrunk and store.calls["get"] + store.calls.get("check", 0) >= 35
+    store.calls.clear()
+    assert layout_at(store, None, 0, 41, 4, known=(40, shrunk)) == shrunk
+    assert sum(store.calls.values()) <= 2, store.calls
+    grown = shrunk.grown({3})
+    write_layout(store, None, 0, 41, grown)
+    assert layout_at(store, None, 0, 42, 4, known=(40, shrunk)) == grown
+    assert layout_at(store, None, 0, 39, 4, known=(40, shrunk)) == shrunk  # a known generation after it is no help

@@ -178,14 +178,19 @@ def write_layout(store: Any, secret: JobSecret | None, attempt: int, generation:
     signer.write(store, key, layout.to_json())
 
 
-def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: int, world_size: int) -> Layout:
+def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: int, world_size: int,
+              known: tuple[int, Layout] | None = None) -> Layout:
     """The layout of ``generation``: the latest written for it or a generation before it, else the
-    world of ``world_size`` ranks as the job started (a forged record counts as none)."""
-    for earlier in range(generation, 0, -1):
+    world of ``world_size`` ranks as the job started (a forged record counts as none). ``known``: a
+    generation at most ``generation`` and its layout, read before (one that formed: no layout of it
+    or of a generation before it is written after), where the reads back stop; without it they go
+    back to generation 1, one request each."""
+    stop, layout = known if known is not None and known[0] <= generation else (0, Layout.initial(world_size))
+    for earlier in range(generation, stop, -1):
         signer, key = _record(secret, attempt, earlier, store_keys.LAYOUT)
         if (text := signer.read(store, key)) is not None:
             return Layout.from_json(text)
-    return Layout.initial(world_size)
+    return layout
 
 
 def announce_growth(store: Any, secret: JobSecret | None, attempt: int, generation: int, why: str) -> None:

@@ -77,12 +77,30 @@ from ddpkit.store.job_secret import JobSecret, RecordSigner
 from ddpkit.store.signed import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["Group", "MemberProofError", "Membership", "current_group"]
+__all__ = ["Group", "MemberProofError", "Membership", "current_group", "meet_periods"]
 
 _log = get_logger("recovery")
 
 # How often a rank waiting for a generation's members looks for its layout (a shrink's comes late).
 _LAYOUT_LOOK_SECONDS = 0.05
+# How often a rank waiting for a generation's members counts the arrivals, and looks at what the
+# launchers wrote (a layout, the generation given up, the training ended: about four requests).
+# In a small world every 5 ms and 50 ms; in a big one less often, so that all its members together
+# ask the job's one store at most _MEET_REQUESTS_PER_SECOND times a second while the group forms
+# (which leaves it free for the launchers' beats): with 8 ranks on each of 1,024 nodes, a count
+# every 1.6 s and a look every 6.6 s. The price is that the last arrival is seen that much later.
+_MEET_COUNT_SECONDS = 0.005
+_MEET_REQUESTS_PER_SECOND = 10_000
+_LOOK_REQUESTS = 4
+
+
+def meet_periods(members: int) -> tuple[float, float]:
+    """How often a rank waiting for ``members`` ranks to arrive counts them, and looks at the
+    launchers' records: each half of its share of the store's budget for meeting."""
+    share = _MEET_REQUESTS_PER_SECOND / members / 2
+    return max(_MEET_COUNT_SECONDS, 1 / share), max(_LAYOUT_LOOK_SECONDS, _LOOK_REQUESTS / share)
+
+
 # How often a member left out of its generation's block looks whether it may rejoin (a block may last minutes).
 _OUTSIDE_LOOK_SECONDS = 0.1
 
@@ -147,6 +165,11 @@ class Group:
         self._in_place = in_place
         self._secret = secret
         self._part = ""  # the part of the generation formed now (``form_part``); "" for the whole of it
+        # The last generation this process met and its layout, and the last that formed with it (no
+        # layout of it or of an earlier generation is written after): reading a later generation's
+        # layout stops there instead of reading back to generation 1.
+        self._met: tuple[int, Layout] | None = None
+        self._formed_layout: tuple[int, Layout] | None = None
         self._reactions: dict[int, Callable[[], Reaction | None]] = {}
         self._next_reaction = 0
 
@@ -308,6 +331,8 @@ class Group:
             try:
                 self._connect(membership, init_options)
                 self._membership, self._part = membership, ""
+                if self._met is not None and self._met[0] == membership.generation:
+                    self._formed_layout = self._met
                 self.prove_members()
                 break
             except MemberProofError:
@@ -370,7 +395,8 @@ class Group:
         deadline = time.monotonic() + seconds
         while True:
             arrived, layout = self._count_in(generation)
-            next_look = time.monotonic() + _LAYOUT_LOOK_SECONDS
+            count_every, look_every = meet_periods(len(layout.members))
+            next_look = time.monotonic() + look_every
             while arrived < len(layout.members):
                 now = time.monotonic()
                 if now > deadline:
@@ -387,8 +413,10 @@ class Group:
                     if (self._given_up(generation) is not None
                             and self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0) < len(layout.members)):
                         break  # it will never form: on to the next one
-                    layout, next_look = self._layout(generation), now + _LAYOUT_LOOK_SECONDS
-                time.sleep(0.005)
+                    layout = self._layout(generation)
+                    count_every, look_every = meet_periods(len(layout.members))
+                    next_look = now + look_every
+                time.sleep(count_every)
                 arrived = self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0)
             else:
                 break
@@ -399,6 +427,7 @@ class Group:
                                  f"{generation} of the group (its members: {list(layout.members)}). This process ends; "
                                  "the job goes on without it.")
         rank, shares = layout.place_of(self.job_rank)
+        self._met = (generation, layout)
         return Membership(generation, rank, len(layout.members), shares, layout.data_world_size)
 
     def _count_in(self, generation: int) -> tuple[int, Layout]:
@@ -431,7 +460,8 @@ class Group:
         return growth_requested(self._launcher_store, self._secret, self._attempt, self.generation)
 
     def _layout(self, generation: int) -> Layout:
-        return layout_at(self._launcher_store, self._secret, self._attempt, generation, self._started_world)
+        return layout_at(self._launcher_store, self._secret, self._attempt, generation, self._started_world,
+                         self._formed_layout)
 
     def prove_members(self) -> None:
         """With a job secret, have every member of the torch group just formed prove that it holds
