@@ -147,6 +147,7 @@ class SimulatedNode:
         killed_node = self.args.size - 1
         nodes = self.nodes
         ended = nodes.ended_elsewhere()
+        nodes.tidy()
         now = time.time()
         knows = (killed_node in nodes.heartbeats._silent_since or killed_node in nodes.looks.reports
                  or killed_node not in nodes.world.nodes() or nodes._lost is not None)  # noqa: SLF001
@@ -165,7 +166,7 @@ class SimulatedNode:
         the layout's size. The seconds until the next count, or None once every member arrived
         (``times.formed``)."""
         from ddpkit.membership import generations
-        from ddpkit.membership.group import meet_periods
+        from ddpkit.membership.generations import meet_periods
         from ddpkit.store import keys
         from ddpkit.store.job_secret import job_secret
 

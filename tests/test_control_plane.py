@@ -172,3 +172,40 @@ def test_the_nodes_that_said_they_finished_are_read_on_from_a_log_not_node_by_no
     forged = int(store.add(reader.key(keys.count_of(keys.SUCCEEDED)), 1))
     store.set(reader.key(keys.log_entry(keys.SUCCEEDED, forged)), "0")
     assert reader.nodes_that_said(keys.SUCCEEDED, range(nnodes)) == list(range(1, nnodes))
+
+
+def test_the_keys_of_finished_generations_are_removed_and_a_later_rank_still_reads_the_layout_in_force() -> None:
+    """Twenty generations of four ranks (claims, arrivals, torch's address keys), the world shrunk in
+    generation 2: the first live node's launcher keeps the keys of the last three generations, no
+    matter how many came before, and a rank meeting the latest reads the shrunk layout, written
+    again at the oldest generation kept, in no more requests than the three kept."""
+    from ddpkit.control_plane.finished_generations import KEPT_GENERATIONS, FinishedGenerations
+    from ddpkit.membership.generations import Layout, claim_rank, generation_prefix, layout_at, write_layout
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    records = LauncherRecords(BoundedStore(connect("127.0.0.1", store.port, 10), 10), 0, "")
+    finished = FinishedGenerations(records)
+    shrunk = Layout.initial(4).shrunk({3})
+
+    def generation_keys() -> list[str]:
+        return [key for key in store.list_keys() if "/generation/" in key]
+
+    for generation in range(21):
+        prefix = generation_prefix(None, 0, generation)
+        for rank in range(4):
+            claim_rank(store, None, 0, generation, rank, f"host:{rank}")
+            store.set(f"{prefix}/0//cpu//0/{rank}", "address")  # torch's, under the group's prefix store
+        store.add(prefix + keys.ARRIVED, 4)
+        if generation == 2:
+            write_layout(store, None, 0, generation, shrunk)
+        if generation:
+            records.count(keys.GENERATION_COUNT, 1, keys.JOB_WIDE)
+        finished.on_news()
+        while finished.remove_some():
+            pass
+    kept = {key.split("/generation/")[1].split("/")[0] for key in generation_keys()}
+    assert kept == {"18", "19", "20"}, sorted(kept)
+    assert len(generation_keys()) <= KEPT_GENERATIONS * (4 + 4 + 1) + 1  # and the layout carried forward
+    counted = CountedRequests(store)
+    assert layout_at(counted, None, 0, 21, 4) == shrunk
+    assert counted.requests <= 2 * (KEPT_GENERATIONS + 1), counted.requests

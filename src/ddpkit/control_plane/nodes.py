@@ -76,6 +76,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ddpkit.control_plane.finished_generations import FinishedGenerations
 from ddpkit.control_plane.heartbeats import Heartbeats
 from ddpkit.control_plane.job_look import JobLook
 from ddpkit.control_plane.launcher_records import (
@@ -107,6 +108,8 @@ _JOIN_SECONDS = 600.0
 # How long the others wait for a spare node to claim a silent node before taking it for lost, and
 # then for the spare's launcher to say it is alive as that node.
 _CLAIM_SECONDS = 2.0
+# How often the first live node's launcher reads the count of generations without news.
+_GENERATIONS_LOOK_SECONDS = 10.0
 _TAKEOVER_SECONDS = 15.0
 
 
@@ -152,6 +155,9 @@ class NodeCoordination:
         self._ended_elsewhere = False  # what the records said at the last look that read them
         self._reported: set[tuple[int, str]] = set()  # the silences this launcher reported
         self._arrivals_checked = False  # whether every node's first beat was looked for after the join timeout
+        # The first live node's launcher removes the keys of the workers' finished generations.
+        self.finished_generations = FinishedGenerations(self.records)
+        self._next_generations_look = 0.0
 
     @property
     def node_rank(self) -> int:
@@ -254,6 +260,18 @@ class NodeCoordination:
         else:
             self.world.check_not_replaced(ask_store=False)
         return self._ended_elsewhere or self.silent_node() is not None
+
+    def tidy(self) -> None:
+        """Between the watch's polls, under in-place recovery: the first live node's launcher removes
+        the finished generations' keys (``control_plane.finished_generations``), looking at the count
+        of generations when news came (a node lost or back) and every ``_GENERATIONS_LOOK_SECONDS``
+        besides (a rank replaced on its node raises no news)."""
+        if not self.in_place or self.node_rank != min(self.world.nodes(), default=-1):
+            return
+        if self.looks.news_since("finished generations") or time.monotonic() >= self._next_generations_look:
+            self._next_generations_look = time.monotonic() + _GENERATIONS_LOOK_SECONDS
+            self.finished_generations.on_news()
+        self.finished_generations.remove_some()
 
     def announce_preemption(self, reason: str) -> None:
         """Tell the other launchers that this one passed a preemption on to its workers (they stop

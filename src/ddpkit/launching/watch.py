@@ -108,6 +108,8 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
             return outcome
         if health is not None:
             health.poll([worker.metrics_file for worker in workers.workers], len(workers.workers))
+        if nodes is not None:
+            nodes.tidy()
         time.sleep(poll_interval)
 
 

@@ -38,7 +38,8 @@ from ddpkit.store import keys as store_keys
 from ddpkit.store.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
 __all__ = ["REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth", "announce_node_lost",
-           "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished", "layout_at",
+           "carry_layout_forward", "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished",
+           "latest_layout", "layout_at", "meet_periods",
            "member_identity", "node_lost", "announce_rejoin", "announce_waiting", "rejoin_announced", "waiting_for",
            "write_layout"]
 
@@ -123,6 +124,25 @@ class RankTakenError(RuntimeError):
     node's place while it could not be reached. It must end, and not train as that rank."""
 
 
+# How often a rank waiting for a generation's members counts the arrivals, and looks at what the
+# launchers wrote (a layout, the generation given up, the training ended: about four requests).
+# In a small world every 5 ms and 50 ms; in a big one less often, so that all its members together
+# ask the job's one store at most _MEET_REQUESTS_PER_SECOND times a second while the group forms
+# (which leaves it free for the launchers' beats): with 8 ranks on each of 1,024 nodes, a count
+# every 1.6 s and a look every 6.6 s. The price is that the last arrival is seen that much later.
+_MEET_COUNT_SECONDS = 0.005
+_MEET_LOOK_SECONDS = 0.05  # as Group's look for a layout while it waits
+_MEET_REQUESTS_PER_SECOND = 10_000
+_LOOK_REQUESTS = 4
+
+
+def meet_periods(members: int) -> tuple[float, float]:
+    """How often a rank waiting for ``members`` ranks to arrive counts them, and looks at the
+    launchers' records: each half of its share of the store's budget for meeting."""
+    share = _MEET_REQUESTS_PER_SECOND / members / 2
+    return max(_MEET_COUNT_SECONDS, 1 / share), max(_MEET_LOOK_SECONDS, _LOOK_REQUESTS / share)
+
+
 def generation_prefix(secret: JobSecret | None, attempt: int, generation: int) -> str:
     """The prefix of ``generation``'s keys (of the workers' ``attempt``) in the job's store."""
     namespace = secret.namespace() if secret is not None else unsigned_namespace()
@@ -184,13 +204,32 @@ def layout_at(store: Any, secret: JobSecret | None, attempt: int, generation: in
     world of ``world_size`` ranks as the job started (a forged record counts as none). ``known``: a
     generation at most ``generation`` and its layout, read before (one that formed: no layout of it
     or of a generation before it is written after), where the reads back stop; without it they go
-    back to generation 1, one request each."""
+    back to generation 1, one request each (fewer once finished generations were removed:
+    ``carry_layout_forward``)."""
     stop, layout = known if known is not None and known[0] <= generation else (0, Layout.initial(world_size))
+    found = latest_layout(store, secret, attempt, generation, stop)
+    return layout if found is None else found[1]
+
+
+def latest_layout(store: Any, secret: JobSecret | None, attempt: int, generation: int,
+                  stop: int = 0) -> tuple[int, Layout] | None:
+    """The latest layout written for ``generation`` or a generation before it down to ``stop``
+    (excluded), and the generation it was written for; None when there is none."""
     for earlier in range(generation, stop, -1):
         signer, key = _record(secret, attempt, earlier, store_keys.LAYOUT)
         if (text := signer.read(store, key)) is not None:
-            return Layout.from_json(text)
-    return layout
+            return earlier, Layout.from_json(text)
+    return None
+
+
+def carry_layout_forward(store: Any, secret: JobSecret | None, attempt: int, generation: int) -> None:
+    """Write at ``generation`` the layout in force there when it was written for an earlier one, so
+    that the generations before it can be removed and a read back stops there. Only where none is
+    written yet (a launcher that lays ``generation`` out itself writes over it)."""
+    found = latest_layout(store, secret, attempt, generation)
+    if found is not None and found[0] < generation:
+        signer, key = _record(secret, attempt, generation, store_keys.LAYOUT)
+        signer.write_first(store, key, found[1].to_json())
 
 
 def announce_growth(store: Any, secret: JobSecret | None, attempt: int, generation: int, why: str) -> None:

@@ -64,6 +64,7 @@ from ddpkit.membership.generations import (
     growth_requested,
     job_finished,
     layout_at,
+    meet_periods,
     member_identity,
     node_lost,
     rejoin_announced,
@@ -77,30 +78,12 @@ from ddpkit.store.job_secret import JobSecret, RecordSigner
 from ddpkit.store.signed import signed
 from ddpkit.variables import DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
-__all__ = ["Group", "MemberProofError", "Membership", "current_group", "meet_periods"]
+__all__ = ["Group", "MemberProofError", "Membership", "current_group"]
 
 _log = get_logger("recovery")
 
 # How often a rank waiting for a generation's members looks for its layout (a shrink's comes late).
 _LAYOUT_LOOK_SECONDS = 0.05
-# How often a rank waiting for a generation's members counts the arrivals, and looks at what the
-# launchers wrote (a layout, the generation given up, the training ended: about four requests).
-# In a small world every 5 ms and 50 ms; in a big one less often, so that all its members together
-# ask the job's one store at most _MEET_REQUESTS_PER_SECOND times a second while the group forms
-# (which leaves it free for the launchers' beats): with 8 ranks on each of 1,024 nodes, a count
-# every 1.6 s and a look every 6.6 s. The price is that the last arrival is seen that much later.
-_MEET_COUNT_SECONDS = 0.005
-_MEET_REQUESTS_PER_SECOND = 10_000
-_LOOK_REQUESTS = 4
-
-
-def meet_periods(members: int) -> tuple[float, float]:
-    """How often a rank waiting for ``members`` ranks to arrive counts them, and looks at the
-    launchers' records: each half of its share of the store's budget for meeting."""
-    share = _MEET_REQUESTS_PER_SECOND / members / 2
-    return max(_MEET_COUNT_SECONDS, 1 / share), max(_LAYOUT_LOOK_SECONDS, _LOOK_REQUESTS / share)
-
-
 # How often a member left out of its generation's block looks whether it may rejoin (a block may last minutes).
 _OUTSIDE_LOOK_SECONDS = 0.1
 
