@@ -190,10 +190,13 @@ def test_hang_abort_ends_the_job_naming_the_stuck_rank(tmp_path: Path) -> None:
     # the abort 1 s after it (checked once a second), then the next slice of the waits.
     assert all(float(seconds) < 9 for _, seconds in raised), raised
     assert elapsed < 30, (elapsed, output)
-    # Ranks 0 and 2 both wait for rank 1 and report at about the same time: each answers the other's
-    # request (never described as silent, and so never signalled for its stack while its Python runs).
+    # Ranks 0 and 2 both wait for rank 1: one of them reports, and the other answers its request
+    # (never described as silent, and so never signalled for its stack while its Python runs).
     sections = re.findall(r"\[rank (\d)\] --- rank (\d): last entered [^;]*; now (.*)", output)
-    assert {(reporter, about) for reporter, about, _ in sections} >= {("0", "2"), ("2", "0")}, output
+    reporters = {reporter for reporter, _, _ in sections}
+    assert len(reporters) == 1 and reporters <= {"0", "2"}, output
+    waiting = ({"0", "2"} - reporters).pop()
+    assert f"rank {waiting} has waited" in output and f"rank {reporters.pop()} gathers every rank's stack" in output
     for reporter, about, now in sections:
         if about != "1":
             assert now.startswith("in #2 sync_ddp at script.py:"), (reporter, about, now)
@@ -224,6 +227,39 @@ def every_rank_is_in_the_slow_collective() -> tuple[str, bool]:
 
 def test_hang_abort_does_not_end_a_job_whose_ranks_are_all_inside_the_collective() -> None:
     with WorkerPool(2, timeout=60, pg_timeout=30) as pool:
-        (report, published), _ = pool.run(every_rank_is_in_the_slow_collective)
-    assert "Ranks that have not arrived: none (they are in it" in report, report
+        (report, published), (other_report, _) = pool.run(every_rank_is_in_the_slow_collective)
+    # Both wait past the hang time in collective #2; the first to claim it reports.
+    assert "Ranks that have not arrived: none (they are in it" in report + other_report, (report, other_report)
     assert not published
+
+
+def three_wait_for_a_late_fourth() -> tuple[str, int]:
+    watch_for_hangs(HANG_SECONDS)
+    try:
+        ddpkit.barrier()
+        if dist.get_rank() == 3:
+            time.sleep(5)
+        ddpkit.sync_ddp(torch.ones(2))
+        ddpkit.barrier()
+        from ddpkit.store.keys import HANG_REQUESTS
+
+        return last_report(), dist.distributed_c10d._get_default_store().add(record_signer().key(HANG_REQUESTS), 0)
+    finally:
+        watch_for_hangs(None)
+
+
+def test_of_the_ranks_waiting_for_a_late_one_one_reports_and_the_others_name_it() -> None:
+    """Three ranks wait for a fourth: one claims the report and asks every rank for its stack once;
+    each of the others says who reports. Before, each of them asked (three requests, each answered by
+    every rank: W^2 stacks in a hang of W ranks) and logged the whole report."""
+    with WorkerPool(4, timeout=60, pg_timeout=20) as pool:
+        results = pool.run(three_wait_for_a_late_fourth)
+    reports = [report for report, _ in results[:3]]
+    full = [rank for rank, report in enumerate(reports) if "Ranks that have not arrived: [3]." in report]
+    assert len(full) == 1, reports
+    for rank, report in enumerate(reports):
+        if rank != full[0]:
+            assert report.startswith(f"ddpkit: rank {rank} has waited") and \
+                f"rank {full[0]} gathers every rank's stack" in report, report
+    assert results[3][0] == ""  # the late rank waited in no collective
+    assert {requests for _, requests in results} == {1}, results

@@ -15,11 +15,13 @@ that progress in the process group's store when it has changed, at most once eve
 ``_progress_seconds`` (a sixth of the set time, 1 to 10 s: a report comes that late anyway, and
 an answer to a request carries the rank's latest), and checks once a second:
 
-- if this rank's collective has waited longer than the set time, it asks every rank for its
-  stack (a counter in the store), and about a second later logs a report: the collective, the
-  ranks that have not arrived (their last collective is an earlier one) and each rank's last
-  collective and current Python stack (that of its main thread, read by the thread even while
-  the main thread is blocked);
+- if this rank's collective has waited longer than the set time and it is the first of the
+  waiting ranks to claim the report of that collective (one signed key: the others log one line
+  naming the reporter, so a hang of W ranks costs the store W answers, not W^2), it asks every
+  rank for its stack (a counter in the store), and about a second later logs a report: the
+  collective, the ranks that have not arrived (their last collective is an earlier one) and each
+  rank's last collective and current Python stack (that of its main thread, read by the thread
+  even while the main thread is blocked);
 - if another rank asked, it posts its own stack. Under ``ddpkit run`` across nodes a request is
   news its launcher relays (``diagnostics.relayed_news``): the count of requests is read when the
   news changed, and every ``relayed_news.FALLBACK_SECONDS`` besides; elsewhere every second.
@@ -32,7 +34,7 @@ bootstrap its stack is read anyway (faulthandler writes it from a signal handler
 The collective itself goes on waiting (the process-group timeout, or ``ddpkit.diagnostics.failures``,
 still ends it), unless ``DDPKIT_HANG_ABORT_SECONDS=N`` is set (off by default, as Horovod's stall
 shutdown): then, N seconds after its report, a rank still waiting for a rank that has not arrived
-publishes a ``HangError`` failure naming that rank (the first of them) as the root cause, with the
+(the reporter) publishes a ``HangError`` failure naming that rank (the first of them) as the root cause, with the
 report as its traceback. Every rank in a ddpkit collective raises ``PeerFailedError`` naming the
 stuck rank, those elsewhere are ended by the peer watch, and ``ddpkit run`` names the stuck rank
 as the root cause, not the rank that timed out. Where every rank is inside the collective (a slow
@@ -142,6 +144,19 @@ class HangWatch:
         current = self.current
         if current is not None and current[0] != self.reported_sequence and time.monotonic() - current[3] > self.seconds:
             self.reported_sequence = current[0]
+            # One rank of those waiting gathers the report (the first to claim it): each of the
+            # others asking every rank for its stack and reading them all cost the store W^2
+            # requests in a hang of W ranks. The others say who reports, and answer its request.
+            reporter = self.signer.write_first(self.store, self.signer.key(store_keys.hang_reporter(current[0])),
+                                               str(self.rank))
+            if reporter != str(self.rank):
+                self.ended_sequence = current[0]  # the reporter ends the job, if that is asked
+                self.report = (f"ddpkit: rank {self.rank} has waited {time.monotonic() - current[3]:.1f} s in "
+                               f"collective #{current[0]} {current[1]} at {current[2]}; rank {reporter} gathers every "
+                               "rank's stack and reports this hang.\n")
+                _log.warning(self.report.rstrip("\n"))
+                self._answer_requests()
+                return
             # The requests' count cannot be signed: a stranger who adds to it makes every rank post its
             # stack (signed, so not forged), nothing more.
             request = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 1)
@@ -172,11 +187,10 @@ class HangWatch:
         """Post this rank's stack for every request it has not answered, up to ``latest`` (None: the
         store's count).
 
-        Every one, not only the latest: ranks that wait for the same missing rank report at about
-        the same time, and one whose own request came after another's must still answer the
-        earlier one. It also runs while this watch gathers a report or waits for a signalled stack:
-        a rank whose Python runs must never look silent, or a peer would describe it as stuck in a
-        C extension and signal it (faulthandler's dump of threads that run can crash the process).
+        Every one, not only the latest: the requests of hangs in two collectives may be read at
+        once. It also runs while this watch gathers a report or waits for a signalled stack: a rank
+        whose Python runs must never look silent, or a peer would describe it as stuck in a C
+        extension and signal it (faulthandler's dump of threads that run can crash the process).
         """
         if latest is None:
             latest = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 0)

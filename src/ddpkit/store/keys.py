@@ -35,7 +35,8 @@ __all__ = [
     "FAILURE", "FAILURE_SEEN", "FINISHED", "GROW", "HANG_REQUESTS", "LAUNCHERS", "LAYOUT", "NAMESPACE",
     "NODE_LOST", "PEER_LOST", "REJOIN", "RENDEZVOUS", "RENDEZVOUS_CLOSED", "RENDEZVOUS_ID", "RENDEZVOUS_TICKETS",
     "WAITING", "BLOCK_PART", "REJOIN_PART",
-    "generation_prefix", "hang_process", "launchers_news", "hang_progress", "hang_stack", "launcher_prefixes", "member",
+    "generation_prefix", "hang_process", "launchers_news", "hang_progress", "hang_reporter", "hang_stack",
+    "launcher_prefixes", "member",
     "pool_started", "rendezvous_ticket", "signed_namespace", "torchrun_attempt_prefix",
 ]
 
@@ -80,6 +81,10 @@ HANG_REQUESTS = "hang/requests"
 
 def hang_stack(request: int, rank: int) -> str:
     return f"hang/stack/{request}/{rank}"
+
+
+def hang_reporter(sequence: int) -> str:
+    return f"hang/reporter/{sequence}"
 
 
 def hang_progress(rank: int) -> str:
