@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _processes import descendants
+from _processes import descendants, read_proc
 from netns import Nodes
 
 from ddpkit.environments import find_free_port
@@ -271,7 +271,10 @@ class NodeJob:
         if self.mode == "spare-node":
             self._wait(lambda: all("this is node" in self._err(node) for node in range(self.nodes)), "the rendezvous")
             self.launchers.append(self._launcher(self.nodes))
-            self._wait(lambda: "waits as a spare node" in self._err(self.nodes), "the spare node")
+            # Its warm spares ready, as a spare node that waited a while is: a kill while they still
+            # import torch measures the imports on two cores shared with the training.
+            self._wait(lambda: "waits as a spare node" in self._err(self.nodes)
+                       and self._blocked_on_their_input(self.nodes) >= 2, "the spare node's warm spares")
 
     def _launcher(self, number: int) -> subprocess.Popen[bytes]:
         node = min(number, self.nodes - 1)  # the spare lives beside the last node
@@ -291,6 +294,12 @@ class NodeJob:
         with open(self.folder / f"launcher{number}.err", "wb") as err:
             return subprocess.Popen([*self._prefix(node), *command, *self.arguments], cwd=self.folder, env=env,
                                     stdout=subprocess.DEVNULL, stderr=err)
+
+    def _blocked_on_their_input(self, number: int) -> int:
+        """How many of launcher ``number``'s processes wait in a read of their standard input: its
+        warm spares once they imported what the script needs (``launching.worker``)."""
+        return sum(read_proc(f"/proc/{pid}/syscall").startswith("0 0x0 ")  # read(0, ...)
+                   for pid in descendants(self.launchers[number].pid))
 
     def _endpoint_listens(self) -> bool:
         try:
