@@ -152,6 +152,13 @@ def run_script(mode: str, script: str, argv: list[str], kill_after: int | None, 
                                start_new_session=True)
     result: dict[str, Any] = {}
     try:
+        if kill_after is not None and mode == "in-place":
+            # Its warm spare ready, as in a job that ran a while: a kill while it still imports torch
+            # (a small model reaches step 5 within a second) measures those imports instead.
+            while not any(read_proc(f"/proc/{pid}/syscall").startswith("0 0x0 ") for pid in descendants(process.pid)):
+                if process.poll() is not None:
+                    return None
+                time.sleep(0.01)
         if kill_after is not None:
             while not any(step >= kill_after for step, _ in completed(folder, victim)):
                 if process.poll() is not None:
