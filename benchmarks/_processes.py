@@ -1,12 +1,13 @@
 """Processes as /proc shows them, for the benchmarks that start launchers and must find (and end,
-or report) every process those started: ``descendants(pid)``, ``all_pids()``, ``read_proc(path)``.
+or report) every process those started: ``descendants(pid)``, ``all_pids()``, ``read_proc(path)``,
+``waits_for_its_input(pid)``.
 Linux only."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["all_pids", "descendants", "read_proc"]
+__all__ = ["all_pids", "descendants", "read_proc", "waits_for_its_input"]
 
 
 def read_proc(path: str) -> str:
@@ -16,6 +17,12 @@ def read_proc(path: str) -> str:
             return handle.read().decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def waits_for_its_input(pid: int) -> bool:
+    """Whether the process is blocked reading its standard input (``read(0, ...)``): a warm spare
+    of ``ddpkit run`` once it imported what the script needs (x86-64's and arm64's syscall numbers)."""
+    return read_proc(f"/proc/{pid}/syscall").startswith(("0 0x0 ", "63 0x0 "))
 
 
 def all_pids() -> list[int]:

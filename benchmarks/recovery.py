@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _processes import descendants, read_proc
+from _processes import descendants, waits_for_its_input
 from netns import Nodes
 
 from ddpkit.environments import find_free_port
@@ -155,7 +155,7 @@ def run_script(mode: str, script: str, argv: list[str], kill_after: int | None, 
         if kill_after is not None and mode == "in-place":
             # Its warm spare ready, as in a job that ran a while: a kill while it still imports torch
             # (a small model reaches step 5 within a second) measures those imports instead.
-            while not any(read_proc(f"/proc/{pid}/syscall").startswith("0 0x0 ") for pid in descendants(process.pid)):
+            while not any(waits_for_its_input(pid) for pid in descendants(process.pid)):
                 if process.poll() is not None:
                     return None
                 time.sleep(0.01)
@@ -305,8 +305,7 @@ class NodeJob:
     def _blocked_on_their_input(self, number: int) -> int:
         """How many of launcher ``number``'s processes wait in a read of their standard input: its
         warm spares once they imported what the script needs (``launching.worker``)."""
-        return sum(read_proc(f"/proc/{pid}/syscall").startswith("0 0x0 ")  # read(0, ...)
-                   for pid in descendants(self.launchers[number].pid))
+        return sum(waits_for_its_input(pid) for pid in descendants(self.launchers[number].pid))
 
     def _endpoint_listens(self) -> bool:
         try:
