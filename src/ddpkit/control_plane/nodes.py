@@ -266,7 +266,7 @@ class NodeCoordination:
         the finished generations' keys (``control_plane.finished_generations``), looking at the count
         of generations when news came (a node lost or back) and every ``_GENERATIONS_LOOK_SECONDS``
         besides (a rank replaced on its node raises no news)."""
-        if not self.in_place or self.node_rank != min(self.world.nodes(), default=-1):
+        if not self.in_place or self.node_rank != self.world.first_node():
             return
         if self.looks.news_since("finished generations") or time.monotonic() >= self._next_generations_look:
             self._next_generations_look = time.monotonic() + _GENERATIONS_LOOK_SECONDS
