@@ -74,10 +74,6 @@ class NodeWorld:
         rendezvous closed with, but those it shrank without."""
         return [node for node in range(self.nnodes) if node not in self._removed]
 
-    def first_node(self) -> int | None:
-        """The first node of the world (``nodes()[0]``, without building the list: asked every poll)."""
-        return next((node for node in range(self.nnodes) if node not in self._removed), None)
-
     def refresh(self) -> None:
         """Read on the log of the world's removals and returns (``remove``, ``bring_back``): the
         launcher asks at each change of the job's news, and pays for the entries added since."""

@@ -158,6 +158,7 @@ class NodeCoordination:
         # The first live node's launcher removes the keys of the workers' finished generations.
         self.finished_generations = FinishedGenerations(self.records)
         self._next_generations_look = 0.0
+        self._first_of_the_world = False  # this launcher's node is the world's first (``tidy``)
 
     @property
     def node_rank(self) -> int:
@@ -266,12 +267,16 @@ class NodeCoordination:
         the finished generations' keys (``control_plane.finished_generations``), looking at the count
         of generations when news came (a node lost or back) and every ``_GENERATIONS_LOOK_SECONDS``
         besides (a rank replaced on its node raises no news)."""
-        if not self.in_place or self.node_rank != self.world.first_node():
+        if not self.in_place:
             return
+        # Whether this node is the world's first is asked again only then: the world changes with news.
         if self.looks.news_since("finished generations") or time.monotonic() >= self._next_generations_look:
             self._next_generations_look = time.monotonic() + _GENERATIONS_LOOK_SECONDS
-            self.finished_generations.on_news()
-        self.finished_generations.remove_some()
+            self._first_of_the_world = self.node_rank == min(self.world.nodes(), default=-1)
+            if self._first_of_the_world:
+                self.finished_generations.on_news()
+        if self._first_of_the_world:
+            self.finished_generations.remove_some()
 
     def announce_preemption(self, reason: str) -> None:
         """Tell the other launchers that this one passed a preemption on to its workers (they stop
