@@ -64,7 +64,3 @@ class FinishedGenerations:
         for key in batch:
             self._records.call("delete_key", key)
         return len(batch)
-
-    @property
-    def queued(self) -> int:
-        return len(self._queued)

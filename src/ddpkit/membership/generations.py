@@ -37,11 +37,10 @@ from typing import Any
 from ddpkit.store import keys as store_keys
 from ddpkit.store.job_secret import JobSecret, RecordSigner, unsigned_namespace
 
-__all__ = ["REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth", "announce_node_lost",
-           "carry_layout_forward", "claim_rank", "generation_prefix", "generation_scope", "growth_requested", "job_finished",
-           "latest_layout", "layout_at", "meet_periods",
-           "member_identity", "node_lost", "announce_rejoin", "announce_waiting", "rejoin_announced", "waiting_for",
-           "write_layout"]
+__all__ = ["LAYOUT_LOOK_SECONDS", "REMOVED", "Layout", "RankTakenError", "announce_finished", "announce_growth",
+           "announce_node_lost", "carry_layout_forward", "claim_rank", "generation_prefix", "generation_scope",
+           "growth_requested", "job_finished", "latest_layout", "layout_at", "meet_periods", "member_identity",
+           "node_lost", "announce_rejoin", "announce_waiting", "rejoin_announced", "waiting_for", "write_layout"]
 
 
 #: The holder of a rank that the world shrank without (``claim_rank``): no process is it, so a lost
@@ -131,7 +130,9 @@ class RankTakenError(RuntimeError):
 # (which leaves it free for the launchers' beats): with 8 ranks on each of 1,024 nodes, a count
 # every 1.6 s and a look every 6.6 s. The price is that the last arrival is seen that much later.
 _MEET_COUNT_SECONDS = 0.005
-_MEET_LOOK_SECONDS = 0.05  # as Group's look for a layout while it waits
+#: How often a rank waiting for a generation looks for its layout or its end, at the least (a
+#: shrink's layout comes late); ``Group`` waits as often for a generation to be given up.
+LAYOUT_LOOK_SECONDS = 0.05
 _MEET_REQUESTS_PER_SECOND = 10_000
 _LOOK_REQUESTS = 4
 
@@ -140,7 +141,7 @@ def meet_periods(members: int) -> tuple[float, float]:
     """How often a rank waiting for ``members`` ranks to arrive counts them, and looks at the
     launchers' records: each half of its share of the store's budget for meeting."""
     share = _MEET_REQUESTS_PER_SECOND / members / 2
-    return max(_MEET_COUNT_SECONDS, 1 / share), max(_MEET_LOOK_SECONDS, _LOOK_REQUESTS / share)
+    return max(_MEET_COUNT_SECONDS, 1 / share), max(LAYOUT_LOOK_SECONDS, _LOOK_REQUESTS / share)
 
 
 def generation_prefix(secret: JobSecret | None, attempt: int, generation: int) -> str:

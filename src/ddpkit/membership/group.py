@@ -53,6 +53,7 @@ from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.logs import get_logger
 from ddpkit.membership.abandoned import free_in_background
 from ddpkit.membership.generations import (
+    LAYOUT_LOOK_SECONDS,
     Layout,
     RankTakenError,
     announce_finished,
@@ -82,8 +83,6 @@ __all__ = ["Group", "MemberProofError", "Membership", "current_group"]
 
 _log = get_logger("recovery")
 
-# How often a rank waiting for a generation's members looks for its layout (a shrink's comes late).
-_LAYOUT_LOOK_SECONDS = 0.05
 # How often a member left out of its generation's block looks whether it may rejoin (a block may last minutes).
 _OUTSIDE_LOOK_SECONDS = 0.1
 
@@ -363,7 +362,7 @@ class Group:
                 return f"a process waits for generation {generation + 1} already: a member of {generation} was replaced"
             if time.monotonic() > deadline:
                 return None
-            time.sleep(_LAYOUT_LOOK_SECONDS)
+            time.sleep(LAYOUT_LOOK_SECONDS)
 
     def meet(self, generation: int) -> Membership:
         """Claim this process's rank in ``generation``, count it in and wait until every member of
