@@ -38,6 +38,11 @@ FLAKY = textwrap.dedent(
     rank, start = int(os.environ["RANK"]), int(os.environ["DDPKIT_RESTART_COUNT"])
     open(f"started{rank}.{start}", "w").close()
     if rank == 1 and str(start) in os.environ["FAIL_STARTS"].split(","):
+        # Only once rank 0 has connected: failing while its Gloo mesh still forms makes rank 0 fail
+        # with Gloo's "Connection closed by peer" instead of the PeerFailedError these tests name.
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"started0.{start}") and time.monotonic() < deadline:
+            time.sleep(0.01)
         atexit.register(time.sleep, float(os.environ.get("SLOW_EXIT", "0")))  # a slow teardown after the error
         raise ValueError(f"broken in start {start}")
     for _ in range(int(os.environ.get("STEPS", "3"))):
