@@ -48,9 +48,32 @@ class _AloneLock:
 
 _alone_lock: _AloneLock | None = None
 
+# The modules that take longest, longest first. Under xdist's ``--dist loadscope`` each module runs
+# on one worker, in the order collected (pyproject.toml turns off its reordering by test count):
+# a long module collected last would run alone at the end while the other worker idles. Measured
+# with ``--durations=0``; a module missing here only runs in its path's order.
+LONGEST_MODULES_FIRST = (
+    "launch_modes/test_matrix.py", "test_real_loops.py", "test_lightning.py", "test_example.py",
+    "test_shrinking.py", "test_kill_and_recover.py", "test_node_restarts.py", "test_spare_node.py",
+    "test_stranger.py", "test_launcher.py", "test_failed_rank_lives_on.py", "test_launcher_never_stuck.py",
+    "test_preemption.py", "schedulers/test_slurm.py", "test_gpu_check.py", "schedulers/test_mpi.py",
+)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone: runs with no other test beside it (it measures time or load)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest modules first (LONGEST_MODULES_FIRST); the sort is stable, so each module's
+    tests, and the modules not named, keep their order."""
+    tests = Path(__file__).parent
+
+    def place(item: pytest.Item) -> int:
+        module = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        return LONGEST_MODULES_FIRST.index(module) if module in LONGEST_MODULES_FIRST else len(LONGEST_MODULES_FIRST)
+
+    items.sort(key=place)
 
 
 def pytest_unconfigure() -> None:
