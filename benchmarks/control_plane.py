@@ -96,7 +96,6 @@ class NodeTimes:
     node: int
     detected: float | None = None  # when this launcher knew the killed node silent (time.time)
     decided: float | None = None  # when it held the decision (the job ends, or the world shrank)
-    formed: float | None = None  # when its ranks counted every member of the next generation (--in-place)
 
 
 class SimulatedNode:
@@ -104,7 +103,7 @@ class SimulatedNode:
     scheduler (``Scheduler``) at the periods ``ddpkit run`` uses."""
 
     def __init__(self, node: int, args: argparse.Namespace, port: int, counter: list[int],
-                 by_source: dict[str, list[int]]) -> None:
+                 by_source: dict[str, list[int]], decided: Any, slot: int) -> None:
         from ddpkit.control_plane.node_world import Shrinking
         from ddpkit.control_plane.nodes import NodeCoordination
         from ddpkit.launching.health import SharedWindows
@@ -124,10 +123,8 @@ class SimulatedNode:
         self.beat = self.nodes.heartbeats.beats_through(Counted(connection, counter, by_source["beat"]))
         self.windows = SharedWindows(self.nodes.records, self.nodes.world.nodes)
         self._workers_client = Counted(connection, counter, by_source["workers"])
-        self.meeting: float | None = None  # when the ranks began to meet (the launcher's decision)
-        self.next_count = 0.0  # when the ranks count the arrivals next (``meet``)
-        self._members = 0
-        self._next_look = 0.0
+        # Where this launcher's decision is told to its ranks' meeting (``meet_ranks``, another process).
+        self._decided, self._slot = decided, slot
         self.times = NodeTimes(node)
         self.ended = False  # this launcher took the job for ended (it would end its workers)
         # Each node's workers started at their own moment: their periods do not line up across nodes.
@@ -157,46 +154,8 @@ class SimulatedNode:
         if (killed_node not in nodes.world.nodes() or ended) and self.times.decided is None:
             self.times.decided = now
             if self.args.in_place and not ended:
-                self.meeting = time.monotonic()
+                self._decided[self._slot] = time.monotonic()
         self.ended = ended
-
-    def meet(self, store: Any) -> float | None:
-        """The node's ranks meeting the generation the shrink laid out, as ``Group.meet`` does, through
-        ``store`` (``meet_ranks``'s connection): each claims its rank, counts itself in and reads the
-        layout, then counts the arrivals and looks at the launchers' records at ``meet_periods`` of
-        the layout's size. The seconds until the next count, or None once every member arrived
-        (``times.formed``)."""
-        from ddpkit.membership import generations
-        from ddpkit.membership.generations import meet_periods
-        from ddpkit.store import keys
-        from ddpkit.store.job_secret import job_secret
-
-        secret, generation = job_secret(), 1
-        arrived_key = generations.generation_prefix(secret, 0, generation) + keys.ARRIVED
-        ranks = range(self.node * self.args.ranks_per_node, (self.node + 1) * self.args.ranks_per_node)
-        world = self.args.size * self.args.ranks_per_node
-        now = time.monotonic()
-        if not self._members:
-            for rank in ranks:
-                generations.claim_rank(store, secret, 0, generation, rank, f"simulated:{rank}")
-                generations.announce_waiting(store, secret, 0, generation, f"simulated:{rank}")
-                arrived = store.add(arrived_key, 1)
-            self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
-        else:
-            for _ in ranks:
-                arrived = store.add(arrived_key, 0)
-        count_every, look_every = meet_periods(self._members)
-        if now >= self._next_look:
-            self._next_look = now + look_every
-            for _ in ranks:
-                generations.job_finished(store, secret, 0, generation)
-                generations.node_lost(store, secret, 0, generation)
-                generations.waiting_for(store, secret, 0, generation + 1)
-                self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
-        if arrived >= self._members:
-            self.times.formed = time.time()
-            return None
-        return count_every
 
     def workers(self) -> None:
         """The ranks' own store traffic in a quiet job (``diagnostics.peer_watch``, ``diagnostics.hangs``):
@@ -283,42 +242,95 @@ class Scheduler:
         return statistics.median(self._late) if self._late else 0.0
 
 
-def meet_ranks(simulated: list[SimulatedNode], port: int, requests: list[int], stopped: threading.Event) -> None:
-    """The ranks of this process's surviving nodes meeting the shrunk world's generation, from a
-    thread and a connection of their own (in ``ddpkit run`` they are other processes than the
-    launcher): each node's ``meet`` once its launcher held the decision, at the periods it returns."""
+class NodeMeeting:
+    """One surviving node's ranks meeting the generation the shrink laid out, as ``Group.meet`` does:
+    each claims its rank, counts itself in and reads the layout, then counts the arrivals and looks
+    at the launchers' records at ``meet_periods`` of the layout's size."""
+
+    def __init__(self, node: int, args: argparse.Namespace) -> None:
+        self.node, self.args = node, args
+        self.next_count = 0.0  # when the ranks count the arrivals next
+        self._members = 0
+        self._next_look = 0.0
+
+    def meet(self, store: Any) -> float | None:
+        """One round of the meeting through ``store``: the seconds until the next, or None once every
+        member arrived."""
+        from ddpkit.membership import generations
+        from ddpkit.membership.generations import meet_periods
+        from ddpkit.store import keys
+        from ddpkit.store.job_secret import job_secret
+
+        secret, generation = job_secret(), 1
+        arrived_key = generations.generation_prefix(secret, 0, generation) + keys.ARRIVED
+        ranks = range(self.node * self.args.ranks_per_node, (self.node + 1) * self.args.ranks_per_node)
+        world = self.args.size * self.args.ranks_per_node
+        now = time.monotonic()
+        if not self._members:
+            for rank in ranks:
+                generations.claim_rank(store, secret, 0, generation, rank, f"simulated:{rank}")
+                generations.announce_waiting(store, secret, 0, generation, f"simulated:{rank}")
+                arrived = store.add(arrived_key, 1)
+                self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
+        else:
+            for _ in ranks:
+                arrived = store.add(arrived_key, 0)
+        count_every, look_every = meet_periods(self._members)
+        if now >= self._next_look:
+            self._next_look = now + look_every
+            for _ in ranks:
+                generations.job_finished(store, secret, 0, generation)
+                generations.node_lost(store, secret, 0, generation)
+                generations.waiting_for(store, secret, 0, generation + 1)
+                self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
+        return None if arrived >= self._members else count_every
+
+
+def meet_ranks(nodes: list[int], args: argparse.Namespace, port: int, secret: str, decided: Any, formed: Any,
+               requests: Any, stopped: Any) -> None:
+    """The ranks of one simulator process's nodes meeting the shrunk world's generation (``NodeMeeting``),
+    from a process and a connection of their own: in ``ddpkit run`` they are other processes than
+    the launcher, and a thread beside the launchers' scheduler shared the interpreter's lock and
+    its process's core with the launchers it simulates. A node's ranks meet once
+    its launcher held the decision (``decided``, monotonic, 0 until then); when every member arrived,
+    the time goes to ``formed`` (wall clock)."""
     from ddpkit.store.client import connect
 
-    store = Counted(connect("127.0.0.1", port, 60.0), [0], requests)
+    os.environ["DDPKIT_JOB_SECRET"] = secret
+    counter = [0]
+    store = Counted(connect("127.0.0.1", port, 60.0), counter, [0])
+    meetings = [NodeMeeting(node, args) for node in nodes]
     pause = 0.05  # until a node's ranks meet: a look at the nodes costs the simulator's CPU, not the store
     while not stopped.wait(pause):
-        meeting = [node for node in simulated if node.meeting is not None and node.times.formed is None]
-        for node in meeting:
-            if time.monotonic() < node.next_count:
+        meeting = [slot for slot, _ in enumerate(nodes) if decided[slot] and not formed[slot]]
+        for slot in meeting:
+            if time.monotonic() < meetings[slot].next_count:
                 continue
             try:
-                delay = node.meet(store)
+                delay = meetings[slot].meet(store)
             except Exception:  # noqa: BLE001 - the store went away at the end of the run
-                return
-            if delay is not None:
-                node.next_count = time.monotonic() + delay
-        due = [node.next_count for node in meeting if node.times.formed is None]
+                break
+            if delay is None:
+                formed[slot] = time.time()
+            else:
+                meetings[slot].next_count = time.monotonic() + delay
+        requests.value = counter[0]
+        due = [meetings[slot].next_count for slot in meeting if not formed[slot]]
         pause = min(0.05, max(0.001, min(due, default=math.inf) - time.monotonic()))
+    requests.value = counter[0]
+    os._exit(0)  # threads in torch's store client would abort the interpreter's finalisation
 
 
 def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: str, go: Any, phases: Any,
-               results: Any) -> None:
+               results: Any, decided: Any) -> None:
     """A simulator process: ``nodes`` started, said ready, then through the phases the main process
     sets (``phases``: wall-clock times of the steady phase, the kill and the end), then their results."""
     os.environ["DDPKIT_JOB_SECRET"] = secret
     counter = [0]
     by_source: dict[str, list[int]] = {source: [0] for source in SOURCES}
-    simulated = [SimulatedNode(node, args, port, counter, by_source) for node in nodes]
+    simulated = [SimulatedNode(node, args, port, counter, by_source, decided, slot) for slot, node in enumerate(nodes)]
     scheduler = Scheduler(simulated, args)
     threading.Thread(target=scheduler.run, daemon=True).start()
-    meet_requests, meet_stopped = [0], threading.Event()
-    if args.in_place:
-        threading.Thread(target=meet_ranks, args=(simulated, port, meet_requests, meet_stopped), daemon=True).start()
     results.put("ready")
     go.wait()
     steady, kill, end = phases[:]
@@ -336,11 +348,9 @@ def host_nodes(nodes: list[int], args: argparse.Namespace, port: int, secret: st
             node.kill()
     _sleep_until(end)
     scheduler.stop()
-    meet_stopped.set()
     results.put({"ops_per_s": steady_ops, "by_source": steady_by_source, "late_s": late,
-                 "times": [(node.node, node.times.detected, node.times.decided, node.times.formed) for node in simulated
-                           if node.node != args.size - 1],
-                 "meet_requests": meet_requests[0]})
+                 "times": [(node.node, node.times.detected, node.times.decided) for node in simulated
+                           if node.node != args.size - 1]})
     results.close()
     results.join_thread()
     # Threads still in torch's store client would abort the interpreter's finalisation (docs/hazards.md).
@@ -383,10 +393,19 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         context = multiprocessing.get_context("spawn")
         results, go, phases = context.Queue(), context.Event(), context.Array("d", 3)
         secret = secrets.token_hex(32)
-        workers = [context.Process(target=host_nodes, args=(list(range(index, size, processes)), args, port, secret,
-                                                             go, phases, results), daemon=True)
-                   for index in range(processes)]
-        for worker in workers:
+        hosted = [list(range(index, size, processes)) for index in range(processes)]
+        # Per simulator process: when each of its launchers decided, and when each node's ranks formed
+        # the next generation (their meeting runs in a process of its own: ``meet_ranks``).
+        decided_at = [context.Array("d", len(nodes), lock=False) for nodes in hosted]
+        formed_at = [context.Array("d", len(nodes), lock=False) for nodes in hosted]
+        meet_requests = [context.Value("q", 0, lock=False) for _ in hosted]
+        meetings_stopped = context.Event()
+        workers = [context.Process(target=host_nodes, args=(nodes, args, port, secret, go, phases, results, decided_at[index]),
+                                   daemon=True) for index, nodes in enumerate(hosted)]
+        meetings = [context.Process(target=meet_ranks, args=(nodes, args, port, secret, decided_at[index], formed_at[index],
+                                                             meet_requests[index], meetings_stopped), daemon=True)
+                    for index, nodes in enumerate(hosted)] if args.in_place else []
+        for worker in workers + meetings:
             worker.start()
         for _ in workers:
             if results.get(timeout=_START_SECONDS) != "ready":
@@ -403,17 +422,19 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
             latencies.append(time.perf_counter() - began)
             time.sleep(_PROBE_SECONDS)
         gathered = [results.get(timeout=args.detect_wait + 120) for _ in workers]
+        meetings_stopped.set()
         keys = probe.num_keys()
-        for worker in workers:
+        for worker in workers + meetings:
             worker.join(timeout=10)
     finally:
         store_process.terminate()
         store_process.wait(timeout=10)
     ops = sum(result["ops_per_s"] for result in gathered)
     late = max(result["late_s"] for result in gathered)
-    detected = [when - kill for result in gathered for _, when, _, _ in result["times"] if when is not None]
-    decided = [when - kill for result in gathered for _, _, when, _ in result["times"] if when is not None]
-    formed = [when - kill for result in gathered for *_, when in result["times"] if when is not None]
+    detected = [when - kill for result in gathered for _, when, _ in result["times"] if when is not None]
+    decided = [when - kill for result in gathered for _, _, when in result["times"] if when is not None]
+    formed = [when - kill for times, nodes in zip(formed_at, hosted) for slot, when in enumerate(times)
+              if when and nodes[slot] != size - 1]
     survivors = size - 1
     latencies.sort()
     return {
@@ -427,7 +448,7 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         # --in-place: until each survivor's ranks counted every member of the shrunk generation, and
         # what they asked of the store meanwhile (per second of that phase, from the decision on).
         "formed_s": _spread(formed, survivors) if args.in_place else None,
-        "meet_requests_per_s": (round(sum(result["meet_requests"] for result in gathered)
+        "meet_requests_per_s": (round(sum(requests.value for requests in meet_requests)
                                       / max(1e-3, max(formed) - min(decided))) if args.in_place and formed else None),
     }
 

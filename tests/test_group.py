@@ -425,3 +425,22 @@ def test_a_generations_layout_is_read_back_to_the_last_generation_known_not_to_g
     write_layout(store, None, 0, 41, grown)
     assert layout_at(store, None, 0, 42, 4, known=(40, shrunk)) == grown
     assert layout_at(store, None, 0, 39, 4, known=(40, shrunk)) == shrunk  # a known generation after it is no help
+
+
+@pytest.mark.parametrize("world", [4, 8192])
+def test_a_layout_is_recorded_in_a_size_of_its_changes_not_of_its_world_and_read_back_the_same(world: int) -> None:
+    """Every rank of a generation reads its layout when it counts itself in and at each look: with
+    8,192 ranks a record of the whole list (112 KB) made the store serve 900 MB per round and the
+    group took 40 s to form at 1,024 simulated nodes. Recorded as runs of members and the shares that
+    moved, it stays a few hundred bytes whatever the world, and reads back equal after shrinks
+    anywhere in the world and a grow."""
+    from ddpkit.membership.generations import Layout
+
+    node = set(range(world // 2, min(world, world // 2 + 8)))  # a node of 8 ranks in the middle
+    layouts = [Layout.initial(world), Layout.initial(world).shrunk({world - 1}),
+               Layout.initial(world).shrunk(node | {0})]
+    layouts.append(layouts[-1].shrunk({world - 1}).grown(node))
+    for layout in layouts:
+        text = layout.to_json()
+        assert Layout.from_json(text) == layout
+        assert len(text) <= 600, f"{len(text)} bytes for {len(layout.members)} members"

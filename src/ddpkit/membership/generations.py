@@ -109,13 +109,26 @@ class Layout:
         return index, self.shares[index]
 
     def to_json(self) -> str:
-        return json.dumps({"members": list(self.members), "shares": [list(held) for held in self.shares]})
+        """The record every rank reads when it meets a generation: its members as runs of consecutive
+        ranks, and only the shares of members that train other than their own, so that its size is
+        that of the changes since the job started, not of the world (a list of 8,192 members is
+        112 KB, which every one of them would read from the one store)."""
+        runs: list[list[int]] = []
+        for member in self.members:
+            if runs and runs[-1][1] == member:
+                runs[-1][1] = member + 1
+            else:
+                runs.append([member, member + 1])
+        moved = {str(index): list(held) for index, (member, held) in enumerate(zip(self.members, self.shares, strict=True))
+                 if held != (member,)}
+        return json.dumps({"members": runs, "shares": moved}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
         value = json.loads(text)
-        return cls(tuple(int(member) for member in value["members"]),
-                   tuple(tuple(int(share) for share in held) for held in value["shares"]))
+        members = tuple(member for first, end in value["members"] for member in range(int(first), int(end)))
+        moved = {int(index): tuple(int(share) for share in held) for index, held in value["shares"].items()}
+        return cls(members, tuple(moved[index] if index in moved else (member,) for index, member in enumerate(members)))
 
 
 class RankTakenError(RuntimeError):
