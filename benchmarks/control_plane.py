@@ -43,10 +43,12 @@ import os
 import random
 import resource
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -122,6 +124,8 @@ class SimulatedNode:
                                       in_place=args.in_place, shrinking=shrinking, join_seconds=600.0)
         self.beat = self.nodes.heartbeats.beats_through(Counted(connection, counter, by_source["beat"]))
         self.windows = SharedWindows(self.nodes.records, self.nodes.world.nodes)
+        if args.in_place:  # for its ranks' meeting, as ``ddpkit run`` relays it to its workers
+            self.nodes.looks.relay_news_to(news_file(args, node))
         self._workers_client = Counted(connection, counter, by_source["workers"])
         # Where this launcher's decision is told to its ranks' meeting (``meet_ranks``, another process).
         self._decided, self._slot = decided, slot
@@ -242,24 +246,33 @@ class Scheduler:
         return statistics.median(self._late) if self._late else 0.0
 
 
+def news_file(args: argparse.Namespace, node: int) -> str:
+    """Where a simulated node's launcher relays the job's news to its ranks (``DDPKIT_NEWS_FILE``)."""
+    return os.path.join(args.news_folder, f"news{node}")
+
+
 class NodeMeeting:
     """One surviving node's ranks meeting the generation the shrink laid out, as ``Group.meet`` does:
-    each claims its rank, counts itself in and reads the layout, then counts the arrivals and looks
-    at the launchers' records at ``meet_periods`` of the layout's size."""
+    each claims its rank, counts itself in and reads the layout (the last to arrive raises the job's
+    news), then counts the arrivals when their launcher's relayed news changed (reading the layout
+    again) and at ``meet_periods`` of the layout's size, and looks at the launchers' records."""
 
     def __init__(self, node: int, args: argparse.Namespace) -> None:
+        from ddpkit.diagnostics.relayed_news import RelayedNews
+
         self.node, self.args = node, args
         self.next_count = 0.0  # when the ranks count the arrivals next
+        self.news = RelayedNews(news_file(args, node))
         self._members = 0
         self._next_look = 0.0
 
-    def meet(self, store: Any) -> float | None:
-        """One round of the meeting through ``store``: the seconds until the next, or None once every
-        member arrived."""
+    def meet(self, store: Any, fresh: bool) -> float | None:
+        """One round of the meeting through ``store`` (``fresh``: the relayed news changed): the
+        seconds until the next count, or None once every member arrived."""
         from ddpkit.membership import generations
         from ddpkit.membership.generations import meet_periods
         from ddpkit.store import keys
-        from ddpkit.store.job_secret import job_secret
+        from ddpkit.store.job_secret import RecordSigner, job_secret
 
         secret, generation = job_secret(), 1
         arrived_key = generations.generation_prefix(secret, 0, generation) + keys.ARRIVED
@@ -272,8 +285,12 @@ class NodeMeeting:
                 generations.announce_waiting(store, secret, 0, generation, f"simulated:{rank}")
                 arrived = store.add(arrived_key, 1)
                 self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
+                if arrived == self._members:
+                    store.add(keys.launchers_news(RecordSigner(secret).namespace), 1)
         else:
             for _ in ranks:
+                if fresh:
+                    self._members = len(generations.layout_at(store, secret, 0, generation, world).members)
                 arrived = store.add(arrived_key, 0)
         count_every, look_every = meet_periods(self._members)
         if now >= self._next_look:
@@ -300,14 +317,17 @@ def meet_ranks(nodes: list[int], args: argparse.Namespace, port: int, secret: st
     counter = [0]
     store = Counted(connect("127.0.0.1", port, 60.0), counter, [0])
     meetings = [NodeMeeting(node, args) for node in nodes]
-    pause = 0.05  # until a node's ranks meet: a look at the nodes costs the simulator's CPU, not the store
+    # At most this long between two looks at a node's relayed news (``Group.meet`` looks every 10 ms: the
+    # simulator's CPU is spared), and until a node's ranks meet.
+    pause = 0.05
     while not stopped.wait(pause):
         meeting = [slot for slot, _ in enumerate(nodes) if decided[slot] and not formed[slot]]
         for slot in meeting:
-            if time.monotonic() < meetings[slot].next_count:
+            fresh = meetings[slot].news.changed()
+            if time.monotonic() < meetings[slot].next_count and not fresh:
                 continue
             try:
-                delay = meetings[slot].meet(store)
+                delay = meetings[slot].meet(store, fresh)
             except Exception:  # noqa: BLE001 - the store went away at the end of the run
                 break
             if delay is None:
@@ -390,6 +410,7 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
         probe.set("probe", "1")
         processes = min(args.processes, size)
         args.size = size
+        args.news_folder = tempfile.mkdtemp(prefix="control-plane-news-")
         context = multiprocessing.get_context("spawn")
         results, go, phases = context.Queue(), context.Event(), context.Array("d", 3)
         secret = secrets.token_hex(32)
@@ -429,6 +450,8 @@ def measure(size: int, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         store_process.terminate()
         store_process.wait(timeout=10)
+        if getattr(args, "news_folder", None):
+            shutil.rmtree(args.news_folder, ignore_errors=True)
     ops = sum(result["ops_per_s"] for result in gathered)
     late = max(result["late_s"] for result in gathered)
     detected = [when - kill for result in gathered for _, when, _ in result["times"] if when is not None]

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -444,3 +445,47 @@ def test_a_layout_is_recorded_in_a_size_of_its_changes_not_of_its_world_and_read
         text = layout.to_json()
         assert Layout.from_json(text) == layout
         assert len(text) <= 600, f"{len(text)} bytes for {len(layout.members)} members"
+
+
+def test_in_a_big_world_the_last_arrival_reaches_the_waiting_ranks_through_their_launchers_relayed_news(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 8,192 members a waiting rank counts the arrivals every 1.6 s (``meet_periods``). Under a
+    launcher that relays the job's news (``DDPKIT_NEWS_FILE``), the last rank to count itself in
+    raises the news, and the waiting rank counts again once its launcher's file changes: here the
+    generation forms within a second of the wait's start, not at the next count 1.6 s in."""
+    import threading
+
+    from ddpkit.diagnostics.relayed_news import write_news_file
+    from ddpkit.membership.generations import Layout, write_layout
+    from ddpkit.membership.group import Group, Membership
+    from ddpkit.store import keys as store_keys
+    from ddpkit.store.job_secret import RecordSigner, job_secret
+
+    members = 8192
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    news_file = tmp_path / "news"
+    write_news_file(str(news_file), 0)
+    monkeypatch.setenv("DDPKIT_NEWS_FILE", str(news_file))
+    write_layout(store, None, 0, 1, Layout.initial(members))
+    news_key = store_keys.launchers_news(RecordSigner(job_secret()).namespace)
+    group = Group(Membership(0, 0, members), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+
+    def the_others_arrive_and_the_launcher_relays() -> None:
+        time.sleep(0.2)
+        store.add(group._prefix(1) + store_keys.ARRIVED, members - 2)  # noqa: SLF001
+        # The last of them counts itself in as Group.meet does: it finds itself last and raises the news.
+        last = Group(Membership(0, members - 1, members), "gloo", timedelta(seconds=30), launcher_store=store,
+                     in_place=True)
+        assert last.meet(1).rank == members - 1
+        time.sleep(0.1)  # the launcher's look
+        write_news_file(str(news_file), int(store.add(news_key, 0)))
+
+    others = threading.Thread(target=the_others_arrive_and_the_launcher_relays)
+    started = time.monotonic()
+    others.start()
+    membership = group.meet(1)
+    waited = time.monotonic() - started
+    others.join(10)
+    assert membership.rank == 0 and membership.world_size == members
+    assert int(store.add(news_key, 0)) == 1  # raised once, by the last arrival
+    assert waited < 1.0, f"the generation formed {waited:.2f} s into the wait"

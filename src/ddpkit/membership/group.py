@@ -49,6 +49,7 @@ import torch.distributed as dist
 from ddpkit.diagnostics.failures import PeerLostError, expect_lost_peers, sign_records_in
 from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import abort_nccl_communicators, watch_peers
+from ddpkit.diagnostics.relayed_news import announce, relayed_news
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.logs import get_logger
 from ddpkit.membership.abandoned import free_in_background
@@ -85,6 +86,9 @@ _log = get_logger("recovery")
 
 # How often a member left out of its generation's block looks whether it may rejoin (a block may last minutes).
 _OUTSIDE_LOOK_SECONDS = 0.1
+# How often a rank waiting for a generation's members looks at its launcher's relayed news (a local
+# file): the last arrival's news then reaches it within its launcher's look and this.
+_NEWS_LOOK_SECONDS = 0.01
 
 # Gloo waits for a member to connect to this one for several times the timeout it is given (five
 # times with torch 2.13's), so forming a group is given a share of the recovery timeout.
@@ -375,10 +379,17 @@ class Group:
         not be reached), or when the world shrank without it."""
         seconds = recovery_timeout_seconds()
         deadline = time.monotonic() + seconds
+        # Under a launcher that relays the job's news to its workers (across nodes), the last rank to
+        # count itself in raises the news: the others count again when their launcher's file says
+        # so (a local read), within its look, however seldom a big world's members count.
+        news = relayed_news()
         while True:
             arrived, layout = self._count_in(generation)
+            if arrived == len(layout.members):
+                announce(self._launcher_store)
             count_every, look_every = meet_periods(len(layout.members))
             next_look = time.monotonic() + look_every
+            next_count = time.monotonic() + count_every
             while arrived < len(layout.members):
                 now = time.monotonic()
                 if now > deadline:
@@ -398,8 +409,13 @@ class Group:
                     layout = self._layout(generation)
                     count_every, look_every = meet_periods(len(layout.members))
                     next_look = now + look_every
-                time.sleep(count_every)
-                arrived = self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0)
+                time.sleep(min(count_every, _NEWS_LOOK_SECONDS) if news is not None else count_every)
+                fresh = news is not None and news.changed()
+                if fresh:  # the last arrival, or a launcher's record: the shrink's layout may be one
+                    layout = self._layout(generation)
+                if fresh or news is None or time.monotonic() >= next_count:
+                    next_count = time.monotonic() + count_every
+                    arrived = self._launcher_store.add(self._prefix(generation) + store_keys.ARRIVED, 0)
             else:
                 break
             generation += 1
