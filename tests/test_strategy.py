@@ -178,6 +178,21 @@ def test_the_launchers_backend_comes_before_the_default_for_a_gpu() -> None:
                        process_group_backend="nccl")._backend() == "nccl"
 
 
+def test_a_local_rank_without_a_gpu_of_its_own_is_refused_before_nccl_connects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on a node of one GPU: local rank 1 would share cuda:0, which NCCL refuses at its first
+    collective as "invalid usage". It is refused before connecting, naming the counts and both fixes
+    (over Gloo, ranks share a GPU on purpose: only NCCL is checked)."""
+    from ddpkit.training.strategy import _refuse_a_shared_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    environment = {"MASTER_PORT": "1", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    with pytest.raises(ValueError, match=r"local rank 1 has no GPU of its own: this node has 1 GPU\(s\), so it would "
+                                         r"share cuda:0 with local rank 0.*--nproc-per-node 1.*--backend gloo"):
+        DDPStrategy(cluster_environment=LocalEnvironment(environment)).setup_environment()
+    _refuse_a_shared_gpu(0, torch.device("cuda", 0))  # a rank with a GPU of its own goes on
+
+
 def dispatch_waits() -> list[float]:
     s = strategy()
     waited = []

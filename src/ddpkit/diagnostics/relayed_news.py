@@ -7,8 +7,9 @@ of eight ranks is most of the store's load (issue 62). Under ``ddpkit run`` acro
 launcher already reads the job's count of news four times a second (``control_plane.nodes``): every
 record a launcher writes raises it, and so, here, does every record a rank writes that the others
 must react to (``announce``: a published failure, a lost peer's note, a hang request, the last
-rank to count itself into a generation of the group; the workers' store is the launchers' then). The launcher writes the count to a file of its own folder
-(``DDPKIT_NEWS_FILE``), and the watches look at that file (a local read) and ask the store only
+rank to count itself into a generation of the group; the workers' store is the launchers' then).
+The launcher writes the count to a file of its own folder (``DDPKIT_NEWS_FILE``), and the watches
+look at that file (a local read) and ask the store only
 when it changed, and every ``FALLBACK_SECONDS`` besides. A rank's news thus reaches the others'
 watches within the launcher's look and the watch's (about 0.5 s).
 

@@ -203,9 +203,12 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         if processes_per_node:
             self._local_ranks = start_local_ranks(processes_per_node, self.num_nodes)
             self.cluster_environment = LocalEnvironment()  # re-read: this process is now local rank 0
+        backend = self._backend()
         if self.root_device.type == "cuda":
+            if backend == "nccl" and not self.parallel_devices:
+                _refuse_a_shared_gpu(self.local_rank, self.root_device)
             torch.cuda.set_device(self.root_device)
-        init_dist_connection(self.cluster_environment, self._backend())
+        init_dist_connection(self.cluster_environment, backend)
 
     def _backend(self) -> str | None:
         """``process_group_backend``, else the launcher's choice (``ddpkit run --backend gloo`` lets
@@ -364,3 +367,16 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         local_ranks, self._local_ranks = self._local_ranks, None
         if local_ranks is not None:
             local_ranks.join(timeout=_CHILD_EXIT_SECONDS)
+
+
+def _refuse_a_shared_gpu(local_rank: int, device: torch.device) -> None:
+    """NCCL refuses two ranks on one GPU, at the first collective and in its own words ("invalid
+    usage"): a local rank beyond this node's GPUs (``device`` is then another rank's) is refused
+    before it connects, naming both and how to fix it."""
+    gpus = torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise ValueError(
+            f"local rank {local_rank} has no GPU of its own: this node has {gpus} GPU(s), so it would share "
+            f"cuda:{device.index} with local rank {device.index}, and NCCL needs one GPU per rank. Start at most "
+            f"{gpus} process(es) per node (ddpkit run --nproc-per-node {gpus}), or let ranks share a GPU over Gloo "
+            "(ddpkit run --backend gloo, or DDPStrategy(process_group_backend=\"gloo\")).")
