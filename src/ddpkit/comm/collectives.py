@@ -152,6 +152,12 @@ def gather_all_tensors(result: Tensor, group: ProcessGroup = None, sync_grads: b
     A mismatch of ndim or dtype raises ``ValueError`` on every rank. With ``sync_grads=True``
     gradients flow back to each rank's input, summed over ranks as in ``AllGatherGrad``.
     In one process it returns ``[result]``.
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> ddpkit.gather_all_tensors(torch.arange(3))  # rank r's tensor may have r + 3 rows: no padding
+        [tensor([0, 1, 2])]
     """
     if not distributed_available():
         return [result]
@@ -250,6 +256,14 @@ def sync_ddp(result: Tensor | float | int, group: ProcessGroup = None, reduce_op
     bool tensors averaged give a floating-point result (default dtype) instead of a silently
     truncated one. The input tensor is not modified. In one process the value passes through
     (as a tensor).
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> ddpkit.sync_ddp(torch.tensor([1.0, 2.0]), reduce_op="sum")  # on two ranks: [2., 4.]
+        tensor([1., 2.])
+        >>> ddpkit.sync_ddp(3, reduce_op="mean")
+        tensor(3.)
     """
     op, divide = _resolve_reduce_op(reduce_op)
     tensor = _as_tensor(result, group)

@@ -90,13 +90,35 @@ def _compress_hook(dtype: torch.dtype, process_group: Any, bucket: GradBucket) -
 
 @elementwise_average
 def fp16_compress_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    """All-reduce the bucket in float16 (half the bytes), averaged, decompressed in place."""
+    """All-reduce the bucket in float16 (half the bytes), averaged, decompressed in place.
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> ddpkit.init_dist_connection(ddpkit.detect_environment())
+        >>> model = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> model.register_comm_hook(None, fp16_compress_hook)
+        >>> model(torch.ones(1, 4)).sum().backward()
+        >>> model.module.weight.grad.dtype  # the gradients stay float32
+        torch.float32
+        >>> ddpkit.destroy_dist_connection()
+    """
     return _compress_hook(torch.float16, process_group, bucket)
 
 
 @elementwise_average
 def bf16_compress_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    """All-reduce the bucket in bfloat16 (half the bytes, fp32's range), averaged; works on Gloo."""
+    """All-reduce the bucket in bfloat16 (half the bytes, fp32's range), averaged; works on Gloo.
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> ddpkit.init_dist_connection(ddpkit.detect_environment())
+        >>> model = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> model.register_comm_hook(None, bf16_compress_hook)
+        >>> model(torch.ones(1, 4)).sum().backward()
+        >>> ddpkit.destroy_dist_connection()
+    """
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
 

@@ -148,7 +148,18 @@ class _Stats:
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    """Average the bucket with PowerSGD (see the module docstring); torch's signature."""
+    """Average the bucket with PowerSGD (see the module docstring); torch's signature.
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> ddpkit.init_dist_connection(ddpkit.detect_environment())
+        >>> model = ddpkit.DistributedDataParallel(torch.nn.Linear(64, 64))
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10)
+        >>> model.register_comm_hook(state, powerSGD_hook)  # plain all-reduce for 10 steps, then rank 2
+        >>> model(torch.ones(1, 64)).sum().backward()
+        >>> ddpkit.destroy_dist_connection()
+    """
     group = state.process_group
     world_size = dist.get_world_size(group)
     buffer = bucket.buffer()

@@ -95,6 +95,14 @@ def launch(function: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), 
     module-level function), and the calling script needs the ``if __name__ == "__main__":``
     guard, since processes are spawned. When a rank raises or dies, the others are stopped at
     once and ``RankFailedError`` carries that rank and its traceback; ``timeout`` bounds the run.
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> def total(x):  # a script's function, called under its ``if __name__ == "__main__":``
+        ...     return ddpkit.sync_ddp(torch.tensor(x)).item()
+        >>> ddpkit.launch(total, nprocs=2, args=(1.0,))  # doctest: +SKIP
+        [2.0, 2.0]
     """
     if nprocs < 1:
         raise LaunchError(f"nprocs={nprocs}: need at least 1 process.")

@@ -85,6 +85,14 @@ def init_dist_connection(
 
     If a process group already exists and agrees with the environment this does nothing; if
     it disagrees, ``RuntimeError`` says which values differ.
+
+    Example::
+
+        >>> import ddpkit
+        >>> ddpkit.init_dist_connection(ddpkit.detect_environment())  # the launcher's or scheduler's place
+        >>> ddpkit.get_rank(), ddpkit.get_world_size()
+        (0, 1)
+        >>> ddpkit.destroy_dist_connection()
     """
     _require_distributed()
     torch_distributed_backend = _backend_argument(torch_distributed_backend, kwargs)

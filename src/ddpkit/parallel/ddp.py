@@ -101,6 +101,19 @@ class DistributedDataParallel(nn.Module):
     module's parameters just before that module's forward, as its bucket lands; the result is bit
     for bit that of the same run without it (``ddpkit.parallel.step_overlap`` says what it takes:
     per-parameter optimizers, no ``join``, ``settle()`` before reading gradients).
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> from ddpkit.hooks.default import fp16_compress_hook
+        >>> ddpkit.init_dist_connection(ddpkit.detect_environment())
+        >>> model = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> model.register_comm_hook(None, fp16_compress_hook)  # optional: half the bytes on the wire
+        >>> model(torch.ones(3, 4)).sum().backward()  # .grad holds the average over the ranks
+        >>> model.module.weight.grad
+        tensor([[3., 3., 3., 3.],
+                [3., 3., 3., 3.]])
+        >>> ddpkit.destroy_dist_connection()
     """
 
     def __init__(

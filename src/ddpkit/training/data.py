@@ -40,6 +40,12 @@ def even_batches(batches: Iterable[T], group: ProcessGroup = None) -> Iterator[T
     Costs one all-reduce of one integer per batch (a ddpkit collective: in debug mode it is
     fingerprinted, and a failed peer is named). A rank with batches left over reads one more
     than it yields.
+
+    Example::
+
+        >>> import ddpkit
+        >>> list(ddpkit.even_batches(range(3)))  # a rank with 5 batches beside one with 3 also stops at 3
+        [0, 1, 2]
     """
     iterator = iter(batches)
     if not distributed_available():

@@ -93,6 +93,24 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
     ``recovery``: ``Recovery`` or its value, by default what ``ddpkit run --recovery`` said.
     ``overlap_optimizer=True``: the optimizer given to ``setup`` steps bucket by bucket during the
     next forward (``DistributedDataParallel(overlap_optimizer=...)``, docs/ddp.md).
+
+    Example::
+
+        >>> import torch, ddpkit
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> strategy = ddpkit.DDPStrategy()  # under ddpkit run, torchrun or srun; here one process
+        >>> model = torch.nn.Linear(4, 1)
+        >>> model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> loader = strategy.setup_dataloader(DataLoader(TensorDataset(torch.ones(8, 4), torch.zeros(8, 1)), batch_size=4))
+        >>> for epoch in strategy.epochs(2):  # epochs, batches and step: where a recovery resumes
+        ...     for x, y in strategy.batches(loader):
+        ...         with strategy.step():
+        ...             optimizer.zero_grad()
+        ...             strategy.backward(torch.nn.functional.mse_loss(model(x), y))
+        ...             optimizer.step()
+        >>> strategy.world_size, strategy.global_rank
+        (1, 0)
+        >>> strategy.teardown()
     """
 
     def __init__(
