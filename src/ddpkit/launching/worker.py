@@ -46,7 +46,7 @@ from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception, uncaught_failure
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.processes import SERVE_FUNCTIONS, SPARE
-from ddpkit.launching.worker_template import TEMPLATE, WARM_MODULES
+from ddpkit.launching.worker_template import TEMPLATE
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
 
@@ -139,6 +139,10 @@ def main(argv: list[str]) -> None:
 # the step. (The launcher's own rule, import no more than it needs, is about the launcher and a
 # worker before its script; a spare's and a template's whole point is to have imported them already.)
 _LIGHTNING = frozenset({"lightning", "pytorch_lightning"})
+# What a template or a warm spare imports ahead of the workers' scripts, in its own process (the
+# launcher imports none of it): torch, the compiler stack any optimizer's first call imports, and
+# the strategy (the DDP module, the collectives, the recovery).
+WARM_MODULES = ("torch", "torch._dynamo", "ddpkit.training.strategy")
 
 
 def _import_ahead(argv: list[str]) -> None:

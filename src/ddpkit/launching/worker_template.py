@@ -47,7 +47,7 @@ from typing import Any
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_FORK_WORKERS, DDPKIT_LAUNCHER_PID, DDPKIT_TEMPLATE_SOCKET
 
-__all__ = ["TEMPLATE", "WARM_MODULES", "ForkedProcess", "WorkerTemplate", "forking_allowed", "starts_differently"]
+__all__ = ["TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed", "starts_differently"]
 
 _log = get_logger("launching")
 
@@ -62,9 +62,6 @@ _READ_AT_START_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OP
                            "TORCHINDUCTOR_", "PYTORCH_", "CUDA_", "HIP_", "ROCM_", "MALLOC_", "GLIBC_", "LC_")
 _READ_AT_START_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "HOME"})
 
-# What the template imports ahead of the workers: torch, the compiler stack any optimizer's first
-# call imports, and the strategy (the DDP module, the collectives, the recovery).
-WARM_MODULES = ("torch", "torch._dynamo", "ddpkit.training.strategy")
 # How long the launcher waits for the template's answer to a start (its imports come first).
 _ANSWER_SECONDS = 120.0
 
