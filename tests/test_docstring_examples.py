@@ -4,6 +4,7 @@ several processes say ``doctest: +SKIP``."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -26,5 +27,5 @@ sys.exit(1 if failed else 0)
 
 def test_the_public_apis_examples_run_as_written() -> None:
     done = subprocess.run([sys.executable, "-c", RUN, *MODULES], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "DDPKIT_LOG_LEVEL": "ERROR"})
+                          env={**os.environ, "DDPKIT_LOG_LEVEL": "ERROR"})
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

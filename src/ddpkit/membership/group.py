@@ -383,6 +383,8 @@ class Group:
         # count itself in raises the news: the others count again when their launcher's file says
         # so (a local read), within its look, however seldom a big world's members count.
         news = relayed_news()
+        if news is not None:
+            news.changed()  # the count as it is before this rank counts in: only a change after it is news
         while True:
             arrived, layout = self._count_in(generation)
             if arrived == len(layout.members):
