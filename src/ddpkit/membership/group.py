@@ -374,14 +374,12 @@ class Group:
         shrinks the world writes it seconds after the loss); return this process's membership there.
         A generation given up before it formed (``_given_up``: a joining node that died, a second node
         lost while the world shrinks, a member replaced) moves the wait on to the generation after it,
-        which the launchers lay out. ``RankTakenError`` when another
-        process holds the rank there (a spare node took this process's node's place while it could
-        not be reached), or when the world shrank without it."""
+        which the launchers lay out. ``RankTakenError`` when another process holds the rank there (a spare
+        node took this process's node's place while it could not be reached) or the world shrank without it."""
         seconds = recovery_timeout_seconds()
         deadline = time.monotonic() + seconds
-        # Under a launcher that relays the job's news to its workers (across nodes), the last rank to
-        # count itself in raises the news: the others count again when their launcher's file says
-        # so (a local read), within its look, however seldom a big world's members count.
+        # Under a launcher that relays the job's news (across nodes), the last rank to count itself in
+        # raises it, and the others count again when their launcher's file changes (a local read).
         news = relayed_news()
         if news is not None:
             news.changed()  # the count as it is before this rank counts in: only a change after it is news
