@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 MODULES = ("ddpkit.training.strategy", "ddpkit.parallel.ddp", "ddpkit.comm.collectives", "ddpkit.membership.connection",
-           "ddpkit.hooks.default", "ddpkit.hooks.powersgd", "ddpkit.training.data", "ddpkit.launching.launcher")
+           "ddpkit.hooks.default", "ddpkit.hooks.powersgd", "ddpkit.training.data", "ddpkit.launching.launcher",
+           "ddpkit.environments.contract")
 
 RUN = """
 import doctest, importlib, sys

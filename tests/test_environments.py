@@ -407,19 +407,40 @@ def test_no_environment_binds_connects_or_writes(monkeypatch: pytest.MonkeyPatch
 def test_the_launch_contract_says_what_each_launcher_told_and_nothing_for_the_others() -> None:
     """``ddpkit run`` tells the attempt, the generation, the recovery, the hosted store and the backend;
     torchrun its attempt under its static rendezvous; Slurm (like any other) nothing."""
-    from ddpkit.environments import Recovery
-    from ddpkit.environments.contract import LaunchContract, launch_contract
+    from ddpkit.environments import LaunchContract, Recovery, RecoveryPolicy, launch_contract
     from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_GENERATION, DDPKIT_RECOVERY, DDPKIT_RESTART_COUNT
 
     launched = LocalEnvironment({"MASTER_ADDR": "a", "MASTER_PORT": "5", "WORLD_SIZE": "2", "RANK": "1",
                                  "LOCAL_RANK": "1", DDPKIT_LAUNCHED: "1", DDPKIT_RECOVERY: "in-place",
                                  DDPKIT_GENERATION: "3", DDPKIT_RESTART_COUNT: "2", DDPKIT_BACKEND: "gloo"})
-    assert launch_contract(launched) == LaunchContract(attempt=2, generation=3, recovery=Recovery.IN_PLACE,
-                                                       hosted_store=True, backend="gloo")
-    assert launch_contract(launched).in_place
+    policy = RecoveryPolicy(Recovery.IN_PLACE, restart_count=2, generation=3)
+    assert launch_contract(launched) == LaunchContract(recovery=policy, attempt=2, hosted_store=True, backend="gloo")
+    assert launch_contract(launched).recovery.replaces_a_lost_rank
     one_node = {**TORCHRUN, "WORLD_SIZE": "4", "RANK": "1", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
                 "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
-    assert launch_contract(TorchElasticEnvironment(one_node)) == LaunchContract(attempt=2, torchrun_store_attempt=2)
+    assert launch_contract(TorchElasticEnvironment(one_node)) == LaunchContract(
+        recovery=RecoveryPolicy(restart_count=2), attempt=2, torchrun_store_attempt=2)
+    across_nodes = {**one_node, "GROUP_WORLD_SIZE": "2"}  # each agent counts its own restarts: records are not bound
+    assert launch_contract(TorchElasticEnvironment(across_nodes)) == LaunchContract(recovery=RecoveryPolicy(restart_count=2))
     slurm = SLURMEnvironment({"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
                               "SLURM_NODELIST": "n1", "SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "2"})
     assert launch_contract(slurm) == LaunchContract()
+
+
+def test_the_recovery_policy_the_launcher_writes_is_the_one_its_workers_read_back() -> None:
+    """One type both sides of the launch read: ``ddpkit run``'s variables for a worker (a node of a
+    world that may shrink, a replacement's generation) read back in the worker as the same policy."""
+    from ddpkit.environments import Recovery, RecoveryPolicy, launch_contract
+    from ddpkit.launching.config import LaunchConfig
+    from ddpkit.launching.worker_environment import rank_variables
+
+    config = LaunchConfig(nproc_per_node=2, nnodes=2, min_nodes=1, recovery=Recovery.IN_PLACE)
+    variables = rank_variables(config, 29500, local_rank=1, restart_count=3, generation=4)
+    told = launch_contract(LocalEnvironment(variables)).recovery
+    assert told == config.recovery_policy(3, 4) == RecoveryPolicy(Recovery.IN_PLACE, 3, 4, min_nodes=1)
+    assert told.replaces_a_lost_rank and told.may_shrink(nodes=2) and not told.may_shrink(nodes=1)
+    assert variables["TORCHELASTIC_RESTART_COUNT"] == "3"  # torchrun's readers see the same count
+    fixed = launch_contract(LocalEnvironment(rank_variables(LaunchConfig(nproc_per_node=2), 29500, 0))).recovery
+    assert fixed == RecoveryPolicy() and not fixed.survivors_go_on and not fixed.may_shrink(nodes=2)
+    with pytest.raises(ValueError, match="DDPKIT_MIN_NODES='none'.*unset it"):
+        RecoveryPolicy.read({**variables, "DDPKIT_MIN_NODES": "none"})

@@ -410,25 +410,21 @@ def test_a_spare_node_takes_over_a_node_lost_inside_trainer_fit_and_the_fit_ends
 
 
 @pytest.mark.timeout(300)
-def test_a_world_that_shrinks_inside_trainer_fit_ends_the_job_in_seconds_saying_why(tmp_path: Path) -> None:
-    """``--nnodes 1:2`` and no spare node: the world shrinks without node 1, which Lightning's sampler
-    cannot follow (it would deal a lost rank's shares to nobody): the survivor ends, naming it."""
+def test_a_world_that_may_shrink_is_refused_before_trainer_fit_trains_saying_why_and_what_to_do(tmp_path: Path) -> None:
+    """``--nnodes 1:2`` with two nodes: a lost node would shrink the world, which Lightning's sampler
+    cannot follow (it would deal a lost rank's shares to nobody), so the job is refused before its
+    first batch, naming the world, its MIN and the two ways that work, not in the middle of a recovery."""
     store = start_store(port := find_free_port())
     try:
-        first = start_two_nodes(tmp_path, port, "1:2", PAUSE_AT="1:5")
-        wait_for(lambda: (tmp_path / "paused").exists(), "rank 1 to stop in batch 5", timeout=120)
-        node1 = node_of(tmp_path, 1)
-        kill_node(first[node1])
-        killed = time.monotonic()
-        (code,) = end_all([first[1 - node1]], timeout=120)
-        elapsed = time.monotonic() - killed
+        codes = end_all(start_two_nodes(tmp_path, port, "1:2", PAUSE_AT="0:0"), timeout=90)
     finally:
         store.kill()
         store.wait()
-    err = text(tmp_path, f"launcher{1 - node1}.err")
-    assert code == 1 and "the group has 1 ranks now, not 2, and Lightning's sampler cannot hand a lost rank's shares " \
-        "to the others. Run with a spare node" in err, err[-4000:]
-    assert elapsed < 30, err[-4000:]
+    err = text(tmp_path, "launcher0.err") + text(tmp_path, "launcher1.err")
+    assert codes == [1, 1], err[-4000:]
+    assert "--nnodes 1:MAX --recovery in-place started a world of 2 nodes, which shrinks to 1 when a node is lost" \
+        in err and "Start the job with --nnodes 2:3 and a spare node" in err, err[-4000:]
+    assert not (tmp_path / "paused").exists(), "a batch was trained before the refusal"
 
 
 @pytest.mark.parametrize(("imports", "expected"), [("import lightning.pytorch as pl", "warm"),

@@ -14,7 +14,7 @@ from helpers import strategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddpkit.environments import LocalEnvironment
+from ddpkit.environments import LocalEnvironment, TorchElasticEnvironment
 from ddpkit.testing import WorkerPool
 from ddpkit.training.strategy import DDPStrategy
 
@@ -240,15 +240,17 @@ def test_a_process_group_in_ddp_kwargs_is_the_data_parallel_group(pool3: WorkerP
     assert results[2]["bias_grad"] != results[0]["bias_grad"]  # rank 2's own
 
 
-def test_restart_count_comes_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    s = DDPStrategy(cluster_environment=LocalEnvironment({"MASTER_PORT": "1"}))
-    monkeypatch.delenv("DDPKIT_RESTART_COUNT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert s.restart_count == 0
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's
-    assert s.restart_count == 1
-    monkeypatch.setenv("DDPKIT_RESTART_COUNT", "2")  # ddpkit run's (it sets both alike)
-    assert s.restart_count == 2
-    monkeypatch.setenv("DDPKIT_RESTART_COUNT", "two")
+def test_restart_count_comes_from_the_launcher_through_the_environment() -> None:
+    """The count the launcher wrote in the process's environment, read once, with the rest of its
+    contract, by the strategy's cluster environment: ddpkit run's and torchrun's alike."""
+    def restart_count(**told: str) -> int:
+        return DDPStrategy(cluster_environment=LocalEnvironment({"MASTER_PORT": "1", **told})).restart_count
+
+    assert restart_count() == 0
+    assert restart_count(TORCHELASTIC_RESTART_COUNT="1") == 1  # torchrun's
+    assert restart_count(TORCHELASTIC_RESTART_COUNT="2", DDPKIT_RESTART_COUNT="2") == 2  # ddpkit run sets both alike
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_RESTART_COUNT": "3"}
+    assert DDPStrategy(cluster_environment=TorchElasticEnvironment(torchrun)).restart_count == 3
     with pytest.raises(ValueError, match="DDPKIT_RESTART_COUNT='two' is not a restart count"):
-        _ = s.restart_count
+        restart_count(DDPKIT_RESTART_COUNT="two")  # refused as the environment is read, not at the first look

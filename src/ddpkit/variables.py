@@ -9,7 +9,7 @@ __all__ = [
     "DDPKIT_BACKEND", "DDPKIT_CHECK_REPLICAS", "DDPKIT_DEBUG", "DDPKIT_ERROR_FILE", "DDPKIT_FORK_WORKERS", "DDPKIT_GENERATION",
     "DDPKIT_HANG_ABORT_SECONDS", "DDPKIT_HANG_SECONDS", "DDPKIT_HOSTED_STORE", "DDPKIT_JOB_SECRET",
     "DDPKIT_JOB_SECRET_FILE", "DDPKIT_LAUNCHED", "DDPKIT_LAUNCHER_PID", "DDPKIT_LOG_LEVEL", "DDPKIT_METRICS_FILE",
-    "DDPKIT_METRICS_SECONDS", "DDPKIT_NCCL_IN_PLACE", "DDPKIT_NEWS_FILE",
+    "DDPKIT_METRICS_SECONDS", "DDPKIT_MIN_NODES", "DDPKIT_NCCL_IN_PLACE", "DDPKIT_NEWS_FILE",
     "DDPKIT_PEER_FAILURE_EXIT_SECONDS", "DDPKIT_POOL_CONNECTION", "DDPKIT_PREEMPTION_SIGNAL", "DDPKIT_READY_FILE",
     "DDPKIT_RECOVERY", "DDPKIT_RECOVERY_TIMEOUT_SECONDS", "DDPKIT_RESTART_COUNT", "DDPKIT_STACK_FILE",
     "DDPKIT_STDERR_PREFIXED", "DDPKIT_STORE_BIND", "DDPKIT_TEMPLATE_SOCKET", "launcher_flag_variable",
@@ -29,6 +29,9 @@ DDPKIT_RECOVERY = "DDPKIT_RECOVERY"
 #: Under in-place recovery: which generation of the group this process joins (0 at the start; a
 #: replacement is told the generation it completes).
 DDPKIT_GENERATION = "DDPKIT_GENERATION"
+#: Under ``--nnodes MIN:MAX``: MIN, the fewest nodes the world may shrink to when a node is lost
+#: and no spare node takes its place (unset: the world keeps its size).
+DDPKIT_MIN_NODES = "DDPKIT_MIN_NODES"
 #: "1" when the launcher hosts the job's store (``launching.store_host``): under in-place recovery,
 #: when the launchers of several nodes restart together, and under a c10d rendezvous. The ranks
 #: reach it as clients, under a key prefix per attempt, instead of rank 0 hosting one.

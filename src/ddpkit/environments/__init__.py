@@ -31,12 +31,12 @@ from ddpkit._network import find_free_port  # here in 0.1; it binds, so it lives
 from ddpkit.environments.base import (
     ChoosesBackend,
     ClusterEnvironment,
-    Recovery,
     _ResolvedEnvironment,
     check_place,
     environment_variables,
     restart_count,
 )
+from ddpkit.environments.contract import LaunchContract, Recovery, RecoveryPolicy, launch_contract
 from ddpkit.environments.kubeflow import KubeflowEnvironment
 from ddpkit.environments.local import LocalEnvironment
 from ddpkit.environments.lsf import LSFEnvironment
@@ -50,9 +50,11 @@ __all__ = [
     "ClusterEnvironment",
     "KubeflowEnvironment",
     "LSFEnvironment",
+    "LaunchContract",
     "LocalEnvironment",
-    "Recovery",
     "MPIEnvironment",
+    "Recovery",
+    "RecoveryPolicy",
     "SLURMEnvironment",
     "TorchElasticEnvironment",
     "check_place",
@@ -60,6 +62,7 @@ __all__ = [
     "environment_variables",
     "expand_slurm_nodelist",
     "find_free_port",
+    "launch_contract",
     "restart_count",
 ]
 

@@ -3,33 +3,13 @@ consistency check of a process's place (``check_place``)."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 from ddpkit.variables import DDPKIT_RESTART_COUNT
 
-__all__ = ["ChoosesBackend", "ClusterEnvironment", "Recovery", "check_place", "restart_count",
+__all__ = ["ChoosesBackend", "ClusterEnvironment", "check_place", "restart_count",
            "environment_variables"]
-
-
-class Recovery(enum.Enum):
-    """What a lost or failed worker costs: ``ddpkit run --recovery`` (DDPKIT_RECOVERY in the workers,
-    its value), ``DDPStrategy(recovery=...)``."""
-
-    #: The job ends, naming the root cause; with ``--max-restarts`` every worker starts again.
-    FAIL_FAST = "fail-fast"
-    #: A worker killed by a signal is replaced by a spare while the others go on (``ddpkit.training.recovery``).
-    IN_PLACE = "in-place"
-
-    @classmethod
-    def parse(cls, value: str | Recovery, origin: str, fix: str) -> Recovery:
-        """``value`` as a ``Recovery``; ``ValueError`` naming ``origin``, the value and ``fix`` otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            choices = " or ".join(repr(choice.value) for choice in cls)
-            raise ValueError(f"{origin}={value!r}: use {choices} ({fix}).") from None
 
 
 # Lightning's defaults, kept so that jobs move between the two without new ports.

@@ -6,21 +6,14 @@ import os
 from collections.abc import Mapping
 
 from ddpkit.environments.base import (
-    Recovery,
     _first_of,
     _int_var,
     _port_var,
     _ResolvedEnvironment,
     check_place,
 )
-from ddpkit.variables import (
-    DDPKIT_BACKEND,
-    DDPKIT_GENERATION,
-    DDPKIT_HOSTED_STORE,
-    DDPKIT_LAUNCHED,
-    DDPKIT_RECOVERY,
-    DDPKIT_RESTART_COUNT,
-)
+from ddpkit.environments.contract import LaunchContract, RecoveryPolicy
+from ddpkit.variables import DDPKIT_BACKEND, DDPKIT_HOSTED_STORE, DDPKIT_LAUNCHED
 
 __all__ = ["LocalEnvironment"]
 
@@ -33,11 +26,10 @@ class LocalEnvironment(_ResolvedEnvironment):
     processes started together get theirs from whoever starts them: ``ddpkit run``, in-script
     launching), ``WORLD_SIZE`` (1), ``RANK`` (``NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``),
     ``LOCAL_RANK`` (0), ``LOCAL_WORLD_SIZE``, ``NODE_RANK``/``GROUP_RANK`` (0), and ``backend``
-    from ``DDPKIT_BACKEND`` (set by ``ddpkit run --backend``), ``recovery`` and ``generation``
-    from ``DDPKIT_RECOVERY`` and ``DDPKIT_GENERATION`` (``ddpkit run --recovery in-place``), and
-    ``hosted_store`` from ``DDPKIT_HOSTED_STORE`` (the launcher keeps the store: in place, or when
-    several nodes restart together). Like
-    every environment it only reads: it binds no port.
+    from ``DDPKIT_BACKEND`` (set by ``ddpkit run --backend``), and the rest of what ``ddpkit run``
+    tells its workers as ``launch_contract``: the recovery policy (``RecoveryPolicy.read``) and
+    whether the launcher hosts the store (``DDPKIT_HOSTED_STORE``: under in-place recovery, or when
+    several nodes restart together). Like every environment it only reads: it binds no port.
     """
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
@@ -54,13 +46,12 @@ class LocalEnvironment(_ResolvedEnvironment):
         default_rank = self._node_rank * (local_world or 1) + self._local_rank
         self._global_rank = _int_var(env, "RANK", fix, default=default_rank)
         self._external = "LOCAL_RANK" in env or DDPKIT_LAUNCHED in env
-        self.recovery = Recovery.parse(env.get(DDPKIT_RECOVERY, "").strip() or Recovery.FAIL_FAST, DDPKIT_RECOVERY,
-                                       "ddpkit run --recovery sets it; or unset it")
-        self.generation = _int_var(env, DDPKIT_GENERATION, fix, default=0)
-        #: Whether the launcher hosts the store at MASTER_ADDR:MASTER_PORT (the ranks are its clients).
-        self.hosted_store = env.get(DDPKIT_HOSTED_STORE, "").strip() == "1" or self.recovery is Recovery.IN_PLACE
-        #: Which start of the workers this is (``ddpkit run --max-restarts``): generations count anew in each.
-        self.attempt = _int_var(env, DDPKIT_RESTART_COUNT, fix, default=0)
+        policy = RecoveryPolicy.read(env)
+        #: What the launcher told this process (the store at MASTER_ADDR:MASTER_PORT is the launcher's
+        #: when it hosts one: the ranks are its clients; generations count anew in each attempt).
+        self.launch_contract = LaunchContract(
+            recovery=policy, attempt=policy.restart_count, backend=self._backend,
+            hosted_store=env.get(DDPKIT_HOSTED_STORE, "").strip() == "1" or policy.survivors_go_on)
         values = {"rank": self._global_rank, "world": self._world_size, "local": self._local_rank}
         if local_world is not None:
             values["local_world"] = local_world

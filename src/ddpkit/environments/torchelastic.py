@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ddpkit.environments.base import _int_var, _ResolvedEnvironment, check_place
+from ddpkit.environments.base import _int_var, _ResolvedEnvironment, check_place, restart_count
+from ddpkit.environments.contract import LaunchContract, RecoveryPolicy
 
 __all__ = ["TorchElasticEnvironment"]
 
@@ -33,6 +34,10 @@ class TorchElasticEnvironment(_ResolvedEnvironment):
         self.store_attempt: int | None = None
         if env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) and env.get("GROUP_WORLD_SIZE", "").strip() == "1":
             self.store_attempt = _int_var(env, "TORCHELASTIC_RESTART_COUNT", fix, default=0)
+        #: What torchrun told this process: its restart count (and under its static rendezvous on one
+        #: node, the attempt the job's records and store keys are bound to).
+        self.launch_contract = LaunchContract(recovery=RecoveryPolicy(restart_count=restart_count(env)),
+                                              attempt=self.store_attempt or 0, torchrun_store_attempt=self.store_attempt)
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:

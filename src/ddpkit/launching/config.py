@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpkit.diagnostics.settings import check_worker_seconds_settings, recovery_timeout_seconds
-from ddpkit.environments import Recovery
+from ddpkit.environments import Recovery, RecoveryPolicy
 from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits
 from ddpkit.store.job_secret import JobSecretError, job_secret
@@ -64,6 +64,9 @@ class LaunchConfig:
     # ``--nnodes MIN:MAX``'s MAX (None: a fixed number): the rendezvous may close with up to MAX
     # nodes, and launchers beyond the world wait as spare nodes (``launching.rendezvous``).
     max_nodes: int | None = None
+    # MIN once the rendezvous closed (``nnodes`` is then the world's): the workers are told it, since
+    # a world of more nodes may shrink to it when a node is lost and no spare takes its place.
+    min_nodes: int | None = None
     # The job's health (``launching.health``): a line every ``report_every`` seconds (0: none), each
     # window appended to the file ``metrics`` (None: none), and the factor that names a straggler.
     report_every: float = 60.0
@@ -80,6 +83,10 @@ class LaunchConfig:
         if self.report_every > 0:
             return self.report_every
         return 60.0 if self.metrics is not None else None
+
+    def recovery_policy(self, restart_count: int, generation: int = 0) -> RecoveryPolicy:
+        """What the workers of start ``restart_count`` (joining ``generation`` of the group) are told."""
+        return RecoveryPolicy(self.recovery, restart_count, generation, self.min_nodes)
 
     @property
     def world_size(self) -> int:

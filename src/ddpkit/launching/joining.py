@@ -109,6 +109,7 @@ def join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_
     shrinking = None if config.max_nodes is None else Shrinking(
         min_nodes=config.nnodes, nproc_per_node=config.nproc_per_node, spares_possible=place.nnodes < config.max_nodes)
     config = dataclasses.replace(config, node_rank=place.node_rank or 0, nnodes=place.nnodes,
+                                 min_nodes=None if shrinking is None else shrinking.min_nodes,
                                  master_addr=endpoint.host, master_port=endpoint.port)
     nodes = None
     if config.coordinates_nodes:

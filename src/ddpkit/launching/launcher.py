@@ -74,7 +74,6 @@ from ddpkit.logs import get_logger, line_start
 from ddpkit.membership.generations import member_identity
 from ddpkit.store.client import GaveUpWaiting, connect, import_distributed
 from ddpkit.variables import (
-    DDPKIT_GENERATION,
     DDPKIT_NEWS_FILE,
     DDPKIT_READY_FILE,
     DDPKIT_RESTART_COUNT,
@@ -307,14 +306,13 @@ class _LauncherRun:
         if self.news_file is not None:
             write_news_file(self.news_file, 0)
         for local_rank in range(config.nproc_per_node):
-            variables = rank_variables(config, state.port, local_rank, state.restart_count)
+            variables = rank_variables(config, state.port, local_rank, state.restart_count, generation)
             if self.news_file is not None:
                 variables[DDPKIT_NEWS_FILE] = self.news_file
             rank = int(variables["RANK"])
             if config.recovery is Recovery.IN_PLACE:
                 variables[DDPKIT_READY_FILE] = ready_file(workers.folder, generation, rank)
             if takeover is not None:
-                variables[DDPKIT_GENERATION] = str(generation)
                 workers.assign(takeover.spares[local_rank], variables, rank, local_rank)
             else:
                 workers.start(self.command, {**self.environment(), **variables}, rank, local_rank)

@@ -37,7 +37,7 @@ from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.ready_file import OUTSIDE, what_it_said
-from ddpkit.variables import DDPKIT_GENERATION, DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
+from ddpkit.variables import DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 
 __all__ = ["NO_REPLACEMENTS", "NoReplacements", "Replacements", "ready_file"]
 
@@ -139,8 +139,7 @@ class Replacements:
             spare = self._spare if number == 0 else self._workers.start_spare(self._command, self._environment)
             ready = ready_file(self._workers.folder, self.generation, lost.rank)
             self._ready_files[lost.rank] = ready
-            variables = {**self._rank_variables(lost.local_rank), DDPKIT_GENERATION: str(self.generation),
-                         DDPKIT_READY_FILE: ready}
+            variables = {**self._rank_variables(lost.local_rank, generation=self.generation), DDPKIT_READY_FILE: ready}
             self._workers.replace(lost, spare, variables)
             how = "the spare" if number == 0 else "a new process (not warm: it imports torch first)"
             _log.warning(f"ddpkit run: {lost} {describe_exit(codes[number])}; {how} (pid {spare.process.pid}) takes "

@@ -22,8 +22,6 @@ from ddpkit.variables import (
     DDPKIT_JOB_SECRET_FILE,
     DDPKIT_LAUNCHED,
     DDPKIT_PREEMPTION_SIGNAL,
-    DDPKIT_RECOVERY,
-    DDPKIT_RESTART_COUNT,
 )
 
 __all__ = ["gloo_interface", "job_secret_for_workers", "performance_defaults", "rank_variables", "worker_command"]
@@ -31,9 +29,11 @@ __all__ = ["gloo_interface", "job_secret_for_workers", "performance_defaults", "
 _log = get_logger("launching")
 
 
-def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_count: int = 0) -> dict[str, str]:
+def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_count: int = 0,
+                   generation: int = 0) -> dict[str, str]:
     """What a worker of this node needs to find its place in the job: torch.distributed's
-    variables, ddpkit's marker, the backend, and which start of the workers this is (0 the first).
+    variables, ddpkit's marker, the backend, and the recovery policy (``RecoveryPolicy``: which start
+    of the workers this is, 0 the first, and the generation of the group it joins).
 
     torchrun's per-worker variables come too, with torchrun's meanings, so that scripts and
     frameworks written for it (Lightning's ``TorchElasticEnvironment``, ``GROUP_RANK`` readers) find
@@ -55,13 +55,11 @@ def rank_variables(config: LaunchConfig, port: int, local_rank: int, restart_cou
         "ROLE_RANK": rank,
         "ROLE_WORLD_SIZE": str(config.world_size),
         DDPKIT_LAUNCHED: "1",
-        DDPKIT_RESTART_COUNT: str(restart_count),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        **config.recovery_policy(restart_count, generation).variables(),
         "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
         "TORCHELASTIC_RUN_ID": config.rendezvous.run_id if config.rendezvous is not None else "none",
         "TORCHELASTIC_USE_AGENT_STORE": str(config.hosts_store),
         DDPKIT_PREEMPTION_SIGNAL: config.preemption_signal.name,
-        DDPKIT_RECOVERY: config.recovery.value,
     }
     if config.hosts_store:
         variables[DDPKIT_HOSTED_STORE] = "1"

@@ -45,8 +45,7 @@ from torch.distributed.constants import default_pg_timeout  # Lightning's defaul
 from ddpkit.comm.collectives import all_gather_ddp_if_available, barrier, broadcast_object, sync_ddp_if_available
 from ddpkit.diagnostics.failures import record_failure
 from ddpkit.diagnostics.records import trace_record
-from ddpkit.environments import detect_environment
-from ddpkit.environments.contract import launch_contract
+from ddpkit.environments import RecoveryPolicy, detect_environment, launch_contract
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.worker_environment import job_secret_for_workers
 from ddpkit.lightning.environment import DdpkitEnvironment
@@ -104,8 +103,8 @@ class DDPStrategy(LightningDDPStrategy):
         assert self.cluster_environment is not None  # set in __init__, or by the Trainer
         if not self.cluster_environment.creates_processes_externally and self.num_processes * self.num_nodes > 1:
             os.environ.update(job_secret_for_workers(self.num_nodes > 1, os.environ))
-        contract = launch_contract(detect_environment())
-        if contract.in_place and contract.generation > 0:  # a replacement: its fit resumes from the survivors' state
+        # A replacement: its fit resumes from the survivors' state.
+        if launch_contract(detect_environment()).recovery.replaces_a_lost_rank:
             self._launcher = ReplacementLauncher(self._launcher)
 
     def setup_distributed(self) -> None:
@@ -121,9 +120,9 @@ class DDPStrategy(LightningDDPStrategy):
         if distributed_available():
             return
         environment = detect_environment()  # read now: Lightning's own launcher sets MASTER_PORT and LOCAL_RANK
-        contract = launch_contract(environment)
-        if contract.in_place and self.world_size > 1:
-            self._refuse_what_in_place_cannot_carry()
+        recovery = launch_contract(environment).recovery
+        if recovery.survivors_go_on and self.world_size > 1:
+            self._refuse_what_in_place_cannot_carry(recovery)
             self._in_place = TrainerRecovery()
         rank = world = None
         if (environment.global_rank(), environment.world_size()) != (self.global_rank, self.world_size):
@@ -131,11 +130,21 @@ class DDPStrategy(LightningDDPStrategy):
         # Lightning's default (torch's 30 minutes) is left to ddpkit's; a timeout the user gave is kept.
         timeout = {} if self._timeout in (None, default_pg_timeout) else {"timeout": self._timeout}
         init_dist_connection(environment, self._process_group_backend, global_rank=rank, world_size=world, **timeout)
-        if self._in_place is not None and contract.generation > 0:
+        if self._in_place is not None and recovery.replaces_a_lost_rank:
             self._in_place.receive()
 
-    def _refuse_what_in_place_cannot_carry(self) -> None:
-        """What in-place recovery inside ``Trainer.fit`` does not serve, refused before connecting."""
+    def _refuse_what_in_place_cannot_carry(self, recovery: RecoveryPolicy) -> None:
+        """What in-place recovery inside ``Trainer.fit`` does not serve, refused before connecting: a
+        world that may shrink (Lightning's sampler deals each rank its share of a world of fixed
+        size), and what a recovery cannot carry to a replacement."""
+        if recovery.may_shrink(self.num_nodes):
+            raise ValueError(
+                f"ddpkit run --nnodes {recovery.min_nodes}:MAX --recovery in-place started a world of {self.num_nodes} "
+                f"nodes, which shrinks to {self.num_nodes - 1} when a node is lost and no spare node takes its place; "
+                "inside Trainer.fit Lightning's sampler cannot hand a lost rank's shares of the data to the others. "
+                f"Start the job with --nnodes {self.num_nodes}:{self.num_nodes + 1} and a spare node (the world keeps "
+                f"{self.num_nodes} nodes), or train with DDPStrategy's own loop (strategy.epochs/batches), which "
+                "shrinks exactly.")
         module = self.lightning_module
         why = ("use_torch_ddp=True: recovery rebuilds ddpkit's DistributedDataParallel" if self.use_torch_ddp else
                "overlap_optimizer=True: the Trainer's recovery cannot undo a step half applied in the forward"

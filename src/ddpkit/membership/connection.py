@@ -33,10 +33,11 @@ from ddpkit._network import gloo_interface_towards, listen_on, store_bind_addres
 from ddpkit.diagnostics.waits import run_collective
 from ddpkit.environments import (
     ClusterEnvironment,
+    LaunchContract,
     SLURMEnvironment,
     check_place,
+    launch_contract,
 )
-from ddpkit.environments.contract import LaunchContract, launch_contract
 from ddpkit.logs import get_logger
 from ddpkit.membership.group import Group, Membership, current_group, set_current_group
 from ddpkit.store import keys as store_keys
@@ -114,11 +115,12 @@ def init_dist_connection(
     store_given = "init_method" in kwargs or "store" in kwargs
     if size == 1 and not store_given:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
-    launcher_store, in_place, generation = (_launchers_store(cluster_environment, contract, timeout)
-                                            if size > 1 and not store_given else (None, False, 0))
-    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, contract.attempt, in_place,
+    launcher_store = _launchers_store(cluster_environment, contract, timeout) if size > 1 and not store_given else None
+    reforms = launcher_store is not None and contract.recovery.survivors_go_on
+    generation = contract.generation if reforms else 0
+    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, contract.attempt, reforms,
                   secret)
-    if in_place:  # the first generation, a replacement's (its place from the layout), or the next one
+    if reforms:  # the first generation, a replacement's (its place from the layout), or the next one
         set_current_group(group)
         group.form(generation, **kwargs)
         return
@@ -148,15 +150,13 @@ def _backend_argument(torch_distributed_backend: str | None, kwargs: dict[str, A
 
 
 def _launchers_store(environment: ClusterEnvironment, contract: LaunchContract,
-                     timeout: timedelta) -> tuple[Any, bool, int]:
+                     timeout: timedelta) -> Any:
     """A client of the store ``ddpkit run`` hosts (it outlives any rank and any attempt; each attempt
-    and each generation of the group has its own keys), whether the job recovers in place, and the
-    generation this process joins; (None, False, 0) when the launcher hosts no store."""
+    and each generation of the group has its own keys); None when the launcher hosts no store."""
     if not contract.hosted_store:
-        return None, False, 0
-    store = dist.TCPStore(  # type: ignore[attr-defined]
+        return None
+    return dist.TCPStore(  # type: ignore[attr-defined]
         environment.main_address, environment.main_port, is_master=False, timeout=timeout)
-    return store, contract.in_place, contract.generation if contract.in_place else 0
 
 
 def _require_distributed() -> None:

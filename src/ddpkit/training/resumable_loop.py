@@ -62,12 +62,12 @@ class ResumableLoop:
         """This process's side of in-place recovery (made once) when the job runs with it: ``wanted``
         (``DDPStrategy(recovery=...)``), by default what the launcher told ``environment``. None
         without it, or alone; ``ValueError`` for a combination it cannot serve, before connecting."""
-        launched_in_place = launch_contract(environment).in_place
-        if (wanted or (Recovery.IN_PLACE if launched_in_place else None)) is not Recovery.IN_PLACE:
+        launched = launch_contract(environment).recovery
+        if (wanted or launched.kind) is not Recovery.IN_PLACE:
             return None
         if environment.world_size() < 2:
             return None
-        if not launched_in_place:
+        if not launched.survivors_go_on:
             raise ValueError("DDPStrategy(recovery='in-place') needs the launcher's part: start the job with "
                              "`ddpkit run --recovery in-place --max-restarts N ...` (it hosts the store and a spare process).")
         if optimizer is None:

@@ -53,7 +53,6 @@ from ddpkit.environments import (
     LocalEnvironment,
     Recovery,
     detect_environment,
-    restart_count,
 )
 from ddpkit.environments.contract import launch_contract
 from ddpkit.hooks.registration import register_ddp_comm_hook
@@ -187,7 +186,7 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
     @property
     def restart_count(self) -> int:
         """Starts of the workers before this one (``ddpkit run --max-restarts``, torchrun): resume when above 0."""
-        return restart_count(os.environ)
+        return launch_contract(self.cluster_environment).recovery.restart_count
 
     @property
     def root_device(self) -> torch.device:
@@ -265,7 +264,8 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         joined = None
         with guard():  # e.g. a model that does not fit on one rank's device: named on the others
             module = self.model_to_device(model)
-            if recovery is not None and optimizer is not None and launch_contract(self.cluster_environment).generation > 0:
+            replacing = launch_contract(self.cluster_environment).recovery.replaces_a_lost_rank
+            if recovery is not None and optimizer is not None and replacing:
                 joined = recovery.join(module, optimizer)  # a replacement: the survivors' state, before wrapping
             wrapped = self.configure_ddp(module, optimizer if self.overlap_optimizer else None)
         if optimizer is not None:
