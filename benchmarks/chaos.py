@@ -157,14 +157,14 @@ def workers_and_spares(launcher: int) -> tuple[list[int], list[int]]:
     workers, spares = [], []
     for pid in descendants(launcher):
         command = _command_line(pid)
-        if "ddpkit.launching.worker" not in command or _is_template(pid, launcher, command):
+        if "ddpkit.workers.worker" not in command or _is_template(pid, launcher, command):
             continue  # (the node's template forks the workers: it is none of them)
         (spares if "--spare" in command and not _has_sockets(pid) else workers).append(pid)
     return workers, spares
 
 
 def _is_template(pid: int, launcher: int, command: list[str]) -> bool:
-    """Whether ``pid`` is the node's template (``launching.worker_template``): the launcher's child
+    """Whether ``pid`` is the node's template (``workers.worker_template``): the launcher's child
     that forks the workers, which keep its command line."""
     with contextlib.suppress(OSError, IndexError, ValueError):
         return "--template" in command and int(read_proc(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()[1]) == launcher

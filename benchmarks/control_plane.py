@@ -108,7 +108,7 @@ class SimulatedNode:
                  by_source: dict[str, list[int]], decided: Any, slot: int) -> None:
         from ddpkit.control_plane.node_world import Shrinking
         from ddpkit.control_plane.nodes import NodeCoordination
-        from ddpkit.launching.health import SharedWindows
+        from ddpkit.health.job_health import SharedWindows
         from ddpkit.store.client import connect
 
         self.node, self.args, self.counter = node, args, counter
@@ -186,7 +186,7 @@ class SimulatedNode:
                 store.set(signer.key(keys.hang_progress(rank)), f"#{self._entered} all_reduce")
 
     def window(self) -> None:
-        """The node's health window (``launching.health``): its ranks' windows published, and node 0's
+        """The node's health window (``health.job_health``): its ranks' windows published, and node 0's
         launcher reads every node's."""
         start = time.time() - self.args.window
         self.windows.publish(start, self.node, "host", [], None)

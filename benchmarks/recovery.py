@@ -304,7 +304,7 @@ class NodeJob:
 
     def _blocked_on_their_input(self, number: int) -> int:
         """How many of launcher ``number``'s processes wait in a read of their standard input: its
-        warm spares once they imported what the script needs (``launching.worker``)."""
+        warm spares once they imported what the script needs (``workers.worker``)."""
         return sum(waits_for_its_input(pid) for pid in descendants(self.launchers[number].pid))
 
     def _endpoint_listens(self) -> bool:

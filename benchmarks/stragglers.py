@@ -8,7 +8,7 @@ Every run is ``tests/stragglers_job.py`` (ddpkit's loop on an MLP) under ``ddpki
 --nproc-per-node 2 --report-every S``, the clean and slowed runs alternating (these machines are
 noisy: each kind sees the same spells). With ``--nodes 2``, two launchers of one rank each on
 this machine, as two nodes (``--max-restarts 1``: node 0's launcher reports both, and the nodes'
-launchers time their links, ``launching.link_probe``). A clean run leaves its ranks unpinned (pinned ranks would
+launchers time their links, ``health.link_probe``). A clean run leaves its ranks unpinned (pinned ranks would
 be named, rightly, when one core of a virtual machine runs slower than the other: docs/never-stuck.md).
 A slowed run pins each rank to its own core and, ``--slow-after`` seconds after its first health
 line, starts a busy process on rank 1's core for the rest of the run: the time from that start to

@@ -203,5 +203,5 @@ def descendants(pid: int) -> list[int]:
 def launcher_workers(launcher: int) -> list[int]:
     """The workers of a ``ddpkit run`` launcher: its descendants that run the worker bootstrap, less
     the node's template (the launcher's child that forks them; the forked workers keep its command line)."""
-    return [pid for pid in descendants(launcher) if "ddpkit.launching.worker" in (command := command_line(pid))
+    return [pid for pid in descendants(launcher) if "ddpkit.workers.worker" in (command := command_line(pid))
             and not ("--template" in command and parent_pid(pid) == launcher)]

@@ -70,7 +70,8 @@ def test_the_architecture_document_names_every_module_and_only_existing_ones() -
 # the diagnostics, the membership (connection, group, generations), communication, the DDP module
 # and hooks, the training loop's side; the launcher beside them all, importing none of the worker's.
 _BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "ddpkit.parallel", "ddpkit.hooks",
-                    "ddpkit.training", "ddpkit.launching", "ddpkit.environments", "ddpkit.control_plane")
+                    "ddpkit.training", "ddpkit.launching", "ddpkit.environments", "ddpkit.control_plane",
+                    "ddpkit.workers", "ddpkit.health")
 
 
 @pytest.mark.parametrize(("part", "forbidden"), [
@@ -99,6 +100,12 @@ _BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "d
                                     "ddpkit.parallel")),
     ("parallel/", ("ddpkit.training", "ddpkit.launching")),
     ("launching/", ("ddpkit.parallel", "ddpkit.training.strategy", "ddpkit.comm")),
+    # The launcher's wing in parts: the local processes and the job's health import neither the
+    # launcher's command line and restart loop (which use them) nor each other, nor the worker's side.
+    ("workers/", ("ddpkit.launching", "ddpkit.health", "ddpkit.control_plane", "ddpkit.parallel", "ddpkit.training",
+                  "ddpkit.comm")),
+    ("health/", ("ddpkit.launching", "ddpkit.workers", "ddpkit.parallel", "ddpkit.training", "ddpkit.comm",
+                 "ddpkit.membership")),
     # The launchers' agreement across nodes: the store and the generations' layout, not the launcher's
     # processes (whose parts use it), the worker's connection or the training side.
     ("control_plane/", ("ddpkit.launching", "ddpkit.membership.connection", "ddpkit.membership.group", "ddpkit.comm",
@@ -152,7 +159,7 @@ def test_collectives_and_connection_know_no_module() -> None:
 
 def test_the_launcher_imports_neither_the_ddp_module_nor_the_strategy() -> None:
     """What `ddpkit run` and a worker's bootstrap import before the user's script starts."""
-    code = ("import sys, ddpkit.launching.cli, ddpkit.launching.worker; "
+    code = ("import sys, ddpkit.launching.cli, ddpkit.workers.worker; "
             "print(sorted(m for m in sys.modules if m in ('ddpkit.parallel.ddp', 'ddpkit.training.strategy')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"
@@ -365,7 +372,7 @@ def test_every_store_key_is_spelled_in_one_module() -> None:
 
 # Module-level objects that are not process state: a lock that only orders the launcher's console
 # lines, a stateless "no replacements" policy, and the one owner of process state itself.
-_NOT_PROCESS_STATE = {("launching/output.py", "_CONSOLE_LOCK"), ("launching/replacement.py", "NO_REPLACEMENTS"),
+_NOT_PROCESS_STATE = {("workers/output.py", "_CONSOLE_LOCK"), ("workers/replacement.py", "NO_REPLACEMENTS"),
                       ("process_state.py", "PROCESS")}
 _MUTABLE_FACTORIES = {"Event", "Lock", "RLock", "list", "dict", "set", "defaultdict", "deque"}
 

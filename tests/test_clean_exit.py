@@ -3,7 +3,7 @@
 torch 2.13's Gloo threads can still need the GIL after the script has ended (freeing a finished
 collective's tensors, running a future's callback); once the interpreter finalises, that aborts
 the process (SIGABRT) although the script succeeded. The worker bootstrap finishes the process
-itself (``ddpkit.launching.worker._finish``).
+itself (``ddpkit.workers.worker._finish``).
 
 ``DDPKIT_CLEAN_EXIT_RUNS`` sets how many consecutive runs each script gets (default 1, to keep the
 suite short: every other test of a multi-rank run checks its exit code too; the issue's

@@ -1,5 +1,5 @@
 """The job's health (issue 49): each rank's step windows (``diagnostics.step_windows``), the
-launcher's view of them (``launching.health``: the health line, the metrics file, stragglers
+launcher's view of them (``health.job_health``: the health line, the metrics file, stragglers
 named) and ``ddpkit report``. Here on records made up to the point; tests/test_stragglers.py runs
 real jobs with a rank made slow."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ddpkit.diagnostics.step_windows import RankWindow, WindowRecorder, read_windows
-from ddpkit.launching.health import JobHealth, compare_ranks, read_job_windows
-from ddpkit.launching.report import report
+from ddpkit.health.job_health import JobHealth, compare_ranks, read_job_windows
+from ddpkit.health.report import report
 
 
 def window(rank: int, start: float, forward: float = 0.010, backward: float = 0.020, data: float = 0.002,
@@ -142,7 +142,7 @@ def test_a_health_flag_out_of_range_is_refused_naming_it(tmp_path: Path, flag: s
 
 def test_a_node_whose_link_time_stays_over_the_others_by_the_factor_and_20_ms_is_named_as_its_first_rank(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Across nodes each window holds the nodes' link times (``launching.link_probe``): a node 1.5x
+    """Across nodes each window holds the nodes' link times (``health.link_probe``): a node 1.5x
     the others' median by 6 ms is a busy host, not a slow link; one 4.5x by 40 ms, two windows in a
     row, is named for its link, as its first rank, and ``ddpkit report --plot`` draws the links."""
     metrics = tmp_path / "metrics.jsonl"
@@ -208,7 +208,7 @@ def test_the_plot_reads_at_a_glance(tmp_path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from ddpkit.launching.report import draw_windows
+    from ddpkit.health.report import draw_windows
 
     metrics = tmp_path / "metrics.jsonl"
     health = JobHealth(2.5, False, str(metrics), 1.2)

@@ -17,7 +17,7 @@ import pytest
 from ddpkit.environments import Recovery
 from ddpkit.launching.cli import main
 from ddpkit.launching.config import LaunchConfig, validate
-from ddpkit.launching.output import Streams, parse_local_ranks, parse_streams
+from ddpkit.workers.output import Streams, parse_local_ranks, parse_streams
 
 # Each worker reports its place on stdout, a line on stderr, and a progress bar redrawn with '\r'.
 REPORT = textwrap.dedent(

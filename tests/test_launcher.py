@@ -18,8 +18,8 @@ from helpers import assert_gone, worker_pids
 
 from ddpkit.diagnostics.hangs import _process_state
 from ddpkit.environments import find_free_port
-from ddpkit.launching.processes import WorkerProcesses
 from ddpkit.launching.worker_environment import performance_defaults
+from ddpkit.workers.processes import WorkerProcesses
 
 PRELUDE = textwrap.dedent(
     """

@@ -436,7 +436,7 @@ def test_the_warm_spare_of_a_script_that_imports_lightning_has_imported_it_befor
     script = tmp_path / "train.py"
     script.write_text(f"import sys\nprint('warm' if 'lightning.pytorch' in sys.modules else 'cold')\n"
                       f"if False:\n    {imports}\n")
-    spare = subprocess.run([sys.executable, "-m", "ddpkit.launching.worker", "--spare", str(script)], input="{}\n",
+    spare = subprocess.run([sys.executable, "-m", "ddpkit.workers.worker", "--spare", str(script)], input="{}\n",
                            capture_output=True, text=True, timeout=120)
     assert spare.returncode == 0, spare.stderr[-3000:]
     assert spare.stdout.strip() == expected

@@ -1,4 +1,4 @@
-"""A node's link timed by its launcher (``launching.link_probe``, issue 49): two probes on loopback
+"""A node's link timed by its launcher (``health.link_probe``, issue 49): two probes on loopback
 aimed at each other each take a link time in their window's turn, and a stranger that reaches a
 listener without the node's token gets no answer and holds it up for no longer than the token's
 wait. tests/test_stragglers.py names a node whose link is shaped slower, end to end."""
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from ddpkit.health.link_probe import PROBE_BYTES, TOKEN_SECONDS, LinkProbe
 from ddpkit.launching import link_probe
-from ddpkit.launching.link_probe import PROBE_BYTES, TOKEN_SECONDS, LinkProbe
 
 # Alone: the probes' round trips are bounded under a second.
 pytestmark = pytest.mark.alone

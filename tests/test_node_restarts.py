@@ -21,8 +21,8 @@ from torch.distributed import TCPStore
 from ddpkit._network import find_free_port
 from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.launching import watch as watch_module
-from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
 from ddpkit.store.client import BoundedStore, connect
+from ddpkit.workers.processes import WorkerProcess, WorkerProcesses
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 TRAINING = ("--epochs", "2", "--samples", "1024")  # 8 steps per epoch on 2 ranks

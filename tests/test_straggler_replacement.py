@@ -30,8 +30,8 @@ from torch.distributed import TCPStore
 from ddpkit.control_plane.node_claims import launcher_of
 from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.environments import find_free_port
-from ddpkit.launching.health import Straggler
-from ddpkit.launching.straggler_replacement import StepAside
+from ddpkit.health.job_health import Straggler
+from ddpkit.health.straggler_replacement import StepAside
 from ddpkit.store.client import BoundedStore, connect
 
 # Alone: a straggler is named by its step times: a test beside it would slow some rank.

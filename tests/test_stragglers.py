@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit._network import find_free_port
-from ddpkit.launching.health import read_job_windows
+from ddpkit.health.job_health import read_job_windows
 
 # Alone: they name a rank slower than the others: a test beside them would be the slowness.
 pytestmark = pytest.mark.alone
@@ -121,7 +121,7 @@ def test_across_nodes_a_node_whose_link_is_shaped_slower_is_named_for_its_link(
         tmp_path: Path, two_namespaces: list[tuple[str, str]]) -> None:
     """Two nodes in two network namespaces joined by a veth pair, node 1's end shaped with ``tc``'s
     tbf to 1 Gbit/s: every rank waits alike in the all-reduce, so no rank's phases show it; node 1's
-    launcher's probes (``launching.link_probe``) take several times node 0's, and node 0's launcher
+    launcher's probes (``health.link_probe``) take several times node 0's, and node 0's launcher
     names node 1 for its link. The job's own phases name nobody."""
     (zero, address), (one, _) = two_namespaces
     device = subprocess.run(["ip", "-n", one, "-o", "link", "show", "type", "veth"], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""Warm starts (``launching.worker_template``): ``ddpkit run`` forks a script's workers from one
+"""Warm starts (``workers.worker_template``): ``ddpkit run`` forks a script's workers from one
 process per node that imported torch once. Each forked worker must be the worker a fresh
 interpreter is (its rank's variables, working directory, arguments, thread count, its own random
 state), exit codes and signals must reach the launcher as before, restarts reuse the template, and
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_gone, command_line, descendants, parent_pid
 
-from ddpkit.launching.worker_template import forking_allowed, starts_differently
+from ddpkit.workers.worker_template import forking_allowed, starts_differently
 
 pytestmark = pytest.mark.skipif(forking_allowed(os.environ) is not None,
                                 reason=f"workers are not forked here: {forking_allowed(os.environ)}")

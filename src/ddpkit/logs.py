@@ -35,7 +35,7 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 class _RankPrefix(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        # ``ddpkit run --tee`` prefixes this worker's stderr lines with the rank itself (``launching.output``).
+        # ``ddpkit run --tee`` prefixes this worker's stderr lines with the rank itself (``workers.output``).
         rank = None if os.environ.get(DDPKIT_STDERR_PREFIXED) == "1" else _rank()
         return text if rank is None else "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
 

@@ -1,6 +1,6 @@
 """The ready file: how a worker under in-place recovery tells its launcher that it can take part in a
 recovery, and what a replacement says in it. One writer (``tell_the_launcher``, the worker) and one
-reader (``what_it_said``, ``launching.replacement``), so both sides spell the contract the same way.
+reader (``what_it_said``, ``workers.replacement``), so both sides spell the contract the same way.
 
 A worker writes "ready" once it is attached to the recovery (a replacement: once it holds the
 survivors' state, which ends the recovery), or "outside" while, as a replacement, it waits outside a

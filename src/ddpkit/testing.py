@@ -17,12 +17,12 @@ answer within ``timeout`` seconds, the whole pool is killed at once (the other r
 stuck in a collective), ``RankFailedError`` or ``RankTimeoutError`` carries the traceback of the
 rank whose failure came first (a rank that died comes before the ranks that only lost their
 connection to it) or the stacks of the ranks that hung, and the next ``run`` starts a fresh pool.
-The pool is ``launch(fn)``'s engine (``ddpkit.launching.pool``), and its workers are started,
-watched and ended like ``ddpkit run``'s (``ddpkit.launching.processes``).
+The pool is ``launch(fn)``'s engine (``ddpkit.workers.pool``), and its workers are started,
+watched and ended like ``ddpkit run``'s (``ddpkit.workers.processes``).
 """
 
 from __future__ import annotations
 
-from ddpkit.launching.pool import RankFailedError, RankTimeoutError, WorkerPool
+from ddpkit.workers.pool import RankFailedError, RankTimeoutError, WorkerPool
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool"]

@@ -63,7 +63,7 @@ DDPKIT_POOL_CONNECTION = "DDPKIT_POOL_CONNECTION"
 #: The signal that asks the workers to save and stop, besides SIGTERM (``ddpkit run --preemption-signal``).
 DDPKIT_PREEMPTION_SIGNAL = "DDPKIT_PREEMPTION_SIGNAL"
 #: "0" starts each worker of ``ddpkit run`` as a fresh interpreter instead of forking it from the
-#: node's template, which has imported torch already (``launching.worker_template``).
+#: node's template, which has imported torch already (``workers.worker_template``).
 DDPKIT_FORK_WORKERS = "DDPKIT_FORK_WORKERS"
 #: The socket (an inherited file descriptor) on which a node's template is asked for workers.
 DDPKIT_TEMPLATE_SOCKET = "DDPKIT_TEMPLATE_SOCKET"

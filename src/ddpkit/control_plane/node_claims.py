@@ -6,7 +6,7 @@ it to shrink the world without it, or, when the job may lose no more nodes, to e
 A node that is alive but slow (a straggler, ``ddpkit run --stragglers replace``) is asked to step
 aside: node 0's launcher writes a request for the launcher there, and a waiting spare node claims
 its place as it would a silent one's; without a spare node 0's launcher may shrink the world
-without it (``launching.straggler_replacement``).
+without it (``health.straggler_replacement``).
 """
 
 from __future__ import annotations

@@ -310,13 +310,13 @@ def _process_state(pid: int) -> str | None:
 
 def _signalled_stack(pid: int, stack_file: str | None, between_reads: Callable[[], None]) -> str:
     """The stacks a process under ddpkit's worker bootstrap writes to its stack file on SIGUSR1
-    (``launching.worker``; from a signal handler, so without the GIL); '' when it has none.
+    (``workers.worker``; from a signal handler, so without the GIL); '' when it has none.
     ``between_reads`` runs while it waits (this watch answers its peers' requests meanwhile)."""
     if not stack_file:
         return ""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            if b"ddpkit.launching.worker" not in handle.read():
+            if b"ddpkit.workers.worker" not in handle.read():
                 return ""  # not the worker any more (its pid was reused): SIGUSR1 could end that process
         offset = os.path.getsize(stack_file)
         os.kill(pid, signal.SIGUSR1)

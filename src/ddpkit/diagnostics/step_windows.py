@@ -1,5 +1,5 @@
 """Each rank's steps summed up per window of wall-clock time (issue 49): the record a worker
-appends to its file and the launcher reads (``launching.health``), and the worker's recorder.
+appends to its file and the launcher reads (``health.job_health``), and the worker's recorder.
 
 Under ``ddpkit run`` (``--report-every`` or ``--metrics``), the launcher gives each worker a file
 (``DDPKIT_METRICS_FILE``) and a window length (``DDPKIT_METRICS_SECONDS``). The DDP module's step

@@ -1,6 +1,6 @@
 """``ddpkit run``: start the workers of one node and watch them (also ``python -m ddpkit run``);
 ``ddpkit store``: keep a job's store outside the training nodes (``launching.store_host``);
-``ddpkit report FILE [--plot out.png]``: what ``ddpkit run --metrics FILE`` wrote (``launching.report``).
+``ddpkit report FILE [--plot out.png]``: what ``ddpkit run --metrics FILE`` wrote (``health.report``).
 
     ddpkit run [--nproc-per-node N|auto] [--nnodes M] [--node-rank R] [--master-addr A]
                [--master-port P] [--standalone] [--rdzv-backend c10d --rdzv-endpoint HOST[:PORT]
@@ -15,7 +15,7 @@ environment: DDPKIT_NPROC_PER_NODE, DDPKIT_NNODES, DDPKIT_NODE_RANK, DDPKIT_MAST
 DDPKIT_MASTER_PORT, DDPKIT_BACKEND, DDPKIT_MAX_RESTARTS, DDPKIT_PREEMPTION_SIGNAL (which the
 workers read too: ``ddpkit.environments.preemption``), DDPKIT_RECOVERY (the workers' too:
 ``ddpkit.training.recovery``), DDPKIT_LOG_DIR, DDPKIT_REDIRECTS, DDPKIT_TEE, DDPKIT_LOCAL_RANKS_FILTER (where
-the workers' output goes: ``launching.output``); the switches DDPKIT_STANDALONE, DDPKIT_MODULE,
+the workers' output goes: ``workers.output``); the switches DDPKIT_STANDALONE, DDPKIT_MODULE,
 DDPKIT_NO_PYTHON when 1. ``auto`` means one process per GPU, or one
 per CPU core without CUDA (torchrun's choice). Under a scheduler that already started the processes (srun,
 torchrun, mpirun, jsrun, Kubeflow: see ``detect_environment``), the script runs once in this
@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from ddpkit import __version__
 from ddpkit.environments import LocalEnvironment, Recovery, detect_environment
 from ddpkit.environments.preemption import parse_signal
+from ddpkit.health.report import report
 from ddpkit.launching.config import LaunchConfig, LaunchError, RunAs
 from ddpkit.launching.launcher import run_workers, stop_signals
-from ddpkit.launching.output import OutputPlan, parse_local_ranks, parse_streams
 from ddpkit.launching.rendezvous import (
     DEFAULT_PORT,
     Endpoint,
@@ -45,13 +45,13 @@ from ddpkit.launching.rendezvous import (
     parse_endpoint,
     parse_rdzv_conf,
 )
-from ddpkit.launching.report import report
 from ddpkit.launching.store_host import serve_outside_nodes
 from ddpkit.launching.torchrun_flags import add_torchrun_flags, notes_for
 from ddpkit.launching.usage import RUN_EXAMPLES, HelpWithDefaults, OneLineErrors, torch_version
 from ddpkit.launching.worker_environment import worker_command
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_PREEMPTION_SIGNAL, launcher_flag_variable
+from ddpkit.workers.output import OutputPlan, parse_local_ranks, parse_streams
 
 __all__ = ["main"]
 
@@ -85,7 +85,7 @@ def _switch(parser: argparse._ActionsContainer, name: str, help: str) -> None:  
 
 
 def _health_flags(run: argparse.ArgumentParser) -> None:
-    """The job's health (``launching.health``) and what a straggler costs (``launching.straggler_replacement``)."""
+    """The job's health (``health.job_health``) and what a straggler costs (``health.straggler_replacement``)."""
     health = run.add_argument_group("the job's health, metrics and stragglers")
     _flag(health, "report-every", default="60",
           help="seconds between two lines of the job's health (steps/s, step time, the slowest rank and phase); 0: none")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from ddpkit.diagnostics.settings import check_worker_seconds_settings, recovery_timeout_seconds
 from ddpkit.environments import Recovery, RecoveryPolicy
-from ddpkit.launching.output import OutputPlan
 from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits
 from ddpkit.store.job_secret import JobSecretError, job_secret
 from ddpkit.variables import DDPKIT_NCCL_IN_PLACE
+from ddpkit.workers.output import OutputPlan
 
 __all__ = ["LaunchConfig", "LaunchError", "RunAs", "validate"]
 
@@ -67,13 +67,13 @@ class LaunchConfig:
     # MIN once the rendezvous closed (``nnodes`` is then the world's): the workers are told it, since
     # a world of more nodes may shrink to it when a node is lost and no spare takes its place.
     min_nodes: int | None = None
-    # The job's health (``launching.health``): a line every ``report_every`` seconds (0: none), each
+    # The job's health (``health.job_health``): a line every ``report_every`` seconds (0: none), each
     # window appended to the file ``metrics`` (None: none), and the factor that names a straggler.
     report_every: float = 60.0
     metrics: str | None = None
     straggler_factor: float = 1.2
     # ``--stragglers replace``: node 0's launcher asks a straggler's node to step aside for a spare
-    # node (``launching.straggler_replacement``); otherwise (``name``) stragglers are named only.
+    # node (``health.straggler_replacement``); otherwise (``name``) stragglers are named only.
     replace_stragglers: bool = False
     role: str = "default"  # the workers' ROLE_NAME (torchrun's --role)
 

@@ -5,7 +5,7 @@ same command for local ranks 1..N-1 (Lightning's ``DDPPlugin`` launcher), so tha
 
 trains on two processes without ``ddpkit run``.
 
-Children run through ``python -m ddpkit.launching.worker`` with the torch.distributed variables and
+Children run through ``python -m ddpkit.workers.worker`` with the torch.distributed variables and
 ddpkit's marker set, each in a session of its own (so ending its process group ends its own
 children, e.g. DataLoader workers). They die with the script's process (``PR_SET_PDEATHSIG``),
 and record an uncaught exception in an error file. A watcher thread in the script's process
@@ -31,7 +31,6 @@ from ddpkit._network import find_free_port
 from ddpkit.environments import ClusterEnvironment, LocalEnvironment
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.launching.config import LaunchConfig, RunAs
-from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.launching.worker_environment import (
     job_secret_for_workers,
     performance_defaults,
@@ -39,6 +38,7 @@ from ddpkit.launching.worker_environment import (
     worker_command,
 )
 from ddpkit.logs import get_logger
+from ddpkit.workers.processes import WorkerProcess, WorkerProcesses, describe_exit
 
 __all__: list[str] = []
 

@@ -17,7 +17,6 @@ from ddpkit._network import listen_on, store_bind_address
 from ddpkit.control_plane.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
 from ddpkit.environments import Recovery
 from ddpkit.launching.config import LaunchConfig, LaunchError
-from ddpkit.launching.processes import WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits, claim_endpoint, join
 from ddpkit.launching.store_host import StoreHost
 from ddpkit.launching.watch import failure_of
@@ -25,6 +24,7 @@ from ddpkit.logs import get_logger
 from ddpkit.membership.generations import announce_node_lost
 from ddpkit.store.client import BoundedStore, GaveUpWaiting, GiveUp, StoreUnreachableError, connect, never_give_up
 from ddpkit.store.job_secret import job_secret
+from ddpkit.workers.processes import WorkerProcesses
 
 __all__ = ["announce_loss", "connect_nodes", "host_rendezvous", "host_store", "join_rendezvous"]
 
@@ -119,7 +119,7 @@ def join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_
                                  shrinking=shrinking, node_losses_allowed=config.max_restarts)
         if not spare:  # a spare says it is alive once it took a node's place
             nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))
-            if hosts_store:  # a node that must not step aside (``launching.straggler_replacement``)
+            if hosts_store:  # a node that must not step aside (``health.straggler_replacement``)
                 nodes.step_asides.say_store_host()
     return config, nodes, spare
 

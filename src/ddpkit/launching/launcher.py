@@ -1,7 +1,7 @@
 """Start, watch and reconcile the workers of one node (what ``ddpkit run`` does), and ``launch(fn)``.
 
-The workers are started, ended and blamed by ``launching.processes``: each runs
-``python -m ddpkit.launching.worker script.py args`` in a session of its own. The launcher polls
+The workers are started, ended and blamed by ``workers.processes``: each runs
+``python -m ddpkit.workers.worker script.py args`` in a session of its own. The launcher polls
 them (``launching.watch``); at the first failure (non-zero exit or a signal) it asks the others to stop (SIGTERM to their
 process groups), kills what is left after ``grace`` seconds, and returns 1 with a summary that
 names the root cause: the earliest recorded exception (workers write them to an error file), else
@@ -9,7 +9,7 @@ the first rank seen to fail. With ``--max-restarts N`` it then starts every work
 times (``DDPKIT_RESTART_COUNT`` and torchrun's ``TORCHELASTIC_RESTART_COUNT`` say which start it
 is), and the exit code and summary are the last failure's.
 
-With ``--recovery in-place`` (``launching.replacement``) the launcher also runs the store
+With ``--recovery in-place`` (``workers.replacement``) the launcher also runs the store
 (``launching.store_host``) and a warm spare; a worker killed by a signal is replaced by the spare
 while the others keep running (they re-form the group with it: ``ddpkit.training.recovery``), and each
 replacement counts against ``--max-restarts``; any other failure goes the way above.
@@ -21,8 +21,8 @@ saves and exits with 75 on every rank, and so does the launcher; a worker that S
 script that does not) makes the launcher end the others and return 143 (128 + the signal). A
 second signal kills every worker at once. Neither is restarted. SIGUSR1 to the launcher prints
 every worker's Python stacks, unless it is the preemption signal. Workers notice a launcher
-killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.launching.worker``).
-``launch(fn)`` runs a function instead of a script, on the same kind of workers (``launching.pool``).
+killed with SIGKILL through PR_SET_PDEATHSIG (see ``ddpkit.workers.worker``).
+``launch(fn)`` runs a function instead of a script, on the same kind of workers (``workers.pool``).
 """
 
 from __future__ import annotations
@@ -46,21 +46,13 @@ from ddpkit.diagnostics.relayed_news import write_news_file
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
 from ddpkit.environments import Recovery
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
+from ddpkit.health.job_health import JobHealth, SharedWindows
+from ddpkit.health.straggler_replacement import StepAside, one_node_note
 from ddpkit.launching.config import LaunchConfig, LaunchError, validate
-from ddpkit.launching.health import JobHealth, SharedWindows
 from ddpkit.launching.joining import announce_loss, connect_nodes, host_rendezvous, host_store, join_rendezvous
-from ddpkit.launching.pool import RankFailedError, WorkerPool
-from ddpkit.launching.processes import SPARE, WorkerProcesses
 from ddpkit.launching.rendezvous import RendezvousError
-from ddpkit.launching.replacement import (
-    NO_REPLACEMENTS,
-    NoReplacements,
-    Replacements,
-    ready_file,
-)
 from ddpkit.launching.spare_node import Takeover, wait_as_spare
 from ddpkit.launching.store_host import StoreHost, StoreHostError
-from ddpkit.launching.straggler_replacement import StepAside, one_node_note
 from ddpkit.launching.watch import Outcome, Signals, agree_across_nodes, watch
 from ddpkit.launching.worker_environment import (
     gloo_interface,
@@ -69,7 +61,6 @@ from ddpkit.launching.worker_environment import (
     rank_variables,
     worker_command,
 )
-from ddpkit.launching.worker_template import WorkerTemplate
 from ddpkit.logs import get_logger, line_start
 from ddpkit.membership.generations import member_identity
 from ddpkit.store.client import GaveUpWaiting, connect, import_distributed
@@ -78,6 +69,15 @@ from ddpkit.variables import (
     DDPKIT_READY_FILE,
     DDPKIT_RESTART_COUNT,
 )
+from ddpkit.workers.pool import RankFailedError, WorkerPool
+from ddpkit.workers.processes import SPARE, WorkerProcesses
+from ddpkit.workers.replacement import (
+    NO_REPLACEMENTS,
+    NoReplacements,
+    Replacements,
+    ready_file,
+)
+from ddpkit.workers.worker_template import WorkerTemplate
 
 __all__ = ["RankFailedError", "launch", "run_workers", "stop_signals"]
 
@@ -186,7 +186,7 @@ class _LauncherRun:
         self.output = config.output  # with its log folder once the job is joined
         self.replacements: Replacements | NoReplacements = NO_REPLACEMENTS  # the attempt's
         self.news_file: str | None = None  # the attempt's file of news for its workers (across nodes)
-        # The job's health line, metrics and stragglers (``launching.health``), across attempts.
+        # The job's health line, metrics and stragglers (``health.job_health``), across attempts.
         self.health = None if config.window_seconds is None else JobHealth(
             config.window_seconds, config.report_every > 0, config.metrics, config.straggler_factor,
             recoveries=lambda: self.state.restart_count + self.replacements.used)
@@ -398,7 +398,7 @@ class _LauncherRun:
 
 
 def _probe_address(master_address: str, port: int) -> str | None:
-    """Where this node's link probe listens (``launching.link_probe``): its address towards the job's
+    """Where this node's link probe listens (``health.link_probe``): its address towards the job's
     store; None when no route is known (its link is then not timed)."""
     try:
         return address_towards(master_address, port)

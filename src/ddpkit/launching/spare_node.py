@@ -3,7 +3,7 @@
 
 The rendezvous closes with the world's nodes (``launching.rendezvous``); a launcher that arrives
 later, up to MAX, is a spare. It starts one warm spare worker per local rank (torch and ddpkit
-imported, waiting for a rank: ``launching.worker --spare``) and waits for a launcher of the world
+imported, waiting for a rank: ``workers.worker --spare``) and waits for a launcher of the world
 to report a node silent (``JobLook.silent_launchers``: the launchers that watch a node's
 beat report it; the spare reads the reports when the job's news changes, and then the silent
 node's beat). When one goes silent (its launcher and workers killed, its host lost), the spare claims its place
@@ -19,7 +19,7 @@ the claim and do not end their workers; the lost node's launcher, if it answers 
 that it was replaced and ends its own (``NodeReplacedError``).
 
 A node alive but slow, which node 0's launcher asked to step aside (``ddpkit run --stragglers
-replace``, ``launching.straggler_replacement``), is claimed the same way, for the launcher there: that
+replace``, ``health.straggler_replacement``), is claimed the same way, for the launcher there: that
 launcher then finds its place taken and leaves.
 
 When the world shrank without a node instead (no spare was waiting then: ``control_plane.nodes``), a
@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from ddpkit.control_plane.job_look import LOOK_SECONDS
 from ddpkit.control_plane.node_claims import launcher_of
 from ddpkit.control_plane.nodes import NodeCoordination
-from ddpkit.launching.processes import WorkerProcess
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
 from ddpkit.store.client import GaveUpWaiting, GiveUp
+from ddpkit.workers.processes import WorkerProcess
 
 __all__ = ["Takeover", "wait_as_spare"]
 

@@ -47,8 +47,8 @@ from typing import IO, Any
 
 from ddpkit._network import listen_on
 from ddpkit.control_plane.launcher_records import clear_worker_keys
-from ddpkit.launching.processes import describe_exit
 from ddpkit.variables import DDPKIT_LAUNCHER_PID
+from ddpkit.workers.processes import describe_exit
 
 __all__ = ["StoreHost", "StoreHostError", "main", "serve_outside_nodes"]
 
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m ddpkit.launching.store_host ADDRESS PORT [--listen-fd FD]")
     # With --listen-fd, the launcher's socket, bound and listening already (``launching.rendezvous``).
     listen_fd = int(argv[3]) if handed else None
-    from ddpkit.launching.worker import die_with_launcher  # imports torch: only in this process, not the launcher
+    from ddpkit.workers.worker import die_with_launcher  # imports torch: only in this process, not the launcher
 
     die_with_launcher()
     store = _serve(argv[0], int(argv[1]), listen_fd)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from ddpkit.control_plane.nodes import FailureCause, NodeContactLostError, NodeCoordination
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
-from ddpkit.launching.health import JobHealth
-from ddpkit.launching.processes import WorkerProcess, WorkerProcesses
-from ddpkit.launching.replacement import NO_REPLACEMENTS, NoReplacements, Replacements
+from ddpkit.health.job_health import JobHealth
 from ddpkit.launching.store_host import StoreHost
 from ddpkit.logs import get_logger
+from ddpkit.workers.processes import WorkerProcess, WorkerProcesses
+from ddpkit.workers.replacement import NO_REPLACEMENTS, NoReplacements, Replacements
 
 __all__ = ["Outcome", "Signals", "agree_across_nodes", "failure_of", "watch"]
 
@@ -73,7 +73,7 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
     be replaced is, and the watch goes on. With ``nodes``, a failure or stop signal here is
     announced to the other nodes' launchers before the workers are ended, and one announced by
     them ends this node's workers (1). A ``store_host`` that ends fails the job at once (1). ``health``
-    reads the workers' step windows as they come (``launching.health``)."""
+    reads the workers' step windows as they come (``health.job_health``)."""
     count = len(workers.workers)
     preemption: int | None = None
     while True:

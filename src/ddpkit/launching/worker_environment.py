@@ -120,5 +120,5 @@ def worker_command(run_as: RunAs, script: str, script_args: Sequence[str]) -> li
     """The command line of each worker: ddpkit's bootstrap running the script (or module), or the program itself."""
     if run_as is RunAs.PROGRAM:
         return [script, *script_args]
-    return [sys.executable, "-m", "ddpkit.launching.worker", *(["-m"] if run_as is RunAs.MODULE else []), script,
+    return [sys.executable, "-m", "ddpkit.workers.worker", *(["-m"] if run_as is RunAs.MODULE else []), script,
             *script_args]

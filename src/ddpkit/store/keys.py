@@ -118,8 +118,8 @@ CAUSE, PREEMPTED, ARRIVED_NODE, STOP, OPEN = "cause", "preempted", "arrived", "s
 NODE_LOSSES, GENERATION_COUNT = "node-losses", "generation"
 #: The log of nodes reported silent by a launcher that watches their beat (``control_plane.heartbeats``).
 SILENT = "silent"
-HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``launching.health``)
-LINK_PROBE = "link-probe"  # link-probe/<node>: where its launcher's link probe listens (``launching.link_probe``)
+HEALTH = "health"  # health/<window start>/<node>: a node's ranks' step windows (``health.job_health``)
+LINK_PROBE = "link-probe"  # link-probe/<node>: where its launcher's link probe listens (``health.link_probe``)
 STEP_ASIDE = "step-aside"  # the count beside the requests ``step_aside`` (``control_plane.node_claims``)
 STORE_HOST = "store-host"  # the node whose launcher hosts the job's store (a c10d rendezvous's endpoint)
 #: A count raised after every launchers' record written (not signed): a launcher whose last read of it

@@ -1,6 +1,6 @@
 """The launcher's side of in-place recovery (``ddpkit run --recovery in-place``).
 
-For one start of the workers, ``Replacements`` keeps a warm spare (``launching.worker --spare``:
+For one start of the workers, ``Replacements`` keeps a warm spare (``workers.worker --spare``:
 torch and ddpkit imported, waiting for a rank) and decides, when workers fail, whether the spare
 can take over:
 
@@ -34,10 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
-from ddpkit.launching.processes import WorkerProcess, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.ready_file import OUTSIDE, what_it_said
 from ddpkit.variables import DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
+from ddpkit.workers.processes import WorkerProcess, WorkerProcesses, describe_exit
 
 __all__ = ["NO_REPLACEMENTS", "NoReplacements", "Replacements", "ready_file"]
 

@@ -2,11 +2,11 @@
 
 Importing torch, and ``torch._dynamo`` which any optimizer's first call imports, costs a worker
 seconds of CPU before its script runs: at every start, and again at every restart of the job.
-``ddpkit run`` therefore starts one *template* per node (``python -m ddpkit.launching.worker
+``ddpkit run`` therefore starts one *template* per node (``python -m ddpkit.workers.worker
 --template``): a process that imports those (and ddpkit's Lightning strategy, with Lightning, when
 the script imports Lightning) once, then forks each worker on request. A forked worker is the
 worker a fresh interpreter would be: a session of its own, the worker's own environment, its
-working directory, the same bootstrap (``launching.worker.main``), which ends the process itself;
+working directory, the same bootstrap (``workers.worker.main``), which ends the process itself;
 numpy's global generator is seeded anew, as Python's ``random`` is by the interpreter. Forking
 after importing torch is what every fork-started DataLoader worker does.
 
@@ -19,7 +19,7 @@ interpreter or torch starts (``PYTHON*``, ``OMP_*``, ``TORCH_*``, ``LD_*``, ...)
 ``DDPKIT_FORK_WORKERS=0``. A template that cannot start, or dies, is replaced by fresh interpreters
 for the workers started after; the launcher says so once.
 
-The template's side is the worker bootstrap's (``launching.worker.serve_forks``). It speaks JSON
+The template's side is the worker bootstrap's (``workers.worker.serve_forks``). It speaks JSON
 lines on a socket: the launcher asks ``{"argv": ..., "environment": ..., "cwd": ...}`` and is told
 ``{"started": pid}``, and ``{"ended": pid, "code": code}`` when a worker ends (the template is the
 workers' parent, and reaps them: ``code`` as ``subprocess.Popen``'s ``returncode``). When the
@@ -53,7 +53,7 @@ _log = get_logger("launching")
 
 # The argument that makes a worker bootstrap the template of the node's workers.
 TEMPLATE = "--template"
-_WORKER_MODULE = "ddpkit.launching.worker"
+_WORKER_MODULE = "ddpkit.workers.worker"
 
 # Variables read when an interpreter, torch or a library torch loads starts (the thread pools,
 # glibc's allocator, the locale, dynamo's and inductor's settings): a worker whose value differs
@@ -151,7 +151,7 @@ class WorkerTemplate:
             self._start(command, environment)
 
     def fork(self, command: Sequence[str], environment: Mapping[str, str]) -> ForkedProcess | None:
-        """Fork the worker of ``command`` (``python -m ddpkit.launching.worker script ...``) with
+        """Fork the worker of ``command`` (``python -m ddpkit.workers.worker script ...``) with
         ``environment``; None when it should start as a fresh interpreter instead (the module says when)."""
         if self._refused is not None or not _forkable(command):
             return None

@@ -1,5 +1,5 @@
 """``ddpkit report FILE [--plot out.png]``: what a ``ddpkit run --metrics FILE`` job's windows say
-(``launching.health``): one line per window, the stragglers named, and with ``--plot`` the step time
+(``health.job_health``): one line per window, the stragglers named, and with ``--plot`` the step time
 and each phase per rank over time, and across nodes each node's link time (matplotlib, which
 ``ddpkit run`` itself does not need)."""
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ddpkit.launching.health import JobWindow, Straggler, read_job_windows_and_malformed
+from ddpkit.health.job_health import JobWindow, Straggler, read_job_windows_and_malformed
 
 __all__ = ["draw_windows", "phases_held", "plot_windows", "report"]
 

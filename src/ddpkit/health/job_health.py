@@ -11,7 +11,7 @@ microseconds in a phase of microseconds is noise, not a slow rank. Only windows 
 only when that changes (another phase, or no longer slow). The others' waits are not compared:
 a synchronised step makes every other rank wait for the slow one in the gradients' all-reduce.
 For the same reason a node whose network link is slow shows in no rank's phases: across nodes,
-each launcher times its own sending once a window (``launching.link_probe``), and a node whose
+each launcher times its own sending once a window (``health.link_probe``), and a node whose
 link time is above the other nodes' median by the factor, and by ``LINK_FLOOR_SECONDS``, is named
 for its link (as its first rank, with the node).
 
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from ddpkit.control_plane.launcher_records import LauncherRecords, NodeContactLostError
 from ddpkit.diagnostics.step_windows import RankWindow, read_windows
-from ddpkit.launching.link_probe import LINK_FLOOR_SECONDS, PROBE_BYTES, LinkProbe, neighbours_of, say_where
+from ddpkit.health.link_probe import LINK_FLOOR_SECONDS, PROBE_BYTES, LinkProbe, neighbours_of, say_where
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
 
@@ -247,7 +247,7 @@ class JobHealth:
     _well: dict[tuple[int, str], int] = field(default_factory=dict)  # a named one's windows in a row not slow
     _next_read: float = 0.0
     shared: SharedWindows | None = None  # across nodes: set once the launchers' agreement is connected
-    # Told each straggler as it is named (``--stragglers replace``: ``launching.straggler_replacement``);
+    # Told each straggler as it is named (``--stragglers replace``: ``health.straggler_replacement``);
     # True when its node is being replaced: its ranks are then watched afresh (a slow replacement is named again).
     on_named: Callable[[Straggler], bool] | None = None
     each_read: Callable[[], None] | None = None  # called at each read of the windows (a replacement's follow-up)

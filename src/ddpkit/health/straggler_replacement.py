@@ -1,5 +1,5 @@
 """``ddpkit run --stragglers replace`` (issue 49, item 4): a node whose rank was named a straggler
-(``launching.health``) is asked to step aside, and a waiting spare node takes its place as it
+(``health.job_health``) is asked to step aside, and a waiting spare node takes its place as it
 would a lost node's (``launching.spare_node``): the spare's warm workers take the node's ranks in
 the next generation of the group, the other nodes' workers recover in place and train the step
 in flight again, and the slow node's launcher, replaced, ends its workers and leaves (exit 0).
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ddpkit.control_plane.launcher_records import NodeContactLostError
 from ddpkit.control_plane.nodes import NodeCoordination
-from ddpkit.launching.health import Straggler
+from ddpkit.health.job_health import Straggler
 from ddpkit.logs import get_logger
 
 __all__ = ["SPARE_SECONDS", "StepAside", "one_node_note"]

@@ -1,8 +1,8 @@
 """Functions run on several connected processes: the engine of ``launch(fn)`` and of
 ``ddpkit.testing.WorkerPool`` (whose docstring shows it in use).
 
-The workers are started, ended and blamed by ``launching.processes``, like ``ddpkit run``'s: each
-runs ``python -m ddpkit.launching.worker --serve-functions`` and talks to the pool over a pipe
+The workers are started, ended and blamed by ``workers.processes``, like ``ddpkit run``'s: each
+runs ``python -m ddpkit.workers.worker --serve-functions`` and talks to the pool over a pipe
 of its own. It first receives the pool's setup: the parent's ``sys.path``, working directory and
 main module, prepared as ``multiprocessing``'s spawn method prepares them (so a function defined
 in the parent's script unpickles in the worker), then joins the process group through a
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddpkit.launching.processes import SERVE_FUNCTIONS, WorkerProcesses, describe_exit
 from ddpkit.logs import get_logger
 from ddpkit.store import keys as store_keys
 from ddpkit.variables import DDPKIT_POOL_CONNECTION  # the worker's end of its pipe, a file descriptor it inherits
+from ddpkit.workers.processes import SERVE_FUNCTIONS, WorkerProcesses, describe_exit
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool", "serve"]
 
@@ -160,7 +160,7 @@ class WorkerPool:
         for rank in range(self.world_size):
             parent_end, worker_end = multiprocessing.Pipe()
             environment = {**os.environ, DDPKIT_POOL_CONNECTION: str(worker_end.fileno())}
-            workers.start([sys.executable, "-m", "ddpkit.launching.worker", SERVE_FUNCTIONS], environment,
+            workers.start([sys.executable, "-m", "ddpkit.workers.worker", SERVE_FUNCTIONS], environment,
                           rank=rank, local_rank=rank, pass_fds=[worker_end.fileno()])
             worker_end.close()
             setup = _Setup(preparation, rank, self.world_size, os.path.join(workers.folder, "store"),

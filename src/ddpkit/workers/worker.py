@@ -1,10 +1,10 @@
-"""Bootstrap of every worker that ddpkit starts (``launching.processes``):
-``python -m ddpkit.launching.worker script.py [args]`` or ``python -m ddpkit.launching.worker -m module [args]``
-for ``ddpkit run`` and in-script launching, ``python -m ddpkit.launching.worker --serve-functions`` for
-the function pool of ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``);
-``python -m ddpkit.launching.worker --template script.py [args]`` for the process that forks a node's
-workers (``launching.worker_template``), each of which then comes back here as a worker;
-``python -m ddpkit.launching.worker --spare script.py [args]`` for the warm spare of in-place
+"""Bootstrap of every worker that ddpkit starts (``workers.processes``):
+``python -m ddpkit.workers.worker script.py [args]`` or ``python -m ddpkit.workers.worker -m module [args]``
+for ``ddpkit run`` and in-script launching, ``python -m ddpkit.workers.worker --serve-functions`` for
+the function pool of ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``workers.pool``);
+``python -m ddpkit.workers.worker --template script.py [args]`` for the process that forks a node's
+workers (``workers.worker_template``), each of which then comes back here as a worker;
+``python -m ddpkit.workers.worker --spare script.py [args]`` for the warm spare of in-place
 recovery, which imports torch and ddpkit's training parts (and ddpkit's strategy for Lightning's
 Trainer, with Lightning, when the script imports Lightning), then waits for the launcher to write
 the variables of the rank it replaces (one JSON line on its standard input) and runs the script.
@@ -45,10 +45,10 @@ import torch.distributed as dist
 from ddpkit.diagnostics.exits import leave
 from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception, uncaught_failure
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
-from ddpkit.launching.processes import SERVE_FUNCTIONS, SPARE
-from ddpkit.launching.worker_template import TEMPLATE
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
+from ddpkit.workers.processes import SERVE_FUNCTIONS, SPARE
+from ddpkit.workers.worker_template import TEMPLATE
 
 _log = get_logger("launching")
 
@@ -90,7 +90,7 @@ def _dump_stacks_on_request() -> None:
 
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit("usage: python -m ddpkit.launching.worker (script.py | -m module) [args...]")
+        raise SystemExit("usage: python -m ddpkit.workers.worker (script.py | -m module) [args...]")
     if argv[0] == TEMPLATE:  # the node's template: it forks workers, each of which comes back to main
         die_with_launcher()
         serve_forks(argv[1:])
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
     namespace: dict[str, Any] = {}
     try:
         if argv == [SERVE_FUNCTIONS]:
-            from ddpkit.launching.pool import serve  # only a pool's workers need it
+            from ddpkit.workers.pool import serve  # only a pool's workers need it
 
             serve()
         elif argv[0] == "-m":  # as `python -m module args`: the module's own sys.argv[0], the cwd on the path
@@ -265,7 +265,7 @@ def _tear_down_group() -> None:
         _log.debug(f"ddpkit: tearing down the process group after the script ended failed: {error}")
 
 
-# The template of a node's workers (``launching.worker_template``): it forks them.
+# The template of a node's workers (``workers.worker_template``): it forks them.
 
 
 def serve_forks(argv: list[str]) -> None:

@@ -12,7 +12,7 @@ neighbour's probe listener reads the bytes and answers once it has them all. The
 busy host delays single tries; and the fastest neighbour, as a neighbour slow only to *receive*
 slows this node's try to it alone (with two nodes there is one neighbour: a link slow one way is
 then named by its sender). The link time goes into the node's health record
-(``launching.health.SharedWindows``) and node 0's launcher compares the nodes'
+(``health.job_health.SharedWindows``) and node 0's launcher compares the nodes'
 (``health.compare_links``): a node above the others' median by the straggler factor, and by at
 least ``LINK_FLOOR_SECONDS``, is slow in its link.
 

@@ -1,15 +1,15 @@
 """The one process manager: start worker processes, watch them, end them, name the root cause.
 
 ``ddpkit run`` (``launching.launcher``), in-script launching (``launching.in_script``) and the
-function pool behind ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``launching.pool``) start
+function pool behind ``launch(fn)`` and ``ddpkit.testing.WorkerPool`` (``workers.pool``) start
 their workers here, so every worker is started, ended and blamed the same way:
 
-- it runs ``python -m ddpkit.launching.worker ...`` in a session of its own, so that ending its
+- it runs ``python -m ddpkit.workers.worker ...`` in a session of its own, so that ending its
   process group also ends its children (DataLoader workers, say);
 - it is told ``DDPKIT_LAUNCHER_PID`` (it dies with the process that started it),
   ``DDPKIT_ERROR_FILE`` (where it records its first failure: ``diagnostics.failures.record_failure``)
   ``DDPKIT_STACK_FILE`` (where it writes its threads' stacks on SIGUSR1) and, when the launcher
-  reports the job's health, ``DDPKIT_METRICS_FILE`` (its step windows: ``launching.health``);
+  reports the job's health, ``DDPKIT_METRICS_FILE`` (its step windows: ``health.job_health``);
 - when several fail, ``root_cause`` picks the one whose failure caused the others', from those records.
 """
 
@@ -29,8 +29,6 @@ from typing import Any
 
 from ddpkit.diagnostics.records import read_error_record, record_time
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
-from ddpkit.launching.output import OutputPlan, WorkerOutput
-from ddpkit.launching.worker_template import ForkedProcess, WorkerTemplate
 from ddpkit.variables import (
     DDPKIT_ERROR_FILE,
     DDPKIT_LAUNCHER_PID,
@@ -38,9 +36,11 @@ from ddpkit.variables import (
     DDPKIT_METRICS_SECONDS,
     DDPKIT_STACK_FILE,
 )
+from ddpkit.workers.output import OutputPlan, WorkerOutput
+from ddpkit.workers.worker_template import ForkedProcess, WorkerTemplate
 
-# The argument that makes a worker serve the function pool (``launching.pool``) instead of a
-# script. Here rather than in ``launching.worker``, which imports torch: the launcher does not.
+# The argument that makes a worker serve the function pool (``workers.pool``) instead of a
+# script. Here rather than in ``workers.worker``, which imports torch: the launcher does not.
 SERVE_FUNCTIONS = "--serve-functions"
 # The argument that makes a worker a warm spare (in-place recovery): it waits for a rank to take over.
 SPARE = "--spare"
@@ -64,7 +64,7 @@ class WorkerProcess:
 
     local_rank: int
     rank: int
-    process: subprocess.Popen[bytes] | ForkedProcess  # forked: by the node's template (launching.worker_template)
+    process: subprocess.Popen[bytes] | ForkedProcess  # forked: by the node's template (workers.worker_template)
     error_file: str  # where it records its first failure (DDPKIT_ERROR_FILE)
     stack_file: str  # where it appends its stacks on SIGUSR1 (DDPKIT_STACK_FILE)
     metrics_file: str = ""  # where it appends its step windows (DDPKIT_METRICS_FILE), when asked for
@@ -84,11 +84,11 @@ class WorkerProcesses:
     def __init__(self, purpose: str, output: OutputPlan | None = None, log_folder: str | None = None,
                  window_seconds: float | None = None, template: WorkerTemplate | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix=f"ddpkit-{purpose}-")
-        # Where workers are forked from, when they can be (``launching.worker_template``); the
+        # Where workers are forked from, when they can be (``workers.worker_template``); the
         # caller's to close.
         self._template = template
-        self._window_seconds = window_seconds  # the workers' step windows (``launching.health``); None: none
-        # Where the workers' streams go (``launching.output``; None: the launcher's own), and the
+        self._window_seconds = window_seconds  # the workers' step windows (``health.job_health``); None: none
+        # Where the workers' streams go (``workers.output``; None: the launcher's own), and the
         # folder of this start's log files, one subfolder per local rank (or spare).
         self._output, self._log_folder = output, log_folder
         self.workers: list[WorkerProcess] = []
@@ -103,13 +103,13 @@ class WorkerProcesses:
 
     def start(self, command: Sequence[str], environment: Mapping[str, str], rank: int, local_rank: int,
               pass_fds: Sequence[int] = ()) -> WorkerProcess:
-        """Start ``command`` (a ``ddpkit.launching.worker`` command line) as the worker of ``rank``."""
+        """Start ``command`` (a ``ddpkit.workers.worker`` command line) as the worker of ``rank``."""
         worker = self._launch(command, environment, f"rank{rank}", rank, local_rank, pass_fds=tuple(pass_fds))
         self.workers.append(worker)
         return worker
 
     def start_spare(self, command: Sequence[str], environment: Mapping[str, str]) -> WorkerProcess:
-        """Start a warm spare (``python -m ddpkit.launching.worker --spare ...``): a worker without a
+        """Start a warm spare (``python -m ddpkit.workers.worker --spare ...``): a worker without a
         rank yet, whose standard input is a pipe from here (``replace`` writes its rank there)."""
         spare = self._launch(command, environment, f"spare{len(self.spares) + len(self.retired)}", -1, -1,
                              stdin=subprocess.PIPE)
