@@ -248,13 +248,13 @@ def shrink_after_two_steps(loader: object) -> list[list[int]]:
     for number, batch in enumerate(loop.batches(loader)):  # type: ignore[arg-type]
         seen.append(batch[0].tolist())
         if number < 2:
-            recovery._commit()  # the optimizer stepped on it
+            recovery._keep_the_commit()  # the optimizer stepped on it
         elif number == 2:  # the step's all-reduce failed: recover() formed the shrunk group
             if isinstance(loader, EpochDataLoader):
                 loader.follow_membership(Membership(1, 0, 2, (0, 2), 4))
             recovery.position.rewind = recovery.position.reshard = True
         else:
-            recovery._commit()
+            recovery._keep_the_commit()
     return seen
 
 
@@ -304,7 +304,7 @@ def test_a_shrink_at_an_epoch_boundary_reads_the_next_epochs_shuffle_with_the_ne
             if epoch == 1 and number == 0 and lost_in == "the first step of the next epoch":
                 shrink()  # the step's all-reduce failed: nothing of epoch 1 committed
             else:
-                recovery._commit()
+                recovery._keep_the_commit()
     assert seen[0] == shuffled_order(0, (0,), 2, 32, 2)
     expected_first = [] if lost_in == "the save between the epochs" else shuffled_order(1, (0,), 2, 32, 2)[:1]
     assert seen[1] == expected_first + shuffled_order(1, (0, 1), 2, 32, 2)

@@ -254,3 +254,18 @@ def test_restart_count_comes_from_the_launcher_through_the_environment() -> None
     assert DDPStrategy(cluster_environment=TorchElasticEnvironment(torchrun)).restart_count == 3
     with pytest.raises(ValueError, match="DDPKIT_RESTART_COUNT='two' is not a restart count"):
         restart_count(DDPKIT_RESTART_COUNT="two")  # refused as the environment is read, not at the first look
+
+
+def test_the_optimizers_step_listeners_run_in_the_order_of_their_stages_behind_one_hook() -> None:
+    """``ddpkit.training.commit``: the count before the commit before the replica check, whatever
+    order they were added in, through one hook on the optimizer."""
+    from ddpkit.training.commit import OptimizerCommits, Stage
+
+    optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    hooks_before = len(optimizer._optimizer_step_post_hooks)
+    commits, seen = OptimizerCommits(optimizer), []
+    for stage in (Stage.CHECK, Stage.COMMIT, Stage.COUNT, Stage.COMMIT):
+        commits.after_each_step(stage, lambda stage=stage: seen.append(stage.name))
+    optimizer.step()
+    assert seen == ["COUNT", "COMMIT", "COMMIT", "CHECK"]
+    assert len(optimizer._optimizer_step_post_hooks) == hooks_before + 1

@@ -54,6 +54,7 @@ from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import no_sync
 from ddpkit.ready_file import tell_the_launcher
 from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
+from ddpkit.training.commit import OptimizerCommits, Stage
 from ddpkit.training.replicas import ReplicaCheck, check_every
 from ddpkit.training.resumable_loop import release_frames
 from ddpkit.training.state import BufferSnapshot, TrackedState
@@ -176,7 +177,9 @@ class TrainerRecovery:
         tracked = TrackedState()  # Lightning's schedules and loops travel in its checkpoint, not compared
         self._replica_check = ReplicaCheck(check_every(), lambda: (model.module, optimizer, tracked),
                                            lambda: trainer.global_step + self._in_commit, buffers=model.broadcast_buffers)
-        optimizer.register_step_post_hook(self._commit)
+        commits = OptimizerCommits(optimizer)  # Lightning counts the steps itself (``trainer.global_step``)
+        commits.after_each_step(Stage.COMMIT, self._window_committed)
+        commits.after_each_step(Stage.CHECK, self._check_replicas)
         run_through(trainer.fit_loop.epoch_loop.val_loop, self.validation)  # a rank lost in it: run again
         tell_the_launcher()
 
@@ -284,10 +287,12 @@ class TrainerRecovery:
             except (PeerLostError, RuntimeError) as error:
                 self._take_loss(error)
 
-    def _commit(self, *_: Any) -> None:
+    def _window_committed(self) -> None:
         self._window.clear()
         if self._model is not None:
             self._buffers.keep(self._model.module)
+
+    def _check_replicas(self) -> None:
         if self._replica_check is not None and not self.lost:  # after a recovery, every DDPKIT_CHECK_REPLICAS steps
             self._in_commit = True
             try:

@@ -37,7 +37,7 @@ worker's rank. What the ranks do, with ``DDPStrategy``'s loop helpers:
   also continues from the later step: no step is lost and none is applied twice. No file is read.
   The replicas are compared at the end of the next step trained (``ddpkit.training.replicas``).
 
-The commit point is the optimizer step (``register_step_post_hook``): the position moves past a
+The commit point is the optimizer step (``ddpkit.training.commit``): the position moves past a
 batch when the optimizer has stepped on it, so with gradient accumulation the whole window is
 trained again. With ``overlap_optimizer`` the step is applied bucket by bucket by the next forward:
 the commit waits for it (``_unapplied``), the model keeps what each bucket's step overwrote, and a
@@ -63,6 +63,7 @@ from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.ready_file import tell_the_launcher
 from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
 from ddpkit.training.agreement import GrowthWatch
+from ddpkit.training.commit import OptimizerCommits, Stage
 from ddpkit.training.replicas import ReplicaCheck
 from ddpkit.training.resume_point import ResumePoint
 from ddpkit.training.state import BufferSnapshot, TrackedState
@@ -151,9 +152,9 @@ class InPlaceRecovery:
         self.position.rewind = False  # the loop starts at the resume point (first_epoch, first_batch)
         return state
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, replica_check: ReplicaCheck,
+    def attach(self, model: nn.Module, commits: OptimizerCommits, replica_check: ReplicaCheck,
                joined_state: dict[str, Any] | None = None) -> None:
-        """Follow ``optimizer``'s steps (each one commits the batch in hand) and keep what a redo
+        """Follow the optimizer's steps (each one commits the batch in hand) and keep what a redo
         needs: the buffers and RNG state as of the last step. Then tell the launcher, through the
         ready file, that this rank can take part in a recovery (a replacement: that it holds the
         survivors' state); it replaces a lost rank in place only once every other rank has.
@@ -162,14 +163,14 @@ class InPlaceRecovery:
         if not isinstance(model, DistributedDataParallel):
             raise ValueError("in-place recovery needs ddpkit's DistributedDataParallel: drop use_torch_ddp=True, or "
                              "use ddpkit run --recovery fail-fast.")
-        self._model, self._optimizer = model, optimizer
+        self._model, self._optimizer = model, commits.optimizer
         self._buffers = BufferSnapshot(model.module)
         self._replica_check = replica_check
         if joined_state is not None:
             model.adopt_bucket_order(joined_state["bucket_order"], joined_state["bucket_order_may_change"])
             group = current_group()
             replica_check.recovered(_formed(group.generation if group is not None else 0))
-        optimizer.register_step_post_hook(self._commit)
+        commits.after_each_step(Stage.COMMIT, self._keep_the_commit)
         model.when_step_applied(self._applied)
         model.register_forward_pre_hook(self._refuse_a_stale_batch)
         tell_the_launcher()
@@ -179,7 +180,7 @@ class InPlaceRecovery:
             self.batch_to_read_again = False
             raise BatchReadAgain("the batch in hand was read before the world shrank: it is read again")
 
-    def _commit(self, *_: Any) -> None:
+    def _keep_the_commit(self) -> None:
         progress, model = self.progress, self._model
         if model is not None and model.step_deferred:
             # Applied bucket by bucket by the next forward: until it is, a recovery goes back to the

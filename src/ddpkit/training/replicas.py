@@ -244,8 +244,8 @@ class ReplicaCheck:
 
     def run(self, *_: Any) -> None:
         """Compare the replicas if it is time: after a recovery, or every ``DDPKIT_CHECK_REPLICAS``
-        optimizer steps. Every rank calls it at the same step (also usable as a step hook). Not at
-        the boundary a recovery between steps (in a checkpoint save) ended at: a replacement starts
+        optimizer steps. Every rank calls it at the same step (a listener of the optimizer's steps too,
+        ``training.commit``). Not at the boundary a recovery between steps (in a checkpoint save) ended at: a replacement starts
         at the next step, and compares there, so the survivors must too."""
         steps = self._steps()
         if steps <= self._recovered_at:

@@ -23,6 +23,7 @@ from ddpkit.logs import get_logger
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.step_timings import StepTimings
 from ddpkit.training.agreement import PreemptionAgreement
+from ddpkit.training.commit import OptimizerCommits, Stage
 from ddpkit.training.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.training.recovery import BatchReadAgain, InPlaceRecovery, Progress
 from ddpkit.training.state import TrackedState
@@ -80,11 +81,14 @@ class ResumableLoop:
             self.recovery = InPlaceRecovery(self.progress, self.tracked)
         return self.recovery
 
-    def count_steps(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer``'s steps in ``progress.steps`` (before any other step hook of ddpkit's)."""
-        optimizer.register_step_post_hook(self._count_step)
+    def count_steps(self, optimizer: torch.optim.Optimizer) -> OptimizerCommits:
+        """Follow ``optimizer``'s steps (``ddpkit.training.commit``), counting each in ``progress.steps``
+        first; the recovery and the replica check listen on what this returns."""
+        commits = OptimizerCommits(optimizer)
+        commits.after_each_step(Stage.COUNT, self._count_step)
+        return commits
 
-    def _count_step(self, *_: Any) -> None:
+    def _count_step(self) -> None:
         self.progress.steps += 1
 
     def epochs(self, stop: int, start: int = 0) -> Iterator[int]:

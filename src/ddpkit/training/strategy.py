@@ -67,6 +67,7 @@ from ddpkit.membership.group import current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import join, no_sync, wrap
 from ddpkit.training.checkpoints import DATA_WORLD_KEY, read_checkpoint, take_data_world, write_atomically
+from ddpkit.training.commit import Stage
 from ddpkit.training.data import shard
 from ddpkit.training.plugin_hooks import LightningPluginHooks
 from ddpkit.training.replicas import ReplicaCheck, check_every
@@ -269,16 +270,16 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
                 joined = recovery.join(module, optimizer)  # a replacement: the survivors' state, before wrapping
             wrapped = self.configure_ddp(module, optimizer if self.overlap_optimizer else None)
         if optimizer is not None:
-            self._loop.count_steps(optimizer)
+            commits = self._loop.count_steps(optimizer)
             if isinstance(wrapped, DistributedDataParallel):
                 wrapped.time_optimizer(optimizer)
             check = ReplicaCheck(check_every(), self._replicated(wrapped, optimizer), lambda: self.progress.steps,
                                  buffers=bool(getattr(wrapped, "broadcast_buffers", False)) and not self.use_torch_ddp,
                                  settle=wrapped.settle if isinstance(wrapped, DistributedDataParallel) else None)
             if recovery is not None:
-                recovery.attach(wrapped, optimizer, check, joined)  # it runs the check at each step boundary
+                recovery.attach(wrapped, commits, check, joined)  # it runs the check at each step boundary
             elif check_every():
-                optimizer.register_step_post_hook(check.run)  # after the step hook that counts it
+                commits.after_each_step(Stage.CHECK, check.run)
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def _replicated(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer
