@@ -121,7 +121,7 @@ class SimulatedNode:
         client = Counted(connection, counter, by_source["launcher"])
         client.seconds = 60.0  # what ``BoundedStore`` says of its bound (its errors name it)
         self.nodes = NodeCoordination(client, node, args.size, "127.0.0.1", port,  # type: ignore[arg-type]
-                                      in_place=args.in_place, shrinking=shrinking, join_seconds=600.0)
+                                      survivors_go_on=args.in_place, shrinking=shrinking, join_seconds=600.0)
         self.beat = self.nodes.heartbeats.beats_through(Counted(connection, counter, by_source["beat"]))
         self.windows = SharedWindows(self.nodes.records, self.nodes.world.nodes)
         if args.in_place:  # for its ranks' meeting, as ``ddpkit run`` relays it to its workers

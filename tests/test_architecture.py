@@ -407,10 +407,10 @@ def test_resetting_the_process_state_forgets_every_part() -> None:
     from ddpkit.process_state import PROCESS, ProcessState
 
     before = {name: id(part) for name, part in vars(PROCESS).items()}
-    PROCESS.failures.expect_lost = True
+    PROCESS.failures.peers_may_vanish = True
     PROCESS.debug.sequences[1] = 5
     PROCESS.refused_keys.add("a key")
     PROCESS.reset()
-    assert not PROCESS.failures.expect_lost and PROCESS.debug.sequences == {} and PROCESS.refused_keys == set()
+    assert not PROCESS.failures.peers_may_vanish and PROCESS.debug.sequences == {} and PROCESS.refused_keys == set()
     assert set(vars(PROCESS)) == set(vars(ProcessState())) == set(before)
     assert all(id(part) != before[name] for name, part in vars(PROCESS).items() if part is not None)

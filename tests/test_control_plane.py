@@ -47,7 +47,7 @@ def requests_of_a_quiet_watch(nnodes: int, seconds: float) -> int:
     0.05 s) for ``seconds`` while every other node has beaten and nothing else happens: its requests."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     counted = CountedRequests(connect("127.0.0.1", store.port, 10))
-    watching = NodeCoordination(BoundedStore(counted, 10), 0, nnodes, "127.0.0.1", store.port, in_place=True)
+    watching = NodeCoordination(BoundedStore(counted, 10), 0, nnodes, "127.0.0.1", store.port, survivors_go_on=True)
     for node in range(1, nnodes):  # each other node's beat, signed as its launcher signs it
         other = LauncherRecords(BoundedStore(connect("127.0.0.1", store.port, 10), 10), node, "")
         key = other.key(keys.of(keys.BEAT, node), keys.JOB_WIDE)
@@ -81,10 +81,10 @@ def test_a_node_gone_silent_is_reported_by_a_launcher_that_watches_it_to_those_t
     nodes 0 and 1's. Node 3's launcher stops beating: node 0's and node 1's find it silent and one
     reports it, and node 2's, which never read node 3's beat, takes it for lost from the report,
     within a look or two of the others."""
-    monkeypatch.setattr(heartbeats, "_IN_PLACE_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(heartbeats, "_RECOVERING_SILENT_SECONDS", 0.5)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     nodes = [NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), node, 4, "127.0.0.1",
-                              store.port, in_place=True) for node in range(4)]
+                              store.port, survivors_go_on=True) for node in range(4)]
     for node in nodes:
         node.beat_through(connect("127.0.0.1", store.port, 10))
     deadline = time.monotonic() + 1.0
@@ -134,7 +134,7 @@ def test_two_launchers_counting_generations_at_once_never_get_the_same_number() 
     that generation). A read and then a write gave two of them the same number now and then."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     launchers = [NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), node, 2, "127.0.0.1",
-                                  store.port, in_place=True) for node in range(2)]
+                                  store.port, survivors_go_on=True) for node in range(2)]
     numbers: list[list[int]] = [[], []]
     start = threading.Barrier(2)
 

@@ -36,7 +36,7 @@ HOOK_CONTRACT = textwrap.dedent(
     import torch.distributed as dist
     from ddpkit.membership.group import Group, Membership
 
-    group = Group(Membership(0, 0, 1), "gloo", timedelta(seconds=30), launcher_store=dist.HashStore(), in_place=True)
+    group = Group(Membership(0, 0, 1), "gloo", timedelta(seconds=30), launcher_store=dist.HashStore(), survivors_go_on=True)
     dist.init_process_group("gloo", store=group.store_of(0), rank=0, world_size=1)
     calls = []
 
@@ -91,7 +91,7 @@ SHRINK = textwrap.dedent(
     from ddpkit.membership.group import Group, Membership
 
     store = dist.HashStore()
-    group = Group(Membership(0, 2, 3), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    group = Group(Membership(0, 2, 3), "gloo", timedelta(seconds=30), launcher_store=store, survivors_go_on=True)
     layout = Layout.initial(3).shrunk({0, 1})
 
     def launcher_shrinks():
@@ -104,7 +104,7 @@ SHRINK = textwrap.dedent(
     started = time.monotonic()
     membership = group.reconfigure()
     waited = time.monotonic() - started
-    lost = Group(Membership(0, 1, 3), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    lost = Group(Membership(0, 1, 3), "gloo", timedelta(seconds=30), launcher_store=store, survivors_go_on=True)
     try:
         lost.meet(1)
         came_back = "met"
@@ -114,7 +114,7 @@ SHRINK = textwrap.dedent(
     write_layout(store, None, 0, 2, layout.grown({1}))
     announce_growth(store, None, 0, 1, "node 0 joins again")
     group.finish()
-    joiner = Group(Membership(0, 1, 3), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    joiner = Group(Membership(0, 1, 3), "gloo", timedelta(seconds=30), launcher_store=store, survivors_go_on=True)
     try:
         joiner.meet(2)
         finished = "met"
@@ -270,7 +270,7 @@ SURVIVOR = textwrap.dedent(
     from ddpkit.membership.group import Group, Membership
 
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
-    group = Group(Membership(0, 0, 2), "gloo", timedelta(minutes=30), launcher_store=store, in_place=True)
+    group = Group(Membership(0, 0, 2), "gloo", timedelta(minutes=30), launcher_store=store, survivors_go_on=True)
     started = time.monotonic()
     membership = group.reconfigure()
     print("RESULT " + json.dumps({"membership": [membership.generation, membership.rank, membership.world_size,
@@ -299,7 +299,7 @@ DYING_JOINER = textwrap.dedent(
             os._exit(9)
 
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
-    group = Group(Membership(0, 1, 2), "gloo", timedelta(minutes=30), launcher_store=store, in_place=True)
+    group = Group(Membership(0, 1, 2), "gloo", timedelta(minutes=30), launcher_store=store, survivors_go_on=True)
     claim_rank(store, None, 0, 1, 1, member_identity())  # counted in, as ``Group.meet`` does
     store.add(f"{generation_prefix(None, 0, 1)}arrived", 1)
     dist.init_process_group("gloo", store=DiesOnceItsAddressIsOut(group.store_of(1)), rank=1, world_size=2)
@@ -402,7 +402,7 @@ def test_a_rank_waiting_for_its_generations_members_asks_the_store_less_often_th
     monkeypatch.setenv(DDPKIT_RECOVERY_TIMEOUT_SECONDS, "1")
     store = CountedStore()
     write_layout(store, None, 0, 1, Layout.initial(members))
-    group = Group(Membership(0, 0, members), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    group = Group(Membership(0, 0, members), "gloo", timedelta(seconds=30), launcher_store=store, survivors_go_on=True)
     store.calls.clear()
     with pytest.raises(TimeoutError, match=f"only 1 of the {members} ranks arrived for generation 1"):
         group.meet(1)
@@ -468,14 +468,14 @@ def test_in_a_big_world_the_last_arrival_reaches_the_waiting_ranks_through_their
     monkeypatch.setenv("DDPKIT_NEWS_FILE", str(news_file))
     write_layout(store, None, 0, 1, Layout.initial(members))
     news_key = store_keys.launchers_news(RecordSigner(job_secret()).namespace)
-    group = Group(Membership(0, 0, members), "gloo", timedelta(seconds=30), launcher_store=store, in_place=True)
+    group = Group(Membership(0, 0, members), "gloo", timedelta(seconds=30), launcher_store=store, survivors_go_on=True)
 
     def the_others_arrive_and_the_launcher_relays() -> None:
         time.sleep(0.2)
         store.add(group._prefix(1) + store_keys.ARRIVED, members - 2)  # noqa: SLF001
         # The last of them counts itself in as Group.meet does: it finds itself last and raises the news.
         last = Group(Membership(0, members - 1, members), "gloo", timedelta(seconds=30), launcher_store=store,
-                     in_place=True)
+                     survivors_go_on=True)
         assert last.meet(1).rank == members - 1
         time.sleep(0.1)  # the launcher's look
         write_news_file(str(news_file), int(store.add(news_key, 0)))

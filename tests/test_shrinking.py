@@ -317,7 +317,7 @@ def test_after_the_world_shrank_a_restart_of_every_node_is_refused_saying_why() 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     shrinking = Shrinking(min_nodes=1, nproc_per_node=2, spares_possible=False)
     zero, one = (NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), rank, 2, "127.0.0.1",
-                                  store.port, in_place=True, shrinking=shrinking) for rank in (0, 1))
+                                  store.port, survivors_go_on=True, shrinking=shrinking) for rank in (0, 1))
     one.world.remove(0)  # node 1's launcher shrank the world without node 0
     zero.looks.look()  # the news read, and with it the world's removals
     assert zero.world.nodes() == [1] and one.world.nodes() == [1]
@@ -337,7 +337,7 @@ def test_a_restart_waiting_for_the_nodes_is_refused_as_soon_as_the_world_shrinks
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     shrinking = Shrinking(min_nodes=1, nproc_per_node=2, spares_possible=False)
     zero, one = (NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), rank, 2, "127.0.0.1",
-                                  store.port, in_place=True, shrinking=shrinking) for rank in (0, 1))
+                                  store.port, survivors_go_on=True, shrinking=shrinking) for rank in (0, 1))
     # Node 1 lost: the world's shrink without it, as the launcher that sees it silent writes it to the store.
     shrink = threading.Timer(0.5, lambda: one.world.remove(1))
     shrink.start()
@@ -353,9 +353,9 @@ class BeatingLaunchers:
     each beating through a client of its own, as ``ddpkit run`` makes them; silent after 0.5 s."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, shrinking: Shrinking) -> None:
-        monkeypatch.setattr(heartbeats_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+        monkeypatch.setattr(heartbeats_module, "_RECOVERING_SILENT_SECONDS", 0.5)
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.nodes = [NodeCoordination(self._client(), rank, 3, "127.0.0.1", self.store.port, in_place=True,
+        self.nodes = [NodeCoordination(self._client(), rank, 3, "127.0.0.1", self.store.port, survivors_go_on=True,
                                        shrinking=shrinking, node_losses_allowed=1) for rank in range(3)]
         for coordination in self.nodes:
             coordination.beat_through(self._client())

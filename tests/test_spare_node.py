@@ -232,7 +232,7 @@ def _coordinations(port: int, *node_ranks: int) -> list[NodeCoordination]:
     def client() -> BoundedStore:
         return BoundedStore(connect("127.0.0.1", port, 10), 10)
 
-    return [NodeCoordination(client(), rank, 2, "127.0.0.1", port, in_place=True) for rank in node_ranks]
+    return [NodeCoordination(client(), rank, 2, "127.0.0.1", port, survivors_go_on=True) for rank in node_ranks]
 
 
 def _silent_node_within(coordination: NodeCoordination, seconds: float) -> str | None:
@@ -248,7 +248,7 @@ def test_a_silent_node_is_lost_for_the_others_unless_a_spare_claims_its_place_an
     """The launchers' side, with a real store: node 1's launcher stops beating (killed); node 0's
     takes it for lost after the silence and the wait for a claim; when a spare claims its place
     (one spare only: the first claim written wins) and beats as node 1, node 0 never does."""
-    monkeypatch.setattr(heartbeats_module, "_IN_PLACE_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(heartbeats_module, "_RECOVERING_SILENT_SECONDS", 0.5)
     monkeypatch.setattr(nodes_module, "_CLAIM_SECONDS", 1.0)
     monkeypatch.setattr(nodes_module, "_TAKEOVER_SECONDS", 2.0)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -353,7 +353,7 @@ def test_a_launchers_announcement_of_lost_ranks_is_what_the_survivors_read_as_a_
     assert node_lost(store, secret, 2, 6) is None and node_lost(store, None, 2, 5) is None  # unsigned: none
     try:
         assert failures.announced_loss(store) is None  # outside in-place recovery nothing is read
-        failures.expect_lost_peers(lambda: node_lost(store, secret, 2, 5))
+        failures.expect_vanished_peers(lambda: node_lost(store, secret, 2, 5))
         lost = failures.announced_loss(store)
         assert isinstance(lost, failures.PeerLostError) and "rank 1 (pid 7) was killed by SIGKILL" in str(lost)
     finally:

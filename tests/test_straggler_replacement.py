@@ -125,7 +125,7 @@ def test_node_0_the_store_hosts_node_and_a_spent_budget_are_not_replaced_and_a_n
     may lose no more nodes."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     nodes = [NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), node, 3, "127.0.0.1", store.port,
-                              in_place=True, node_losses_allowed=1) for node in range(3)]
+                              survivors_go_on=True, node_losses_allowed=1) for node in range(3)]
     for coordination in nodes:
         coordination.beat_through(connect("127.0.0.1", store.port, 10))
     try:

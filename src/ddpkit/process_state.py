@@ -26,8 +26,8 @@ class FailureState:
 
     seen: bool = False  # this process has counted itself among the readers of the failure record
     raised: threading.Event = field(default_factory=threading.Event)  # a PeerFailedError was handed to it
-    expect_lost: bool = False  # in-place recovery: a collective failing without a record means a rank vanished
-    node_lost: Callable[[], str | None] = lambda: None  # why a node of the group was lost (expect_lost_peers)
+    peers_may_vanish: bool = False  # in-place recovery: a collective failing without a record means a rank vanished
+    node_lost: Callable[[], str | None] = lambda: None  # why a node of the group was lost (expect_vanished_peers)
     scope: str | None = None  # what this process's records are bound to (sign_records_in)
     # (id of the store, its address, why, who hosted it) once its host is gone
     gone: tuple[int, tuple[str, int], str, str] | None = None

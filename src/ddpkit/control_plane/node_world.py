@@ -55,15 +55,15 @@ class Shrinking:
 class NodeWorld:
     """One launcher's view of the world's nodes and its part in changing them."""
 
-    def __init__(self, records: LauncherRecords, heartbeats: Heartbeats, nnodes: int, in_place: bool,
+    def __init__(self, records: LauncherRecords, heartbeats: Heartbeats, nnodes: int, survivors_go_on: bool,
                  shrinking: Shrinking | None, node_losses_allowed: int | None) -> None:
         self._records = records
         self._heartbeats = heartbeats
         self.nnodes = nnodes
-        self.in_place = in_place
-        self.shrinking = shrinking if in_place else None
+        self.survivors_go_on = survivors_go_on
+        self.shrinking = shrinking if survivors_go_on else None
         # Under in-place recovery, how many lost nodes the job recovers from (``--max-restarts``; None: any).
-        self.node_losses_allowed = node_losses_allowed if in_place else None
+        self.node_losses_allowed = node_losses_allowed if survivors_go_on else None
         self._removed: set[int] = set()  # nodes the world shrank without (and not brought back), as read so far
         self.removals_seen = 0  # the entries of the log of removals and returns read so far
 
@@ -266,7 +266,7 @@ class NodeWorld:
         under in-place recovery, where spares exist) its claim on this launcher's place is written."""
         if self._heartbeats.replaced.is_set():
             return True
-        if not (ask_store and self.in_place):
+        if not (ask_store and self.survivors_go_on):
             return False
         # A claim that found no node loss left replaces nothing: the others end the job instead.
         by = self.replaced_by()

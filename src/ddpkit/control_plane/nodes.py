@@ -132,17 +132,17 @@ class NodeCoordination:
 
     def __init__(self, store: BoundedStore, node_rank: int, nnodes: int, address: str, port: int,
                  hosts_store: bool | None = None, give_up: GiveUp = never_give_up,
-                 join_seconds: float = _JOIN_SECONDS, in_place: bool = False,
+                 join_seconds: float = _JOIN_SECONDS, survivors_go_on: bool = False,
                  shrinking: Shrinking | None = None, node_losses_allowed: int | None = None) -> None:
         self.records = LauncherRecords(store, node_rank, f"{address}:{port}")
-        self.heartbeats = Heartbeats(self.records, in_place)
+        self.heartbeats = Heartbeats(self.records, survivors_go_on)
         # Under in-place recovery (``launching.spare_node``): a silent node may be taken over by a
         # spare, or (``shrinking``) left out of the world.
-        self.world = NodeWorld(self.records, self.heartbeats, nnodes, in_place, shrinking, node_losses_allowed)
+        self.world = NodeWorld(self.records, self.heartbeats, nnodes, survivors_go_on, shrinking, node_losses_allowed)
         self.step_asides = StepAsideRequests(self.records)  # ``--stragglers replace``
         self._give_up = give_up  # asked while ``finish`` and ``meet`` wait: a reason ends them (GaveUpWaiting)
         self.nnodes = nnodes
-        self.in_place = in_place
+        self.survivors_go_on = survivors_go_on
         # Whether this launcher hosts the store (then it leaves last): node 0's, or under a c10d
         # rendezvous the one on the endpoint's host (``launching.rendezvous``).
         self.hosts_store = node_rank == 0 if hosts_store is None else hosts_store
@@ -224,7 +224,7 @@ class NodeCoordination:
         """Under in-place recovery, whether the silent ``node`` (whose last beat was ``beat``) is being
         taken over by a spare node: claimed within ``_CLAIM_SECONDS``, the claimant then given
         ``_TAKEOVER_SECONDS`` to beat as that node."""
-        if not self.in_place:
+        if not self.survivors_go_on:
             return False
         since = self.heartbeats.seen_silent_since(node, now)
         claimant = self.world.claimant(node, beat)
@@ -267,7 +267,7 @@ class NodeCoordination:
         the finished generations' keys (``control_plane.finished_generations``), looking at the count
         of generations when news came (a node lost or back) and every ``_GENERATIONS_LOOK_SECONDS``
         besides (a rank replaced on its node raises no news)."""
-        if not self.in_place:
+        if not self.survivors_go_on:
             return
         # Whether this node is the world's first is asked again only then: the world changes with news.
         if self.looks.news_since("finished generations") or time.monotonic() >= self._next_generations_look:

@@ -55,7 +55,7 @@ from ddpkit.store.job_secret import JobSecretError, RecordSigner, job_secret
 from ddpkit.variables import DDPKIT_ERROR_FILE, DDPKIT_LAUNCHED, DDPKIT_RESTART_COUNT
 
 __all__ = ["CollectiveFailedError", "PeerFailedError", "PeerLostError", "StoreHostGoneError", "announced_loss",
-           "expect_lost_peers",
+           "expect_vanished_peers",
            "failure_behind", "guard", "lost_peers_expected", "note_lost_peer", "peer_failure", "peer_failure_raised",
            "raised_by_torch_distributed", "raising", "publish_first", "read_failure_record", "record_exception",
            "record_failure", "record_signer", "sign_records_in", "store_host_gone", "uncaught_failure"]
@@ -214,7 +214,7 @@ def peer_failure(probe_first: bool = False) -> CollectiveFailedError | None:
         return None
     failure: CollectiveFailedError | None = (
         _gone_error(store) or (store_host_gone() if probe_first else None) or _published_failure(store))
-    if failure is None and PROCESS.failures.expect_lost:
+    if failure is None and PROCESS.failures.peers_may_vanish:
         failure = _lost_peer(store)
     return failure
 
@@ -251,18 +251,18 @@ def _published_failure(store: Any) -> PeerFailedError | None:
     return PeerFailedError.from_record(record)
 
 
-def expect_lost_peers(node_lost: Callable[[], str | None] = lambda: None) -> None:
+def expect_vanished_peers(node_lost: Callable[[], str | None] = lambda: None) -> None:
     """From now on (in-place recovery), a collective that fails without any record means a rank
     vanished: ``note_lost_peer`` tells the others, and ``peer_failure`` answers ``PeerLostError``;
     so does ``node_lost`` saying why a node of the group was lost (``ddpkit.membership.generations``: its
     ranks may be alive behind a link that went down, and no collective fails)."""
-    PROCESS.failures.expect_lost = True
+    PROCESS.failures.peers_may_vanish = True
     PROCESS.failures.node_lost = node_lost
 
 
 def lost_peers_expected() -> bool:
-    """Whether ``expect_lost_peers`` was called in this process."""
-    return PROCESS.failures.expect_lost
+    """Whether ``expect_vanished_peers`` was called in this process."""
+    return PROCESS.failures.peers_may_vanish
 
 
 def note_lost_peer(error: BaseException) -> PeerLostError:
@@ -281,7 +281,7 @@ def note_lost_peer(error: BaseException) -> PeerLostError:
 def announced_loss(store: Any) -> PeerLostError | None:
     """Under in-place recovery, the loss of a rank or node that a rank or a launcher announced in
     ``store`` (the group's), as the error to raise; None when none was, or outside in-place recovery."""
-    return _lost_peer(store) if PROCESS.failures.expect_lost else None
+    return _lost_peer(store) if PROCESS.failures.peers_may_vanish else None
 
 
 def _lost_peer(store: Any) -> PeerLostError | None:
@@ -307,7 +307,7 @@ def failure_behind(error: RuntimeError) -> CollectiveFailedError | None:
     if isinstance(error, (PeerFailedError, PeerLostError)):
         return None
     failure = peer_failure(probe_first=True)
-    if failure is None and PROCESS.failures.expect_lost:
+    if failure is None and PROCESS.failures.peers_may_vanish:
         failure = note_lost_peer(error)  # a rank vanished: in-place recovery replaces it
     return failure
 

@@ -84,6 +84,11 @@ class LaunchConfig:
             return self.report_every
         return 60.0 if self.metrics is not None else None
 
+    @property
+    def survivors_go_on(self) -> bool:
+        """Whether the workers that survive a loss keep their processes (``RecoveryPolicy``)."""
+        return RecoveryPolicy(self.recovery).survivors_go_on
+
     def recovery_policy(self, restart_count: int, generation: int = 0) -> RecoveryPolicy:
         """What the workers of start ``restart_count`` (joining ``generation`` of the group) are told."""
         return RecoveryPolicy(self.recovery, restart_count, generation, self.min_nodes)
@@ -97,7 +102,7 @@ class LaunchConfig:
         """Whether the job's store is a launcher's rather than rank 0's: under in-place recovery,
         when the launchers of several nodes restart together (``control_plane.nodes``), and under a
         c10d rendezvous (the store at the endpoint)."""
-        return self.recovery is Recovery.IN_PLACE or self.rendezvous is not None or self.coordinates_nodes
+        return self.survivors_go_on or self.rendezvous is not None or self.coordinates_nodes
 
     @property
     def coordinates_nodes(self) -> bool:

@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 
 from ddpkit._network import listen_on, store_bind_address
 from ddpkit.control_plane.nodes import NodeContactLostError, NodeCoordination, Shrinking, may_wait_beyond_max
-from ddpkit.environments import Recovery
 from ddpkit.launching.config import LaunchConfig, LaunchError
 from ddpkit.launching.rendezvous import RendezvousSettings, StoreWaits, claim_endpoint, join
 from ddpkit.launching.store_host import StoreHost
@@ -115,7 +114,7 @@ def join_rendezvous(config: LaunchConfig, rendezvous: RendezvousSettings, hosts_
     if config.coordinates_nodes:
         nodes = NodeCoordination(store, -1 if place.node_rank is None else place.node_rank, config.nnodes,
                                  endpoint.host, endpoint.port, hosts_store=hosts_store, give_up=stop_waiting,
-                                 join_seconds=waits.join_timeout, in_place=config.recovery is Recovery.IN_PLACE,
+                                 join_seconds=waits.join_timeout, survivors_go_on=config.survivors_go_on,
                                  shrinking=shrinking, node_losses_allowed=config.max_restarts)
         if not spare:  # a spare says it is alive once it took a node's place
             nodes.beat_through(connect(endpoint.host, endpoint.port, waits.join_timeout, stop_waiting))

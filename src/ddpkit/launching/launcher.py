@@ -44,7 +44,6 @@ from ddpkit.control_plane.node_world import NodeSteppedAside
 from ddpkit.control_plane.nodes import NodeContactLostError, NodeCoordination
 from ddpkit.diagnostics.relayed_news import write_news_file
 from ddpkit.diagnostics.settings import recovery_timeout_seconds
-from ddpkit.environments import Recovery
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.health.job_health import JobHealth, SharedWindows
 from ddpkit.health.straggler_replacement import StepAside, one_node_note
@@ -162,7 +161,7 @@ class _LauncherRun:
         self.state = _LauncherState(config)
         defaults = performance_defaults(config.nproc_per_node, os.environ)
         defaults.update(job_secret_for_workers(config.nnodes > 1 or config.rendezvous is not None, os.environ))
-        if config.backend == "nccl" and config.recovery is Recovery.IN_PLACE:
+        if config.backend == "nccl" and config.survivors_go_on:
             # On an error the NCCL watchdog aborts the communicator and leaves the process alive (its
             # default tears the process down): a survivor's aborted collective must end in its recovery.
             defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
@@ -253,7 +252,7 @@ class _LauncherRun:
                 if state.nodes is not None:  # node 0's launcher reports every node's ranks
                     self.health.across_nodes(SharedWindows(state.nodes.records, state.nodes.world.nodes),
                                              _probe_address(state.config.master_addr, state.port))
-                    if config.replace_stragglers and state.nodes.in_place:
+                    if config.replace_stragglers and state.nodes.survivors_go_on:
                         step_aside = StepAside(state.nodes)
                         self.health.on_named, self.health.each_read = step_aside, step_aside.check
             outcome = watch(workers, self.signals, self.grace, self.poll_interval, self.replacements, state.nodes,
@@ -310,7 +309,7 @@ class _LauncherRun:
             if self.news_file is not None:
                 variables[DDPKIT_NEWS_FILE] = self.news_file
             rank = int(variables["RANK"])
-            if config.recovery is Recovery.IN_PLACE:
+            if config.survivors_go_on:
                 variables[DDPKIT_READY_FILE] = ready_file(workers.folder, generation, rank)
             if takeover is not None:
                 workers.assign(takeover.spares[local_rank], variables, rank, local_rank)
@@ -321,13 +320,13 @@ class _LauncherRun:
             change = state.nodes.world.bring_back if takeover.returns else state.nodes.world.hand_over
             change(state.restart_count, generation, holders, takeover.why)
         state.takeover = None
-        if config.recovery is Recovery.IN_PLACE:
+        if config.survivors_go_on:
             nodes = state.nodes
             self.replacements = Replacements(
                 workers, self.spare_command, self.environment(),
                 functools.partial(rank_variables, config, state.port, restart_count=state.restart_count),
                 budget=config.max_restarts - state.restart_count, generation=generation,
-                next_generation=nodes.world.next_generation if nodes is not None and nodes.in_place else None,
+                next_generation=nodes.world.next_generation if nodes is not None and nodes.survivors_go_on else None,
                 announce_loss=functools.partial(announce_loss, config, state.port, self.environment(),
                                                 state.restart_count) if config.backend == "nccl" else None)
 

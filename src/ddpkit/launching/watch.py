@@ -95,7 +95,7 @@ def watch(workers: WorkerProcesses, signals: Signals, grace: float, poll_interva
         # After a preemption SIGTERM ends a script that does not handle it: a stop, not a failure.
         also_fine = (-signal.SIGTERM,) if preemption else ()
         failed = workers.failed(also_fine)
-        if failed and preemption is None and replacements.in_place:
+        if failed and preemption is None and replacements.survivors_go_on:
             # Ranks killed together (a node's processes, the out-of-memory killer) are reaped a
             # moment apart: replaced together, or a later one would fail the recovery under way.
             time.sleep(_LOSSES_SETTLE_SECONDS)

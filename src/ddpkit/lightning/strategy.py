@@ -49,10 +49,10 @@ from ddpkit.environments import RecoveryPolicy, detect_environment, launch_contr
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.worker_environment import job_secret_for_workers
 from ddpkit.lightning.environment import DdpkitEnvironment
-from ddpkit.lightning.in_place import REPLACEMENT_CHECKPOINT, ReplacementLauncher, TrainerRecovery
 from ddpkit.lightning.layer_sync import DdpkitSyncBatchNorm
 from ddpkit.lightning.overlap import ApplyTheLastStep, AwaitGradients, gradient_readers, the_one_optimizer
 from ddpkit.lightning.preemption import PreemptionStop, ResumableBatches
+from ddpkit.lightning.trainer_recovery import REPLACEMENT_CHECKPOINT, ReplacementLauncher, TrainerRecovery
 from ddpkit.membership.connection import distributed_available, init_dist_connection
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.step_timings import StepTimings
@@ -92,7 +92,7 @@ class DDPStrategy(LightningDDPStrategy):
         if num_nodes is not None:
             self.num_nodes = num_nodes
         # Under ddpkit run --recovery in-place (made when connecting): a lost rank replaced in the step.
-        self._in_place: TrainerRecovery | None = None
+        self._recovery: TrainerRecovery | None = None
 
     # -- connecting ------------------------------------------------------------------------------
 
@@ -122,18 +122,18 @@ class DDPStrategy(LightningDDPStrategy):
         environment = detect_environment()  # read now: Lightning's own launcher sets MASTER_PORT and LOCAL_RANK
         recovery = launch_contract(environment).recovery
         if recovery.survivors_go_on and self.world_size > 1:
-            self._refuse_what_in_place_cannot_carry(recovery)
-            self._in_place = TrainerRecovery()
+            self._refuse_what_recovery_cannot_carry(recovery)
+            self._recovery = TrainerRecovery()
         rank = world = None
         if (environment.global_rank(), environment.world_size()) != (self.global_rank, self.world_size):
             rank, world = self.global_rank, self.world_size  # Lightning started the ranks and placed them
         # Lightning's default (torch's 30 minutes) is left to ddpkit's; a timeout the user gave is kept.
         timeout = {} if self._timeout in (None, default_pg_timeout) else {"timeout": self._timeout}
         init_dist_connection(environment, self._process_group_backend, global_rank=rank, world_size=world, **timeout)
-        if self._in_place is not None and recovery.replaces_a_lost_rank:
-            self._in_place.receive()
+        if self._recovery is not None and recovery.replaces_a_lost_rank:
+            self._recovery.receive()
 
-    def _refuse_what_in_place_cannot_carry(self, recovery: RecoveryPolicy) -> None:
+    def _refuse_what_recovery_cannot_carry(self, recovery: RecoveryPolicy) -> None:
         """What in-place recovery inside ``Trainer.fit`` does not serve, refused before connecting: a
         world that may shrink (Lightning's sampler deals each rank its share of a world of fixed
         size), and what a recovery cannot carry to a replacement."""
@@ -165,7 +165,7 @@ class DDPStrategy(LightningDDPStrategy):
             self._layer_sync = DdpkitSyncBatchNorm(self.root_device)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
         if trainer.state.fn == TrainerFn.FITTING and not any(isinstance(c, PreemptionStop) for c in callbacks):
-            on_peer_lost = None if self._in_place is None else self._in_place.lost_between_steps
+            on_peer_lost = None if self._recovery is None else self._recovery.lost_between_steps
             callbacks.append(PreemptionStop(on_peer_lost=on_peer_lost))
         super().setup(trainer)
         if isinstance(self.model, DistributedDataParallel):
@@ -177,37 +177,37 @@ class DDPStrategy(LightningDDPStrategy):
                     callbacks.insert(0, AwaitGradients(self.model, readers))
             for optimizer in self.optimizers:
                 self.model.time_optimizer(optimizer)
-            if self._in_place is not None and trainer.state.fn == TrainerFn.FITTING:
-                self._in_place.attach(trainer, self.model, self.optimizers[0])
+            if self._recovery is not None and trainer.state.fn == TrainerFn.FITTING:
+                self._recovery.attach(trainer, self.model, self.optimizers[0])
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Lightning's sampler arguments; while the survivors of a loss in validation run it again
         without the replacements, their part's (``TrainerRecovery.sampler_world``)."""
-        world = self._in_place.sampler_world() if self._in_place is not None else None
+        world = self._recovery.sampler_world() if self._recovery is not None else None
         if world is None:
             return super().distributed_sampler_kwargs
         return {"num_replicas": world[0], "rank": world[1]}
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A file, as Lightning's; in a replacement, ``REPLACEMENT_CHECKPOINT``: the state the survivors sent."""
-        if checkpoint_path == REPLACEMENT_CHECKPOINT and self._in_place is not None:
-            return self._in_place.checkpoint()
+        if checkpoint_path == REPLACEMENT_CHECKPOINT and self._recovery is not None:
+            return self._recovery.checkpoint()
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     # -- the step, trained again after a lost rank was replaced ------------------------------------
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._in_place is not None:
-            self._in_place.batch_started(batch, batch_idx)
+        if self._recovery is not None:
+            self._recovery.batch_started(batch, batch_idx)
         super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's; under in-place recovery a rank lost in it is replaced, and it runs again."""
         step = super().training_step
-        if self._in_place is None:
+        if self._recovery is None:
             return step(*args, **kwargs)
-        return self._in_place.training_step(lambda: step(*args, **kwargs))
+        return self._recovery.training_step(lambda: step(*args, **kwargs))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's; under in-place recovery a rank lost in the fit's validation loop makes it run
@@ -215,7 +215,7 @@ class DDPStrategy(LightningDDPStrategy):
         rank's own (the module's ``validation_step``, without the DDP module's buffer broadcast), its
         metrics local."""
         step = super().validation_step
-        if self._in_place is None:
+        if self._recovery is None:
             return step(*args, **kwargs)
         assert self.lightning_module is not None  # connected before any step
         module = self.lightning_module
@@ -224,15 +224,15 @@ class DDPStrategy(LightningDDPStrategy):
             with self.precision_plugin.val_step_context():
                 return module.validation_step(*args, **kwargs)
 
-        return self._in_place.validation_step(lambda: step(*args, **kwargs), own)
+        return self._recovery.validation_step(lambda: step(*args, **kwargs), own)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's; under in-place recovery a rank lost in it (the gradients' all-reduce, a
         synchronised batch norm's backward) is replaced, and the batch in hand trained again."""
         backward = super().backward
-        if self._in_place is None:
+        if self._recovery is None:
             return backward(closure_loss, optimizer, *args, **kwargs)
-        return self._in_place.backward(lambda: backward(closure_loss, optimizer, *args, **kwargs), closure_loss)
+        return self._recovery.backward(lambda: backward(closure_loss, optimizer, *args, **kwargs), closure_loss)
 
     def timings(self, last: int | None = None) -> StepTimings:
         """Where this rank's last steps went, phase by phase (``DistributedDataParallel.timings``, the
@@ -292,7 +292,7 @@ class DDPStrategy(LightningDDPStrategy):
     # Under in-place recovery they run locally while a rank cannot take part: in a replacement until
     # its first training step (the survivors, inside their step, run none of its set-up's), and in a
     # survivor that lost a rank between steps (in a preemption round, a checkpoint's save,
-    # validation) until its next training step, which recovers first (``ddpkit.lightning.in_place``).
+    # validation) until its next training step, which recovers first (``ddpkit.lightning.trainer_recovery``).
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._collective(barrier, lambda: None)
@@ -310,7 +310,7 @@ class DDPStrategy(LightningDDPStrategy):
                                 lambda: torch.stack([tensor] * self.world_size))
 
     def _collective(self, call: Callable[[], T], local: Callable[[], T]) -> T:
-        return call() if self._in_place is None else self._in_place.collective(call, local)
+        return call() if self._recovery is None else self._recovery.collective(call, local)
 
     def reconciliate_processes(self, trace: str) -> None:
         """The seeds' ``DDPPlugin.reconciliate_processes``: report this process's failure, given as its

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.failures import PeerLostError, expect_lost_peers, sign_records_in
+from ddpkit.diagnostics.failures import PeerLostError, expect_vanished_peers, sign_records_in
 from ddpkit.diagnostics.hangs import start_hang_watch
 from ddpkit.diagnostics.peer_watch import abort_nccl_communicators, watch_peers
 from ddpkit.diagnostics.relayed_news import announce, relayed_news
@@ -135,9 +135,9 @@ class Group:
     """This process's place in the job's default process group (see the module docstring)."""
 
     def __init__(self, membership: Membership, backend: str, timeout: timedelta,
-                 launcher_store: Any = None, attempt: int = 0, in_place: bool = False,
+                 launcher_store: Any = None, attempt: int = 0, survivors_go_on: bool = False,
                  secret: JobSecret | None = None) -> None:
-        if in_place and launcher_store is None:
+        if survivors_go_on and launcher_store is None:
             raise ValueError("A group that can be formed again needs the launcher's store: the group's own store "
                              "may die with the rank that hosts it.")
         self._membership = membership
@@ -148,7 +148,7 @@ class Group:
         self._timeout = timeout
         self._launcher_store = launcher_store
         self._attempt = attempt
-        self._in_place = in_place
+        self._survivors_go_on = survivors_go_on
         self._secret = secret
         self._part = ""  # the part of the generation formed now (``form_part``); "" for the whole of it
         # The last generation this process met and its layout, and the last that formed with it (no
@@ -178,9 +178,9 @@ class Group:
         return self._membership.world_size
 
     @property
-    def in_place(self) -> bool:
+    def survivors_go_on(self) -> bool:
         """Whether the group can be formed again (``ddpkit run --recovery in-place``)."""
-        return self._in_place
+        return self._survivors_go_on
 
     def store_of(self, generation: int, part: str = "") -> Any:
         """The launcher's store under ``generation``'s prefix (and ``part``'s, ``form_part``): that
@@ -225,10 +225,10 @@ class Group:
         sign_records_in(self._scope(self.generation, self._part))
         start_hang_watch()
         watch_peers()
-        if self._in_place:
+        if self._survivors_go_on:
             attempt, generation = self._attempt, self.generation
             # A node lost behind a link that went down closes no connection: its spare's launcher says so.
-            expect_lost_peers(lambda: node_lost(self._launcher_store, self._secret, attempt, generation))
+            expect_vanished_peers(lambda: node_lost(self._launcher_store, self._secret, attempt, generation))
 
     def abort(self) -> None:
         """Leave torch's default group (a rank of it vanished): destroyed here, freed in a thread. On
@@ -246,7 +246,7 @@ class Group:
         (``ddpkit.membership.generations.layout_at``: the same members, a replacement taking a lost rank's place,
         or the survivors of a world that shrank) once every member has arrived (``form``); then tell
         every reaction. ``TimeoutError`` when not all arrive within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS``."""
-        if not self._in_place:
+        if not self._survivors_go_on:
             raise RuntimeError("Forming the group again needs in-place recovery (ddpkit run --recovery in-place): "
                                "this process's store is its group's own and may have died with the lost rank.")
         self.abort()
@@ -447,13 +447,13 @@ class Group:
         to join, or the replacement of a rank lost after the last step) will find no step to form it
         at; tell them that nothing is left to train (they end with 0). Every rank that ends says so:
         rank 0 may be the lost one."""
-        if self._in_place:
+        if self._survivors_go_on:
             announce_finished(self._launcher_store, self._secret, self._attempt, self.generation + 1)
 
     def growth_requested(self) -> str | None:
         """Who waits to join the group, when a launcher asked this generation to grow (a node that
         joins after a shrink: ``launching.spare_node``); else None."""
-        if not self._in_place:
+        if not self._survivors_go_on:
             return None
         return growth_requested(self._launcher_store, self._secret, self._attempt, self.generation)
 

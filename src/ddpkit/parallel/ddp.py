@@ -195,7 +195,7 @@ class DistributedDataParallel(nn.Module):
         # Under in-place recovery a rank lost while a step is half applied leaves the others to go
         # back to the state before it (``abandon_deferred_step``), as a synchronous step is never half done.
         group = current_group() if self.process_group is None else None
-        overlapped.keep_undo = group is not None and group.in_place
+        overlapped.keep_undo = group is not None and group.survivors_go_on
         self._reducer.overlapped = overlapped
 
     def _make_reducer(self, trainable: dict[str, nn.Parameter], launch_order: list[str],

@@ -44,8 +44,8 @@ the commit waits for it (``_unapplied``), the model keeps what each bucket's ste
 recovery before it is applied first puts the step back (``_go_back_to_the_applied_commit``: the
 parameters, the optimizer's state and hyperparameters, the tracked objects as they were when the
 step was called) and trains its batch again. What a lost rank computed for itself only (its RNG stream, per-rank metrics) is
-gone: the replacement takes the sender's RNG state, and ``step()``'s callers see
-``recovered_in_place`` to know it.
+gone: the replacement takes the sender's RNG state, and ``InPlaceRecovery.recovered`` tells the
+strategy's callers so.
 """
 
 from __future__ import annotations

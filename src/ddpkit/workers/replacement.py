@@ -59,7 +59,7 @@ class NoReplacements:
     """Fail fast (``--recovery fail-fast``, the default): no worker is replaced in place; a failure
     ends every worker, and ``--max-restarts`` may start them all again."""
 
-    in_place = False
+    survivors_go_on = False
     used = 0
 
     def replace(self, failed: Sequence[WorkerProcess]) -> bool:
@@ -79,7 +79,7 @@ class Replacements:
     """Warm spares and in-place replacements for one start of a node's workers (each started with
     its ``ready_file`` of generation 0)."""
 
-    in_place = True
+    survivors_go_on = True
 
     def __init__(self, workers: WorkerProcesses, command: Sequence[str], environment: Mapping[str, str],
                  rank_variables: Callable[..., dict[str, str]], budget: int, generation: int = 0,

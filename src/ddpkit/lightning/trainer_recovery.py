@@ -74,7 +74,7 @@ T = TypeVar("T")
 #: The ``ckpt_path`` a replacement's ``trainer.fit`` loads: the state the survivors sent.
 REPLACEMENT_CHECKPOINT = "ddpkit://in-place-recovery"
 # Beside Lightning's keys in the checkpoint a survivor sends: what the replacement needs beyond it.
-_EXTRA = "ddpkit_in_place"
+_EXTRA = "ddpkit_recovery"
 
 
 def lost_peer(error: BaseException) -> PeerLostError | None:
