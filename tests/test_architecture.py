@@ -96,6 +96,9 @@ _BELOW_THE_STORE = ("ddpkit.diagnostics", "ddpkit.membership", "ddpkit.comm", "d
     ("training/recovery.py", ("ddpkit.training.strategy", "ddpkit.launching",
                               "ddpkit.training.resumable_loop")),  # the loop uses it, not back
     ("training/resumable_loop.py", ("ddpkit.training.strategy", "ddpkit.launching")),  # the strategy uses it
+    # The one engine both drivers use (ddpkit's loop, Lightning's strategy): it imports neither.
+    ("training/recovery_engine.py", ("ddpkit.training.strategy", "ddpkit.training.resumable_loop",
+                                     "ddpkit.training.recovery", "ddpkit.launching")),
     ("training/state_transfer.py", ("ddpkit.training.strategy", "ddpkit.launching", "ddpkit.training.recovery",
                                     "ddpkit.parallel")),
     ("parallel/", ("ddpkit.training", "ddpkit.launching")),

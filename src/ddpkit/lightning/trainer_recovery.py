@@ -49,21 +49,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
 from ddpkit.lightning.loops import forget_loader, move_back, redo_batch, run_through, start_again
 from ddpkit.logs import get_logger
-from ddpkit.membership.group import Group, current_group
+from ddpkit.membership.group import Group, Membership, current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.parallel.wrapping import no_sync
 from ddpkit.ready_file import tell_the_launcher
 from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
 from ddpkit.training.commit import OptimizerCommits, Stage
+from ddpkit.training.recovery_engine import RecoveryEngine, formed
 from ddpkit.training.replicas import ReplicaCheck, check_every
 from ddpkit.training.resumable_loop import release_frames
-from ddpkit.training.state import BufferSnapshot, TrackedState
-from ddpkit.training.state_transfer import (
-    exchange_state,
-    gather_places,
-    places_after_the_survivors_block,
-    send_state,
-)
+from ddpkit.training.state import TrackedState
+from ddpkit.training.state_transfer import Places, exchange_state, gather_places, send_state
 
 __all__ = ["REPLACEMENT_CHECKPOINT", "ReplacementLauncher", "TrainerRecovery", "lost_peer"]
 
@@ -136,8 +132,9 @@ class TrainerRecovery:
         self._trainer: pl.Trainer | None = None
         self._model: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._buffers = BufferSnapshot()
-        self._rng: dict[str, Any] = {}  # taken as each window's first batch begins (``batch_started``)
+        # The snapshot (buffers as of the last optimizer step, the random state taken as each window's
+        # first batch begins: ``batch_started``), a replacement's arrival and the next generation.
+        self.engine = RecoveryEngine(_collect_rng_states, _set_rng_states)
         # (batch, batch_idx) handed to training_step since the last optimizer step, the one in hand last.
         self._window: list[tuple[Any, int]] = []
         self._replica_check: ReplicaCheck | None = None
@@ -151,8 +148,7 @@ class TrainerRecovery:
 
     def receive(self) -> None:
         """In a replacement, once connected: the survivors' checkpoint, held for ``checkpoint()``."""
-        places = places_after_the_survivors_block(gather_places(True, -1), lambda: tell_the_launcher(outside=True))
-        self._received = send_state(places, dict).state
+        self._received = self.engine.receive().state
         self.joining = True
         _log.warning("ddpkit: replacing a lost rank in place: received the survivors' training state; the fit "
                      "loop starts at their last optimizer step")
@@ -173,12 +169,11 @@ class TrainerRecovery:
         if self._received is not None:
             extra = self._received[_EXTRA]
             model.adopt_bucket_order(extra["bucket_order"], extra["bucket_order_may_change"])
-        self._buffers = BufferSnapshot(model.module)
         tracked = TrackedState()  # Lightning's schedules and loops travel in its checkpoint, not compared
         self._replica_check = ReplicaCheck(check_every(), lambda: (model.module, optimizer, tracked),
                                            lambda: trainer.global_step + self._in_commit, buffers=model.broadcast_buffers)
         commits = OptimizerCommits(optimizer)  # Lightning counts the steps itself (``trainer.global_step``)
-        commits.after_each_step(Stage.COMMIT, self._window_committed)
+        self.engine.follow(model.module, commits, self._window_committed)
         commits.after_each_step(Stage.CHECK, self._check_replicas)
         run_through(trainer.fit_loop.epoch_loop.val_loop, self.validation)  # a rank lost in it: run again
         tell_the_launcher()
@@ -191,7 +186,7 @@ class TrainerRecovery:
             if self._replica_check is not None:
                 self._replica_check.recovered(_formed())
         if not self._window:  # the window's first batch: the random state its training starts from
-            self._rng = _collect_rng_states()
+            self.engine.keep_random()
         self._window.append((batch, batch_idx))
 
     def lost_between_steps(self, lost: PeerLostError) -> bool:
@@ -289,8 +284,7 @@ class TrainerRecovery:
 
     def _window_committed(self) -> None:
         self._window.clear()
-        if self._model is not None:
-            self._buffers.keep(self._model.module)
+        self.engine.keep(self._model.module if self._model is not None else None, random=False)
 
     def _check_replicas(self) -> None:
         if self._replica_check is not None and not self.lost:  # after a recovery, every DDPKIT_CHECK_REPLICAS steps
@@ -348,17 +342,14 @@ class TrainerRecovery:
                                "--recovery in-place (no model or group to recover).")
         before = group.membership
         _log.warning(f"ddpkit: a rank was lost in validation; forming generation {before.generation + 1} of the group")
-        while True:
-            after = group.reconfigure()
-            _refuse_a_shrink(before.world_size, after.world_size)
-            try:
-                places = gather_places(False, trainer.global_step, "Lightning's validation loop")
-                places.check_same_block()
-                group.form_part(BLOCK_PART, without=places.replaced)
-                break
-            except PeerLostError:
-                _log.warning(f"ddpkit: a rank of generation {after.generation} of the group was lost as it formed; "
-                             f"forming generation {after.generation + 1}")
+
+        def leave_out(_: Membership) -> Places:
+            places = gather_places(False, trainer.global_step, "Lightning's validation loop")
+            places.check_same_block()
+            group.form_part(BLOCK_PART, without=places.replaced)
+            return places
+
+        _, places = self.engine.next_generation(group, leave_out, _refuse_a_shrink(before))
         self._outside = places.replaced
         model.resynchronise(*model.bucket_order())
         _log.warning(f"ddpkit: Lightning's validation loop runs again from its start without rank(s) {places.replaced}, "
@@ -406,16 +397,11 @@ class TrainerRecovery:
                  group: Group) -> None:
         before = group.membership
         _log.warning(f"ddpkit: a rank was lost; forming generation {before.generation + 1} of the group")
-        self._restore_snapshot()  # as of the last optimizer step: what the sender sends, and what every rank redoes from
-        while True:
-            after = group.reconfigure()
-            _refuse_a_shrink(before.world_size, after.world_size)
-            try:
-                exchange = exchange_state(False, trainer.global_step, lambda: self._checkpoint_to_send(trainer, model))
-                break
-            except PeerLostError:  # a member of the new generation lost before it held the state: the next one
-                _log.warning(f"ddpkit: a rank of generation {after.generation} of the group was lost while the training "
-                             f"state was sent; forming generation {after.generation + 1}")
+        self.engine.restore_snapshot(model.module)  # as of the last optimizer step: what the sender sends, and what
+        # every rank redoes from
+        after, exchange = self.engine.next_generation(
+            group, lambda _: exchange_state(False, trainer.global_step, lambda: self._checkpoint_to_send(trainer, model)),
+            _refuse_a_shrink(before))
         behind = [rank for rank, steps in enumerate(exchange.steps) if 0 <= steps != trainer.global_step]
         if behind:
             raise RuntimeError(
@@ -445,18 +431,13 @@ class TrainerRecovery:
         batch, batch_idx = self._window[-1]
         redo_batch(self._trainer, self._optimizer, batch, batch_idx)
 
-    def _restore_snapshot(self) -> None:
-        assert self._model is not None
-        self._buffers.restore(self._model.module)
-        _set_rng_states(self._rng)
-
     def _checkpoint_to_send(self, trainer: pl.Trainer, model: DistributedDataParallel) -> dict[str, Any]:
         """Lightning's checkpoint as of the last optimizer step: the loops' counters and the loader's
         position moved back over the batches of the window trained since (the one in hand included)."""
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         move_back(checkpoint, len(self._window) - 1)
         order, may_change = model.bucket_order()
-        checkpoint[_EXTRA] = {"rng": self._rng, "bucket_order": order, "bucket_order_may_change": may_change}
+        checkpoint[_EXTRA] = {"rng": self.engine.random, "bucket_order": order, "bucket_order_may_change": may_change}
         return checkpoint
 
     @staticmethod
@@ -469,14 +450,19 @@ class TrainerRecovery:
             broadcast()
 
 
-def _refuse_a_shrink(before: int, after: int) -> None:
-    if after != before:
-        raise RuntimeError(
-            f"in-place recovery inside Trainer.fit: the group has {after} ranks now, not {before}, and Lightning's "
-            "sampler cannot hand a lost rank's shares to the others. Run with a spare node, or without --nnodes MIN:MAX.")
+def _refuse_a_shrink(before: Membership) -> Callable[[Membership], None]:
+    """A guard for the next generation: the strategy refuses a world that may shrink before training
+    (``DDPStrategy._refuse_what_recovery_cannot_carry``), so a smaller one here is a bug, named."""
+    def refuse(after: Membership) -> None:
+        if after.world_size != before.world_size:
+            raise RuntimeError(
+                f"in-place recovery inside Trainer.fit: the group has {after.world_size} ranks now, not "
+                f"{before.world_size}, and Lightning's sampler cannot hand a lost rank's shares to the others. Run "
+                "with a spare node, or without --nnodes MIN:MAX.")
+    return refuse
 
 
 def _formed() -> str:
     """How the replica check names the last recovery, in the same words on every rank."""
     group = current_group()
-    return f"the in-place recovery that formed generation {group.generation if group is not None else 0} of the group"
+    return formed(group.generation if group is not None else 0)

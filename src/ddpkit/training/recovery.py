@@ -63,11 +63,12 @@ from ddpkit.parallel.ddp import DistributedDataParallel
 from ddpkit.ready_file import tell_the_launcher
 from ddpkit.store.keys import BLOCK_PART, REJOIN_PART
 from ddpkit.training.agreement import GrowthWatch
-from ddpkit.training.commit import OptimizerCommits, Stage
+from ddpkit.training.commit import OptimizerCommits
+from ddpkit.training.recovery_engine import RecoveryEngine, formed
 from ddpkit.training.replicas import ReplicaCheck
 from ddpkit.training.resume_point import ResumePoint
 from ddpkit.training.state import BufferSnapshot, TrackedState
-from ddpkit.training.state_transfer import Places, gather_places, places_after_the_survivors_block, send_state
+from ddpkit.training.state_transfer import Places, gather_places, send_state
 
 __all__ = ["BatchReadAgain", "InPlaceRecovery", "Progress"]
 
@@ -95,11 +96,11 @@ class InPlaceRecovery:
         # Where a recovery continues: the loop asks it where to start and tells it where it got to.
         self.position = ResumePoint()
         self._recoveries = 0
-        self._replaced: list[int] = []
         self._model: DistributedDataParallel | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._buffers = BufferSnapshot()
-        self._rng = torch.get_rng_state()
+        # The snapshot (buffers, random state as of the last optimizer step), a replacement's arrival
+        # and the next generation: the engine's, shared with Lightning's driver.
+        self.engine = RecoveryEngine(torch.get_rng_state, torch.set_rng_state)
         # With overlap_optimizer: the commit before the last optimizer step while that step is not yet
         # applied (the next forward applies it), which a recovery then goes back to; and a second
         # buffer snapshot, so that the one of that commit is kept while the next is taken.
@@ -132,7 +133,7 @@ class InPlaceRecovery:
     @property
     def replaced(self) -> list[int]:
         """The ranks of the current generation that replaced lost ones (set by each exchange)."""
-        return list(self._replaced)
+        return list(self.engine.replaced)
 
     @property
     def applied_at(self) -> tuple[int, int] | None:
@@ -145,9 +146,8 @@ class InPlaceRecovery:
     def join(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """In a replacement, before its module is wrapped: receive the state of the survivors and
         load it into ``module`` and ``optimizer``; return it (``attach`` takes the bucket order)."""
-        places = places_after_the_survivors_block(gather_places(True, -1),
-                                                  lambda: tell_the_launcher(outside=True))
-        state = self._send(places, module, optimizer)
+        state = self.engine.receive().state
+        self._load(state, module, optimizer)
         self.position.joined = True
         self.position.rewind = False  # the loop starts at the resume point (first_epoch, first_batch)
         return state
@@ -164,13 +164,12 @@ class InPlaceRecovery:
             raise ValueError("in-place recovery needs ddpkit's DistributedDataParallel: drop use_torch_ddp=True, or "
                              "use ddpkit run --recovery fail-fast.")
         self._model, self._optimizer = model, commits.optimizer
-        self._buffers = BufferSnapshot(model.module)
         self._replica_check = replica_check
         if joined_state is not None:
             model.adopt_bucket_order(joined_state["bucket_order"], joined_state["bucket_order_may_change"])
             group = current_group()
-            replica_check.recovered(_formed(group.generation if group is not None else 0))
-        commits.after_each_step(Stage.COMMIT, self._keep_the_commit)
+            replica_check.recovered(formed(group.generation if group is not None else 0))
+        self.engine.follow(model.module, commits, self._keep_the_commit)
         model.when_step_applied(self._applied)
         model.register_forward_pre_hook(self._refuse_a_stale_batch)
         tell_the_launcher()
@@ -186,12 +185,11 @@ class InPlaceRecovery:
             # Applied bucket by bucket by the next forward: until it is, a recovery goes back to the
             # commit before it. The tracked objects are as they were when the step was asked for (a
             # schedule or a scaler moves after optimizer.step()).
-            self._unapplied = _Commit(self.position.at, self._buffers, self._rng, self.tracked.copies(model.module))
-            self._buffers = self._spare_buffers if self._spare_buffers is not None else BufferSnapshot(model.module)
+            engine = self.engine
+            self._unapplied = _Commit(self.position.at, engine.buffers, engine.random, self.tracked.copies(model.module))
+            engine.buffers = self._spare_buffers if self._spare_buffers is not None else BufferSnapshot(model.module)
         self.position.at = (progress.epoch, progress.batch + 1)
-        if model is not None:
-            self._buffers.keep(model.module)
-        self._rng = torch.get_rng_state()
+        self.engine.keep(model.module if model is not None else None)
 
     def _applied(self) -> None:
         """The deferred step is applied to every parameter (``overlap_optimizer``): committed."""
@@ -207,8 +205,8 @@ class InPlaceRecovery:
         unapplied, self._unapplied = self._unapplied, None
         if unapplied is None:
             return
-        self._spare_buffers, self._buffers = self._buffers, unapplied.buffers
-        self.position.at, self._rng = unapplied.resume, unapplied.rng
+        self._spare_buffers, self.engine.buffers = self.engine.buffers, unapplied.buffers
+        self.position.at, self.engine.random = unapplied.resume, unapplied.rng
         self.tracked.restore(unapplied.tracked)
         self.progress.steps -= 1
 
@@ -262,8 +260,8 @@ class InPlaceRecovery:
             self.position.reshard = True
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
         if self._replica_check is not None:
-            self._replica_check.recovered(_formed(after.generation))
-        _log.warning(f"ddpkit: rank(s) {self._replaced} joined generation {after.generation} of the group at the step "
+            self._replica_check.recovered(formed(after.generation))
+        _log.warning(f"ddpkit: rank(s) {self.engine.replaced} joined generation {after.generation} of the group at the step "
                      "boundary after the block; recovered in place")
 
     def at_step_boundary(self) -> None:
@@ -306,20 +304,16 @@ class InPlaceRecovery:
         _log.warning(f"ddpkit: {why}; forming generation {generation} of the group")
         if self._outside is not None:  # lost again while replacements waited outside: compare with before then
             before, self._outside = self._outside, None
-        while True:
-            after = group.reconfigure()
-            try:
-                places = gather_places(False, self.progress.steps, block)
-                places.check_same_block()
-                if block is not None and places.replaced:
-                    after = self._leave_out(group, places, before)
-                    break
-                state = self._send(places, model.module, optimizer)
-                break
-            except PeerLostError:  # a member of the new generation lost before it held the state: the next one
-                _log.warning(f"ddpkit: a rank of generation {after.generation} of the group was lost while the "
-                             f"training state was sent; forming generation {after.generation + 1}")
-        if self._outside is not None:
+
+        def exchange(after: Membership) -> tuple[Membership, Places, dict[str, Any] | None]:
+            places = gather_places(False, self.progress.steps, block)
+            places.check_same_block()
+            if block is not None and places.replaced:  # the block runs again without the replacements
+                return self._leave_out(group, places, before), places, None
+            return after, places, self._send(places, model.module, optimizer)
+
+        _, (after, places, state) = self.engine.next_generation(group, exchange)
+        if state is None:
             model.resynchronise(*model.bucket_order())
             self._fresh_window()
             _log.warning(f"ddpkit: {block} runs again from its start without rank(s) {places.replaced}, which join at "
@@ -332,7 +326,7 @@ class InPlaceRecovery:
         model.resynchronise(state["bucket_order"], state["bucket_order_may_change"])
         self._fresh_window()
         if self._replica_check is not None:
-            self._replica_check.recovered(_formed(after.generation))
+            self._replica_check.recovered(formed(after.generation))
         done = "grew in place" if after.world_size > before.world_size else "recovered in place"
         _log.warning(f"ddpkit: {done}: generation {after.generation}, continuing at epoch {self.position.at[0]} "
                      f"batch {self.position.at[1]} (optimizer step {self.progress.steps})")
@@ -351,7 +345,7 @@ class InPlaceRecovery:
         """The survivors of a loss in a block between steps form the block's part of the generation
         without the replacements (which wait outside until ``rejoin``), training their shares of the
         data meanwhile."""
-        self._outside, self._replaced = before, places.replaced
+        self._outside, self.engine.replaced = before, places.replaced
         return group.form_part(BLOCK_PART, without=places.replaced)
 
     def _send(self, places: Places, module: nn.Module, optimizer: torch.optim.Optimizer, now: bool = False,
@@ -360,11 +354,11 @@ class InPlaceRecovery:
         its last optimizer step, or ``now`` (at a step boundary: the buffers and random state as they
         are, since the replacements start from here)."""
         exchange = send_state(places, lambda: self._state(module, optimizer, now, blocks_done))
-        self._replaced = exchange.replaced
+        self.engine.replaced = exchange.replaced
         if not exchange.sent:
             self._load(exchange.state, module, optimizer)
         elif not now:
-            self._restore_snapshot(module)
+            self.engine.restore_snapshot(module)
         return exchange.state
 
     def _state(self, module: nn.Module, optimizer: torch.optim.Optimizer, now: bool = False,
@@ -372,18 +366,14 @@ class InPlaceRecovery:
         model_state = module.state_dict()
         if not now:
             buffer_names = [name for name, _ in module.named_buffers()]
-            for name, kept in zip(buffer_names, self._buffers.kept):
+            for name, kept in zip(buffer_names, self.engine.buffers.kept):
                 if name in model_state:
                     model_state[name] = kept  # as of the last optimizer step: the failed forward may have moved them
         order, may_change = self._model.bucket_order() if self._model is not None else ([], True)
         return {"model": model_state, "optimizer": optimizer.state_dict(), "tracked": self.tracked.state_dicts(),
                 "resume": self.position.at, "steps": self.progress.steps,
-                "rng": torch.get_rng_state() if now else self._rng, "bucket_order": order,
+                "rng": torch.get_rng_state() if now else self.engine.random, "bucket_order": order,
                 "bucket_order_may_change": may_change, "blocks_done": blocks_done}
-
-    def _restore_snapshot(self, module: nn.Module) -> None:
-        self._buffers.restore(module)
-        torch.set_rng_state(self._rng)
 
     def _load(self, state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         module.load_state_dict(state["model"])
@@ -391,10 +381,10 @@ class InPlaceRecovery:
         self.tracked.receive(state["tracked"], optimizer)
         self.position.at = (int(state["resume"][0]), int(state["resume"][1]))
         self.progress.steps = int(state["steps"])
-        self._rng = state["rng"]
-        torch.set_rng_state(self._rng)
+        self.engine.random = state["rng"]
+        torch.set_rng_state(self.engine.random)
         self.blocks_to_skip = int(state.get("blocks_done", 0))
-        self._buffers.keep(module)  # nothing yet in a replacement: attach() takes them after this
+        self.engine.keep(module, random=False)  # nothing yet in a replacement: attach() takes them after this
 
 
 class BatchReadAgain(Exception):
@@ -416,7 +406,3 @@ class _Commit:
 
 _LOST = "a rank was lost"
 
-
-def _formed(generation: int) -> str:
-    """How the replica check names a recovery, in the same words on every rank."""
-    return f"the in-place recovery that formed generation {generation} of the group"
