@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from ddpkit.health import link_probe
 from ddpkit.health.link_probe import PROBE_BYTES, TOKEN_SECONDS, LinkProbe
-from ddpkit.launching import link_probe
 
 # Alone: the probes' round trips are bounded under a second.
 pytestmark = pytest.mark.alone
