@@ -60,8 +60,15 @@ LONGEST_MODULES_FIRST = (
 )
 
 
+# Besides those, the modules whose tests each start jobs of several nodes or soak: with the longest
+# ones and every ``alone`` test they are ``slow``, left out of the edit-test loop (``-m "not slow"``).
+SLOW_MODULES = LONGEST_MODULES_FIRST + ("test_chaos.py", "test_straggler_replacement.py", "test_stragglers.py",
+                                        "test_restarts.py", "test_torchrun_restarts.py", "test_store_host_gone.py")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone: runs with no other test beside it (it measures time or load)")
+    config.addinivalue_line("markers", "slow: a long test (SLOW_MODULES, alone); -m \"not slow\" leaves them out")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -74,6 +81,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST_MODULES_FIRST.index(module) if module in LONGEST_MODULES_FIRST else len(LONGEST_MODULES_FIRST)
 
     items.sort(key=place)
+    for item in items:
+        module = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        if module in SLOW_MODULES or item.get_closest_marker("alone") is not None:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_unconfigure() -> None:

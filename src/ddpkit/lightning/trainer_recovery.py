@@ -397,8 +397,8 @@ class TrainerRecovery:
                  group: Group) -> None:
         before = group.membership
         _log.warning(f"ddpkit: a rank was lost; forming generation {before.generation + 1} of the group")
-        self.engine.restore_snapshot(model.module)  # as of the last optimizer step: what the sender sends, and what
-        # every rank redoes from
+        # As of the last optimizer step: what the sender sends, and what every rank redoes from.
+        self.engine.restore_snapshot(model.module)
         after, exchange = self.engine.next_generation(
             group, lambda _: exchange_state(False, trainer.global_step, lambda: self._checkpoint_to_send(trainer, model)),
             _refuse_a_shrink(before))

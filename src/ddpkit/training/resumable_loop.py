@@ -10,25 +10,20 @@ import contextlib
 import dataclasses
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from torch import Tensor
 
-from ddpkit.diagnostics.failures import PeerLostError, failure_behind, guard, raised_by_torch_distributed, raising
+from ddpkit.diagnostics.failures import PeerLostError, failure_behind, raised_by_torch_distributed, raising
 from ddpkit.environments import ClusterEnvironment, Recovery
 from ddpkit.environments.contract import launch_contract
-from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
-from ddpkit.parallel.ddp import DistributedDataParallel
-from ddpkit.parallel.step_timings import StepTimings
-from ddpkit.training.agreement import PreemptionAgreement
 from ddpkit.training.commit import OptimizerCommits, Stage
 from ddpkit.training.data import EpochDataLoader, ShareSampler, set_epoch
 from ddpkit.training.recovery import BatchReadAgain, InPlaceRecovery, Progress
 from ddpkit.training.state import TrackedState
 
-__all__ = ["BlockPlace", "LoopMethods", "ResumableLoop", "release_frames"]
+__all__ = ["BlockPlace", "ResumableLoop", "release_frames"]
 
 _log = get_logger("recovery")
 
@@ -273,88 +268,6 @@ class ResumableLoop:
         self._after_a_recovery_between_steps()
         return self.recovery.replaced
 
-
-
-class LoopMethods:
-    """``DDPStrategy``'s training-loop methods over its ``ResumableLoop`` (``_loop``): ``epochs``,
-    ``batches``, ``step`` and ``backward``, the agreed preemption (``preempted``,
-    ``exit_preempted``), what the loop keeps (``track``) and whether it recovered
-    (``recovered_in_place``). A base class of the strategy's, as ``LightningPluginHooks`` is: the
-    loop's surface in the loop's module."""
-
-    _loop: ResumableLoop
-    _preemption: PreemptionAgreement | None
-    model: torch.nn.Module | None
-
-    def teardown(self) -> None:
-        raise NotImplementedError
-
-    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
-        """``range(start, stop)`` in ``progress.epoch``; a replacement starts at the survivors' epoch."""
-        return self._loop.epochs(stop, start)
-
-    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
-        """``loader``'s batches of ``progress.epoch`` from ``skip`` on (``progress.batch``: the one in
-        hand); after an in-place recovery those since the last optimizer step come again."""
-        return self._loop.batches(loader, skip)
-
-    def step(self) -> contextlib.AbstractContextManager[None]:
-        """One training step; under in-place recovery a rank lost in it is replaced and the block
-        ends quietly (``ddpkit.training.resumable_loop.ResumableLoop``)."""
-        return self._loop.step()
-
-    def between_steps(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
-        """Run ``function(*args, **kwargs)`` between two steps (an evaluation, a metric's reduction, a
-        collective of your own) and return what it returns. Under ``ddpkit run --recovery in-place``
-        a rank lost inside it is recovered instead of restarting every worker: ``function`` runs
-        again from its start on the new group, by the surviving ranks, which read the lost ranks'
-        shares of a loader made by ``setup_dataloader`` too; the replacement (or a spare node's
-        ranks) joins at the next step boundary, and a world that shrank stays so. Anywhere between
-        steps: after an epoch's batches, before or after the step in the loop's body. In a
-        replacement that starts where the other ranks had already run it, it is not run: None."""
-        return self._loop.between_steps(function, args, kwargs)
-
-    def backward(self, loss: Tensor) -> None:
-        with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
-            loss.backward()
-
-    def preempted(self) -> bool:
-        """Whether the job is asked to stop: True on every rank at the same call once any rank got
-        SIGTERM or DDPKIT_PREEMPTION_SIGNAL (caught from the first call on). Call it once per step;
-        when True, save and ``exit_preempted()``. When it answers: ``ddpkit.training.agreement``."""
-        if self._preemption is None:
-            self._preemption = PreemptionAgreement()
-        return self._preemption.decide()
-
-    def exit_preempted(self) -> NoReturn:
-        """``teardown()``, then exit 75 (``PREEMPTED_EXIT_CODE``): ``ddpkit run`` never restarts it; run again to resume."""
-        self.teardown()
-        raise SystemExit(PREEMPTED_EXIT_CODE)
-
-    def track(self, name: str, obj: T) -> T:
-        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict()``: EMA weights, a
-        counter, a stateful data loader, a schedule made after ``setup``) under ``name`` as part of
-        the training state, and return it. Under ``ddpkit run --recovery in-place`` its state moves
-        to a replacement and is loaded on every rank that did not send it, as the model's; the
-        replica check compares it. Track the same names on every rank, before the training loop.
-        In a replacement, a state the survivors sent for ``name`` is loaded into ``obj`` here."""
-        self._loop.tracked.track(name, obj)
-        return obj
-
-    def timings(self, last: int | None = None) -> StepTimings:
-        """Where this rank's last steps went, phase by phase: the DDP module's ``timings`` (between,
-        forward, backward, communication), with the optimizer step and the rest of ``between`` (the
-        data loader, the loop's code) apart. A slow rank has the longest forward or backward (or
-        data), and the others wait for it in communication: compare them across ranks."""
-        if not isinstance(self.model, DistributedDataParallel):
-            raise RuntimeError(f"strategy.timings() comes from ddpkit's DistributedDataParallel; the model is "
-                               f"{type(self.model).__name__}. Call setup(model, optimizer) first, without use_torch_ddp=True.")
-        return self.model.timings(last)
-
-    @property
-    def recovered_in_place(self) -> bool:
-        """Whether this process replaced a lost rank, or survived the loss of one (in-place recovery)."""
-        return self._loop.recovery is not None and self._loop.recovery.recovered
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,32 +1,13 @@
-"""``DDPStrategy``: the Lightning DDP plugin's API, plus Fabric's conveniences, by composition.
-
-    strategy = DDPStrategy()                       # under `ddpkit run`, torchrun, srun, mpirun ...
-    strategy.setup_environment()                   # connect
-    model, optimizer = strategy.setup(model, optimizer)
-    loader = strategy.setup_dataloader(loader)     # DistributedSampler, set_epoch handled
-    for epoch in range(epochs):
-        for x, y in loader:
-            optimizer.zero_grad()
-            strategy.backward(loss_fn(model(x), y))
-            optimizer.step()
-            if strategy.preempted():               # SIGTERM (or --preemption-signal) on any rank
-                strategy.save_checkpoint("ckpt.pt", {...})
-                strategy.exit_preempted()          # every rank exits with code 75
-        strategy.save_checkpoint("ckpt.pt", {"model": model.state_dict(), "epoch": epoch})
-    strategy.teardown()
-
-With ``ddpkit run --recovery in-place`` a lost rank is replaced while the others go on; the loop
-then uses the strategy's helpers, which need nothing else in any other mode:
-
-    for epoch in strategy.epochs(epochs):
-        for x, y in strategy.batches(loader):
-            with strategy.step():                  # a lost rank: the step is trained again with its replacement
-                ...
+"""``DDPStrategy``: the Lightning DDP plugin's API, plus Fabric's conveniences, by composition
+(the class's ``Example::`` shows a loop). Under ``ddpkit run --recovery in-place`` a lost rank is
+replaced while the others go on, where the loop uses the strategy's ``epochs``, ``batches`` and
+``step()`` (which need nothing else in any other mode); a plain loop with ``preempted()`` and
+``save_checkpoint`` stops every rank at the same step under SIGTERM.
 
 The strategy holds a cluster environment, a device and the wrapped model, and delegates the
-work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks; its two base
-classes are flat sets of methods, each in the module of its concern: Lightning's plugin hooks
-(``ddpkit.training.plugin_hooks``) and the training loop's (``ddpkit.training.resumable_loop.LoopMethods``).
+work to ``ddpkit.distributed``, ``ddpkit.DistributedDataParallel`` and the hooks, the training
+loop's methods to its ``ResumableLoop`` (and through it to the recovery engine) and the
+checkpoint files to ``ddpkit.training.checkpoints``: one class with the seeds' API, each method short.
 Processes come from a launcher (``ddpkit run``), a scheduler, or the script itself: run directly
 (``python train.py``) with several ``parallel_devices``, the script's process becomes local rank 0
 and starts local ranks 1..N-1 by running the same command again.
@@ -36,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +36,7 @@ from ddpkit.environments import (
     detect_environment,
 )
 from ddpkit.environments.contract import launch_contract
+from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.hooks.registration import register_ddp_comm_hook
 from ddpkit.launching.in_script import LocalRanks, processes_to_start, start_local_ranks
 from ddpkit.logs import get_logger
@@ -65,24 +47,27 @@ from ddpkit.membership.connection import (
 )
 from ddpkit.membership.group import current_group
 from ddpkit.parallel.ddp import DistributedDataParallel
+from ddpkit.parallel.step_timings import StepTimings
 from ddpkit.parallel.wrapping import join, no_sync, wrap
+from ddpkit.training.agreement import PreemptionAgreement
 from ddpkit.training.checkpoints import DATA_WORLD_KEY, read_checkpoint, take_data_world, write_atomically
 from ddpkit.training.commit import Stage
 from ddpkit.training.data import shard
-from ddpkit.training.plugin_hooks import LightningPluginHooks
 from ddpkit.training.replicas import ReplicaCheck, check_every
-from ddpkit.training.resumable_loop import LoopMethods, ResumableLoop
+from ddpkit.training.resumable_loop import ResumableLoop
 from ddpkit.training.state import Stateful, TrackedState
 
 __all__ = ["DDPStrategy"]
 
 _log = get_logger("recovery")
 
+T = TypeVar("T")
+
 # After teardown's barrier the other local ranks only have to disconnect and exit.
 _CHILD_EXIT_SECONDS = 30.0
 
 
-class DDPStrategy(LightningPluginHooks, LoopMethods):
+class DDPStrategy:
     """Multi-process data parallelism, one device per process (Lightning's ``DDPPlugin`` arguments).
 
     ``parallel_devices``: this node's devices by local rank (default: a CUDA device per local rank,
@@ -147,7 +132,7 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         self.ddp_kwargs = {"find_unused_parameters": False, **ddp_kwargs}
         self.model: nn.Module | None = None
         self._local_ranks: LocalRanks | None = None  # children started by this process (in-script launching)
-        self._preemption = None  # the PreemptionAgreement, from the first preempted()
+        self._preemption: PreemptionAgreement | None = None  # from the first preempted()
         self._recovery_wanted = None if recovery is None else Recovery.parse(
             recovery, "recovery", "or leave it out to follow ddpkit run --recovery")
         self._loop = ResumableLoop()
@@ -329,6 +314,112 @@ class DDPStrategy(LightningPluginHooks, LoopMethods):
         record_failure(trace_record(self.global_rank, trace))
         if self._local_ranks is not None:  # this process started the other local ranks: end them
             self._local_ranks.terminate()
+
+    # -- the training loop: over ``ResumableLoop`` (where a recovery resumes) -------------------------
+
+    def epochs(self, stop: int, start: int = 0) -> Iterator[int]:
+        """``range(start, stop)`` in ``progress.epoch``; a replacement starts at the survivors' epoch."""
+        return self._loop.epochs(stop, start)
+
+    def batches(self, loader: Iterable[Any], skip: int = 0) -> Iterator[Any]:
+        """``loader``'s batches of ``progress.epoch`` from ``skip`` on (``progress.batch``: the one in
+        hand); after an in-place recovery those since the last optimizer step come again."""
+        return self._loop.batches(loader, skip)
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """One training step; under in-place recovery a rank lost in it is replaced and the block
+        ends quietly (``ddpkit.training.resumable_loop.ResumableLoop``)."""
+        return self._loop.step()
+
+    def between_steps(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """Run ``function(*args, **kwargs)`` between two steps (an evaluation, a metric's reduction, a
+        collective of your own) and return what it returns. Under ``ddpkit run --recovery in-place``
+        a rank lost inside it is recovered instead of restarting every worker: ``function`` runs
+        again from its start on the new group, by the surviving ranks, which read the lost ranks'
+        shares of a loader made by ``setup_dataloader`` too; the replacement (or a spare node's
+        ranks) joins at the next step boundary, and a world that shrank stays so. Anywhere between
+        steps: after an epoch's batches, before or after the step in the loop's body. In a
+        replacement that starts where the other ranks had already run it, it is not run: None."""
+        return self._loop.between_steps(function, args, kwargs)
+
+    def backward(self, loss: Tensor) -> None:
+        with guard():  # a failure here is published to the other ranks (ddpkit.diagnostics.failures)
+            loss.backward()
+
+    def preempted(self) -> bool:
+        """Whether the job is asked to stop: True on every rank at the same call once any rank got
+        SIGTERM or DDPKIT_PREEMPTION_SIGNAL (caught from the first call on). Call it once per step;
+        when True, save and ``exit_preempted()``. When it answers: ``ddpkit.training.agreement``."""
+        if self._preemption is None:
+            self._preemption = PreemptionAgreement()
+        return self._preemption.decide()
+
+    def exit_preempted(self) -> NoReturn:
+        """``teardown()``, then exit 75 (``PREEMPTED_EXIT_CODE``): ``ddpkit run`` never restarts it; run again to resume."""
+        self.teardown()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def track(self, name: str, obj: T) -> T:
+        """Keep ``obj`` (anything with ``state_dict()`` and ``load_state_dict()``: EMA weights, a
+        counter, a stateful data loader, a schedule made after ``setup``) under ``name`` as part of
+        the training state, and return it. Under ``ddpkit run --recovery in-place`` its state moves
+        to a replacement and is loaded on every rank that did not send it, as the model's; the
+        replica check compares it. Track the same names on every rank, before the training loop.
+        In a replacement, a state the survivors sent for ``name`` is loaded into ``obj`` here."""
+        self._loop.tracked.track(name, obj)
+        return obj
+
+    def timings(self, last: int | None = None) -> StepTimings:
+        """Where this rank's last steps went, phase by phase: the DDP module's ``timings`` (between,
+        forward, backward, communication), with the optimizer step and the rest of ``between`` (the
+        data loader, the loop's code) apart. A slow rank has the longest forward or backward (or
+        data), and the others wait for it in communication: compare them across ranks."""
+        if not isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError(f"strategy.timings() comes from ddpkit's DistributedDataParallel; the model is "
+                               f"{type(self.model).__name__}. Call setup(model, optimizer) first, without use_torch_ddp=True.")
+        return self.model.timings(last)
+
+    @property
+    def recovered_in_place(self) -> bool:
+        """Whether this process replaced a lost rank, or survived the loss of one (in-place recovery)."""
+        return self._loop.recovery is not None and self._loop.recovery.recovered
+
+    # -- Lightning's plugin hooks, which plugin code calls around its training step ------------------
+
+    def model_to_device(self, model: nn.Module | None = None) -> nn.Module:
+        """``model`` (by default the strategy's) on this process's device."""
+        target = model if model is not None else self.model
+        if target is None:
+            raise ValueError("model_to_device needs a model: pass one, or call setup(model, optimizer) first.")
+        return target.to(self.root_device)
+
+    def pre_dispatch(self) -> None:
+        """Before training starts: make sure every process is connected and ready."""
+        self.barrier("pre_dispatch")
+
+    def post_dispatch(self) -> None:
+        """After training ends: wait for every process, so none tears down while others still talk."""
+        self.barrier("post_dispatch")
+
+    def on_before_forward(self, model: nn.Module, *args: Any) -> tuple[Any, ...]:
+        """Move the batch to this process's device."""
+        return tuple(a.to(self.root_device) if isinstance(a, Tensor) else a for a in args)
+
+    def pre_backward(self, closure_loss: Tensor, *lightning_arguments: Any) -> None:
+        """Lightning's hook before ``backward``: nothing to do. Lightning prepared torch DDP there for a
+        loss that bypassed DDP's forward; here torch's DDP prepares in its forward and ddpkit's at
+        the backward's first gradient. Lightning 1.3's further arguments are accepted."""
+
+    def get_model_from_plugin(self, model: nn.Module) -> nn.Module:
+        """The user's module inside a DDP wrapper (or the model itself)."""
+        if isinstance(model, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            return model.module
+        return model
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
 
     # -- checkpoints and output ------------------------------------------------------------------
 
