@@ -81,7 +81,7 @@ def test_a_node_gone_silent_is_reported_by_a_launcher_that_watches_it_to_those_t
     nodes 0 and 1's. Node 3's launcher stops beating: node 0's and node 1's find it silent and one
     reports it, and node 2's, which never read node 3's beat, takes it for lost from the report,
     within a look or two of the others."""
-    monkeypatch.setattr(heartbeats, "_RECOVERING_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(heartbeats, "_SURVIVORS_WAIT_SILENT_SECONDS", 0.5)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     nodes = [NodeCoordination(BoundedStore(connect("127.0.0.1", store.port, 10), 10), node, 4, "127.0.0.1",
                               store.port, survivors_go_on=True) for node in range(4)]

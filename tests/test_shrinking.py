@@ -353,7 +353,7 @@ class BeatingLaunchers:
     each beating through a client of its own, as ``ddpkit run`` makes them; silent after 0.5 s."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, shrinking: Shrinking) -> None:
-        monkeypatch.setattr(heartbeats_module, "_RECOVERING_SILENT_SECONDS", 0.5)
+        monkeypatch.setattr(heartbeats_module, "_SURVIVORS_WAIT_SILENT_SECONDS", 0.5)
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.nodes = [NodeCoordination(self._client(), rank, 3, "127.0.0.1", self.store.port, survivors_go_on=True,
                                        shrinking=shrinking, node_losses_allowed=1) for rank in range(3)]

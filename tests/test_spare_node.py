@@ -248,7 +248,7 @@ def test_a_silent_node_is_lost_for_the_others_unless_a_spare_claims_its_place_an
     """The launchers' side, with a real store: node 1's launcher stops beating (killed); node 0's
     takes it for lost after the silence and the wait for a claim; when a spare claims its place
     (one spare only: the first claim written wins) and beats as node 1, node 0 never does."""
-    monkeypatch.setattr(heartbeats_module, "_RECOVERING_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(heartbeats_module, "_SURVIVORS_WAIT_SILENT_SECONDS", 0.5)
     monkeypatch.setattr(nodes_module, "_CLAIM_SECONDS", 1.0)
     monkeypatch.setattr(nodes_module, "_TAKEOVER_SECONDS", 2.0)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -41,8 +41,8 @@ _BEAT_SECONDS = 1.0
 _SILENT_SECONDS = 10.0
 # Under in-place recovery across nodes a lost node is taken over by a spare node while the others'
 # workers wait for it, so it is noticed sooner: beats four times a second, lost after 2 s of silence.
-_RECOVERING_BEAT_SECONDS = 0.25
-_RECOVERING_SILENT_SECONDS = 2.0
+_SURVIVORS_WAIT_BEAT_SECONDS = 0.25
+_SURVIVORS_WAIT_SILENT_SECONDS = 2.0
 # How long ``stop`` waits for a beat under way (on a link that works, milliseconds).
 _STOP_SECONDS = 1.0
 
@@ -71,8 +71,8 @@ class Heartbeats:
 
     def __init__(self, records: LauncherRecords, survivors_go_on: bool) -> None:
         self._records = records
-        self.beat_seconds = _RECOVERING_BEAT_SECONDS if survivors_go_on else _BEAT_SECONDS
-        self.silent_seconds = _RECOVERING_SILENT_SECONDS if survivors_go_on else _SILENT_SECONDS
+        self.beat_seconds = _SURVIVORS_WAIT_BEAT_SECONDS if survivors_go_on else _BEAT_SECONDS
+        self.silent_seconds = _SURVIVORS_WAIT_SILENT_SECONDS if survivors_go_on else _SILENT_SECONDS
         self._survivors_go_on = survivors_go_on
         self.launcher_id = os.urandom(6).hex()  # tells this launcher's beats from a former one's of the same node
         self._heard: dict[int, tuple[str, float]] = {}  # node -> (its last beat, when it changed here)

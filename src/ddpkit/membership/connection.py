@@ -116,11 +116,11 @@ def init_dist_connection(
     if size == 1 and not store_given:
         kwargs["store"] = dist.HashStore()  # type: ignore[attr-defined]  # one process: nothing to meet, no port to open
     launcher_store = _launchers_store(cluster_environment, contract, timeout) if size > 1 and not store_given else None
-    reforms = launcher_store is not None and contract.recovery.survivors_go_on
-    generation = contract.generation if reforms else 0
-    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, contract.attempt, reforms,
+    survivors_go_on = launcher_store is not None and contract.recovery.survivors_go_on
+    generation = contract.generation if survivors_go_on else 0
+    group = Group(Membership(generation, rank, size), backend, timeout, launcher_store, contract.attempt, survivors_go_on,
                   secret)
-    if reforms:  # the first generation, a replacement's (its place from the layout), or the next one
+    if survivors_go_on:  # the first generation, a replacement's (its place from the layout), or the next one
         set_current_group(group)
         group.form(generation, **kwargs)
         return

@@ -242,11 +242,12 @@ class ReplicaCheck:
         self._after_recovery = how
         self._recovered_at = self._steps()
 
-    def run(self, *_: Any) -> None:
+    def run(self) -> None:
         """Compare the replicas if it is time: after a recovery, or every ``DDPKIT_CHECK_REPLICAS``
-        optimizer steps. Every rank calls it at the same step (a listener of the optimizer's steps too,
-        ``training.commit``). Not at the boundary a recovery between steps (in a checkpoint save) ended at: a replacement starts
-        at the next step, and compares there, so the survivors must too."""
+        optimizer steps. Every rank calls it at the same step (the loop's, or as a listener of the
+        optimizer's steps: ``training.commit``). Not at the boundary a recovery between steps (in a
+        checkpoint save) ended at: a replacement starts at the next step, and compares there, so the
+        survivors must too."""
         steps = self._steps()
         if steps <= self._recovered_at:
             return
