@@ -105,9 +105,11 @@ def test_a_launcher_too_many_and_another_job_on_the_endpoint_are_refused(folder:
 def test_a_node_that_does_not_come_ends_the_launcher_after_the_join_timeout(folder: Path) -> None:
     started = time.monotonic()
     code, _, err = ended([launcher(folder, *c10d(find_free_port()), "--rdzv-conf", "join_timeout=2",
-                                   "place.py")], timeout=30)[0]
+                                   "place.py")], timeout=60)[0]
     assert code == 1 and "1 of --nnodes=2 launchers arrived within 2 s (--rdzv-conf join_timeout)" in err, err
-    assert time.monotonic() - started < 15
+    # join_timeout counts from the launcher's arrival: before it, its own store host starts (torch's
+    # import, seconds on two loaded cores), which the launcher waits for apart (``StoreHost.wait_serving``).
+    assert time.monotonic() - started < 30
     assert not list(folder.glob("started*"))  # no worker started
 
 

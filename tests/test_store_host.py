@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ddpkit.environments import Recovery, find_free_port
 from ddpkit.launching.config import LaunchConfig
 from ddpkit.launching.rendezvous import Endpoint, RendezvousSettings
-from ddpkit.launching.store_host import StoreHost
+from ddpkit.launching.store_host import StoreHost, StoreHostError
 from ddpkit.launching.worker_environment import rank_variables
 
 # What torchrun 2.13's agent gives every worker (local_elastic_agent._start_workers), NCCL's setting aside.
@@ -58,3 +58,25 @@ def test_the_store_host_clears_the_workers_keys_and_keeps_the_launchers() -> Non
     finally:
         host.stop()
     assert "was killed by signal SIGKILL" in str(host.failure())
+
+
+def test_the_launcher_waits_for_its_store_host_to_serve_and_hears_when_it_cannot() -> None:
+    """The launcher that hosts a rendezvous waits for its store host apart from join_timeout (a
+    test of 2 s failed on a loaded machine while the host still imported torch)."""
+    port = find_free_port()
+    host = StoreHost("127.0.0.1", port, os.environ)
+    try:
+        host.wait_serving(60)
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+        client.set("answered", "at once")  # within a second: the store serves
+    finally:
+        host.stop()
+    taken = StoreHost("127.0.0.1", port, os.environ)  # the port is free again: hold it
+    try:
+        taken.wait_serving(60)
+        broken = StoreHost("127.0.0.1", port, os.environ)
+        with pytest.raises(StoreHostError, match="exited with code 1: .*EADDRINUSE"):
+            broken.wait_serving(60)
+        broken.stop()
+    finally:
+        taken.stop()

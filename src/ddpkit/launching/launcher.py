@@ -212,9 +212,11 @@ class _LauncherRun:
         if config.rendezvous is not None:
             state.store_host = host_rendezvous(config.rendezvous, self.environment())
             try:
+                if state.store_host is not None:  # join_timeout waits for the other nodes, not for this store
+                    state.store_host.wait_serving(_STORE_HOST_START_SECONDS)
                 state.config, state.nodes, state.spare_node = join_rendezvous(
                     config, config.rendezvous, state.store_host is not None, self.stop_waiting)
-            except RendezvousError as error:
+            except (RendezvousError, StoreHostError) as error:
                 _log.error(f"ddpkit run: {error}")
                 return 1
             config = state.config
@@ -407,3 +409,5 @@ def _probe_address(master_address: str, port: int) -> str | None:
 
 # How long the launcher that hosts the store keeps it for the others after it was told to stop.
 _LEAVE_AFTER_SIGNAL_SECONDS = 2.0
+# How long a launcher waits for the store host it started (a process that imports torch) to serve.
+_STORE_HOST_START_SECONDS = 60.0

@@ -53,6 +53,7 @@ from ddpkit.workers.processes import describe_exit
 __all__ = ["StoreHost", "StoreHostError", "main", "serve_outside_nodes"]
 
 _CLEAR = "clear"
+_SERVING = "serving"
 # How long the launcher waits for the host to clear the keys; a host that takes longer is stuck.
 _CLEAR_TIMEOUT_SECONDS = 30.0
 
@@ -89,25 +90,46 @@ class StoreHost:
         return (f"the job's store host (pid {self._process.pid}, {self.where}) {describe_exit(code)}"
                 + (f": {last}" if last else "") + ". Every worker reaches its peers through it, so the job ends.")
 
+    def wait_serving(self, timeout: float) -> None:
+        """Return once the process serves the store (it imports torch first: seconds on a loaded
+        host), so that a launcher that joins its own rendezvous does not spend the other nodes'
+        ``join_timeout`` on it. Raises ``StoreHostError`` when it ended, or did not serve within ``timeout``."""
+        if not self._answer(_SERVING, timeout).startswith(_SERVING):
+            raise StoreHostError(self.failure() or f"the job's store host (pid {self._process.pid}, {self.where}) did "
+                                 f"not serve within {timeout:g} s.")
+
     def clear_worker_keys(self) -> int:
         """Delete every key but the launchers' (``launcher_key_prefixes``) before the workers start
         again; the number deleted. Raises ``StoreHostError`` when the host ended or does not answer."""
-        stdin, stdout = self._process.stdin, self._process.stdout
-        if stdin is None or stdout is None:  # made by __init__: a pipe each
+        stdin = self._process.stdin
+        if stdin is None:  # made by __init__: a pipe
             raise StoreHostError("the store host has no command pipe")
-        deadline = time.monotonic() + _CLEAR_TIMEOUT_SECONDS
-        answer: str | None = ""
         try:
             stdin.write(f"{_CLEAR}\n".encode())
             stdin.flush()
-            while answer is not None and not answer.startswith("cleared "):  # other lines (torch's) are passed over
-                answer = _read_line(stdout, deadline - time.monotonic())
         except OSError:
-            answer = None
-        if answer is None:
+            pass  # the host ended: ``_answer`` finds no answer
+        answer = self._answer("cleared ", _CLEAR_TIMEOUT_SECONDS)
+        if not answer:
             raise StoreHostError(self.failure() or f"the job's store host (pid {self._process.pid}, {self.where}) did "
                                  f"not clear the workers' keys within {_CLEAR_TIMEOUT_SECONDS:g} s.")
         return int(answer.split()[1])
+
+    def _answer(self, start: str, timeout: float) -> str:
+        """The first line of the process's standard output that starts with ``start`` within
+        ``timeout`` seconds (other lines, torch's, are passed over); "" when none came."""
+        stdout = self._process.stdout
+        deadline = time.monotonic() + timeout
+        answer: str | None = ""
+        while stdout is not None and answer is not None and not answer.startswith(start):
+            try:
+                answer = _read_line(stdout, deadline - time.monotonic())
+            except OSError:
+                answer = None
+        if not answer and time.monotonic() < deadline:  # the pipe closed: the process is ending, let ``failure`` see it
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return answer or ""
 
     def stop(self) -> None:
         """End the process (it keeps nothing worth a graceful end) and forget its error file."""
@@ -196,6 +218,7 @@ def main(argv: list[str]) -> None:
     die_with_launcher()
     store = _serve(argv[0], int(argv[1]), listen_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(_SERVING, flush=True)  # ``StoreHost.wait_serving``
     for line in sys.stdin:  # the launcher's commands; the pipe closes when the launcher ends
         if line.strip() == _CLEAR:
             print(f"cleared {clear_worker_keys(store)}", flush=True)
