@@ -158,8 +158,11 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # a zombie still answers kill(0); it is gone for our purposes once it is not running
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped between the two looks
+        return False
 
 
 def example_summary(output: str) -> dict[str, Any]:

@@ -1,13 +1,11 @@
 """Launch mode x script kind (issue 30): a torchrun command line works with ``ddpkit run`` in its
 place, for a plain torch script (``env://``), ddpkit's own connection, Lightning's Trainer and
-HF Accelerate. Each cell runs under ``ddpkit run`` and under torchrun with the same flags, one
-launcher per node (loopback, and two network namespaces): the same world, the parameters of one
-process trained on the concatenated batches, the same as torchrun's, exit 0, no process left.
+HF Accelerate. Each cell runs under ``ddpkit run``, one launcher per node (loopback, and two
+network namespaces): the same world, the parameters of one process trained on the concatenated
+batches, exit 0, no process left. The ddpkit script runs under torchrun too, with the same flags,
+in each environment torchrun gives it (``torchrun_beside``), and must end as under ``ddpkit run``.
 
-Where torchrun is not run the mode says why (its restarted attempt reads stale keys; it has no
-in-place recovery); ddpkit's cell is then checked against the reference alone. The table in the
-docs/launching.md ("Launch modes and script kinds") is this matrix's.
-"""
+The table in docs/launching.md ("Launch modes and script kinds") is this matrix's."""
 
 from __future__ import annotations
 
@@ -21,11 +19,17 @@ from ddpkit.environments import find_free_port
 from .cells import MODES, Mode, Run, largest_difference, run_cell
 from .jobs import common
 
+# Modes whose every cell another mode's covers: with --max-restarts 1 and no failure, the flags of
+# the mode with rank 1 SIGKILLed, whose first attempt runs the same (its second, the restart, is more).
+_SUBSUMED = {"static nodes, restarts": "static nodes, a rank killed", "c10d, restarts": "c10d, a rank killed"}
+
 # (kind, mode): plain scripts in every mode; ddpkit's connection in every mode but the two ways of
-# naming the script; Lightning and Accelerate on one node, at a c10d rendezvous, and restarted
-# across nodes after a SIGKILL (each of their starts costs seconds of imports on two cores).
-CELLS = [("plain", name) for name in MODES] + [
-    ("ddpkit", name) for name in MODES if MODES[name].run_as == "script"] + [
+# naming the script and --standalone (a c10d rendezvous on this host, as the c10d mode's); Lightning
+# and Accelerate on one node, at a c10d rendezvous, and restarted across nodes after a SIGKILL (each
+# of their starts costs seconds of imports on two cores). No cell of a subsumed mode.
+CELLS = [("plain", name) for name in MODES if name not in _SUBSUMED] + [
+    ("ddpkit", name) for name in MODES
+    if MODES[name].run_as == "script" and name not in _SUBSUMED and name != "standalone"] + [
     (kind, name) for kind in ("lightning", "accelerate") for name in ("one node", "c10d", "static nodes, a rank killed")]
 
 _FRAMEWORKS = {"lightning": "lightning", "accelerate": "accelerate"}
@@ -36,23 +40,14 @@ def processes_per_node(kind: str, mode: Mode) -> int:
     return 1 if mode.nnodes > 1 and kind in _FRAMEWORKS else 2
 
 
-# Modes whose torchrun gives the ddpkit script the environment and store of another mode run beside
-# it: ``--max-restarts 1`` without a failure changes only TORCHELASTIC_MAX_RESTARTS, and
-# ``--standalone`` is a c10d rendezvous on this host (the agent's store, as in "c10d"). Nor with the
-# store outside the nodes: under torchrun the script reaches the agent's store as in "c10d".
-_TORCHRUN_AS_ANOTHER = {"standalone", "static nodes, restarts", "c10d, restarts"}
-
-
 def torchrun_beside(kind: str, mode: Mode) -> bool:
-    """Whether the cell runs torchrun too: where that run checks ddpkit, the ddpkit script (under
-    torchrun it connects through torchrun's environment and store) in each environment torchrun
-    gives it, and the plain script where the ddpkit one is not run (``-m``, ``--no-python``). The
-    plain, Lightning and Accelerate scripts under torchrun would test torch and the frameworks, at
-    5-10 s a cell on two cores, as would torchrun's same environment again; under ``ddpkit run``
-    every cell is checked against one process trained on the concatenated batches."""
-    if kind == "ddpkit":
-        return mode.name not in _TORCHRUN_AS_ANOTHER and not mode.store_outside
-    return kind == "plain" and mode.run_as != "script"
+    """Whether the cell runs torchrun too: for the ddpkit script (under torchrun it connects through
+    torchrun's environment and store) in each environment torchrun gives it: one node, static nodes
+    and c10d (the other modes give the same environment and store: the store outside the nodes is
+    reached as c10d's). The plain, Lightning and Accelerate scripts under torchrun would test torch
+    and the frameworks, at 5-10 s a cell on two cores; under ``ddpkit run`` every cell is checked
+    against one process trained on the concatenated batches."""
+    return kind == "ddpkit" and mode.name in ("one node", "static nodes", "c10d")
 
 
 def check(run: Run, world: int, launcher: str) -> None:
