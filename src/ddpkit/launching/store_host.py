@@ -94,7 +94,7 @@ class StoreHost:
         """Return once the process serves the store (it imports torch first: seconds on a loaded
         host), so that a launcher that joins its own rendezvous does not spend the other nodes'
         ``join_timeout`` on it. Raises ``StoreHostError`` when it ended, or did not serve within ``timeout``."""
-        if not self._answer(_SERVING, timeout).startswith(_SERVING):
+        if not self._answer(_SERVING, timeout):
             raise StoreHostError(self.failure() or f"the job's store host (pid {self._process.pid}, {self.where}) did "
                                  f"not serve within {timeout:g} s.")
 
