@@ -77,9 +77,6 @@ def test_two_jobs_at_once_on_one_host_each_train_as_one_world(mpi: MPI, tmp_path
         trained_as_one_world_of(2, output)
 
 
-# Alone: the survivor's threads must not ask the dead store before its death is known; on a loaded
-# machine one did and torch printed its warning with C++ frames (seen once beside another test).
-@pytest.mark.alone
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_rank_killed_with_sigkill_ends_the_job_in_seconds(mpi: MPI, rank: int) -> None:
     """As under srun: the job ends within seconds with nothing left. When rank 0 (the store's

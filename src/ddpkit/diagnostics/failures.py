@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ddpkit.diagnostics.debug import CollectiveMismatchError
 from ddpkit.diagnostics.exits import leave_on_uncaught_exception
+from ddpkit.diagnostics.quiet_requests import quiet_requests
 from ddpkit.diagnostics.records import exception_record, write_error_record
 from ddpkit.diagnostics.relayed_news import announce, tcp_store_under
 from ddpkit.process_state import PROCESS
@@ -163,8 +164,9 @@ def record_failure(record: dict[str, object], publish: bool = True, tear_down: b
     if store is None:
         return
     try:
-        publish_first(store, record_signer(), FAILURE, json.dumps(record))
-        announce(store)  # the other ranks' peer watches read it at their launchers' word
+        with quiet_requests():
+            publish_first(store, record_signer(), FAILURE, json.dumps(record))
+            announce(store)  # the other ranks' peer watches read it at their launchers' word
     except RuntimeError:
         return  # the store is gone (its host died first): nothing to tell, and no one to tell it
     if dist.get_rank() == 0:
@@ -234,7 +236,7 @@ def raising(failure: CollectiveFailedError) -> CollectiveFailedError:
         PROCESS.failures.seen = True
         store = _default_store()
         if store is not None:
-            with contextlib.suppress(RuntimeError):
+            with contextlib.suppress(RuntimeError), quiet_requests():
                 store.add(record_signer().key(_SEEN), 1)  # once per process: the rank hosting the store waits for every rank
     return failure
 
@@ -288,7 +290,8 @@ def _lost_peer(store: Any) -> PeerLostError | None:
     signer = record_signer()
     key = signer.key(LOST)
     try:
-        note = signer.read(store, key)
+        with quiet_requests():
+            note = signer.read(store, key)
         if note is None and (node := PROCESS.failures.node_lost()) is not None:
             return PeerLostError(f"a node of the group was lost ({node}); in-place recovery replaces its ranks")
     except RuntimeError:
@@ -411,7 +414,8 @@ def read_failure_record(store: Any, timeout: timedelta | None = _READ_TIMEOUT) -
     try:
         if timeout is not None:
             store.set_timeout(timeout)
-        payload = signer.read(store, key)
+        with quiet_requests():
+            payload = signer.read(store, key)
         if payload is None:
             return None
         record: dict[str, Any] = json.loads(payload)
@@ -453,7 +457,9 @@ def _linger_until_read(store: Any, world_size: int) -> None:
     deadline = time.monotonic() + _LINGER_SECONDS
     while time.monotonic() < deadline:
         try:
-            if store.add(record_signer().key(_SEEN), 0) >= world_size - 1:
+            with quiet_requests():
+                seen = store.add(record_signer().key(_SEEN), 0)
+            if seen >= world_size - 1:
                 return
         except RuntimeError:
             return

@@ -60,6 +60,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.diagnostics.failures import record_failure, record_signer
+from ddpkit.diagnostics.quiet_requests import quiet_requests
 from ddpkit.diagnostics.records import failure_record
 from ddpkit.diagnostics.relayed_news import FALLBACK_SECONDS, announce, relayed_news
 from ddpkit.diagnostics.settings import WORKER_SECONDS_SETTINGS, seconds_setting
@@ -147,8 +148,9 @@ class HangWatch:
             # One rank of those waiting gathers the report (the first to claim it): each of the
             # others asking every rank for its stack and reading them all cost the store W^2
             # requests in a hang of W ranks. The others say who reports, and answer its request.
-            reporter = self.signer.write_first(self.store, self.signer.key(store_keys.hang_reporter(current[0])),
-                                               str(self.rank))
+            with quiet_requests():
+                reporter = self.signer.write_first(self.store, self.signer.key(store_keys.hang_reporter(current[0])),
+                                                   str(self.rank))
             if reporter != str(self.rank):
                 self.ended_sequence = current[0]  # the reporter ends the job, if that is asked
                 self.report = (f"ddpkit: rank {self.rank} has waited {time.monotonic() - current[3]:.1f} s in "
@@ -159,8 +161,9 @@ class HangWatch:
                 return
             # The requests' count cannot be signed: a stranger who adds to it makes every rank post its
             # stack (signed, so not forged), nothing more.
-            request = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 1)
-            announce(self.store)  # the others' launchers relay it to their watches
+            with quiet_requests():
+                request = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 1)
+                announce(self.store)  # the others' launchers relay it to their watches
             self._answer_requests(request)
             self.report, self.missing = self._build_report(current, request)
             self.reported_at = time.monotonic()
@@ -193,7 +196,8 @@ class HangWatch:
         extension and signal it (faulthandler's dump of threads that run can crash the process).
         """
         if latest is None:
-            latest = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 0)
+            with quiet_requests():
+                latest = self.store.add(self.signer.key(store_keys.HANG_REQUESTS), 0)
         if latest <= self.requests_answered:
             return
         frame = sys._current_frames().get(self.main_thread) if self.main_thread is not None else None
@@ -229,7 +233,7 @@ class HangWatch:
         sequence, operation, call_site, started = current
         keys = [store_keys.hang_stack(request, rank) for rank in range(self.world_size)]
         deadline = time.monotonic() + _GATHER_SECONDS
-        while time.monotonic() < deadline and not self.store.check([self.signer.key(key) for key in keys]):
+        while time.monotonic() < deadline and not self._all_written(keys):
             time.sleep(0.05)
             self._answer_requests()
         lines = [f"\nddpkit: rank {self.rank} has waited {time.monotonic() - started:.1f} s in collective "
@@ -271,12 +275,20 @@ class HangWatch:
             return f"{description} Its threads' stacks (faulthandler):\n{stack}"
         return f"{description} `py-spy dump --pid {pid}` shows where.\n"
 
+    # The store's requests: its host may be gone (the job is ending), which the watch's end says,
+    # not torch's warning (``quiet_requests``).
     def _write(self, name: str, value: str) -> None:
-        self.signer.write(self.store, self.signer.key(name), value)
+        with quiet_requests():
+            self.signer.write(self.store, self.signer.key(name), value)
 
     def _read(self, name: str) -> str | None:
         """The value of ``name`` one of the job's ranks wrote; None when there is none (or only a forged one)."""
-        return self.signer.read(self.store, self.signer.key(name))
+        with quiet_requests():
+            return self.signer.read(self.store, self.signer.key(name))
+
+    def _all_written(self, names: list[str]) -> bool:
+        with quiet_requests():
+            return bool(self.store.check([self.signer.key(name) for name in names]))
 
 
 def _entered_by_answer(answer: str | None) -> int:
