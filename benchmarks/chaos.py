@@ -145,21 +145,15 @@ def _command_line(pid: int) -> list[str]:
     return read_proc(f"/proc/{pid}/cmdline").split("\0")
 
 
-def _has_sockets(pid: int) -> bool:
-    with contextlib.suppress(OSError):
-        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
-    return False
-
-
 def workers_and_spares(launcher: int) -> tuple[list[int], list[int]]:
-    """The launcher's worker processes (ranks) and its waiting warm spares. A spare that took a
-    rank keeps the spare's command line: told apart by its connections."""
+    """The launcher's worker processes (ranks) and its waiting warm spares, which are named
+    ``ddpkit-spare`` while they wait (a spare forked from the template has its command line)."""
     workers, spares = [], []
     for pid in descendants(launcher):
         command = _command_line(pid)
         if "ddpkit.workers.worker" not in command or _is_template(pid, launcher, command):
             continue  # (the node's template forks the workers: it is none of them)
-        (spares if "--spare" in command and not _has_sockets(pid) else workers).append(pid)
+        (spares if read_proc(f"/proc/{pid}/comm").strip() == "ddpkit-spare" else workers).append(pid)
     return workers, spares
 
 

@@ -183,6 +183,20 @@ def command_line(pid: int) -> str:
         return ""
 
 
+def waiting_spares(launcher: int) -> list[int]:
+    """The warm spares of a ``ddpkit run`` launcher that wait for a rank: named ``ddpkit-spare``
+    while they wait (forked from the node's template, a spare has the template's command line)."""
+    found = []
+    for pid in descendants(launcher):
+        try:
+            with open(f"/proc/{pid}/comm", "rb") as handle:
+                if handle.read().strip() == b"ddpkit-spare":
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def parent_pid(pid: int) -> int | None:
     """A process's parent's pid (None once it has ended)."""
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import command_line, descendants, example_summary
+from helpers import example_summary, waiting_spares
 
 import ddpkit
 
@@ -81,7 +81,7 @@ def test_a_spare_killed_before_the_loss_is_started_again_and_the_rank_is_still_r
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while not (spares := [pid for pid in descendants(launcher.pid) if "--spare" in command_line(pid)]):
+        while not (spares := waiting_spares(launcher.pid)):
             assert time.monotonic() < deadline and launcher.poll() is None
             time.sleep(0.02)
         os.kill(spares[0], signal.SIGKILL)

@@ -154,3 +154,51 @@ def test_a_template_that_dies_alone_is_a_crash_that_restarts_not_a_preemption(tm
     _, err = launcher.communicate(timeout=90)
     assert launcher.returncode == 0, err
     assert not list(tmp_path.glob("stopped*")) and "restarting all 2 workers" in err, err
+
+
+
+_SPARES_REPORT = """
+import json, os, sys
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+    parent = handle.read()
+with open(os.environ["REPORT"], "w") as handle:
+    json.dump({"rank": os.environ["RANK"], "forked": b"--template" in parent, "argv": sys.argv,
+               "input": sys.stdin.read()}, handle)
+"""
+
+
+def test_a_warm_spare_is_forked_from_the_template_and_runs_the_script_as_the_rank_it_is_given(tmp_path: Path) -> None:
+    """A spare (in-place recovery) forked from the node's template: warm at once, named while it
+    waits (its command line is the template's), given its rank on the pipe from its launcher, then
+    the script's worker; a spare whose pipe is closed unused leaves with 0."""
+    from ddpkit.workers.processes import SPARE, WorkerProcesses
+    from ddpkit.workers.worker_template import WorkerTemplate
+
+    (tmp_path / "job.py").write_text(_SPARES_REPORT)
+    command = [sys.executable, "-m", "ddpkit.workers.worker", SPARE, str(tmp_path / "job.py"), "--flag"]
+    template = WorkerTemplate(os.environ)
+    try:
+        with WorkerProcesses("spares", template=template) as workers:
+            taking, leaving = (workers.start_spare(command, dict(os.environ)) for _ in range(2))
+            deadline = time.monotonic() + 60
+            while not all(_process_name(spare.process.pid) == "ddpkit-spare" for spare in (taking, leaving)):
+                assert time.monotonic() < deadline, [_process_name(spare.process.pid) for spare in (taking, leaving)]
+                time.sleep(0.05)
+            assert template._process is not None
+            assert {parent_pid(taking.process.pid), parent_pid(leaving.process.pid)} == {template._process.pid}
+            workers.assign(taking, {"RANK": "3", "REPORT": str(tmp_path / "report.json")}, rank=3, local_rank=0)
+            assert taking.process.wait(timeout=30) == 0
+            assert leaving.process.stdin is not None
+            leaving.process.stdin.close()
+            assert leaving.process.wait(timeout=30) == 0
+    finally:
+        template.close()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report == {"rank": "3", "forked": True, "argv": [str(tmp_path / "job.py"), "--flag"], "input": ""}, report
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

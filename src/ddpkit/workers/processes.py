@@ -37,15 +37,12 @@ from ddpkit.variables import (
     DDPKIT_STACK_FILE,
 )
 from ddpkit.workers.output import OutputPlan, WorkerOutput
-from ddpkit.workers.worker_template import ForkedProcess, WorkerTemplate
+from ddpkit.workers.worker_template import SPARE, ForkedProcess, WorkerTemplate
 
 # The argument that makes a worker serve the function pool (``workers.pool``) instead of a
 # script. Here rather than in ``workers.worker``, which imports torch: the launcher does not.
 SERVE_FUNCTIONS = "--serve-functions"
-# The argument that makes a worker a warm spare (in-place recovery): it waits for a rank to take over.
-SPARE = "--spare"
-
-__all__ = ["WorkerProcess", "WorkerProcesses", "describe_exit"]
+__all__ = ["SPARE", "WorkerProcess", "WorkerProcesses", "describe_exit"]
 
 # How long workers get to write their stacks after SIGUSR1.
 _STACK_DUMP_WAIT_SECONDS = 0.5
@@ -110,15 +107,17 @@ class WorkerProcesses:
 
     def start_spare(self, command: Sequence[str], environment: Mapping[str, str]) -> WorkerProcess:
         """Start a warm spare (``python -m ddpkit.workers.worker --spare ...``): a worker without a
-        rank yet, whose standard input is a pipe from here (``replace`` writes its rank there)."""
+        rank yet, whose standard input is a pipe from here (``replace`` writes its rank there);
+        forked from the node's template where the workers are."""
         spare = self._launch(command, environment, f"spare{len(self.spares) + len(self.retired)}", -1, -1,
-                             stdin=subprocess.PIPE)
+                             spare=True)
         self.spares.append(spare)
         return spare
 
     def _launch(self, command: Sequence[str], environment: Mapping[str, str], name: str, rank: int, local_rank: int,
-                **popen: Any) -> WorkerProcess:
-        """One worker process in a session of its own, told its launcher, error file and stack file."""
+                spare: bool = False, **popen: Any) -> WorkerProcess:
+        """One worker process in a session of its own, told its launcher, error file and stack file
+        (a ``spare``: with its standard input a pipe from here)."""
         error_file, stack_file = (os.path.join(self.folder, f"{name}.{kind}") for kind in ("json", "stacks"))
         variables = {DDPKIT_LAUNCHER_PID: str(os.getpid()), DDPKIT_ERROR_FILE: error_file,
                      DDPKIT_STACK_FILE: stack_file}
@@ -128,7 +127,6 @@ class WorkerProcesses:
             variables.update({DDPKIT_METRICS_FILE: metrics_file, DDPKIT_METRICS_SECONDS: f"{self._window_seconds:g}"})
         output = None
         if self._output is not None:
-            spare = rank < 0  # its rank, and so its routing, comes when it takes one
             folder = None if self._log_folder is None else os.path.join(self._log_folder,
                                                                         name if spare else str(local_rank))
             routing = None if spare else self._output.routing(local_rank)
@@ -138,10 +136,10 @@ class WorkerProcesses:
                 variables.update(routing.variables())
         process: subprocess.Popen[bytes] | ForkedProcess | None = None
         if self._template is not None and output is None and not any(popen.values()):  # no pipe, file or descriptor
-            process = self._template.fork(command, {**environment, **variables})
+            process = self._template.fork(command, {**environment, **variables}, with_input=spare)
         if process is None:
             started = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True,
-                                       **popen)
+                                       stdin=subprocess.PIPE if spare else None, **popen)
             if output is not None:
                 output.started(started)
             process = started

@@ -19,8 +19,9 @@ can take over:
 
 The spare gets the lost worker's variables plus the group's next generation
 (``DDPKIT_GENERATION``) and a file to write once it holds the survivors' state
-(``DDPKIT_READY_FILE``); when several workers were lost, the others' replacements start cold
-(they import torch first), and all join the same generation. One recovery spends one of the
+(``DDPKIT_READY_FILE``); when several workers were lost, the others' replacements are spares
+started then (forked from the node's template, where the workers are: warm; else they import
+torch first), and all join the same generation. One recovery spends one of the
 budget, however many ranks it replaces. A new spare starts warming up at once. A recovery that
 does not finish within ``DDPKIT_RECOVERY_TIMEOUT_SECONDS`` (plus a margin) fails the job. torch-free, as the
 launcher is.
@@ -38,6 +39,7 @@ from ddpkit.logs import get_logger
 from ddpkit.ready_file import OUTSIDE, what_it_said
 from ddpkit.variables import DDPKIT_READY_FILE, DDPKIT_RECOVERY_TIMEOUT_SECONDS
 from ddpkit.workers.processes import WorkerProcess, WorkerProcesses, describe_exit
+from ddpkit.workers.worker_template import ForkedProcess
 
 __all__ = ["NO_REPLACEMENTS", "NoReplacements", "Replacements", "ready_file"]
 
@@ -141,7 +143,8 @@ class Replacements:
             self._ready_files[lost.rank] = ready
             variables = {**self._rank_variables(lost.local_rank, generation=self.generation), DDPKIT_READY_FILE: ready}
             self._workers.replace(lost, spare, variables)
-            how = "the spare" if number == 0 else "a new process (not warm: it imports torch first)"
+            how = ("the spare" if number == 0 else "another spare, forked from the node's template"
+                   if isinstance(spare.process, ForkedProcess) else "a new process (not warm: it imports torch first)")
             _log.warning(f"ddpkit run: {lost} {describe_exit(codes[number])}; {how} (pid {spare.process.pid}) takes "
                          f"over its rank in place (recovery {self.used} of {self.budget}; the other ranks keep running)")
             started.append((spare, ready))

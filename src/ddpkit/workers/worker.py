@@ -156,14 +156,39 @@ def _import_ahead(argv: list[str]) -> None:
 
 
 def _wait_for_a_rank(argv: list[str]) -> None:
-    """The warm spare: import what the training script ``argv`` needs (seconds, done ahead), then wait
-    for the launcher to name the rank this process replaces; leave quietly when the launcher closes the pipe."""
+    """The warm spare: import what the training script ``argv`` needs (seconds, done ahead; nothing
+    left when forked from the template), then wait for the launcher to name the rank this process
+    replaces; leave quietly when the launcher closes the pipe. While it waits, the process is named
+    ``SPARE_NAME`` (``ps``, ``/proc/PID/comm``): a spare forked from the template has the template's
+    command line."""
     _import_ahead(argv)
+    own_name = _rename_process(SPARE_NAME)
     line = sys.stdin.readline()
     if not line.strip():
         os._exit(0)
+    _rename_process(own_name)
     os.environ.update(json.loads(line))
     sys.stdin = open(os.devnull, encoding="utf-8")  # the pipe was the launcher's, not the script's input
+
+
+# What a waiting spare is called (its process name: Linux keeps 15 bytes).
+SPARE_NAME = b"ddpkit-spare"
+_PR_SET_NAME, _PR_GET_NAME = 15, 16
+
+
+def _rename_process(name: bytes) -> bytes:
+    """Give this process (its main thread) the name ``name``; its name before (b"" where it cannot)."""
+    if not sys.platform.startswith("linux"):
+        return b""
+    before = ctypes.create_string_buffer(16)
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(_PR_GET_NAME, before)
+        if name:
+            libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]))
+    except (OSError, AttributeError):
+        return b""
+    return before.value
 
 
 # Lightning's modules that note the process's rank when they are imported (``rank_zero_only.rank``,
@@ -284,19 +309,25 @@ def serve_forks(argv: list[str]) -> None:
     launcher_gone: list[int] = []  # the launcher died (SIGTERM from the kernel) or closed the socket
     signal.signal(signal.SIGTERM, lambda _signum, _frame: launcher_gone.append(1))
     received, children, passed_on = b"", set[int](), False
+    inputs: list[int] = []  # the descriptors that came with requests, in order (a spare's input)
     while not (passed_on and not children):
         ready, _, _ = select.select([wake_read] if launcher_gone else [connection.fileno(), wake_read], [], [], 1.0)
         if wake_read in ready:
             os.read(wake_read, 4096)
         children -= _report_ends(connection)
         if connection.fileno() in ready and not launcher_gone:
-            data = connection.recv(1 << 16)
+            data, descriptors, _, _ = socket.recv_fds(connection, 1 << 16, _MOST_DESCRIPTORS)
+            inputs += descriptors
             if not data:
                 launcher_gone.append(1)
             received += data
             *requests, received = received.split(b"\n")
-            for request in requests:
-                pid = _fork_worker(json.loads(request), (connection.fileno(), wake_read, wake_write))
+            for line in requests:
+                request = json.loads(line)
+                given = inputs.pop(0) if request.get("input") and inputs else -1
+                pid = _fork_worker(request, given, (connection.fileno(), wake_read, wake_write, *inputs))
+                if given >= 0:
+                    os.close(given)  # the worker's now
                 children.add(pid)
                 _send(connection, {"started": pid})
         if launcher_gone and not passed_on:
@@ -338,9 +369,14 @@ def _send(connection: socket.socket, message: dict[str, Any]) -> None:
         connection.sendall(json.dumps(message).encode() + b"\n")
 
 
-def _fork_worker(request: dict[str, Any], template_files: tuple[int, ...]) -> int:
-    """Fork one worker (the child never returns here): its own session, environment and working
-    directory, then the worker bootstrap, which ends the process."""
+# How many descriptors one read of the launcher's requests takes at most (one per spare asked for).
+_MOST_DESCRIPTORS = 16
+
+
+def _fork_worker(request: dict[str, Any], given_input: int, template_files: tuple[int, ...]) -> int:
+    """Fork one worker (the child never returns here): its own session, environment, working
+    directory and, when ``given_input`` is a descriptor, standard input, then the worker bootstrap,
+    which ends the process."""
     template_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -353,6 +389,10 @@ def _fork_worker(request: dict[str, Any], template_files: tuple[int, ...]) -> in
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter's (the script may take it)
         for descriptor in template_files:
             os.close(descriptor)
+        if given_input >= 0:
+            os.dup2(given_input, 0)
+            os.close(given_input)
+            sys.stdin = open(0, encoding="utf-8", closefd=False)  # the pipe from the launcher
         os.environ.clear()
         os.environ.update(request["environment"])
         global _FORKED_BY

@@ -10,18 +10,24 @@ working directory, the same bootstrap (``workers.worker.main``), which ends the 
 numpy's global generator is seeded anew, as Python's ``random`` is by the interpreter. Forking
 after importing torch is what every fork-started DataLoader worker does.
 
+The warm spares of in-place recovery (``--spare``) are forked too: a spare is a worker that waits
+for its rank, and a fork has nothing left to import, so it is warm at once, after every recovery as
+well, and costs the node no interpreter of its own. Its standard input is a pipe from the launcher,
+as a fresh spare's is: the template is handed the pipe's end with the request (``SCM_RIGHTS``).
+
 It is not used (each worker is a fresh interpreter, as before) where a fork would not be the same
 worker: a torch built for CUDA or ROCm (a library that asks for the devices at import would make
 them unusable in a forked child), a program run without ddpkit's bootstrap (``--no-python``), the
-workers' streams routed by the launcher (``--tee``, ``--redirects``, ``--log-dir``), a warm spare,
-a worker whose environment differs from the template's in a variable that takes effect when an
+workers' streams routed by the launcher (``--tee``, ``--redirects``, ``--log-dir``), a worker
+whose environment differs from the template's in a variable that takes effect when an
 interpreter or torch starts (``PYTHON*``, ``OMP_*``, ``TORCH_*``, ``LD_*``, ...), or
 ``DDPKIT_FORK_WORKERS=0``. A template that cannot start, or dies, is replaced by fresh interpreters
 for the workers started after; the launcher says so once.
 
 The template's side is the worker bootstrap's (``workers.worker.serve_forks``). It speaks JSON
-lines on a socket: the launcher asks ``{"argv": ..., "environment": ..., "cwd": ...}`` and is told
-``{"started": pid}``, and ``{"ended": pid, "code": code}`` when a worker ends (the template is the
+lines on a socket: the launcher asks ``{"argv": ..., "environment": ..., "cwd": ..., "input": ...}``
+(``input``: the request carries the read end of a pipe, the worker's standard input) and is
+told ``{"started": pid}``, and ``{"ended": pid, "code": code}`` when a worker ends (the template is the
 workers' parent, and reaps them: ``code`` as ``subprocess.Popen``'s ``returncode``). When the
 launcher dies the template passes SIGTERM on to each worker, as the kernel would have without it,
 and waits for them; a template that dies alone takes its workers with it (SIGKILL), a crash the
@@ -42,17 +48,19 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import IO, Any
 
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_FORK_WORKERS, DDPKIT_LAUNCHER_PID, DDPKIT_TEMPLATE_SOCKET
 
-__all__ = ["TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed", "starts_differently"]
+__all__ = ["SPARE", "TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed", "starts_differently"]
 
 _log = get_logger("launching")
 
 # The argument that makes a worker bootstrap the template of the node's workers.
 TEMPLATE = "--template"
+# The argument that makes a worker a warm spare (in-place recovery): it waits for a rank to take over.
+SPARE = "--spare"
 _WORKER_MODULE = "ddpkit.workers.worker"
 
 # Variables read when an interpreter, torch or a library torch loads starts (the thread pools,
@@ -108,10 +116,11 @@ def _torch_accelerator_build() -> str | None:
 class ForkedProcess:
     """A worker forked by the template, as the launcher sees it: what it uses of ``subprocess.Popen``."""
 
-    stdin = stdout = stderr = None
+    stdout = stderr = None
 
-    def __init__(self, pid: int, template: WorkerTemplate, args: Sequence[str]) -> None:
+    def __init__(self, pid: int, template: WorkerTemplate, args: Sequence[str], stdin: IO[bytes] | None = None) -> None:
         self.pid, self.args = pid, list(args)
+        self.stdin = stdin  # the write end of a spare's input (``fork(..., with_input=True)``)
         self.returncode: int | None = None
         self._template = template
 
@@ -150,13 +159,17 @@ class WorkerTemplate:
         if self._refused is None and self._process is None and _forkable(command):
             self._start(command, environment)
 
-    def fork(self, command: Sequence[str], environment: Mapping[str, str]) -> ForkedProcess | None:
-        """Fork the worker of ``command`` (``python -m ddpkit.workers.worker script ...``) with
-        ``environment``; None when it should start as a fresh interpreter instead (the module says when)."""
+    def fork(self, command: Sequence[str], environment: Mapping[str, str],
+             with_input: bool = False) -> ForkedProcess | None:
+        """Fork the worker of ``command`` (``python -m ddpkit.workers.worker [--spare] script ...``)
+        with ``environment``, its standard input a pipe from here when ``with_input`` (the
+        process's ``stdin``); None when it should start as a fresh interpreter instead (the module
+        says when)."""
         if self._refused is not None or not _forkable(command):
             return None
         if self._process is None:
-            self._start(command, environment)
+            self._start([arg for number, arg in enumerate(command) if not (number == 3 and arg == SPARE)],
+                        environment)
         if not self._ready:
             self._await_ready()
         if self._refused is not None or self._environment is None:
@@ -165,12 +178,20 @@ class WorkerTemplate:
             _log.debug(f"ddpkit run: a worker starts as a fresh interpreter: {', '.join(differing)} differ from the "
                        "template's")
             return None
-        request = {"argv": list(command[3:]), "environment": dict(environment), "cwd": os.getcwd()}
-        with self._lock:
-            answer = self._ask(request)
+        request = {"argv": list(command[3:]), "environment": dict(environment), "cwd": os.getcwd(),
+                   "input": with_input}
+        read_end, write_end = os.pipe() if with_input else (-1, -1)
+        try:
+            with self._lock:
+                answer = self._ask(request, read_end)
+        finally:
+            if with_input:
+                os.close(read_end)  # the worker's now
         if answer is None:
+            if with_input:
+                os.close(write_end)
             return None
-        return ForkedProcess(answer, self, command)
+        return ForkedProcess(answer, self, command, os.fdopen(write_end, "wb") if with_input else None)
 
     def exit_code(self, pid: int) -> int | None:
         """The exit code of the forked worker ``pid`` (Popen's convention), None while it runs."""
@@ -220,10 +241,14 @@ class WorkerTemplate:
         _log.info(f"ddpkit run: each worker starts as a fresh interpreter: {why}.")
         self.close()
 
-    def _ask(self, request: dict[str, Any]) -> int | None:
+    def _ask(self, request: dict[str, Any], input_end: int) -> int | None:
+        """Send ``request`` (with ``input_end``, a descriptor, when it is not -1) and return the pid
+        of the worker started; None when the template is gone."""
         assert self._socket is not None
+        data = json.dumps(request).encode() + b"\n"
         try:
-            self._socket.sendall(json.dumps(request).encode() + b"\n")
+            sent = socket.send_fds(self._socket, [data], [input_end]) if input_end >= 0 else 0
+            self._socket.sendall(data[sent:])
         except OSError:
             self._gone = True
         answer = None if self._gone else self._receive(lambda message: "started" in message)
@@ -271,10 +296,10 @@ class WorkerTemplate:
 
 
 def _forkable(command: Sequence[str]) -> bool:
-    """Whether ``command`` runs a script or module through ddpkit's bootstrap with this interpreter
-    (not a spare, not the function pool, not a program of its own)."""
-    return (len(command) > 3 and list(command[:3]) == [sys.executable, "-m", _WORKER_MODULE]
-            and not command[3].startswith("--"))
+    """Whether ``command`` runs a script or module through ddpkit's bootstrap with this interpreter,
+    or waits as a spare for one (not the function pool, not a program of its own)."""
+    script = list(command[4:] if len(command) > 3 and command[3] == SPARE else command[3:])
+    return list(command[:3]) == [sys.executable, "-m", _WORKER_MODULE] and bool(script) and not script[0].startswith("--")
 
 
 def _exists(pid: int) -> bool:
