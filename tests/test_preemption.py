@@ -255,6 +255,23 @@ def test_without_a_process_group_the_agreement_is_the_flag() -> None:
     assert WAIT_AT_ONCE_SECONDS < 1.2  # the timing test's 1.2 s steps are waited for at once
 
 
+def test_a_group_formed_again_agrees_afresh_from_where_a_new_agreement_starts() -> None:
+    """A replacement joins the group with a new agreement; a survivor's must go on from the same
+    state, or its rounds pair with other collectives of the replacement's (seen: a spare node's rank
+    of a Lightning fit read a gradient as a preemption, when the survivor's steps had been slow
+    enough to wait for each round at once and the replacement read its first round a call late)."""
+
+    def schedule(agreement: StepAgreement) -> tuple[object, ...]:
+        return (agreement._pending, agreement._wait_at_once, agreement._calls_until_round,
+                agreement._calls_since_round, agreement._last_round)
+
+    survivor = StepAgreement()
+    survivor._take((False, 10 * WAIT_AT_ONCE_SECONDS))  # slow steps: each round waited for at once
+    survivor._calls_since_round, survivor._last_round = 3, time.perf_counter()
+    survivor._forget_pending_round(None)  # type: ignore[arg-type]  # (the membership is not read)
+    assert schedule(survivor) == schedule(StepAgreement())
+
+
 def calls_until_stop(flag_rank: int, flag_call: int, step_seconds: list[float], wait_at_once: float,
                      interval: float) -> tuple[int, int]:
     """Runs in each rank: calls ``decide`` once per 'step' (a sleep), ``flag_rank`` raising its flag

@@ -141,10 +141,15 @@ class StepAgreement:
 
     def _forget_pending_round(self, _: Membership) -> None:
         """The group was formed again (``ddpkit.membership.group``): the round on its way belonged to the
-        abandoned one, whose collective will not complete. Agree afresh."""
+        abandoned one, whose collective will not complete. Agree afresh, from the state a new
+        agreement starts in: a replacement that joins the group starts there, and a survivor that
+        still waited for each round at once (slow steps) while the replacement read its first round
+        a call late would take a round at another call, skip other calls, and pair its next round
+        with another collective of the replacement's."""
         self._pending = None
         self._calls_until_round = self._calls_since_round = 0
         self._last_round = None
+        self._wait_at_once = self.wait_at_once_seconds <= 0
 
     def _take(self, result: tuple[bool, float]) -> None:
         """Act on a round's reduced values, which every rank sees alike."""
