@@ -7,7 +7,6 @@ with the parameters of the run without the fault. Real launchers and workers on 
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import descendants
 from launchers import (
     PHASE_JOB,
     SECRET,
@@ -290,8 +288,7 @@ def test_without_a_spare_node_a_lost_node_ends_the_other_within_seconds_naming_i
         launchers = [start_launcher(tmp_path, port, f"launcher{n}", "2:3") for n in range(2)]
         wait_for(lambda: (tmp_path / "step3").exists(), "three steps")
         node1 = next(n for n in range(2) if "this is node 1 of 2" in text(tmp_path, f"launcher{n}.err"))
-        for pid in [launchers[node1].pid, *descendants(launchers[node1].pid)]:
-            os.kill(pid, signal.SIGKILL)
+        kill_node(launchers[node1])
         killed = time.monotonic()
         code = end_all([launchers[1 - node1]], timeout=60)[0]
         took = time.monotonic() - killed
