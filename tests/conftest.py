@@ -53,10 +53,10 @@ _alone_lock: _AloneLock | None = None
 # a long module collected last would run alone at the end while the other worker idles. Measured
 # with ``--durations=0``; a module missing here only runs in its path's order.
 LONGEST_MODULES_FIRST = (
-    "launch_modes/test_matrix.py", "test_real_loops.py", "test_lightning.py", "test_example.py",
-    "test_shrinking.py", "test_kill_and_recover.py", "test_node_restarts.py", "test_spare_node.py",
-    "test_stranger.py", "test_launcher.py", "test_failed_rank_lives_on.py", "test_launcher_never_stuck.py",
-    "test_preemption.py", "schedulers/test_slurm.py", "test_gpu_check.py", "schedulers/test_mpi.py",
+    "test_real_loops.py", "launch_modes/test_matrix.py", "test_lightning.py", "test_node_restarts.py",
+    "test_example.py", "test_shrinking.py", "test_spare_node.py", "test_stranger.py", "test_launcher.py",
+    "test_kill_and_recover.py", "schedulers/test_slurm.py", "test_failed_rank_lives_on.py",
+    "test_gpu_check.py", "schedulers/test_mpi.py", "test_launcher_never_stuck.py", "test_preemption.py",
 )
 
 
