@@ -21,7 +21,6 @@ has ended, finishes the process itself (``_finish``), so that a clean script exi
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import ctypes
 import faulthandler
@@ -48,7 +47,7 @@ from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
 from ddpkit.workers.processes import SERVE_FUNCTIONS, SPARE
-from ddpkit.workers.worker_template import TEMPLATE
+from ddpkit.workers.worker_template import LIGHTNING, TEMPLATE, imported_packages
 
 _log = get_logger("launching")
 
@@ -138,7 +137,6 @@ def main(argv: list[str]) -> None:
 # Trainer (Lightning with it): importing Lightning takes longer than the rest of a worker's way into
 # the step. (The launcher's own rule, import no more than it needs, is about the launcher and a
 # worker before its script; a spare's and a template's whole point is to have imported them already.)
-_LIGHTNING = frozenset({"lightning", "pytorch_lightning"})
 # What a template or a warm spare imports ahead of the workers' scripts, in its own process (the
 # launcher imports none of it): torch, the compiler stack any optimizer's first call imports, and
 # the strategy (the DDP module, the collectives, the recovery).
@@ -150,7 +148,7 @@ def _import_ahead(argv: list[str]) -> None:
     first call imports, ddpkit's strategy (the DDP module, the collectives, in-place recovery)."""
     for name in WARM_MODULES:
         importlib.import_module(name)
-    if _LIGHTNING & imported_packages(argv):
+    if LIGHTNING & imported_packages(argv):
         with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
             importlib.import_module("ddpkit.lightning")
 
@@ -203,28 +201,6 @@ def _rank_read_at_import() -> None:
         module = sys.modules.get(name)
         if module is not None:
             module.rank_zero_only.rank = module._get_rank() or 0
-
-
-def imported_packages(argv: list[str]) -> set[str]:
-    """The top-level packages the script of ``argv`` (a path, or ``-m module``) imports anywhere in
-    its source, read without running it; empty when its source cannot be read."""
-    try:
-        if argv[0] == "-m":
-            spec = importlib.util.find_spec(argv[1])
-            path = spec.origin if spec is not None else None
-        else:
-            path = argv[0]
-        with open(path or "", "rb") as handle:
-            tree = ast.parse(handle.read())
-    except (OSError, SyntaxError, ValueError, ImportError):
-        return set()
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
-    return names
 
 
 def _exit_code(exit_request: SystemExit) -> int:

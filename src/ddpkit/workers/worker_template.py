@@ -14,6 +14,7 @@ The warm spares of in-place recovery (``--spare``) are forked too: a spare is a 
 for its rank, and a fork has nothing left to import, so it is warm at once, after every recovery as
 well, and costs the node no interpreter of its own. Its standard input is a pipe from the launcher,
 as a fresh spare's is: the template is handed the pipe's end with the request (``SCM_RIGHTS``).
+The spare of a script that imports Lightning is still a fresh interpreter (``fork`` says why).
 
 It is not used (each worker is a fresh interpreter, as before) where a fork would not be the same
 worker: a torch built for CUDA or ROCm (a library that asks for the devices at import would make
@@ -36,6 +37,7 @@ launcher restarts or replaces.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import json
@@ -53,7 +55,8 @@ from typing import IO, Any
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_FORK_WORKERS, DDPKIT_LAUNCHER_PID, DDPKIT_TEMPLATE_SOCKET
 
-__all__ = ["SPARE", "TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed", "starts_differently"]
+__all__ = ["LIGHTNING", "SPARE", "TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed",
+           "imported_packages", "starts_differently"]
 
 _log = get_logger("launching")
 
@@ -61,6 +64,8 @@ _log = get_logger("launching")
 TEMPLATE = "--template"
 # The argument that makes a worker a warm spare (in-place recovery): it waits for a rank to take over.
 SPARE = "--spare"
+# Lightning's two package names: a script that imports either has its template import Lightning.
+LIGHTNING = frozenset({"lightning", "pytorch_lightning"})
 _WORKER_MODULE = "ddpkit.workers.worker"
 
 # Variables read when an interpreter, torch or a library torch loads starts (the thread pools,
@@ -166,6 +171,12 @@ class WorkerTemplate:
         process's ``stdin``); None when it should start as a fresh interpreter instead (the module
         says when)."""
         if self._refused is not None or not _forkable(command):
+            return None
+        if with_input and LIGHTNING & imported_packages(list(command[4:])):
+            # A Lightning fit taken over by a forked spare (soon after the loss) stopped now and then
+            # for a preemption no one sent: the ranks' agreements out of step (a test of a spare node
+            # inside Trainer.fit, about 1 run in 3 under load). A fresh spare keeps the timing
+            # under which it holds, until that is found.
             return None
         if self._process is None:
             self._start([arg for number, arg in enumerate(command) if not (number == 3 and arg == SPARE)],
@@ -310,3 +321,25 @@ def _exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def imported_packages(argv: list[str]) -> set[str]:
+    """The top-level packages the script of ``argv`` (a path, or ``-m module``) imports anywhere in
+    its source, read without running it; empty when its source cannot be read."""
+    try:
+        if argv[0] == "-m":
+            spec = importlib.util.find_spec(argv[1])
+            path = spec.origin if spec is not None else None
+        else:
+            path = argv[0]
+        with open(path or "", "rb") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError, ImportError):
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
