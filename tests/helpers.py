@@ -184,7 +184,7 @@ def command_line(pid: int) -> str:
 
 
 def waiting_spares(launcher: int) -> list[int]:
-    """The warm spares of a ``ddpkit run`` launcher that wait for a rank: named ``ddpkit-spare``
+    """The warm spares of a ``ddpkit run`` launcher (or a test) that wait for a rank: named ``ddpkit-spare``
     while they wait (forked from the node's template, a spare has the template's command line)."""
     found = []
     for pid in descendants(launcher):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_gone, command_line, descendants, parent_pid
+from helpers import assert_gone, command_line, descendants, parent_pid, waiting_spares
 
 from ddpkit.workers.worker_template import forking_allowed, starts_differently
 
@@ -181,8 +181,8 @@ def test_a_warm_spare_is_forked_from_the_template_and_runs_the_script_as_the_ran
         with WorkerProcesses("spares", template=template) as workers:
             taking, leaving = (workers.start_spare(command, dict(os.environ)) for _ in range(2))
             deadline = time.monotonic() + 60
-            while not all(_process_name(spare.process.pid) == "ddpkit-spare" for spare in (taking, leaving)):
-                assert time.monotonic() < deadline, [_process_name(spare.process.pid) for spare in (taking, leaving)]
+            while not {taking.process.pid, leaving.process.pid} <= set(waiting_spares(os.getpid())):
+                assert time.monotonic() < deadline, waiting_spares(os.getpid())
                 time.sleep(0.05)
             assert template._process is not None
             assert {parent_pid(taking.process.pid), parent_pid(leaving.process.pid)} == {template._process.pid}
@@ -195,10 +195,3 @@ def test_a_warm_spare_is_forked_from_the_template_and_runs_the_script_as_the_ran
         template.close()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == {"rank": "3", "forked": True, "argv": [str(tmp_path / "job.py"), "--flag"], "input": ""}, report
-
-
-def _process_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""

@@ -172,15 +172,14 @@ class WorkerTemplate:
         says when)."""
         if self._refused is not None or not _forkable(command):
             return None
-        if with_input and LIGHTNING & imported_packages(list(command[4:])):
+        if with_input and LIGHTNING & imported_packages(_script_of(command)):
             # A Lightning fit taken over by a forked spare (soon after the loss) stopped now and then
             # for a preemption no one sent: the ranks' agreements out of step (a test of a spare node
             # inside Trainer.fit, about 1 run in 3 under load). A fresh spare keeps the timing
             # under which it holds, until that is found.
             return None
         if self._process is None:
-            self._start([arg for number, arg in enumerate(command) if not (number == 3 and arg == SPARE)],
-                        environment)
+            self._start([*command[:3], *_script_of(command)], environment)  # a spare's template is its script's
         if not self._ready:
             self._await_ready()
         if self._refused is not None or self._environment is None:
@@ -309,8 +308,13 @@ class WorkerTemplate:
 def _forkable(command: Sequence[str]) -> bool:
     """Whether ``command`` runs a script or module through ddpkit's bootstrap with this interpreter,
     or waits as a spare for one (not the function pool, not a program of its own)."""
-    script = list(command[4:] if len(command) > 3 and command[3] == SPARE else command[3:])
+    script = _script_of(command)
     return list(command[:3]) == [sys.executable, "-m", _WORKER_MODULE] and bool(script) and not script[0].startswith("--")
+
+
+def _script_of(command: Sequence[str]) -> list[str]:
+    """The script (or ``-m module``) and its arguments in a worker's ``command``, a spare's ``SPARE`` left out."""
+    return list(command[4:] if len(command) > 3 and command[3] == SPARE else command[3:])
 
 
 def _exists(pid: int) -> bool:
