@@ -13,6 +13,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from helpers import descendants
@@ -31,17 +32,34 @@ def start_store(port: int, namespace: str | None = None, address: str = "127.0.0
     return store
 
 
+# The rendezvous's last call (--rdzv-conf last_call_timeout) for launchers started together as MAX
+# nodes: it closes as soon as the last arrives, so a long one costs nothing, and it has to outlast
+# the slowest launcher's start (torch's import on a loaded machine: with one second the CI saw a
+# job of --nnodes 1:2 start without its second node, which then never reached the test's fault).
+EVERY_NODE_LAST_CALL = 60.0
+
+
 def start_launcher(folder: Path, port: int, name: str, nnodes: str, namespace: str | None = None,
                    address: str = "127.0.0.1", rdzv_id: str = "spare", max_restarts: int = 1, nproc_per_node: int = 2,
-                   **variables: str) -> subprocess.Popen[bytes]:
+                   last_call: float = 1.0, **variables: str) -> subprocess.Popen[bytes]:
     """A launcher of two ranks running ``folder``/job.py, its output in ``folder``/``name``.out and .err
-    (``max_restarts``: the lost nodes the job recovers from, and the ranks each node replaces)."""
+    (``max_restarts``: the lost nodes the job recovers from, and the ranks each node replaces;
+    ``last_call``: how long the first rendezvous waits for more than MIN nodes)."""
     command = [*(["ip", "netns", "exec", namespace] if namespace else []),
                sys.executable, "-m", "ddpkit", "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{port}", "--rdzv-id", rdzv_id,
-               "--rdzv-conf", "last_call_timeout=1", "--recovery", "in-place", "--max-restarts", str(max_restarts), "job.py"]
+               "--rdzv-conf", f"last_call_timeout={last_call:g}", "--recovery", "in-place",
+               "--max-restarts", str(max_restarts), "job.py"]
     with open(folder / f"{name}.out", "wb") as out, open(folder / f"{name}.err", "wb") as err:
         return subprocess.Popen(command, cwd=folder, stdout=out, stderr=err, env={**os.environ, **SECRET, **variables})
+
+
+def start_together(folder: Path, port: int, nnodes: str, count: int, **options: Any) -> list[subprocess.Popen[bytes]]:
+    """``count`` launchers (launcher0, launcher1, ...) started at once as one job of ``nnodes``; when
+    they are its MAX, the first rendezvous waits for every one of them (``EVERY_NODE_LAST_CALL``)."""
+    most = int(nnodes.split(":")[-1])
+    last_call = EVERY_NODE_LAST_CALL if count >= most else 1.0
+    return [start_launcher(folder, port, f"launcher{n}", nnodes, last_call=last_call, **options) for n in range(count)]
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout: float = 90) -> None:

@@ -262,7 +262,7 @@ def test_after_a_lost_node_shrinks_the_world_the_example_compares_with_the_world
     survivor trains both shares and ends as one process on the global batches of two shares (it
     compared with batches of one share, the world it ended with, and exited 1); the summary says
     both worlds."""
-    from launchers import end_all, kill_node, node_of, start_launcher, start_store, text, wait_for
+    from launchers import end_all, kill_node, node_of, start_store, start_together, text, wait_for
 
     from ddpkit.environments import find_free_port
 
@@ -282,8 +282,7 @@ def test_after_a_lost_node_shrinks_the_world_the_example_compares_with_the_world
         """))
     store = start_store(port := find_free_port())
     try:
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", rdzv_id="example-shrink", nproc_per_node=1)
-                     for n in range(2)]
+        launchers = start_together(tmp_path, port, "1:2", 2, rdzv_id="example-shrink", nproc_per_node=1)
         wait_for(lambda: all("this is node" in text(tmp_path, f"launcher{n}.err") for n in range(2)), "the rendezvous")
         survivor = node_of(tmp_path, 0)
         wait_for(held.exists, "rank 1 at the save after the first epoch", timeout=120)

@@ -18,7 +18,7 @@ from torch import nn
 
 pytest.importorskip("lightning", reason="Lightning is in the test extra: pip install -e '.[test]'")
 
-from launchers import end_all, kill_node, node_of, start_launcher, start_store, text, wait_for  # noqa: E402
+from launchers import end_all, kill_node, node_of, start_launcher, start_store, start_together, text, wait_for  # noqa: E402
 from lightning.fabric.plugins.environments import TorchElasticEnvironment  # noqa: E402
 
 from ddpkit.environments import LocalEnvironment, find_free_port  # noqa: E402
@@ -371,7 +371,7 @@ def start_two_nodes(folder: Path, port: int, nnodes: str, **variables: str) -> l
     """Two launchers of one rank each that form the job (``Trainer(devices=1, num_nodes=2)``)."""
     (folder / "job.py").write_text(NODE_JOB)
     job = {"rdzv_id": "lightning-nodes", "nproc_per_node": 1, **QUIET, **variables}
-    launchers = [start_launcher(folder, port, f"launcher{n}", nnodes, **job) for n in range(2)]
+    launchers = start_together(folder, port, nnodes, 2, **job)
     wait_for(lambda: all("complete: this is node" in text(folder, f"launcher{n}.err") for n in range(2)),
              "the rendezvous to close with two nodes")
     return launchers

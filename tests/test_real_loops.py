@@ -21,7 +21,17 @@ from typing import Any
 
 import pytest
 import torch
-from launchers import end_all, kill_node, node_of, start_launcher, start_store, text, wait_for
+from launchers import (
+    EVERY_NODE_LAST_CALL,
+    end_all,
+    kill_node,
+    node_of,
+    start_launcher,
+    start_store,
+    start_together,
+    text,
+    wait_for,
+)
 
 from ddpkit.environments import find_free_port
 
@@ -280,8 +290,7 @@ def test_survivors_blocked_in_their_own_collective_on_a_survivor_that_recovered_
 def start_nodes(folder: Path, port: int, nnodes: str, count: int, **variables: str) -> list[subprocess.Popen[bytes]]:
     """``count`` launchers of one rank each running ``tests/real_loop.py`` as a job of ``nnodes`` nodes."""
     shutil.copy(LOOP, folder / "job.py")
-    return [start_launcher(folder, port, f"launcher{n}", nnodes, nproc_per_node=1, **variables)
-            for n in range(count)]
+    return start_together(folder, port, nnodes, count, nproc_per_node=1, **variables)
 
 
 @pytest.mark.timeout(240)
@@ -389,8 +398,9 @@ def test_across_network_namespaces_a_node_lost_in_the_users_collective_shrinks_t
     shutil.copy(LOOP, tmp_path / "job.py")
     job = {"rdzv_id": "real-netns", "PAUSE": "collective:5", "KILL_RANK": "1"}
     try:
-        # Both at once: the rendezvous closes a second after MIN (one) node arrived.
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", namespace, address0, nproc_per_node=1, **job)
+        # Both at once: the rendezvous waits for both (MAX) before it closes.
+        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", namespace, address0, nproc_per_node=1,
+                                    last_call=EVERY_NODE_LAST_CALL, **job)
                      for n, namespace in enumerate((namespace0, namespace1))]
         wait_for(lambda: (tmp_path / "paused").exists(), "node 1's rank to stop in its all-reduce")
         lost = node_of(tmp_path, 1)

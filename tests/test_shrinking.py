@@ -27,6 +27,7 @@ from launchers import (
     node_of,
     start_launcher,
     start_store,
+    start_together,
     text,
     wait_for,
 )
@@ -59,8 +60,8 @@ def test_without_a_spare_node_the_world_shrinks_at_the_same_global_batch_and_end
     (tmp_path / "job.py").write_text(PHASE_JOB)
     store = start_store(port := find_free_port())
     try:
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", rdzv_id="shrink", PHASE=phase,
-                                    PAUSED_RANK=str(2 * lost), GATES="7") for n in range(2)]
+        launchers = start_together(tmp_path, port, "1:2", 2, rdzv_id="shrink", PHASE=phase,
+                                   PAUSED_RANK=str(2 * lost), GATES="7")
         wait_for(lambda: (tmp_path / "paused").exists(), f"node {lost}'s first rank to stop in {phase}")
         lost_launcher = node_of(tmp_path, lost)
         kill_node(launchers[lost_launcher])
@@ -100,8 +101,8 @@ def test_a_node_lost_while_the_ranks_form_the_first_generation_shrinks_the_world
     (tmp_path / "job.py").write_text(PHASE_JOB)
     store = start_store(port := find_free_port())
     try:
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", rdzv_id="shrink-at-start",
-                                    PHASE="connecting:0", PAUSED_RANK="2") for n in range(2)]
+        launchers = start_together(tmp_path, port, "1:2", 2, rdzv_id="shrink-at-start",
+                                   PHASE="connecting:0", PAUSED_RANK="2")
         wait_for(lambda: (tmp_path / "paused0").exists(), "node 1's first rank to stop before it connects")
         lost_launcher = node_of(tmp_path, 1)
         kill_node(launchers[lost_launcher])
@@ -129,7 +130,7 @@ def test_a_second_node_lost_while_the_world_shrinks_is_left_out_too_and_the_run_
     store = start_store(port := find_free_port())
     job = {"rdzv_id": "two-lost", "max_restarts": 2, "nproc_per_node": 1, "PHASE": "allreduce", "PAUSED_RANK": "2"}
     try:
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "2:4", **job) for n in range(4)]
+        launchers = start_together(tmp_path, port, "2:4", 4, **job)
         wait_for(lambda: (tmp_path / "paused").exists(), "node 2's rank to stop in the all-reduce")
         two, three = node_of(tmp_path, 2, 4), node_of(tmp_path, 3, 4)
         kill_node(launchers[two])
@@ -441,7 +442,7 @@ def test_after_a_shrink_joining_nodes_lost_in_their_takeover_shrink_it_again_and
     # at the step boundary after its gate, so a gate right after it could be passed in that step.
     moments = {7: "asking", 9: "connecting", 11: "receiving"}
     try:
-        launchers = [start_launcher(tmp_path, port, f"launcher{n}", "1:2", **job) for n in range(2)]
+        launchers = start_together(tmp_path, port, "1:2", 2, **job)
         wait_for(lambda: (tmp_path / "paused").exists(), "node 1's first rank to stop in the all-reduce")
         lost = node_of(tmp_path, 1)
         survivor = launchers[1 - lost]

@@ -25,6 +25,7 @@ from launchers import (
     node_of,
     start_launcher,
     start_store,
+    start_together,
     text,
     wait_for,
 )
@@ -83,7 +84,7 @@ def start_world_and_spares(folder: Path, port: int, spares: int = 1, **variables
     folder.mkdir()
     (folder / "job.py").write_text(JOB)
     nnodes = f"2:{2 + spares}"
-    launchers = [start_launcher(folder, port, f"launcher{n}", nnodes, **variables) for n in range(2)]
+    launchers = start_together(folder, port, nnodes, 2, **variables)
     wait_for(lambda: all("complete: this is node" in text(folder, f"launcher{n}.err") for n in range(2)),
              "the rendezvous to close with two nodes")
     for n in range(2, 2 + spares):

@@ -22,6 +22,7 @@ from launchers import (
     one_process_reference,
     start_launcher,
     start_store,
+    start_together,
     text,
     wait_for,
 )
@@ -53,7 +54,7 @@ def run_slowed_job(folder: Path, nnodes: str, spare: bool) -> tuple[list[int], d
     store = start_store(port := find_free_port())
     try:
         world = {**REPLACE, "SLOW_NODE_SECONDS": "0.015", "STEPS": str(STEPS)}
-        launchers = [start_launcher(folder, port, f"launcher{n}", nnodes, nproc_per_node=1, **world) for n in range(2)]
+        launchers = start_together(folder, port, nnodes, 2, nproc_per_node=1, **world)
         if spare:
             wait_for(lambda: all("complete: this is node" in text(folder, f"launcher{n}.err") for n in range(2)),
                      "the rendezvous to close with two nodes")

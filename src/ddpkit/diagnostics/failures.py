@@ -37,7 +37,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -50,6 +49,7 @@ from ddpkit.diagnostics.exits import leave_on_uncaught_exception
 from ddpkit.diagnostics.quiet_requests import quiet_requests
 from ddpkit.diagnostics.records import exception_record, write_error_record
 from ddpkit.diagnostics.relayed_news import announce, tcp_store_under
+from ddpkit.diagnostics.store_probe import why_store_host_is_gone
 from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
 from ddpkit.store.job_secret import JobSecretError, RecordSigner, job_secret
@@ -73,9 +73,6 @@ _SEEN = store_keys.FAILURE_SEEN
 _LINGER_SECONDS = 3.0
 # Reading the record after a collective failed: the store may be gone with its host.
 _READ_TIMEOUT = timedelta(seconds=2)
-# Connecting to the store's address to learn whether its host is still there: a process that died
-# refuses at once; a machine that went down does not answer.
-_PROBE_SECONDS = 1.0
 
 
 class CollectiveFailedError(RuntimeError):
@@ -368,8 +365,9 @@ def _not_redone(lost: PeerLostError, collective: str, cause: BaseException) -> P
 
 def store_host_gone() -> StoreHostGoneError | None:
     """``StoreHostGoneError`` when the default group's store (a TCP store) no longer accepts
-    connections, else None. Found by connecting to it, which its server ignores; remembered (with
-    who hosted it: rank 0, or the launcher that tells its workers ``TORCHELASTIC_USE_AGENT_STORE``)."""
+    connections, else None. Found by connecting to it (``store_probe``: its server ignores the
+    connection); remembered (with who hosted it: rank 0, or the launcher that tells its workers
+    ``TORCHELASTIC_USE_AGENT_STORE``)."""
     store = _default_store()
     address = _tcp_address(store)
     if address is None:
@@ -377,11 +375,10 @@ def store_host_gone() -> StoreHostGoneError | None:
     gone = _gone_error(store)
     if gone is not None:
         return gone
-    try:
-        socket.create_connection(address, timeout=_PROBE_SECONDS).close()
+    reason = why_store_host_is_gone(address)
+    if reason is None:
         return None
-    except OSError as error:
-        PROCESS.failures.gone = (id(store), address, error.strerror or type(error).__name__, _store_host_name())
+    PROCESS.failures.gone = (id(store), address, reason, _store_host_name())
     return _gone_error(store)
 
 
