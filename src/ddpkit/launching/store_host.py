@@ -48,6 +48,7 @@ from typing import IO, Any
 from ddpkit._network import listen_on
 from ddpkit.control_plane.launcher_records import clear_worker_keys
 from ddpkit.variables import DDPKIT_LAUNCHER_PID
+from ddpkit.workers.linux_process import die_with_parent
 from ddpkit.workers.processes import describe_exit
 
 __all__ = ["StoreHost", "StoreHostError", "main", "serve_outside_nodes"]
@@ -213,9 +214,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m ddpkit.launching.store_host ADDRESS PORT [--listen-fd FD]")
     # With --listen-fd, the launcher's socket, bound and listening already (``launching.rendezvous``).
     listen_fd = int(argv[3]) if handed else None
-    from ddpkit.workers.worker import die_with_launcher  # imports torch: only in this process, not the launcher
-
-    die_with_launcher()
+    die_with_parent(int(os.environ.get(DDPKIT_LAUNCHER_PID, "0")), signal.SIGTERM)  # the launcher's child
     store = _serve(argv[0], int(argv[1]), listen_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(_SERVING, flush=True)  # ``StoreHost.wait_serving``

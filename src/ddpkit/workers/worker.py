@@ -22,7 +22,6 @@ has ended, finishes the process itself (``_finish``), so that a clean script exi
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import gc
 import importlib
@@ -46,13 +45,11 @@ from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception,
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
+from ddpkit.workers.linux_process import die_with_parent, rename_process
 from ddpkit.workers.processes import SERVE_FUNCTIONS, SPARE
 from ddpkit.workers.worker_template import LIGHTNING, TEMPLATE, imported_packages
 
 _log = get_logger("launching")
-
-_PR_SET_PDEATHSIG = 1
-
 
 # The process a worker forked by the node's template dies with: the template, itself dying with the
 # launcher (``DDPKIT_LAUNCHER_PID`` keeps naming the launcher, which a script may signal).
@@ -66,14 +63,7 @@ def die_with_launcher() -> None:
     passes the launcher's end on as SIGTERM itself (``serve_forks``), so its own death, alone, is a
     crash of the node's workers, which the launcher restarts or replaces, not a preemption."""
     launcher = _FORKED_BY or int(os.environ.get(DDPKIT_LAUNCHER_PID, "0"))
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG,
-                                                    signal.SIGKILL if _FORKED_BY else signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
-    if launcher and os.getppid() != launcher:  # it died before prctl took effect
-        os._exit(1)
+    die_with_parent(launcher, signal.SIGKILL if _FORKED_BY else signal.SIGTERM)
 
 
 def _dump_stacks_on_request() -> None:
@@ -160,33 +150,17 @@ def _wait_for_a_rank(argv: list[str]) -> None:
     ``SPARE_NAME`` (``ps``, ``/proc/PID/comm``): a spare forked from the template has the template's
     command line."""
     _import_ahead(argv)
-    own_name = _rename_process(SPARE_NAME)
+    own_name = rename_process(SPARE_NAME)
     line = sys.stdin.readline()
     if not line.strip():
         os._exit(0)
-    _rename_process(own_name)
+    rename_process(own_name)
     os.environ.update(json.loads(line))
     sys.stdin = open(os.devnull, encoding="utf-8")  # the pipe was the launcher's, not the script's input
 
 
 # What a waiting spare is called (its process name: Linux keeps 15 bytes).
 SPARE_NAME = b"ddpkit-spare"
-_PR_SET_NAME, _PR_GET_NAME = 15, 16
-
-
-def _rename_process(name: bytes) -> bytes:
-    """Give this process (its main thread) the name ``name``; its name before (b"" where it cannot)."""
-    if not sys.platform.startswith("linux"):
-        return b""
-    before = ctypes.create_string_buffer(16)
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(_PR_GET_NAME, before)
-        if name:
-            libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]))
-    except (OSError, AttributeError):
-        return b""
-    return before.value
 
 
 # Lightning's modules that note the process's rank when they are imported (``rank_zero_only.rank``,
