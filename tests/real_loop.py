@@ -21,7 +21,7 @@ Run by ``ddpkit run`` (one node, or the nodes of a c10d rendezvous). The environ
 - ``KILL``: ``PHASE:STEP``: the process started as rank ``KILL_RANK`` (1 by default) kills itself
   (SIGKILL) in optimizer step STEP + 1, where PHASE says (``forward``, ``backward``, ``collective``,
   ``optimizer-step``, ``scheduler-step``; ``checkpoint-save``: before its part of the save after the
-  epoch of that step), in the first generation only. ``PAUSE`` instead stops it there (the test
+  epoch of that step), in the first generation of the first attempt only. ``PAUSE`` instead stops it there (the test
   then kills its node) after writing the file ``paused``.
 - The loop trains on the strategy's device: a GPU when there is one (``tests/test_gpu.py`` runs it
   there, under ``ddpkit run --backend gloo`` when the ranks share one GPU), else the CPU.
@@ -61,7 +61,8 @@ PHASE, _, AT = os.environ.get("KILL", os.environ.get("PAUSE", "")).partition(":"
 EPOCHS, STEPS, WORLD, BATCH = int(os.environ.get("EPOCHS", "3")), int(os.environ.get("STEPS", "8")), \
     int(os.environ.get("WORLD", "2")), 8
 FIRST_GENERATION = int(os.environ.get("DDPKIT_GENERATION", "0")) == 0
-STRUCK = os.environ["RANK"] == os.environ.get("KILL_RANK", "1") and FIRST_GENERATION
+FIRST_ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+STRUCK = os.environ["RANK"] == os.environ.get("KILL_RANK", "1") and FIRST_GENERATION and FIRST_ATTEMPT
 
 
 def strike(phase: str) -> None:

@@ -11,7 +11,12 @@ import json
 import time
 import traceback
 
-__all__ = ["trace_record", "exception_record", "failure_record", "read_error_record", "record_time", "write_error_record"]
+__all__ = ["PEER_LOST", "exception_record", "failure_record", "read_error_record", "record_time", "trace_record",
+           "write_error_record"]
+
+# The type of a record whose rank failed because another rank of its group vanished
+# (``diagnostics.failures.PeerLostError``), as the torch-free launcher reads it.
+PEER_LOST = "PeerLostError"
 
 
 def failure_record(rank: int, kind: str, message: str, trace: str) -> dict[str, object]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpkit.control_plane.nodes import FailureCause, NodeContactLostError, NodeCoordination
+from ddpkit.diagnostics.records import PEER_LOST
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.health.job_health import JobHealth
 from ddpkit.launching.store_host import StoreHost
@@ -149,7 +150,10 @@ def _failure(workers: WorkerProcesses, failed: list[WorkerProcess], grace: float
     # Only failures seen at this first poll can be the cause; later ones follow from the shutdown.
     recovering = replacements.recovering()
     workers.end(grace)
-    cause, recorded_at = workers.root_cause_summary(failed)
+    worker, record = workers.root_cause(failed)
+    if recovering and record is not None and record["type"] == PEER_LOST:
+        replacements.give_back()  # the survivors failed on the loss being recovered: a restart recovers it
+    cause, recorded_at = workers.summary_of(worker, record)
     return Outcome(1, f"during the in-place recovery of rank {recovering}: {cause}" if recovering else cause, recorded_at)
 
 

@@ -226,7 +226,11 @@ class WorkerProcesses:
     def root_cause_summary(self, failed: Sequence[WorkerProcess]) -> tuple[str, float | None]:
         """``describe_root_cause``'s paragraph, and when its exception was recorded (None: the
         worker ended without recording one), from one reading of the records."""
-        worker, record = self.root_cause(failed)
+        return self.summary_of(*self.root_cause(failed))
+
+    @staticmethod
+    def summary_of(worker: WorkerProcess, record: dict[str, object] | None) -> tuple[str, float | None]:
+        """``root_cause_summary`` of a root cause already found (``root_cause``)."""
         if record is None:
             return f"{worker} {describe_exit(worker.process.poll())} without recording an exception.", None
         return (f"{worker} failed first with {record['type']}: {record['message']}\n"

@@ -15,7 +15,9 @@ can take over:
   a failure like any other, and the launcher says so;
 - no recovery is under way (a failure during one ends the job: its state transfer cannot be
   trusted), the budget (``--max-restarts``, shared with full restarts) is not spent, and the
-  spare is alive.
+  spare is alive. The survivors failing on the very loss being recovered, in a collective between
+  steps that in-place recovery cannot redo, is no second fault: the recovery gives its share of
+  the budget back, and every worker is restarted as if the launcher had seen their failure first.
 
 The spare gets the lost worker's variables plus the group's next generation
 (``DDPKIT_GENERATION``) and a file to write once it holds the survivors' state
@@ -72,6 +74,9 @@ class NoReplacements:
 
     def check(self) -> str | None:
         return None
+
+    def give_back(self) -> None:
+        pass
 
 
 NO_REPLACEMENTS = NoReplacements()
@@ -156,6 +161,20 @@ class Replacements:
     def recovering(self) -> str:
         """The ranks whose in-place recovery is under way ("1, 2"; empty when none is)."""
         return self._pending.ranks() if self._pending is not None else ""
+
+    def give_back(self) -> None:
+        """The recovery under way was cut short by the survivors' failure on the very loss it was
+        replacing (a collective between steps, which in-place recovery cannot redo): the restart that
+        follows is that loss's recovery, so this one gives back its share of the budget. One loss then
+        costs one of ``--max-restarts`` whichever the launcher saw first, the lost rank's end (a
+        replacement, then the survivors' failure) or the survivors' failure (a restart at once)."""
+        if self._pending is None:
+            return
+        _log.warning(f"ddpkit run: the in-place recovery of rank {self._pending.ranks()} is given up: the other ranks "
+                     "failed on that loss where they cannot recover from it; a restart of every worker recovers "
+                     "instead, and spends the --max-restarts the recovery took")
+        self._pending = None
+        self.used -= 1
 
     def check(self) -> str | None:
         """Follow the recovery under way: None while it goes on or when it is over; a description of
