@@ -35,8 +35,8 @@ from ddpkit.health.job_health import Straggler
 from ddpkit.health.straggler_replacement import StepAside
 from ddpkit.store.client import BoundedStore, connect
 
-# Alone: a straggler is named by its step times: a test beside it would slow some rank.
-pytestmark = pytest.mark.alone
+# The jobs' tests run alone: a straggler is named by its step times, and a test beside them would
+# slow some rank. The refusals and the answers on a store time nothing.
 
 STEPS, WORLD = 1500, 2  # slow_node_job.py's steps and ranks (its batch is launchers.BATCH)
 
@@ -69,6 +69,7 @@ def run_slowed_job(folder: Path, nnodes: str, spare: bool) -> tuple[list[int], d
     return codes, errors, everything, node_of(folder, 0), node_of(folder, 1)
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(240)
 def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_as_one_process(tmp_path: Path) -> None:
     codes, errors, everything, zero, one = run_slowed_job(tmp_path, "2:3", spare=True)
@@ -83,6 +84,7 @@ def test_a_node_named_a_straggler_steps_aside_for_a_spare_node_and_the_run_ends_
     assert_as_one_process(tmp_path, everything, one_process_reference(STEPS, WORLD, lr=0.01))
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(240)
 def test_without_a_spare_node_the_world_shrinks_without_a_straggling_node_and_the_run_ends_as_one_process(
         tmp_path: Path) -> None:
