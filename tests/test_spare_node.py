@@ -11,8 +11,11 @@ import re
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -279,6 +282,38 @@ def test_a_silent_node_is_lost_for_the_others_unless_a_spare_claims_its_place_an
     spare.beat_through(connect("127.0.0.1", store2, 10))
     assert _silent_node_within(zero, 3.0) is None  # past the takeover's bound: the spare beats as node 1
     spare.leave(0.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_node_claims_a_silent_nodes_place_in_time_while_its_warm_spares_cannot_start_yet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spare node's warm spares are forked from its template, which imports what the script needs
+    first (Lightning: seconds on a loaded machine). Its wait started them first, so a node lost in
+    those seconds was claimed too late: the other nodes had taken it for lost and ended the attempt
+    while the spare took its place (the Lightning takeover test, now and then: the survivors' SIGTERM
+    became a preemption). Now it claims at once and starts the spares when they can start without
+    waiting, or when it takes the place."""
+    monkeypatch.setattr(heartbeats_module, "_SURVIVORS_WAIT_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(nodes_module, "_CLAIM_SECONDS", 1.0)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    zero, one, spare = _coordinations(store.port, 0, 1, -1)
+    one.beat_through(connect("127.0.0.1", store.port, 10))
+    imported = threading.Event()  # the template's imports done
+
+    def start_spare() -> Any:
+        imported.wait(20)  # a fork waits for the template's imports
+        return SimpleNamespace(process=SimpleNamespace(poll=lambda: None))
+
+    taken: list[Any] = []
+    waiter = threading.Thread(target=lambda: taken.append(
+        wait_as_spare(spare, start_spare, 2, lambda: None, imported.is_set)), daemon=True)
+    waiter.start()
+    assert _silent_node_within(zero, 0.3) is None
+    one.heartbeats.stop()  # node 1's launcher killed
+    assert _silent_node_within(zero, 4.0) is None  # claimed within the second the others wait for a claim
+    imported.set()
+    waiter.join(timeout=20)
+    assert taken and taken[0].node_rank == 1 and len(taken[0].spares) == 2
 
 
 @pytest.mark.timeout(200)

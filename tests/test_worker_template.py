@@ -195,3 +195,31 @@ def test_a_warm_spare_is_forked_from_the_template_and_runs_the_script_as_the_ran
         template.close()
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == {"rank": "3", "forked": True, "argv": [str(tmp_path / "job.py"), "--flag"], "input": ""}, report
+
+
+def test_a_template_still_importing_says_a_fork_would_wait_and_the_fork_is_at_once_when_it_says_not(
+        tmp_path: Path) -> None:
+    """``forks_at_once``: what a spare node asks before it starts its warm spares (it must not wait
+    for the template's imports while a lost node's place is there to claim)."""
+    from ddpkit.workers.processes import SPARE
+    from ddpkit.workers.worker_template import WorkerTemplate
+
+    (tmp_path / "job.py").write_text(_SPARES_REPORT)
+    command = [sys.executable, "-m", "ddpkit.workers.worker", SPARE, str(tmp_path / "job.py")]
+    template = WorkerTemplate(os.environ)
+    try:
+        assert template.forks_at_once()  # nothing started: a fork would start a fresh interpreter or the template
+        template.prepare([*command[:3], *command[4:]], dict(os.environ))
+        assert not template.forks_at_once()  # importing torch: a second or more
+        deadline = time.monotonic() + 60
+        while not template.forks_at_once():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        spare = template.fork(command, dict(os.environ), with_input=True)
+        assert spare is not None and time.monotonic() - started < 2.0
+        assert spare.stdin is not None
+        spare.stdin.close()  # unused: it leaves
+        assert spare.wait(timeout=30) == 0
+    finally:
+        template.close()

@@ -284,7 +284,7 @@ class _LauncherRun:
         try:
             state.takeover = wait_as_spare(
                 state.nodes, functools.partial(workers.start_spare, self.spare_command, self.environment()),
-                state.config.nproc_per_node, self.stop_waiting)
+                state.config.nproc_per_node, self.stop_waiting, self.template.forks_at_once)
         except GaveUpWaiting as stopped:  # a spare that stops takes nothing from the job
             _log.warning(f"ddpkit run: {stopped.reason} while waiting as a spare node: stopping (the job "
                          "goes on without this spare)")

@@ -69,22 +69,49 @@ class Takeover:
 
 
 def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProcess], count: int,
-                  give_up: GiveUp) -> Takeover | None:
-    """Start ``count`` warm spares (``start_spare``), then wait until a node of the world is lost, or
-    was removed when the world shrank, and this spare's claim on its place wins (the place taken), or
-    every node's launcher left (None). ``GaveUpWaiting`` when ``give_up`` gives a reason."""
-    spares = [start_spare() for _ in range(count)]
+                  give_up: GiveUp, spares_start_at_once: Callable[[], bool] = lambda: True) -> Takeover | None:
+    """Wait, with ``count`` warm spares (``start_spare``), until a node of the world is lost, or was
+    removed when the world shrank, and this spare's claim on its place wins (the place taken), or
+    every node's launcher left (None). ``GaveUpWaiting`` when ``give_up`` gives a reason.
+
+    The spares start once ``spares_start_at_once`` says that starting one does not wait (the node's
+    template has done its imports: ``WorkerTemplate.forks_at_once``), and at the latest when a place
+    is taken. The claim must not wait for them: the other nodes take a silent node for lost when no
+    claim came within seconds, and a template importing Lightning takes longer than that."""
     claimant = f"spare launcher pid {os.getpid()}"
     # A spare looks at the job at every poll: the survivors wait for its claim, and there are few spares.
     nodes.looks.seconds = _POLL_SECONDS
     try:
-        return _wait(nodes, spares, start_spare, claimant, give_up)
+        return _wait(nodes, _Spares([], start_spare, count, spares_start_at_once), claimant, give_up)
     finally:
         nodes.looks.seconds = LOOK_SECONDS
 
 
-def _wait(nodes: NodeCoordination, spares: list[WorkerProcess], start_spare: Callable[[], WorkerProcess],
-          claimant: str, give_up: GiveUp) -> Takeover | None:
+@dataclass
+class _Spares:
+    """A spare node's warm spares: started when that does not hold up the wait, kept alive while it waits."""
+
+    started: list[WorkerProcess]
+    start: Callable[[], WorkerProcess]
+    count: int
+    start_at_once: Callable[[], bool]
+
+    def tend(self) -> None:
+        """Start the missing ones if that takes no wait; start one again that ended."""
+        if len(self.started) < self.count and self.start_at_once():
+            self.all()
+        for number, spare in enumerate(self.started):
+            if spare.process.poll() is not None:  # a takeover needs one warm spare per local rank
+                self.started[number] = self.start()
+
+    def all(self) -> list[WorkerProcess]:
+        """Every spare, started now if need be (waiting for the template's imports)."""
+        while len(self.started) < self.count:
+            self.started.append(self.start())
+        return self.started
+
+
+def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: GiveUp) -> Takeover | None:
     world = nodes.world
     while True:
         # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
@@ -105,7 +132,7 @@ def _wait(nodes: NodeCoordination, spares: list[WorkerProcess], start_spare: Cal
                     _log.warning(f"ddpkit run: the world shrank without node {node}; this spare node takes its place "
                                  f"and its ranks in generation {generation} of the group, at the other nodes' next step "
                                  "boundary")
-                    return Takeover(node, generation, attempt, spares, why, returns=True)
+                    return Takeover(node, generation, attempt, spares.all(), why, returns=True)
         candidates = {node: (beat, "went silent") for node, beat in nodes.looks.silent_launchers().items()}
         if fresh and nodes.step_asides.any_asked():
             for node in world.nodes():
@@ -123,10 +150,8 @@ def _wait(nodes: NodeCoordination, spares: list[WorkerProcess], start_spare: Cal
                 _log.warning(f"ddpkit run: node {node}'s launcher {what}; this spare node takes its place and "
                              f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
                 why = f"node {node}'s launcher {what}; {claimant} took its place"
-                return Takeover(node, generation, attempt, spares, why)
-        for number, spare in enumerate(spares):
-            if spare.process.poll() is not None:  # a takeover needs one warm spare per local rank
-                spares[number] = start_spare()
+                return Takeover(node, generation, attempt, spares.all(), why)
+        spares.tend()
         time.sleep(_POLL_SECONDS)
 
 

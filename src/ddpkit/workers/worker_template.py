@@ -14,7 +14,8 @@ The warm spares of in-place recovery (``--spare``) are forked too: a spare is a 
 for its rank, and a fork has nothing left to import, so it is warm at once, after every recovery as
 well, and costs the node no interpreter of its own. Its standard input is a pipe from the launcher,
 as a fresh spare's is: the template is handed the pipe's end with the request (``SCM_RIGHTS``).
-The spare of a script that imports Lightning is still a fresh interpreter (``fork`` says why).
+A spare node asks ``forks_at_once`` before it starts its spares: a fork before the template's
+imports are done waits for them, and the node must be free to claim a lost node's place meanwhile.
 
 It is not used (each worker is a fresh interpreter, as before) where a fork would not be the same
 worker: a torch built for CUDA or ROCm (a library that asks for the devices at import would make
@@ -172,12 +173,6 @@ class WorkerTemplate:
         says when)."""
         if self._refused is not None or not _forkable(command):
             return None
-        if with_input and LIGHTNING & imported_packages(_script_of(command)):
-            # A Lightning fit taken over by a forked spare (soon after the loss) stopped now and then
-            # for a preemption no one sent: the ranks' agreements out of step (a test of a spare node
-            # inside Trainer.fit, about 1 run in 3 under load). A fresh spare keeps the timing
-            # under which it holds, until that is found.
-            return None
         if self._process is None:
             self._start([*command[:3], *_script_of(command)], environment)  # a spare's template is its script's
         if not self._ready:
@@ -237,13 +232,29 @@ class WorkerTemplate:
             theirs.close()
         self._socket, self._environment = ours, dict(environment)
 
+    def forks_at_once(self) -> bool:
+        """Whether ``fork`` would answer now rather than wait for the template's imports (torch,
+        Lightning: seconds): the template said it is ready (read here without waiting), or there
+        is no template to wait for (workers start as fresh interpreters)."""
+        if self._ready or self._refused is not None or self._process is None:
+            return True
+        with self._lock:
+            said = [message for message in self._read(block=False) if "ready" in message or "refused" in message]
+        if said:
+            self._take_readiness(said[0])
+        return self._ready
+
     def _await_ready(self) -> None:
         with self._lock:
             ready = self._receive(lambda message: "ready" in message or "refused" in message)
-        if ready is None:
+        self._take_readiness(ready)
+
+    def _take_readiness(self, said: dict[str, Any] | None) -> None:
+        """What the template said once its imports were done (None: it ended first)."""
+        if said is None:
             self._refuse("the template ended before it was ready")
-        elif "refused" in ready:
-            self._refuse(str(ready["refused"]))
+        elif "refused" in said:
+            self._refuse(str(said["refused"]))
         self._ready = True
 
     def _refuse(self, why: str) -> None:
