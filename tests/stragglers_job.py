@@ -45,7 +45,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
     model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
     slow = os.environ.get("SLOW_DATA") == os.environ["RANK"]
-    steps = int(os.environ.get("STEPS", "1500"))
+    steps = int(os.environ.get("STEPS", "1000"))
     samples = Samples(BATCH * strategy.world_size * 50, float(os.environ.get("DATA_SECONDS", "0.003")) if slow else 0.0)
     loader = strategy.setup_dataloader(DataLoader(samples, batch_size=BATCH))
     for _ in strategy.epochs(steps // 50):
