@@ -9,6 +9,7 @@ closed (a dead one), or closed a moment after the probe connected (a dying one).
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -43,11 +44,16 @@ def test_a_store_whose_port_refuses_is_gone(listener: socket.socket) -> None:
 
 def test_a_store_whose_listening_socket_closes_just_after_the_probe_connected_is_gone(listener: socket.socket) -> None:
     """The dying host: the probe's connection is completed by the kernel, then the listening socket
-    is closed (the process's sockets closing one by one) and the waiting connection is reset."""
-    closing = threading.Timer(HOLD_SECONDS / 3, listener.close)
+    is closed (the process's sockets closing one by one) and the waiting connection is reset. (The
+    close follows the connection, and the hold is long, so that a loaded machine cannot reorder them.)"""
+    def close_once_connected() -> None:
+        select.select([listener], [], [], 10)  # readable: a connection waits in its queue
+        listener.close()
+
+    closing = threading.Thread(target=close_once_connected)
     closing.start()
     try:
-        assert why_store_host_is_gone(listener.getsockname()) == "Connection reset by peer"
+        assert why_store_host_is_gone(listener.getsockname(), hold_seconds=10) == "Connection reset by peer"
     finally:
         closing.join()
 
@@ -59,5 +65,5 @@ def test_a_store_that_closes_the_probes_connection_is_gone() -> None:
         server.listen(8)
         closing = threading.Thread(target=lambda: server.accept()[0].close())
         closing.start()
-        assert why_store_host_is_gone(server.getsockname()) == "closed the connection"
+        assert why_store_host_is_gone(server.getsockname(), hold_seconds=10) == "closed the connection"
         closing.join(timeout=5)
