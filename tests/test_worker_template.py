@@ -217,7 +217,7 @@ def test_a_template_still_importing_says_a_fork_would_wait_and_the_fork_is_at_on
             time.sleep(0.05)
         started = time.monotonic()
         spare = template.fork(command, dict(os.environ), with_input=True)
-        assert spare is not None and time.monotonic() - started < 2.0
+        assert spare is not None and time.monotonic() - started < 10.0  # no import to wait for (a loaded machine is slow)
         assert spare.stdin is not None
         spare.stdin.close()  # unused: it leaves
         assert spare.wait(timeout=30) == 0
