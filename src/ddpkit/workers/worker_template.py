@@ -235,8 +235,9 @@ class WorkerTemplate:
     def forks_at_once(self) -> bool:
         """Whether ``fork`` would answer now rather than wait for the template's imports (torch,
         Lightning: seconds): the template said it is ready (read here without waiting), or there
-        is no template to wait for (workers start as fresh interpreters)."""
-        if self._ready or self._refused is not None or self._process is None:
+        is no template to wait for (workers start as fresh interpreters; one that died is given up
+        at the fork's first read)."""
+        if self._ready or self._refused is not None or self._process is None or self._gone:
             return True
         with self._lock:
             said = [message for message in self._read(block=False) if "ready" in message or "refused" in message]
