@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -168,3 +169,66 @@ def test_unpicklable_functions_are_refused_before_sending(pool2: WorkerPool) -> 
 def test_pool_rejects_bad_size() -> None:
     with pytest.raises(ValueError, match="world_size=0"):
         WorkerPool(0)
+
+
+def parent_pid() -> int:
+    return os.getppid()
+
+
+def test_the_pools_of_a_process_fork_their_workers_from_one_template() -> None:
+    """A pool's workers are forked from the template this process's first pool started
+    (``workers.pool``): a second pool's ranks are forks of the same process, not fresh
+    interpreters, each of which would import torch again."""
+    with WorkerPool(2) as first:
+        parents = first.run(parent_pid)
+    with WorkerPool(3) as second:
+        assert second.run(parent_pid) == [parents[0]] * 3
+    assert parents == [parents[0]] * 2 and parents[0] != os.getpid()
+
+
+def test_a_pool_started_from_another_thread_or_with_forks_off_starts_fresh_interpreters(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel would end a template with the thread that started it, and the workers of every
+    pool with it: a pool started from another thread starts its workers itself, as does one
+    started with ``DDPKIT_FORK_WORKERS=0``."""
+    parents: list[list[int]] = []
+
+    def run_a_pool() -> None:
+        with WorkerPool(2) as pool:
+            parents.append(pool.run(parent_pid))
+
+    thread = threading.Thread(target=run_a_pool)
+    thread.start()
+    thread.join(120)
+    monkeypatch.setenv("DDPKIT_FORK_WORKERS", "0")
+    run_a_pool()
+    assert parents == [[os.getpid()] * 2] * 2
+
+
+def rank_says(word: str) -> None:
+    print(f"{word} from rank {dist.get_rank()}", flush=True)
+    print(f"{word} on the error stream of rank {dist.get_rank()}", file=sys.stderr, flush=True)
+
+
+def test_a_forked_pool_worker_writes_to_the_streams_its_pool_has_now(capfd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """As a fresh interpreter would: not to those the template had when it started (pytest
+    captures each test's output by redirecting the process's descriptors 1 and 2)."""
+    elsewhere = open(tmp_path / "elsewhere", "w")
+    saved = os.dup(1), os.dup(2)
+    os.dup2(elsewhere.fileno(), 1)
+    os.dup2(elsewhere.fileno(), 2)
+    try:
+        with WorkerPool(2) as pool:  # the template starts here, if no pool of this process started it before
+            pool.run(parent_pid)
+    finally:
+        for stream, descriptor in enumerate(saved, start=1):
+            os.dup2(descriptor, stream)
+            os.close(descriptor)
+        elsewhere.close()
+    with WorkerPool(2) as pool:
+        pool.run(rank_says, "hello")
+    out, err = capfd.readouterr()
+    assert sorted(line for line in out.splitlines() if "hello" in line) == ["hello from rank 0", "hello from rank 1"]
+    assert "hello on the error stream of rank 1" in err
+    assert "hello" not in (tmp_path / "elsewhere").read_text()
+

@@ -80,6 +80,9 @@ class ProcessState:
         self.refused_keys: set[str] = set()  # ``job_secret``: keys whose forged values were already reported
         # ``pass_through_store``: stores kept alive for the process (torch holds them only weakly).
         self.kept_stores: list[Any] = []
+        # ``workers.pool``: the template the pools of this process fork their workers from, by the
+        # pid that started it (a child forked from this process starts its own).
+        self.pool_templates: dict[int, Any] = {}
 
 
 #: The one instance.

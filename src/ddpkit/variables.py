@@ -62,8 +62,9 @@ DDPKIT_POOL_CONNECTION = "DDPKIT_POOL_CONNECTION"
 
 #: The signal that asks the workers to save and stop, besides SIGTERM (``ddpkit run --preemption-signal``).
 DDPKIT_PREEMPTION_SIGNAL = "DDPKIT_PREEMPTION_SIGNAL"
-#: "0" starts each worker of ``ddpkit run`` as a fresh interpreter instead of forking it from the
-#: node's template, which has imported torch already (``workers.worker_template``).
+#: "0" starts each worker of ``ddpkit run`` (and of a function pool: ``launch(fn)``, ``WorkerPool``)
+#: as a fresh interpreter instead of forking it from a template, which has imported torch already
+#: (``workers.worker_template``).
 DDPKIT_FORK_WORKERS = "DDPKIT_FORK_WORKERS"
 #: The socket (an inherited file descriptor) on which a node's template is asked for workers.
 DDPKIT_TEMPLATE_SOCKET = "DDPKIT_TEMPLATE_SOCKET"

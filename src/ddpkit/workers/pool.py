@@ -8,10 +8,17 @@ main module, prepared as ``multiprocessing``'s spawn method prepares them (so a 
 in the parent's script unpickles in the worker), then joins the process group through a
 ``FileStore`` in the pool's private folder (no ports, so parallel test runs cannot collide), and
 runs each function it is sent until told to stop.
+
+Like ``ddpkit run``'s, the workers are forked from a template that imported torch
+(``workers.worker_template``) where they can be, with one template for every pool that this
+process starts from its main thread: a pool after the first starts in a fork per rank, not in
+an interpreter's start and torch's import per rank (seconds of CPU each; a test suite starts
+many pools).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.spawn
@@ -19,6 +26,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -27,9 +35,11 @@ from datetime import timedelta
 from typing import Any
 
 from ddpkit.logs import get_logger
+from ddpkit.process_state import PROCESS
 from ddpkit.store import keys as store_keys
 from ddpkit.variables import DDPKIT_POOL_CONNECTION  # the worker's end of its pipe, a file descriptor it inherits
 from ddpkit.workers.processes import SERVE_FUNCTIONS, WorkerProcesses, describe_exit
+from ddpkit.workers.worker_template import WorkerTemplate, forking_allowed
 
 __all__ = ["RankFailedError", "RankTimeoutError", "WorkerPool", "serve"]
 
@@ -154,14 +164,13 @@ class WorkerPool:
         return self._workers is not None
 
     def _start(self) -> WorkerProcesses:
-        workers = WorkerProcesses("pool")
+        workers = WorkerProcesses("pool", template=_template_of_this_process())
         preparation = multiprocessing.spawn.get_preparation_data("ddpkit-pool")
         preparation["authkey"] = bytes(preparation["authkey"])  # multiprocessing pickles it only while it spawns
         for rank in range(self.world_size):
             parent_end, worker_end = multiprocessing.Pipe()
-            environment = {**os.environ, DDPKIT_POOL_CONNECTION: str(worker_end.fileno())}
-            workers.start([sys.executable, "-m", "ddpkit.workers.worker", SERVE_FUNCTIONS], environment,
-                          rank=rank, local_rank=rank, pass_fds=[worker_end.fileno()])
+            workers.start([sys.executable, "-m", "ddpkit.workers.worker", SERVE_FUNCTIONS], dict(os.environ),
+                          rank=rank, local_rank=rank, handed={DDPKIT_POOL_CONNECTION: worker_end.fileno()})
             worker_end.close()
             setup = _Setup(preparation, rank, self.world_size, os.path.join(workers.folder, "store"),
                            self.pg_timeout, self.threads, self.backend)
@@ -260,3 +269,20 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 pass
         self._kill()
+
+
+
+def _template_of_this_process() -> WorkerTemplate | None:
+    """The template the pools of this process fork their workers from, started with the first
+    (``PROCESS.pool_templates``). None where workers cannot be forked (``forking_allowed``: a CUDA
+    build of torch, ``DDPKIT_FORK_WORKERS=0``), and from a thread other than the main one: the
+    kernel ends the template with the thread that started it (``PR_SET_PDEATHSIG``), and with it
+    the workers of every pool; such a pool's workers start as fresh interpreters, which end with
+    that thread."""
+    if threading.current_thread() is not threading.main_thread() or forking_allowed(os.environ) is not None:
+        return None
+    template: WorkerTemplate | None = PROCESS.pool_templates.get(os.getpid())
+    if template is None:
+        template = PROCESS.pool_templates[os.getpid()] = WorkerTemplate(os.environ)
+        atexit.register(template.close)
+    return template

@@ -37,12 +37,9 @@ from ddpkit.variables import (
     DDPKIT_STACK_FILE,
 )
 from ddpkit.workers.output import OutputPlan, WorkerOutput
-from ddpkit.workers.worker_template import SPARE, ForkedProcess, WorkerTemplate
+from ddpkit.workers.worker_template import SERVE_FUNCTIONS, SPARE, ForkedProcess, WorkerTemplate
 
-# The argument that makes a worker serve the function pool (``workers.pool``) instead of a
-# script. Here rather than in ``workers.worker``, which imports torch: the launcher does not.
-SERVE_FUNCTIONS = "--serve-functions"
-__all__ = ["SPARE", "WorkerProcess", "WorkerProcesses", "describe_exit"]
+__all__ = ["SERVE_FUNCTIONS", "SPARE", "WorkerProcess", "WorkerProcesses", "describe_exit"]
 
 # How long workers get to write their stacks after SIGUSR1.
 _STACK_DUMP_WAIT_SECONDS = 0.5
@@ -99,9 +96,10 @@ class WorkerProcesses:
         self.close(grace=0.0)
 
     def start(self, command: Sequence[str], environment: Mapping[str, str], rank: int, local_rank: int,
-              pass_fds: Sequence[int] = ()) -> WorkerProcess:
-        """Start ``command`` (a ``ddpkit.workers.worker`` command line) as the worker of ``rank``."""
-        worker = self._launch(command, environment, f"rank{rank}", rank, local_rank, pass_fds=tuple(pass_fds))
+              handed: Mapping[str, int] | None = None) -> WorkerProcess:
+        """Start ``command`` (a ``ddpkit.workers.worker`` command line) as the worker of ``rank``,
+        with each descriptor of ``handed`` open in it, its number in the variable it is given under."""
+        worker = self._launch(command, environment, f"rank{rank}", rank, local_rank, handed=dict(handed or {}))
         self.workers.append(worker)
         return worker
 
@@ -115,9 +113,11 @@ class WorkerProcesses:
         return spare
 
     def _launch(self, command: Sequence[str], environment: Mapping[str, str], name: str, rank: int, local_rank: int,
-                spare: bool = False, **popen: Any) -> WorkerProcess:
+                spare: bool = False, handed: Mapping[str, int] | None = None) -> WorkerProcess:
         """One worker process in a session of its own, told its launcher, error file and stack file
-        (a ``spare``: with its standard input a pipe from here)."""
+        (a ``spare``: with its standard input a pipe from here; ``handed``: ``start``'s)."""
+        handed = handed or {}
+        popen: dict[str, Any] = {}
         error_file, stack_file = (os.path.join(self.folder, f"{name}.{kind}") for kind in ("json", "stacks"))
         variables = {DDPKIT_LAUNCHER_PID: str(os.getpid()), DDPKIT_ERROR_FILE: error_file,
                      DDPKIT_STACK_FILE: stack_file}
@@ -135,11 +135,13 @@ class WorkerProcesses:
             if routing is not None:
                 variables.update(routing.variables())
         process: subprocess.Popen[bytes] | ForkedProcess | None = None
-        if self._template is not None and output is None and not any(popen.values()):  # no pipe, file or descriptor
-            process = self._template.fork(command, {**environment, **variables}, with_input=spare)
+        if self._template is not None and output is None:  # its streams are this process's, as the template's
+            process = self._template.fork(command, {**environment, **variables}, with_input=spare, handed=handed)
         if process is None:
-            started = subprocess.Popen(list(command), env={**environment, **variables}, start_new_session=True,
-                                       stdin=subprocess.PIPE if spare else None, **popen)
+            started = subprocess.Popen(list(command), env={**environment, **variables,
+                                                           **{variable: str(fd) for variable, fd in handed.items()}},
+                                       start_new_session=True, stdin=subprocess.PIPE if spare else None,
+                                       pass_fds=tuple(handed.values()), **popen)
             if output is not None:
                 output.started(started)
             process = started

@@ -46,8 +46,7 @@ from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
 from ddpkit.workers.linux_process import die_with_parent, rename_process
-from ddpkit.workers.processes import SERVE_FUNCTIONS, SPARE
-from ddpkit.workers.worker_template import LIGHTNING, TEMPLATE, imported_packages
+from ddpkit.workers.worker_template import LIGHTNING, SERVE_FUNCTIONS, SPARE, TEMPLATE, imported_packages
 
 _log = get_logger("launching")
 
@@ -138,7 +137,7 @@ def _import_ahead(argv: list[str]) -> None:
     first call imports, ddpkit's strategy (the DDP module, the collectives, in-place recovery)."""
     for name in WARM_MODULES:
         importlib.import_module(name)
-    if LIGHTNING & imported_packages(argv):
+    if argv != [SERVE_FUNCTIONS] and LIGHTNING & imported_packages(argv):
         with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
             importlib.import_module("ddpkit.lightning")
 
@@ -274,10 +273,10 @@ def serve_forks(argv: list[str]) -> None:
             *requests, received = received.split(b"\n")
             for line in requests:
                 request = json.loads(line)
-                given = inputs.pop(0) if request.get("input") and inputs else -1
-                pid = _fork_worker(request, given, (connection.fileno(), wake_read, wake_write, *inputs))
-                if given >= 0:
-                    os.close(given)  # the worker's now
+                passed = [(how, inputs.pop(0)) for how in request["descriptors"] if inputs]
+                pid = _fork_worker(request, passed, (connection.fileno(), wake_read, wake_write, *inputs))
+                for _, descriptor in passed:
+                    os.close(descriptor)  # the worker's now
                 children.add(pid)
                 _send(connection, {"started": pid})
         if launcher_gone and not passed_on:
@@ -323,10 +322,12 @@ def _send(connection: socket.socket, message: dict[str, Any]) -> None:
 _MOST_DESCRIPTORS = 16
 
 
-def _fork_worker(request: dict[str, Any], given_input: int, template_files: tuple[int, ...]) -> int:
+def _fork_worker(request: dict[str, Any], passed: list[tuple[dict[str, Any], int]],
+                 template_files: tuple[int, ...]) -> int:
     """Fork one worker (the child never returns here): its own session, environment, working
-    directory and, when ``given_input`` is a descriptor, standard input, then the worker bootstrap,
-    which ends the process."""
+    directory and the descriptors ``passed`` with the request, each either at the number it names
+    (``{"at": 1}``: its standard output) or open where it is, its number in the variable it names
+    (``{"variable": name}``); then the worker bootstrap, which ends the process."""
     template_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -339,12 +340,16 @@ def _fork_worker(request: dict[str, Any], given_input: int, template_files: tupl
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter's (the script may take it)
         for descriptor in template_files:
             os.close(descriptor)
-        if given_input >= 0:
-            os.dup2(given_input, 0)
-            os.close(given_input)
-            sys.stdin = open(0, encoding="utf-8", closefd=False)  # the pipe from the launcher
         os.environ.clear()
         os.environ.update(request["environment"])
+        for how, descriptor in passed:
+            if "at" in how:
+                os.dup2(descriptor, how["at"])
+                os.close(descriptor)
+            else:
+                os.environ[how["variable"]] = str(descriptor)
+        if request["input"]:
+            sys.stdin = open(0, encoding="utf-8", closefd=False)  # a spare's: the pipe from the launcher
         global _FORKED_BY
         _FORKED_BY = template_pid  # the worker dies with its parent
         os.chdir(request["cwd"])

@@ -13,7 +13,11 @@ after importing torch is what every fork-started DataLoader worker does.
 The warm spares of in-place recovery (``--spare``) are forked too: a spare is a worker that waits
 for its rank, and a fork has nothing left to import, so it is warm at once, after every recovery as
 well, and costs the node no interpreter of its own. Its standard input is a pipe from the launcher,
-as a fresh spare's is: the template is handed the pipe's end with the request (``SCM_RIGHTS``).
+as a fresh spare's is: the template is handed the pipe's end with the request (``SCM_RIGHTS``),
+as every worker is handed the standard streams its starter has at that moment (they may have been
+redirected since the template started). A function pool's workers (``--serve-functions``:
+``launch(fn)``, ``WorkerPool``) are forked the same way, each pool's pipe handed to its worker, from
+one template for all the pools of a process (``workers.pool``).
 A spare node asks ``forks_at_once`` before it starts its spares: a fork before the template's
 imports are done waits for them, and the node must be free to claim a lost node's place meanwhile.
 
@@ -56,7 +60,7 @@ from typing import IO, Any
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_FORK_WORKERS, DDPKIT_LAUNCHER_PID, DDPKIT_TEMPLATE_SOCKET
 
-__all__ = ["LIGHTNING", "SPARE", "TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed",
+__all__ = ["LIGHTNING", "SERVE_FUNCTIONS", "SPARE", "TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed",
            "imported_packages", "starts_differently"]
 
 _log = get_logger("launching")
@@ -65,6 +69,8 @@ _log = get_logger("launching")
 TEMPLATE = "--template"
 # The argument that makes a worker a warm spare (in-place recovery): it waits for a rank to take over.
 SPARE = "--spare"
+# The argument that makes a worker one of a function pool's (``workers.pool``): it runs the functions it is sent.
+SERVE_FUNCTIONS = "--serve-functions"
 # Lightning's two package names: a script that imports either has its template import Lightning.
 LIGHTNING = frozenset({"lightning", "pytorch_lightning"})
 _WORKER_MODULE = "ddpkit.workers.worker"
@@ -165,12 +171,14 @@ class WorkerTemplate:
         if self._refused is None and self._process is None and _forkable(command):
             self._start(command, environment)
 
-    def fork(self, command: Sequence[str], environment: Mapping[str, str],
-             with_input: bool = False) -> ForkedProcess | None:
-        """Fork the worker of ``command`` (``python -m ddpkit.workers.worker [--spare] script ...``)
-        with ``environment``, its standard input a pipe from here when ``with_input`` (the
-        process's ``stdin``); None when it should start as a fresh interpreter instead (the module
-        says when)."""
+    def fork(self, command: Sequence[str], environment: Mapping[str, str], with_input: bool = False,
+             handed: Mapping[str, int] | None = None) -> ForkedProcess | None:
+        """Fork the worker of ``command`` (``python -m ddpkit.workers.worker [--spare] script ...``,
+        or a pool's ``--serve-functions``) with ``environment``, its standard input a pipe from here
+        when ``with_input`` (the process's ``stdin``), and each descriptor of ``handed`` open in it,
+        its number in the variable it is given under (as ``pass_fds`` and that variable would
+        hand it to a fresh interpreter); None when it should start as a fresh interpreter instead
+        (the module says when)."""
         if self._refused is not None or not _forkable(command):
             return None
         if self._process is None:
@@ -183,12 +191,18 @@ class WorkerTemplate:
             _log.debug(f"ddpkit run: a worker starts as a fresh interpreter: {', '.join(differing)} differ from the "
                        "template's")
             return None
-        request = {"argv": list(command[3:]), "environment": dict(environment), "cwd": os.getcwd(),
-                   "input": with_input}
         read_end, write_end = os.pipe() if with_input else (-1, -1)
+        # What a fresh interpreter would have been given: the standard streams this process has
+        # now (a pool's may have been redirected since the template started: pytest's capture),
+        # the spare's input in place of this process's, and ``handed``.
+        passed: list[tuple[dict[str, int | str], int]] = [({"at": 0}, read_end)] if with_input else []
+        passed += [({"at": stream}, stream) for stream in ((1, 2) if with_input else (0, 1, 2)) if _is_open(stream)]
+        passed += [({"variable": variable}, descriptor) for variable, descriptor in (handed or {}).items()]
+        request = {"argv": list(command[3:]), "environment": dict(environment), "cwd": os.getcwd(),
+                   "input": with_input, "descriptors": [how for how, _ in passed]}
         try:
             with self._lock:
-                answer = self._ask(request, read_end)
+                answer = self._ask(request, [descriptor for _, descriptor in passed])
         finally:
             if with_input:
                 os.close(read_end)  # the worker's now
@@ -263,13 +277,13 @@ class WorkerTemplate:
         _log.info(f"ddpkit run: each worker starts as a fresh interpreter: {why}.")
         self.close()
 
-    def _ask(self, request: dict[str, Any], input_end: int) -> int | None:
-        """Send ``request`` (with ``input_end``, a descriptor, when it is not -1) and return the pid
-        of the worker started; None when the template is gone."""
+    def _ask(self, request: dict[str, Any], descriptors: Sequence[int]) -> int | None:
+        """Send ``request`` with ``descriptors`` (what its "descriptors" says of each, in order) and
+        return the pid of the worker started; None when the template is gone."""
         assert self._socket is not None
         data = json.dumps(request).encode() + b"\n"
         try:
-            sent = socket.send_fds(self._socket, [data], [input_end]) if input_end >= 0 else 0
+            sent = socket.send_fds(self._socket, [data], list(descriptors)) if descriptors else 0
             self._socket.sendall(data[sent:])
         except OSError:
             self._gone = True
@@ -319,14 +333,23 @@ class WorkerTemplate:
 
 def _forkable(command: Sequence[str]) -> bool:
     """Whether ``command`` runs a script or module through ddpkit's bootstrap with this interpreter,
-    or waits as a spare for one (not the function pool, not a program of its own)."""
+    waits as a spare for one, or serves a function pool (not a program of its own)."""
     script = _script_of(command)
-    return list(command[:3]) == [sys.executable, "-m", _WORKER_MODULE] and bool(script) and not script[0].startswith("--")
+    return (list(command[:3]) == [sys.executable, "-m", _WORKER_MODULE] and bool(script)
+            and (script == [SERVE_FUNCTIONS] or not script[0].startswith("--")))
 
 
 def _script_of(command: Sequence[str]) -> list[str]:
     """The script (or ``-m module``) and its arguments in a worker's ``command``, a spare's ``SPARE`` left out."""
     return list(command[4:] if len(command) > 3 and command[3] == SPARE else command[3:])
+
+
+def _is_open(descriptor: int) -> bool:
+    try:
+        os.fstat(descriptor)
+    except OSError:
+        return False
+    return True
 
 
 def _exists(pid: int) -> bool:
