@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_gone, command_line, descendants, parent_pid, waiting_spares
 
-from ddpkit.workers.worker_template import forking_allowed, starts_differently
+from ddpkit.workers.worker_template import forking_allowed, imports_only_the_standard_library, starts_differently
 
 pytestmark = pytest.mark.skipif(forking_allowed(os.environ) is not None,
                                 reason=f"workers are not forked here: {forking_allowed(os.environ)}")
@@ -115,6 +115,35 @@ def test_a_variable_read_when_an_interpreter_starts_that_differs_rules_out_a_for
     assert starts_differently(template, {key: value for key, value in template.items() if key != "PYTHONPATH"}) == [
         "PYTHONPATH"]
     assert forking_allowed({"DDPKIT_FORK_WORKERS": "0"}) == "DDPKIT_FORK_WORKERS=0"
+
+
+_STANDARD_LIBRARY_ONLY = """
+import os, sys
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+    forked = b"--template" in handle.read()
+print(f"rank {os.environ['RANK']}: forked {forked}, compiler stack imported {'torch._dynamo' in sys.modules}")
+"""
+
+
+def test_the_template_of_a_script_of_the_standard_library_alone_imports_no_more_than_the_bootstrap(
+        tmp_path: Path) -> None:
+    """A script that only starts, writes or waits (a test's, a wrapper's) gets forked workers too,
+    but its template skips torch's compiler stack and ddpkit's strategy (seconds of CPU at each
+    start); a script that imports torch gets them ahead, as before."""
+    (tmp_path / "plain.py").write_text(_STANDARD_LIBRARY_ONLY)
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", "plain.py"],
+                            cwd=tmp_path, text=True, capture_output=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("rank")) == [
+        f"rank {rank}: forked True, compiler stack imported False" for rank in (0, 1)], result.stdout
+    (tmp_path / "with_torch.py").write_text("import torch\n" + _STANDARD_LIBRARY_ONLY)
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "with_torch.py"],
+                            cwd=tmp_path, text=True, capture_output=True, timeout=90)
+    assert "rank 0: forked True, compiler stack imported True" in result.stdout, result.stdout + result.stderr
+    assert imports_only_the_standard_library([str(tmp_path / "plain.py")])
+    (tmp_path / "relative.py").write_text("import os\nfrom . import model\n")
+    assert not imports_only_the_standard_library([str(tmp_path / "relative.py")])
+    assert not imports_only_the_standard_library([str(tmp_path / "missing.py")])
 
 
 def test_lightning_imported_by_the_template_knows_each_workers_rank(tmp_path: Path) -> None:

@@ -46,7 +46,14 @@ from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
 from ddpkit.workers.linux_process import die_with_parent, rename_process
-from ddpkit.workers.worker_template import LIGHTNING, SERVE_FUNCTIONS, SPARE, TEMPLATE, imported_packages
+from ddpkit.workers.worker_template import (
+    LIGHTNING,
+    SERVE_FUNCTIONS,
+    SPARE,
+    TEMPLATE,
+    imported_packages,
+    imports_only_the_standard_library,
+)
 
 _log = get_logger("launching")
 
@@ -134,7 +141,11 @@ WARM_MODULES = ("torch", "torch._dynamo", "ddpkit.training.strategy")
 
 def _import_ahead(argv: list[str]) -> None:
     """Import what the training script ``argv`` needs: torch, the compiler stack any optimizer's
-    first call imports, ddpkit's strategy (the DDP module, the collectives, in-place recovery)."""
+    first call imports, ddpkit's strategy (the DDP module, the collectives, in-place recovery).
+    Only torch, which the bootstrap imports anyway, for a script that imports nothing but the
+    standard library: the rest would cost each start seconds of CPU that nothing uses."""
+    if argv != [SERVE_FUNCTIONS] and imports_only_the_standard_library(argv):
+        return
     for name in WARM_MODULES:
         importlib.import_module(name)
     if argv != [SERVE_FUNCTIONS] and LIGHTNING & imported_packages(argv):

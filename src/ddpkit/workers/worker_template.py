@@ -61,7 +61,7 @@ from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_FORK_WORKERS, DDPKIT_LAUNCHER_PID, DDPKIT_TEMPLATE_SOCKET
 
 __all__ = ["LIGHTNING", "SERVE_FUNCTIONS", "SPARE", "TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed",
-           "imported_packages", "starts_differently"]
+           "imported_packages", "imports_only_the_standard_library", "starts_differently"]
 
 _log = get_logger("launching")
 
@@ -365,6 +365,19 @@ def _exists(pid: int) -> bool:
 def imported_packages(argv: list[str]) -> set[str]:
     """The top-level packages the script of ``argv`` (a path, or ``-m module``) imports anywhere in
     its source, read without running it; empty when its source cannot be read."""
+    return _imports_of(argv) or set()
+
+
+def imports_only_the_standard_library(argv: list[str]) -> bool:
+    """Whether the script of ``argv`` imports nothing but Python's standard library (a script that
+    only starts, writes or waits: nothing it runs needs torch's compiler stack or ddpkit's
+    strategy); False when its source cannot be read or it imports relatively."""
+    imported = _imports_of(argv)
+    return imported is not None and imported <= sys.stdlib_module_names
+
+
+def _imports_of(argv: list[str]) -> set[str] | None:
+    """``imported_packages``, with "." for a relative import; None when the source cannot be read."""
     try:
         if argv[0] == "-m":
             spec = importlib.util.find_spec(argv[1])
@@ -374,11 +387,11 @@ def imported_packages(argv: list[str]) -> set[str]:
         with open(path or "", "rb") as handle:
             tree = ast.parse(handle.read())
     except (OSError, SyntaxError, ValueError, ImportError):
-        return set()
+        return None
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module.split(".")[0] if node.module and not node.level else ".")
     return names
