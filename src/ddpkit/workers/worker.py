@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import fcntl
 import gc
 import importlib
 import importlib.util
@@ -353,7 +354,12 @@ def _fork_worker(request: dict[str, Any], passed: list[tuple[dict[str, Any], int
             os.close(descriptor)
         os.environ.clear()
         os.environ.update(request["environment"])
-        for how, descriptor in passed:
+        # Above the standard streams first: a descriptor received while one of the template's was
+        # closed has that number, and a stream put in place before it was moved would replace it.
+        moved = [(how, fcntl.fcntl(received, fcntl.F_DUPFD, 3)) for how, received in passed]
+        for _, received in passed:
+            os.close(received)
+        for how, descriptor in moved:
             if "at" in how:
                 os.dup2(descriptor, how["at"])
                 os.close(descriptor)
