@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 from helpers import assert_gone, command_line, descendants, parent_pid, waiting_spares
 
-from ddpkit.workers.worker_template import forking_allowed, imports_only_the_standard_library, starts_differently
+from ddpkit.workers.worker_template import (
+    forking_allowed,
+    imported_packages,
+    only_the_standard_library,
+    starts_differently,
+)
 
 pytestmark = pytest.mark.skipif(forking_allowed(os.environ) is not None,
                                 reason=f"workers are not forked here: {forking_allowed(os.environ)}")
@@ -140,10 +145,10 @@ def test_the_template_of_a_script_of_the_standard_library_alone_imports_no_more_
     result = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "with_torch.py"],
                             cwd=tmp_path, text=True, capture_output=True, timeout=90)
     assert "rank 0: forked True, compiler stack imported True" in result.stdout, result.stdout + result.stderr
-    assert imports_only_the_standard_library([str(tmp_path / "plain.py")])
+    assert only_the_standard_library(imported_packages([str(tmp_path / "plain.py")]))
     (tmp_path / "relative.py").write_text("import os\nfrom . import model\n")
-    assert not imports_only_the_standard_library([str(tmp_path / "relative.py")])
-    assert not imports_only_the_standard_library([str(tmp_path / "missing.py")])
+    assert not only_the_standard_library(imported_packages([str(tmp_path / "relative.py")]))
+    assert not only_the_standard_library(imported_packages([str(tmp_path / "missing.py")]))
 
 
 def test_lightning_imported_by_the_template_knows_each_workers_rank(tmp_path: Path) -> None:

@@ -99,7 +99,7 @@ class WorkerProcesses:
               handed: Mapping[str, int] | None = None) -> WorkerProcess:
         """Start ``command`` (a ``ddpkit.workers.worker`` command line) as the worker of ``rank``,
         with each descriptor of ``handed`` open in it, its number in the variable it is given under."""
-        worker = self._launch(command, environment, f"rank{rank}", rank, local_rank, handed=dict(handed or {}))
+        worker = self._launch(command, environment, f"rank{rank}", rank, local_rank, handed=handed)
         self.workers.append(worker)
         return worker
 

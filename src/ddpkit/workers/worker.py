@@ -53,7 +53,7 @@ from ddpkit.workers.worker_template import (
     SPARE,
     TEMPLATE,
     imported_packages,
-    imports_only_the_standard_library,
+    only_the_standard_library,
 )
 
 _log = get_logger("launching")
@@ -145,11 +145,12 @@ def _import_ahead(argv: list[str]) -> None:
     first call imports, ddpkit's strategy (the DDP module, the collectives, in-place recovery).
     Only torch, which the bootstrap imports anyway, for a script that imports nothing but the
     standard library: the rest would cost each start seconds of CPU that nothing uses."""
-    if argv != [SERVE_FUNCTIONS] and imports_only_the_standard_library(argv):
+    packages = None if argv == [SERVE_FUNCTIONS] else imported_packages(argv)  # a pool's functions: unknown
+    if only_the_standard_library(packages):
         return
     for name in WARM_MODULES:
         importlib.import_module(name)
-    if argv != [SERVE_FUNCTIONS] and LIGHTNING & imported_packages(argv):
+    if packages and LIGHTNING & packages:
         with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
             importlib.import_module("ddpkit.lightning")
 

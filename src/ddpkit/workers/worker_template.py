@@ -61,7 +61,7 @@ from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_FORK_WORKERS, DDPKIT_LAUNCHER_PID, DDPKIT_TEMPLATE_SOCKET
 
 __all__ = ["LIGHTNING", "SERVE_FUNCTIONS", "SPARE", "TEMPLATE", "ForkedProcess", "WorkerTemplate", "forking_allowed",
-           "imported_packages", "imports_only_the_standard_library", "starts_differently"]
+           "imported_packages", "only_the_standard_library", "starts_differently"]
 
 _log = get_logger("launching")
 
@@ -362,22 +362,10 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def imported_packages(argv: list[str]) -> set[str]:
+def imported_packages(argv: list[str]) -> set[str] | None:
     """The top-level packages the script of ``argv`` (a path, or ``-m module``) imports anywhere in
-    its source, read without running it; empty when its source cannot be read."""
-    return _imports_of(argv) or set()
-
-
-def imports_only_the_standard_library(argv: list[str]) -> bool:
-    """Whether the script of ``argv`` imports nothing but Python's standard library (a script that
-    only starts, writes or waits: nothing it runs needs torch's compiler stack or ddpkit's
-    strategy); False when its source cannot be read or it imports relatively."""
-    imported = _imports_of(argv)
-    return imported is not None and imported <= sys.stdlib_module_names
-
-
-def _imports_of(argv: list[str]) -> set[str] | None:
-    """``imported_packages``, with "." for a relative import; None when the source cannot be read."""
+    its source, read without running it, with "." for a relative import; None when its source
+    cannot be read."""
     try:
         if argv[0] == "-m":
             spec = importlib.util.find_spec(argv[1])
@@ -395,3 +383,11 @@ def _imports_of(argv: list[str]) -> set[str] | None:
         elif isinstance(node, ast.ImportFrom):
             names.add(node.module.split(".")[0] if node.module and not node.level else ".")
     return names
+
+
+def only_the_standard_library(packages: set[str] | None) -> bool:
+    """Whether ``packages`` (``imported_packages``'s) are Python's standard library alone: a script
+    that only starts, writes or waits, which needs neither torch's compiler stack nor ddpkit's
+    strategy; False when the source could not be read or it imports relatively."""
+    return packages is not None and packages <= sys.stdlib_module_names
+
