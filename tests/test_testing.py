@@ -131,10 +131,20 @@ POOL_SCRIPT = textwrap.dedent(
         return dist.get_rank(), dist.get_world_size()
 
 
+    def priority():
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
     if __name__ == "__main__":
         if sys.argv[1] == "block":
             with WorkerPool(2, timeout=120) as pool:
                 pool.run(write_pid_and_block, os.path.dirname(os.path.abspath(__file__)))
+        elif sys.argv[1] == "nice":  # a pool's priorities, then another's after the process ran ``nice``
+            with WorkerPool(2, timeout=60) as pool:
+                print(pool.run(priority))
+            os.nice(3)
+            with WorkerPool(2, timeout=60) as pool:
+                print(pool.run(priority))
         else:
             with WorkerPool(2, timeout=60, pg_timeout=1) as pool:
                 print(pool.run(rank_and_size))
@@ -159,6 +169,17 @@ def test_a_slow_starting_rank_is_waited_for_whatever_the_process_group_timeout(t
                           text=True, timeout=90)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[(0, 2), (1, 2)]"
+
+
+def test_a_forked_pool_worker_has_the_priority_its_pool_has_now(tmp_path: Path) -> None:
+    """As a fresh interpreter would inherit it: not the one the template had when it started
+    (the process ran ``nice`` between its first pool and its second)."""
+    (tmp_path / "pool_script.py").write_text(POOL_SCRIPT)
+    done = subprocess.run([sys.executable, "pool_script.py", "nice"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=90)
+    assert done.returncode == 0, done.stderr
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    assert done.stdout.split("\n")[:2] == [str([start] * 2), str([start + 3] * 2)], done.stdout
 
 
 def test_unpicklable_functions_are_refused_before_sending(pool2: WorkerPool) -> None:

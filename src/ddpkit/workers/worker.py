@@ -331,6 +331,16 @@ def _send(connection: socket.socket, message: dict[str, Any]) -> None:
         connection.sendall(json.dumps(message).encode() + b"\n")
 
 
+def _take_priority(nice: int | None) -> None:
+    """The starter's scheduling priority, which a fresh interpreter would have inherited: a pool's
+    template may have started before its process ran ``nice`` (``os.setpriority``). A priority
+    above the template's needs the privilege to raise one (root); without it the worker keeps the
+    template's, as close as it may come."""
+    if nice is not None and nice != os.getpriority(os.PRIO_PROCESS, 0):
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
 # How many descriptors one read of the launcher's requests takes at most (one per spare asked for).
 _MOST_DESCRIPTORS = 16
 
@@ -338,9 +348,10 @@ _MOST_DESCRIPTORS = 16
 def _fork_worker(request: dict[str, Any], passed: list[tuple[dict[str, Any], int]],
                  template_files: tuple[int, ...]) -> int:
     """Fork one worker (the child never returns here): its own session, environment, working
-    directory and the descriptors ``passed`` with the request, each either at the number it names
-    (``{"at": 1}``: its standard output) or open where it is, its number in the variable it names
-    (``{"variable": name}``); then the worker bootstrap, which ends the process."""
+    directory, scheduling priority (``nice``) and the descriptors ``passed`` with the request, each
+    either at the number it names (``{"at": 1}``: its standard output) or open where it is, its
+    number in the variable it names (``{"variable": name}``); then the worker bootstrap, which ends
+    the process."""
     template_pid = os.getpid()
     pid = os.fork()
     if pid:
@@ -371,6 +382,7 @@ def _fork_worker(request: dict[str, Any], passed: list[tuple[dict[str, Any], int
         global _FORKED_BY
         _FORKED_BY = template_pid  # the worker dies with its parent
         os.chdir(request["cwd"])
+        _take_priority(request.get("nice"))
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()  # as a fresh interpreter's import would: its own entropy

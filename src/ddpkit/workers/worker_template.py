@@ -194,12 +194,13 @@ class WorkerTemplate:
         read_end, write_end = os.pipe() if with_input else (-1, -1)
         # What a fresh interpreter would have been given: the standard streams this process has
         # now (a pool's may have been redirected since the template started: pytest's capture),
-        # the spare's input in place of this process's, and ``handed``.
+        # the spare's input in place of this process's, ``handed``, and this process's priority.
         passed: list[tuple[dict[str, int | str], int]] = [({"at": 0}, read_end)] if with_input else []
         passed += [({"at": stream}, stream) for stream in ((1, 2) if with_input else (0, 1, 2)) if _is_open(stream)]
         passed += [({"variable": variable}, descriptor) for variable, descriptor in (handed or {}).items()]
         request = {"argv": list(command[3:]), "environment": dict(environment), "cwd": os.getcwd(),
-                   "input": with_input, "descriptors": [how for how, _ in passed]}
+                   "nice": os.getpriority(os.PRIO_PROCESS, 0), "input": with_input,
+                   "descriptors": [how for how, _ in passed]}
         try:
             with self._lock:
                 answer = self._ask(request, [descriptor for _, descriptor in passed])
