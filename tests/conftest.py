@@ -63,7 +63,8 @@ LONGEST_MODULES_FIRST = (
 # Besides those, the modules whose tests each start jobs of several nodes or soak: with the longest
 # ones and every ``alone`` test they are ``slow``, left out of the edit-test loop (``-m "not slow"``).
 SLOW_MODULES = LONGEST_MODULES_FIRST + ("test_chaos.py", "test_straggler_replacement.py", "test_stragglers.py",
-                                        "test_restarts.py", "test_torchrun_restarts.py", "test_store_host_gone.py")
+                                        "test_restarts.py", "test_torchrun_restarts.py", "test_store_host_gone.py",
+                                        "test_hangs.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

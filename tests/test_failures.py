@@ -239,7 +239,8 @@ def reconcile_on_rank_one(folder: str) -> tuple[str, str, int | None, float] | d
     return record
 
 
-@pytest.mark.alone  # it bounds seconds that a test beside it would stretch
+# Beside another test: the bound (2 s, against a process-group timeout of PG_TIMEOUT) is on a rank
+# freed by the failure's record, which it reads as soon as the kernel wakes it.
 def test_reconciliate_processes_names_the_failure_on_the_other_ranks_and_for_the_launcher(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with WorkerPool(2, timeout=60, pg_timeout=PG_TIMEOUT) as pool:
         (kind, text, named, seconds), record = pool.run(reconcile_on_rank_one, str(tmp_path))

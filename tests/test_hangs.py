@@ -23,9 +23,9 @@ from ddpkit.diagnostics.failures import FAILURE, record_signer
 from ddpkit.diagnostics.hangs import last_report, watch_for_hangs
 from ddpkit.testing import WorkerPool
 
-# Alone: the hang watch's answer is bounded within a second or two of its timeout.
-pytestmark = pytest.mark.alone
-
+# Beside another test (not ``alone``): the bounds are on seconds the ranks spend asleep or waiting in
+# a collective, and the kernel gives a waking process a core within milliseconds though a test beside
+# it keeps both busy; the module passed beside the heaviest one, tests/test_real_loops.py.
 HANG_SECONDS = 1.0
 
 

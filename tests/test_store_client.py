@@ -48,7 +48,7 @@ def store_host() -> Iterator[tuple[int, subprocess.Popen[str]]]:
     host.wait()
 
 
-@pytest.mark.alone  # it bounds seconds that a test beside it would stretch
+# Beside another test: the bound is on a wait, which a thread asleep in it ends on time under load.
 def test_every_request_to_a_frozen_store_ends_within_its_bound(store_host: tuple[int, subprocess.Popen[str]]) -> None:
     port, host = store_host
     store = BoundedStore(connect("127.0.0.1", port, 10), 1.0)
