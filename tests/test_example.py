@@ -45,7 +45,9 @@ def test_compressed_gradients_end_within_a_point_of_plain_all_reduce_on_held_out
     falls again after 15 epochs and the comparison measures noise)."""
     accuracy = {}
     for hook in ("none", "powersgd", "fp16"):
-        result = run_example("--samples", "16384", "--epochs", "8", *(("--comm-hook", hook) if hook != "none" else ()))
+        # (A hook turns the check against one process off; without one it is left out: only the accuracy counts.)
+        result = run_example("--samples", "16384", "--epochs", "8",
+                             *(("--comm-hook", hook) if hook != "none" else ("--no-check-reference",)))
         assert result.returncode == 0, result.stdout + result.stderr[-3000:]
         accuracy[hook] = example_summary(result.stdout)["held_out_accuracy"]
     assert accuracy["none"] > 0.8, accuracy  # it learnt (4 classes: chance is 0.25)

@@ -203,6 +203,22 @@ def test_a_rank_lost_in_a_collective_outside_the_step_restarts_every_worker_nami
 BLOCKS = "schedule,epoch-schedule,ema,syncbn,collective"  # what the block tests train with, besides the block
 
 
+@pytest.fixture(scope="module")
+def fault_free_blocks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """By features: the folder of the fault-free run of two ranks and two epochs with an evaluation
+    block (made on first use: the rank's and the node's tests of one block compare with the same run)."""
+
+    class Runs(dict[str, Path]):
+        def __missing__(self, features: str) -> Path:
+            folder = tmp_path_factory.mktemp("fault_free_blocks")
+            result = run_loop(folder, FEATURES=features, EPOCHS="2")
+            assert result.returncode == 0, result.stderr[-3000:]
+            self[features] = folder
+            return folder
+
+    return Runs()
+
+
 def evaluations_of(folder: Path, rank: int) -> list[tuple[int, float]]:
     """(optimizer step, mean held-out loss) of each evaluation the process started as ``rank`` ran."""
     state = torch.load(folder / f"final{rank}.pt", weights_only=False, map_location="cpu")
@@ -219,7 +235,7 @@ def assert_same_evaluations(expected: list[tuple[int, float]], got: list[tuple[i
 @pytest.mark.parametrize(("block", "strike"), [("epoch-block", "evaluation:8"), ("step-block", "evaluation:6"),
                                                  ("top-block", "evaluation:6")])
 def test_a_rank_lost_in_an_evaluation_between_steps_is_replaced_and_every_rank_ends_as_without_the_fault(
-        tmp_path: Path, block: str, strike: str) -> None:
+        tmp_path: Path, fault_free_blocks: dict[str, Path], block: str, strike: str) -> None:
     """Issue 61, item 2: an evaluation between steps inside ``strategy.between_steps`` (after an
     epoch, after the step every 3 steps, at the top of the loop's body), rank 1 killed inside it just
     before the evaluation's own ``torch.distributed.all_reduce``. The survivor's collective fails;
@@ -228,10 +244,8 @@ def test_a_rank_lost_in_an_evaluation_between_steps_is_replaced_and_every_rank_e
     rank ends with the state of the run without the fault, bit for bit, and the survivor's
     evaluations (each the mean over every rank's held-out rows) are that run's. Before, the job
     restarted every worker (or, without budget, ended)."""
-    reference = tmp_path / "fault_free"
     features = f"{BLOCKS},{block}"
-    expected_run = run_loop(reference, FEATURES=features, EPOCHS="2")
-    assert expected_run.returncode == 0, expected_run.stderr[-3000:]
+    reference = fault_free_blocks[features]
     expected = torch.load(reference / "final0.pt", weights_only=False)
     result = run_loop(tmp_path, FEATURES=features, KILL=strike, KILL_RANK="1", EPOCHS="2")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -422,17 +436,15 @@ def test_across_network_namespaces_a_node_lost_in_the_users_collective_shrinks_t
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("block", "strike"), [("epoch-block", "evaluation:8"), ("top-block", "evaluation:6")])
 def test_a_node_lost_in_an_evaluation_between_steps_shrinks_the_world_and_the_evaluation_runs_again(
-        tmp_path: Path, block: str, strike: str) -> None:
+        tmp_path: Path, fault_free_blocks: dict[str, Path], block: str, strike: str) -> None:
     """Two nodes of one rank, ``--nnodes 1:2``, no spare: node 1 stopped inside an evaluation block
     (after an epoch, or at the top of the loop's body) before its all-reduce, and killed. The survivor
     runs the evaluation again alone over both shares of the held-out rows, then trains both shares:
     its evaluations are those of the run without the fault, and it ends within 1e-6 of it. At the
     top of the body the batch in hand was read with the survivor's own share only: it is read again
     with both before its step trains it (a step on it would leave node 1's rows out)."""
-    reference = tmp_path / "fault_free"
     features = f"{BLOCKS},{block}"
-    expected_run = run_loop(reference, FEATURES=features, EPOCHS="2")
-    assert expected_run.returncode == 0, expected_run.stderr[-3000:]
+    reference = fault_free_blocks[features]
     expected = torch.load(reference / "final0.pt", weights_only=False)
     store = start_store(port := find_free_port())
     job = {"rdzv_id": f"real-{block}", "FEATURES": features, "PAUSE": strike, "KILL_RANK": "1", "EPOCHS": "2"}
