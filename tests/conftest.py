@@ -73,18 +73,30 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest modules first (LONGEST_MODULES_FIRST); the sort is stable, so each module's
-    tests, and the modules not named, keep their order."""
+    """The modules with an ``alone`` test first, then the longest modules (LONGEST_MODULES_FIRST);
+    the sort is stable, so each module's tests, and the modules not named, keep their order.
+
+    An ``alone`` test waits for the test in hand on the other worker to end, and that worker waits
+    for it: among the other modules' tests, each ``alone`` test also cost the suite the rest of a
+    test beside it (150 s of waiting in all, measured from a run's per-test times). First, the two
+    workers take those modules together, and mostly wait for each other's ``alone`` tests, which run
+    one at a time anyway."""
     tests = Path(__file__).parent
 
+    def module_of(item: pytest.Item) -> str:
+        return item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+
+    with_alone_tests = {module_of(item) for item in items if item.get_closest_marker("alone") is not None}
+
     def place(item: pytest.Item) -> int:
-        module = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        module = module_of(item)
+        if module in with_alone_tests:
+            return -1
         return LONGEST_MODULES_FIRST.index(module) if module in LONGEST_MODULES_FIRST else len(LONGEST_MODULES_FIRST)
 
     items.sort(key=place)
     for item in items:
-        module = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
-        if module in SLOW_MODULES or item.get_closest_marker("alone") is not None:
+        if module_of(item) in SLOW_MODULES or item.get_closest_marker("alone") is not None:
             item.add_marker(pytest.mark.slow)
 
 
