@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit._network import find_free_port
 from ddpkit.store.client import (
     BoundedStore,
     StoreRequestTimeout,
@@ -26,12 +25,12 @@ from ddpkit.store.client import (
 
 HOST = textwrap.dedent(
     """
-    import sys, time
+    import time
     from datetime import timedelta
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
-    print("up", flush=True)
+    # Port 0: no window between finding a free port and binding it, in which a test beside this one could take it.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    print(f"up {store.port}", flush=True)
     time.sleep(120)
     """
 )
@@ -40,10 +39,11 @@ HOST = textwrap.dedent(
 @pytest.fixture
 def store_host() -> Iterator[tuple[int, subprocess.Popen[str]]]:
     """A TCPStore in a process of its own (stopped by the test when it freezes the host)."""
-    port = find_free_port("127.0.0.1")
-    host = subprocess.Popen([sys.executable, "-c", HOST, str(port)], stdout=subprocess.PIPE, text=True)
-    assert host.stdout is not None and host.stdout.readline().strip() == "up"
-    yield port, host
+    host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
+    assert host.stdout is not None
+    said, _, port = host.stdout.readline().strip().partition(" ")
+    assert said == "up" and port.isdigit(), said
+    yield int(port), host
     host.kill()
     host.wait()
 
