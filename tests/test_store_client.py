@@ -6,6 +6,7 @@ the launcher must end with its own exit code, not SIGABRT from a request left bl
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -48,13 +49,31 @@ def store_host() -> Iterator[tuple[int, subprocess.Popen[str]]]:
     host.wait()
 
 
+def freeze(host: subprocess.Popen[str]) -> None:
+    """SIGSTOP the host, and return once each of its threads is stopped: the stop is taken by each
+    thread when it next runs, and under load the store's thread answered a request sent after the
+    signal (the request then did not time out: seen beside other tests)."""
+    host.send_signal(signal.SIGSTOP)
+    tasks = Path(f"/proc/{host.pid}/task")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in tasks.iterdir():
+            with contextlib.suppress(OSError):
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the store's host (pid {host.pid}) did not stop within 10 s of SIGSTOP")
+
+
 # Beside another test: the bound is on a wait, which a thread asleep in it ends on time under load.
 def test_every_request_to_a_frozen_store_ends_within_its_bound(store_host: tuple[int, subprocess.Popen[str]]) -> None:
     port, host = store_host
     store = BoundedStore(connect("127.0.0.1", port, 10), 1.0)
     store.set("key", "value")
     assert store.get("key") == b"value" and store.check(["key"]) and store.add("count", 2) == 2
-    host.send_signal(signal.SIGSTOP)
+    freeze(host)
     start = time.monotonic()
     with pytest.raises(StoreRequestTimeout, match=r"did not answer a request \(check\) within 1 s"):
         store.check(["key"])
@@ -79,7 +98,7 @@ def test_a_store_that_dies_fails_a_request_as_torch_s_client_fails_it(
 
 def test_connecting_to_a_frozen_store_ends_within_the_timeout(store_host: tuple[int, subprocess.Popen[str]]) -> None:
     port, host = store_host
-    host.send_signal(signal.SIGSTOP)
+    freeze(host)
     start = time.monotonic()
     with pytest.raises(StoreUnreachableError, match="took the connection but did not answer"):
         connect("127.0.0.1", port, 4)
@@ -121,7 +140,7 @@ def test_a_launcher_with_a_request_left_unanswered_ends_with_its_own_exit_code(
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert launcher.stdin is not None and launcher.stdout is not None
     assert launcher.stdout.readline().strip() == "connected"
-    host.send_signal(signal.SIGSTOP)
+    freeze(host)
     launcher.stdin.write("\n")
     launcher.stdin.flush()
     assert launcher.stdout.readline().strip() == "unanswered"
