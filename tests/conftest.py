@@ -78,9 +78,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     An ``alone`` test waits for the test in hand on the other worker to end, and that worker waits
     for it: among the other modules' tests, each ``alone`` test also cost the suite the rest of a
-    test beside it (150 s of waiting in all, measured from a run's per-test times). First, the two
-    workers take those modules together, and mostly wait for each other's ``alone`` tests, which run
-    one at a time anyway."""
+    test beside it. First, the two workers take those modules together, and mostly wait for each
+    other's ``alone`` tests, which run one at a time anyway."""
     tests = Path(__file__).parent
 
     def module_of(item: pytest.Item) -> str:
