@@ -331,12 +331,12 @@ def _send(connection: socket.socket, message: dict[str, Any]) -> None:
         connection.sendall(json.dumps(message).encode() + b"\n")
 
 
-def _take_priority(nice: int | None) -> None:
+def _take_priority(nice: int) -> None:
     """The starter's scheduling priority, which a fresh interpreter would have inherited: a pool's
     template may have started before its process ran ``nice`` (``os.setpriority``). A priority
     above the template's needs the privilege to raise one (root); without it the worker keeps the
     template's, as close as it may come."""
-    if nice is not None and nice != os.getpriority(os.PRIO_PROCESS, 0):
+    if nice != os.getpriority(os.PRIO_PROCESS, 0):
         with contextlib.suppress(PermissionError):
             os.setpriority(os.PRIO_PROCESS, 0, nice)
 
@@ -382,7 +382,7 @@ def _fork_worker(request: dict[str, Any], passed: list[tuple[dict[str, Any], int
         global _FORKED_BY
         _FORKED_BY = template_pid  # the worker dies with its parent
         os.chdir(request["cwd"])
-        _take_priority(request.get("nice"))
+        _take_priority(request["nice"])
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()  # as a fresh interpreter's import would: its own entropy
