@@ -16,8 +16,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -82,6 +83,21 @@ def assert_as_without_the_fault(folder: Path, expected: dict[str, Any], ranks: i
         assert worst[1] <= tolerance, f"{path.name}: {worst[0]} differs by {worst[1]:.3e}\n{errors}"
 
 
+V = TypeVar("V")
+
+
+class MadeOnFirstUse(dict[str, V]):
+    """The runs of a module's tests by their features, each made by ``make`` when first read."""
+
+    def __init__(self, make: Callable[[str], V]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, features: str) -> V:
+        made = self[features] = self._make(features)
+        return made
+
+
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The final state of the loop with every feature and no fault (two ranks; every rank's the same)."""
@@ -119,19 +135,16 @@ TINY_BUCKETS = "0.0001"  # a bucket a parameter: with one bucket the mode would 
 def fault_free_synchronous(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """By features: the final state of the loop of the overlap tests, without the mode and without
     a fault (made on first use)."""
-    made: dict[str, dict[str, Any]] = {}
 
-    class Runs(dict[str, dict[str, Any]]):
-        def __missing__(self, features: str) -> dict[str, Any]:
-            folder = tmp_path_factory.mktemp("fault_free_synchronous")
-            result = run_loop(folder, FEATURES=features, CLIP="0", BUCKET_CAP_MB=TINY_BUCKETS)
-            assert result.returncode == 0, result.stderr[-3000:]
-            expected: dict[str, Any] = torch.load(folder / "final0.pt", weights_only=False, map_location="cpu")
-            assert expected["steps"] == 24
-            self[features] = expected
-            return expected
+    def run(features: str) -> dict[str, Any]:
+        folder = tmp_path_factory.mktemp("fault_free_synchronous")
+        result = run_loop(folder, FEATURES=features, CLIP="0", BUCKET_CAP_MB=TINY_BUCKETS)
+        assert result.returncode == 0, result.stderr[-3000:]
+        expected: dict[str, Any] = torch.load(folder / "final0.pt", weights_only=False, map_location="cpu")
+        assert expected["steps"] == 24
+        return expected
 
-    return Runs(made)
+    return MadeOnFirstUse(run)
 
 
 @pytest.mark.timeout(120)
@@ -208,15 +221,13 @@ def fault_free_blocks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     """By features: the folder of the fault-free run of two ranks and two epochs with an evaluation
     block (made on first use: the rank's and the node's tests of one block compare with the same run)."""
 
-    class Runs(dict[str, Path]):
-        def __missing__(self, features: str) -> Path:
-            folder = tmp_path_factory.mktemp("fault_free_blocks")
-            result = run_loop(folder, FEATURES=features, EPOCHS="2")
-            assert result.returncode == 0, result.stderr[-3000:]
-            self[features] = folder
-            return folder
+    def run(features: str) -> Path:
+        folder = tmp_path_factory.mktemp("fault_free_blocks")
+        result = run_loop(folder, FEATURES=features, EPOCHS="2")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return folder
 
-    return Runs()
+    return MadeOnFirstUse(run)
 
 
 def evaluations_of(folder: Path, rank: int) -> list[tuple[int, float]]:

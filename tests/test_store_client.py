@@ -6,7 +6,6 @@ the launcher must end with its own exit code, not SIGABRT from a request left bl
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.diagnostics.hangs import _process_state
 from ddpkit.store.client import (
     BoundedStore,
     StoreRequestTimeout,
@@ -57,11 +57,8 @@ def freeze(host: subprocess.Popen[str]) -> None:
     tasks = Path(f"/proc/{host.pid}/task")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        states = []
-        for task in tasks.iterdir():
-            with contextlib.suppress(OSError):
-                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
-        if states and all(state in "tT" for state in states):
+        states = [_process_state(int(task.name)) for task in tasks.iterdir()]  # (a thread's id reads as a pid's)
+        if states and all(state is not None and state in "tT" for state in states):
             return
         time.sleep(0.01)
     raise AssertionError(f"the store's host (pid {host.pid}) did not stop within 10 s of SIGSTOP")
