@@ -147,6 +147,56 @@ def test_both_nodes_restart_together_and_keep_their_node_ranks(folder: Path) -> 
     assert any("rank 1 fails on purpose" in err for _, _, err in results)
 
 
+# On a launcher's path: when the launcher (``python -m ddpkit run``) starts to import torch, note
+# whether its store host (``launching.store_host``) is one of its processes already.
+NOTE_THE_STORE_HOST_AT_TORCHS_IMPORT = textwrap.dedent(
+    """
+    import os, sys, traceback
+
+    class NoteAtTorchsImport:
+        def find_spec(self, name, path=None, target=None):
+            # (``importlib.util.find_spec("torch")`` only looks: the launcher asks which build torch is)
+            looking = any(frame.filename == "<frozen importlib.util>" for frame in traceback.extract_stack())
+            if name == "torch" and not looking:
+                sys.meta_path.remove(self)
+                commands = []
+                for task in os.listdir("/proc/self/task"):
+                    with open(f"/proc/self/task/{task}/children") as handle:
+                        for pid in handle.read().split():
+                            with open(f"/proc/{pid}/cmdline") as command:
+                                commands.append(command.read())
+                hosting = any("ddpkit.launching.store_host" in command for command in commands)
+                with open(os.path.join(os.environ["NOTES"], str(os.getpid())), "w") as note:
+                    note.write("store host started" if hosting else "no store host yet")
+            return None
+
+    if sys.orig_argv[1:4] == ["-m", "ddpkit", "run"]:
+        sys.meta_path.insert(0, NoteAtTorchsImport())
+    """
+)
+
+
+@pytest.mark.parametrize("meeting", ["c10d", "static-restarts"])
+def test_the_store_host_starts_before_its_launcher_imports_torch_so_that_both_import_at_once(
+        folder: Path, meeting: str) -> None:
+    """The launcher that hosts the job's store starts its store host before it imports the store's
+    client (torch): the two processes import at once, and the store serves when the launcher first
+    asks it (before, one waited for the other: seconds at every start of a job of several nodes)."""
+    (folder / "site").mkdir()
+    (folder / "site" / "sitecustomize.py").write_text(NOTE_THE_STORE_HOST_AT_TORCHS_IMPORT)
+    (folder / "notes").mkdir()
+    path = os.pathsep.join(filter(None, [str(folder / "site"), os.environ.get("PYTHONPATH")]))
+    port = find_free_port()
+    nodes = [c10d(port)] * 2 if meeting == "c10d" else [
+        ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--max-restarts", "1"] for node in (0, 1)]
+    results = ended([launcher(folder, *arguments, "--nproc-per-node", "1", "place.py", PYTHONPATH=path,
+                              NOTES=str(folder / "notes")) for arguments in nodes])
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    notes = sorted(note.read_text() for note in (folder / "notes").iterdir())
+    assert notes == ["no store host yet", "store host started"], (notes, [err[-2000:] for _, _, err in results])
+
+
 def test_a_static_endpoint_is_the_master_address_and_port(folder: Path) -> None:
     port = find_free_port()
     code, out, err = ended([launcher(folder, "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",

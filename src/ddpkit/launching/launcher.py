@@ -204,13 +204,20 @@ class _LauncherRun:
         """Meet the other nodes at the rendezvous (when there is one), choose the port and host the
         store when this launcher does; an exit code when the rendezvous failed, else None."""
         state, config = self.state, self.state.config
+        # The store host is started before this launcher imports the store's client below: the two
+        # then import torch at once, and the store serves as soon as the launcher can ask it.
+        if config.rendezvous is not None:
+            state.store_host = host_rendezvous(config.rendezvous, self.environment())
+        else:
+            self.choose_port(config)
+            if config.hosts_store and config.node_rank == 0:
+                state.store_host = host_store(config.master_addr, state.port, config.nnodes > 1, self.environment())
         if config.coordinates_nodes:
             # The client of the launchers' store, imported now (while the node's template imports in
             # its own process), not after the workers started: workers forked from a warm template
             # train within a second, and a launcher still importing then would not watch the others.
             import_distributed()
         if config.rendezvous is not None:
-            state.store_host = host_rendezvous(config.rendezvous, self.environment())
             try:
                 if state.store_host is not None:  # join_timeout waits for the other nodes, not for this store
                     state.store_host.wait_serving(_STORE_HOST_START_SECONDS)
@@ -220,13 +227,15 @@ class _LauncherRun:
                 _log.error(f"ddpkit run: {error}")
                 return 1
             config = state.config
-        # A store the launchers host keeps one port for the whole run (attempts and generations have prefixes).
-        state.port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
-        self.defaults.update(gloo_interface(config, state.port, os.environ))
-        if config.hosts_store and config.node_rank == 0 and config.rendezvous is None:
-            state.store_host = host_store(config.master_addr, state.port, config.nnodes > 1, self.environment())
+            self.choose_port(config)
         self.output = config.output.with_log_dir()
         return None
+
+    def choose_port(self, config: LaunchConfig) -> None:
+        """The port of the job's store and the workers' Gloo interface towards it: a store the
+        launchers host keeps one port for the whole run (attempts and generations have prefixes)."""
+        self.state.port = config.master_port if config.master_port is not None else find_free_port(config.master_addr)
+        self.defaults.update(gloo_interface(config, self.state.port, os.environ))
 
     def attempt(self) -> Outcome | int:
         """Start this node's workers (a spare node: once it took a place) and watch them until this
