@@ -151,23 +151,24 @@ def test_both_nodes_restart_together_and_keep_their_node_ranks(folder: Path) -> 
 # whether its store host (``launching.store_host``) is one of its processes already.
 NOTE_THE_STORE_HOST_AT_TORCHS_IMPORT = textwrap.dedent(
     """
-    import os, sys, traceback
+    import contextlib, os, sys, traceback
 
     class NoteAtTorchsImport:
         def find_spec(self, name, path=None, target=None):
             # (``importlib.util.find_spec("torch")`` only looks: the launcher asks which build torch is)
-            looking = any(frame.filename == "<frozen importlib.util>" for frame in traceback.extract_stack())
-            if name == "torch" and not looking:
-                sys.meta_path.remove(self)
-                commands = []
-                for task in os.listdir("/proc/self/task"):
-                    with open(f"/proc/self/task/{task}/children") as handle:
-                        for pid in handle.read().split():
-                            with open(f"/proc/{pid}/cmdline") as command:
-                                commands.append(command.read())
-                hosting = any("ddpkit.launching.store_host" in command for command in commands)
-                with open(os.path.join(os.environ["NOTES"], str(os.getpid())), "w") as note:
-                    note.write("store host started" if hosting else "no store host yet")
+            if name != "torch" or any(frame.filename == "<frozen importlib.util>"
+                                      for frame in traceback.extract_stack()):
+                return None
+            sys.meta_path.remove(self)
+            commands = []
+            for task in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{task}/children") as handle:
+                    for pid in handle.read().split():
+                        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline") as command:
+                            commands.append(command.read())  # (a child that ended meanwhile has none)
+            hosting = any("ddpkit.launching.store_host" in command for command in commands)
+            with open(os.path.join(os.environ["NOTES"], str(os.getpid())), "w") as note:
+                note.write("store host started" if hosting else "no store host yet")
             return None
 
     if sys.orig_argv[1:4] == ["-m", "ddpkit", "run"]:
