@@ -45,7 +45,11 @@ def timed(commands: list[list[str]], folder: str) -> float:
     start = time.perf_counter()
     processes = [subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for command in commands]
-    errors = [process.communicate(timeout=300)[1] for process in processes]
+    try:
+        errors = [process.communicate(timeout=300)[1] for process in processes]
+    finally:  # one launcher past the bound (or Ctrl-C): the others are not left running
+        for process in processes:
+            process.kill()
     elapsed = time.perf_counter() - start
     for command, process, error in zip(commands, processes, errors):
         if process.returncode != 0:
