@@ -151,6 +151,45 @@ def test_the_template_of_a_script_of_the_standard_library_alone_imports_no_more_
     assert not only_the_standard_library(imported_packages([str(tmp_path / "missing.py")]))
 
 
+_COLLECTIONS = """
+import gc, json
+print(json.dumps({"collector_on": gc.isenabled(), "passes": sum(stats["collections"] for stats in gc.get_stats())}))
+"""
+
+# Importing torch with the collector running takes it 400 passes or more (700 with the compiler
+# stack and ddpkit's strategy); paused, the interpreter's own start and the bootstrap's take 30-40.
+_FEW_PASSES = 150
+
+
+def test_every_process_that_imports_torch_for_ddpkit_does_so_with_the_collector_paused_and_runs_on_with_it(
+        tmp_path: Path) -> None:
+    """``ddpkit._collector``: a forked worker (its template imported torch and the rest), a fresh
+    interpreter's bootstrap, a launcher's store client and the store host import torch with the
+    garbage collector paused (a fifth of the import's CPU), and the script, the launcher and the
+    store then run with it on as usual."""
+    (tmp_path / "report.py").write_text("import torch\n" + _COLLECTIONS)
+    quietly = "from ddpkit.store.client import import_distributed; import_distributed()\n"
+    serving = "from ddpkit.launching.store_host import _serve; store = _serve('127.0.0.1', 0, None)\n"
+    commands = {"forked": [sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "1", "report.py"],
+                "fresh": [sys.executable, "-m", "ddpkit.workers.worker", "report.py"],
+                "store client": [sys.executable, "-c", quietly + _COLLECTIONS],
+                "store host": [sys.executable, "-c", serving + _COLLECTIONS]}
+    started = {kind: subprocess.Popen(command, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for kind, command in commands.items()}
+    reports = {}
+    try:
+        for kind, process in started.items():
+            out, err = process.communicate(timeout=120)
+            assert process.returncode == 0, f"{kind}: {err[-3000:]}"
+            reports[kind] = _reports(out)[-1]
+    finally:
+        for process in started.values():
+            process.kill()
+            process.wait()
+    assert all(report["collector_on"] for report in reports.values()), reports
+    assert all(report["passes"] < _FEW_PASSES for report in reports.values()), reports
+
+
 def test_lightning_imported_by_the_template_knows_each_workers_rank(tmp_path: Path) -> None:
     """Lightning notes the rank (``rank_zero_only.rank``) when it is imported: in the template that
     was before any rank; a forked worker must see its own, as a fresh interpreter would."""

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import IO, Any
 
+from ddpkit._collector import collector_paused
 from ddpkit._network import listen_on
 from ddpkit.control_plane.launcher_records import clear_worker_keys
 from ddpkit.variables import DDPKIT_LAUNCHER_PID
@@ -173,7 +174,8 @@ def _last_line(path: str) -> str:
 def _serve(address: str, port: int, listen_fd: int | None) -> Any:
     """The job's store, served from this process (on the listening socket ``listen_fd`` when given).
     wait_for_workers=False: the clients connect when they are ready; the store just listens."""
-    import torch.distributed as dist
+    with collector_paused():
+        import torch.distributed as dist
 
     return dist.TCPStore(address, port, is_master=True, timeout=timedelta(minutes=10),  # type: ignore[attr-defined]
                          wait_for_workers=False, master_listen_fd=listen_fd)

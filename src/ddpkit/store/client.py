@@ -35,6 +35,7 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from ddpkit._collector import collector_paused
 from ddpkit.process_state import PROCESS
 
 __all__ = ["TRY_SECONDS", "BoundedStore", "GaveUpWaiting", "GiveUp", "StoreRequestTimeout", "StoreUnreachableError",
@@ -161,12 +162,14 @@ def never_give_up() -> str | None:
 
 
 def import_distributed() -> ModuleType:
-    """``torch.distributed``, imported with torch's C++ logging quiet in this process only."""
+    """``torch.distributed``, imported with torch's C++ logging quiet in this process only (and the
+    garbage collector paused: ``ddpkit._collector``)."""
     chosen = "TORCH_CPP_LOG_LEVEL" in os.environ
     if not chosen:
         os.environ["TORCH_CPP_LOG_LEVEL"] = _QUIET_LEVEL
     try:
-        import torch.distributed as dist
+        with collector_paused():
+            import torch.distributed as dist
     finally:
         if not chosen:
             del os.environ["TORCH_CPP_LOG_LEVEL"]  # the workers started later keep torch's default

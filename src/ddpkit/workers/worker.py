@@ -39,10 +39,8 @@ import sys
 import traceback
 from typing import Any
 
-import torch.distributed as dist
-
+from ddpkit._collector import collector_paused
 from ddpkit.diagnostics.exits import leave
-from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception, uncaught_failure
 from ddpkit.environments.preemption import PREEMPTED_EXIT_CODE
 from ddpkit.logs import get_logger
 from ddpkit.variables import DDPKIT_LAUNCHER_PID, DDPKIT_STACK_FILE, DDPKIT_TEMPLATE_SOCKET
@@ -87,6 +85,8 @@ def _dump_stacks_on_request() -> None:
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit("usage: python -m ddpkit.workers.worker (script.py | -m module) [args...]")
+    with collector_paused():  # torch's import, which the failure records need (``ddpkit._collector``)
+        from ddpkit.diagnostics.failures import CollectiveFailedError, record_exception, uncaught_failure
     if argv[0] == TEMPLATE:  # the node's template: it forks workers, each of which comes back to main
         die_with_launcher()
         serve_forks(argv[1:])
@@ -148,11 +148,12 @@ def _import_ahead(argv: list[str]) -> None:
     packages = None if argv == [SERVE_FUNCTIONS] else imported_packages(argv)  # a pool's functions: unknown
     if only_the_standard_library(packages):
         return
-    for name in WARM_MODULES:
-        importlib.import_module(name)
-    if packages and LIGHTNING & packages:
-        with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
-            importlib.import_module("ddpkit.lightning")
+    with collector_paused():
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+        if packages and LIGHTNING & packages:
+            with contextlib.suppress(ImportError):  # (not installed: the script says so itself)
+                importlib.import_module("ddpkit.lightning")
 
 
 def _wait_for_a_rank(argv: list[str]) -> None:
@@ -242,6 +243,8 @@ def _flush_open_files() -> None:
 def _tear_down_group() -> None:
     """``destroy_dist_connection`` of a process group the script left alive; a failure of a peer
     there is the peer's to report (this rank's script succeeded)."""
+    import torch.distributed as dist  # imported by ``main`` already
+
     if not (dist.is_available() and dist.is_initialized()):
         return
     from ddpkit.membership.connection import destroy_dist_connection
