@@ -189,6 +189,7 @@ import socket, sys, time
 from datetime import timedelta
 import torch.distributed as dist
 
+print("imported", flush=True)
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:  # torch's client backs off for long after a refused connection
     try:
@@ -227,12 +228,15 @@ def test_a_stranger_cannot_take_a_lost_ranks_place_in_an_in_place_recovery(tmp_p
     impostor = subprocess.Popen([sys.executable, "-c", IMPOSTOR, str(port)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     try:
+        # The job only once the stranger has imported torch: imported later (a loaded machine), it
+        # could look for the recovery's keys after the recovery removed them, and see none.
+        assert impostor.stdout is not None and impostor.stdout.readline().strip() == "imported"
         job = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--recovery", "in-place", "--max-restarts", "1",
                               "--nproc-per-node", "2", "--master-port", str(port), str(EXAMPLE), "--epochs", "1",
                               "--samples", "1024", "--kill-at-step", "5"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=180,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        said = impostor.communicate(timeout=60)[0]
+        said = impostor.communicate(timeout=90)[0]  # past its own 60 s, which it reports
     finally:
         impostor.kill()
     assert "forming as rank 1" in said, said
