@@ -29,7 +29,9 @@ within two seconds half of the time: during the recovery it started):
 - ``kill-launcher``: SIGKILL to a node's ``ddpkit run`` (two nodes; node 0's hosts the store; the
   launchers wait 30 s for one another at the start, ``--rdzv-conf join_timeout=30``; in a world
   that may shrink, not before both launchers are in the job: one killed before it arrives makes a
-  job of one node from the start, as ``--nnodes 1:2`` asks, whose result is another one);
+  job of one node from the start, as ``--nnodes 1:2`` asks, whose result is another one; the
+  rendezvous stays open 10 s for the second, ``last_call_timeout=10``: the two start together, but
+  on a loaded machine one may reach the store seconds after the other);
 - ``freeze``: SIGSTOP to a rank for longer than the hang threshold (``DDPKIT_HANG_SECONDS`` and
   ``DDPKIT_HANG_ABORT_SECONDS`` are 3 here), SIGCONT after it if it still lives;
 - ``link-down``: node 1's network link down for 5 s (two nodes in namespaces);
@@ -205,7 +207,7 @@ class Job:
                 raise SystemExit(f"chaos: `ddpkit store` did not serve on port {port}")
             commands = [[*run, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                          f"127.0.0.1:{port}", "--rdzv-id", f"chaos-{name}", "--rdzv-conf",
-                         "last_call_timeout=1,join_timeout=30", "--recovery", "in-place", "--max-restarts", "3", *train]
+                         "last_call_timeout=10,join_timeout=30", "--recovery", "in-place", "--max-restarts", "3", *train]
                         for _ in (0, 1)]
         elif setup == "two-nodes":
             address = namespaces.addresses[0] if namespaces else "127.0.0.1"

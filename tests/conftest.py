@@ -53,7 +53,7 @@ _alone_lock: _AloneLock | None = None
 # a long module collected last would run alone at the end while the other worker idles. Measured
 # with ``--durations=0``; a module missing here only runs in its path's order.
 LONGEST_MODULES_FIRST = (
-    "test_real_loops.py", "launch_modes/test_matrix.py", "test_lightning.py", "test_node_restarts.py",
+    "test_chaos.py", "test_real_loops.py", "launch_modes/test_matrix.py", "test_lightning.py", "test_node_restarts.py",
     "test_example.py", "test_shrinking.py", "test_spare_node.py", "test_stranger.py", "test_launcher.py",
     "test_kill_and_recover.py", "schedulers/test_slurm.py", "test_failed_rank_lives_on.py",
     "test_gpu_check.py", "schedulers/test_mpi.py", "test_launcher_never_stuck.py", "test_preemption.py",
@@ -62,7 +62,7 @@ LONGEST_MODULES_FIRST = (
 
 # Besides those, the modules whose tests each start jobs of several nodes or soak: with the longest
 # ones and every ``alone`` test they are ``slow``, left out of the edit-test loop (``-m "not slow"``).
-SLOW_MODULES = LONGEST_MODULES_FIRST + ("test_chaos.py", "test_straggler_replacement.py", "test_stragglers.py",
+SLOW_MODULES = LONGEST_MODULES_FIRST + ("test_straggler_replacement.py", "test_stragglers.py",
                                         "test_restarts.py", "test_torchrun_restarts.py", "test_store_host_gone.py",
                                         "test_hangs.py")
 
