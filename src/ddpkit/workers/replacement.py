@@ -117,8 +117,8 @@ class Replacements:
         module docstring); False leaves the failure to the caller."""
         if self._pending is not None or not failed or self.used >= self.budget:
             return False
-        if len(failed) >= len(self._workers.workers) or self._spare.process.poll() is not None:
-            return False  # no survivor would hold the state, or the warm spare is gone
+        if len(failed) >= len(self._workers.workers) or not self._spare_waits():
+            return False  # no survivor would hold the state, or no spare can be started again
         codes = [lost.process.poll() for lost in failed]
         if any(code is None or code >= 0 for code in codes) or any(os.path.exists(lost.error_file) for lost in failed):
             return False
@@ -158,6 +158,22 @@ class Replacements:
         self._spare = self._workers.start_spare(self._command, self._environment)  # the next one warms up
         return True
 
+    def _spare_waits(self) -> bool:
+        """Whether a warm spare waits for a rank, after starting another if it ended (up to
+        ``_SPARE_STARTS`` times). Asked before each replacement as well as between recoveries: the
+        spare's end and a rank's loss can come in one look (the out-of-memory killer's two victims,
+        or a spare killed a moment before), and the loss must not find the spare gone."""
+        code = self._spare.process.poll()
+        if code is None:
+            return True
+        if self._spares_started >= _SPARE_STARTS:
+            return False
+        self._spares_started += 1
+        self._spare = self._workers.start_spare(self._command, self._environment)
+        _log.warning(f"ddpkit run: the warm spare {describe_exit(code)}; a new one (pid "
+                     f"{self._spare.process.pid}) takes its place ({self._spares_started} of {_SPARE_STARTS})")
+        return True
+
     def recovering(self) -> str:
         """The ranks whose in-place recovery is under way ("1, 2"; empty when none is)."""
         return self._pending.ranks() if self._pending is not None else ""
@@ -183,12 +199,7 @@ class Replacements:
         ``_SPARE_STARTS`` times: a lost rank is then still replaced in place, not by a restart of all."""
         pending = self._pending
         if pending is None:
-            code = self._spare.process.poll()
-            if code is not None and self._spares_started < _SPARE_STARTS:
-                self._spares_started += 1
-                self._spare = self._workers.start_spare(self._command, self._environment)
-                _log.warning(f"ddpkit run: the warm spare {describe_exit(code)}; a new one (pid "
-                             f"{self._spare.process.pid}) takes its place ({self._spares_started} of {_SPARE_STARTS})")
+            self._spare_waits()
             return None
         if all(os.path.exists(path) for _, path in pending.replacements):
             several = len(pending.replacements) > 1
