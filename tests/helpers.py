@@ -4,12 +4,14 @@ pids. (``job_processes`` finds the processes a job left behind.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,26 @@ from ddpkit.environments import LocalEnvironment, find_free_port
 from ddpkit.training.strategy import DDPStrategy
 
 BATCH_PER_RANK = 4
+
+
+@contextlib.contextmanager
+def ddpkit_messages() -> Iterator[list[str]]:
+    """The messages ddpkit's logger (``ddpkit.logs``) writes meanwhile, from any thread, each once:
+    kept by a handler of the test's own on the ``ddpkit`` logger, which does not propagate. (pytest's
+    ``caplog`` with that logger made to propagate counted such a message twice under pytest 9.2 and
+    once under 9.0.)"""
+    messages: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("ddpkit"), Kept()
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
 
 
 def make_mlp(seed: int = 0) -> nn.Module:

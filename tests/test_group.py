@@ -8,7 +8,6 @@ process's diagnostics read a failed collective, which must not leak into the tes
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ddpkit_messages
 from torch import nn
 
 from ddpkit.environments import find_free_port
@@ -348,8 +348,7 @@ def test_a_member_that_died_while_its_generation_formed_leaves_it_to_the_next_on
     assert "generation 1 of the group was given up while it formed (node 1's launcher went silent)" in output, output
 
 
-def test_an_abandoned_group_still_referenced_elsewhere_is_named_and_one_that_is_not_is_freed_quietly(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_an_abandoned_group_still_referenced_elsewhere_is_named_and_one_that_is_not_is_freed_quietly() -> None:
     """``Group.abort`` frees the group it leaves from a thread; a group that something else still
     holds (an autograd graph that saved it) keeps its connections open, which holds a survivor
     blocked on this rank: the thread says so, and says nothing when the group was freed."""
@@ -358,18 +357,13 @@ def test_an_abandoned_group_still_referenced_elsewhere_is_named_and_one_that_is_
     class Standin:  # what the thread sees of a torch group: an object it holds the only reference to, or not
         pass
 
-    caplog.set_level("WARNING", logger="ddpkit")
-    logger = logging.getLogger("ddpkit")
-    logger.propagate, propagated = True, logger.propagate
-    try:
+    with ddpkit_messages() as messages:
         kept = Standin()
         free_in_background([kept], 3)
         free_in_background([Standin()], 4)
         for thread in PROCESS.connection.freeing[-2:]:
             thread.join(5)
-    finally:
-        logger.propagate = propagated
-    said = [record.getMessage() for record in caplog.records if "still referenced" in record.getMessage()]
+    said = [message for message in messages if "still referenced" in message]
     assert len(said) == 1 and said[0].startswith("ddpkit: the torch group of generation 3, which this rank left"), said
 
 

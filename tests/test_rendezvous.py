@@ -151,7 +151,16 @@ def test_both_nodes_restart_together_and_keep_their_node_ranks(folder: Path) -> 
 # whether its store host (``launching.store_host``) is one of its processes already.
 NOTE_THE_STORE_HOST_AT_TORCHS_IMPORT = textwrap.dedent(
     """
-    import contextlib, os, sys, traceback
+    import contextlib, os, sys, time, traceback
+
+    def child_commands():
+        commands = []
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as handle:
+                for pid in handle.read().split():
+                    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline") as command:
+                        commands.append(command.read())  # (a child that ended meanwhile has none)
+        return commands
 
     class NoteAtTorchsImport:
         def find_spec(self, name, path=None, target=None):
@@ -160,12 +169,12 @@ NOTE_THE_STORE_HOST_AT_TORCHS_IMPORT = textwrap.dedent(
                                       for frame in traceback.extract_stack()):
                 return None
             sys.meta_path.remove(self)
-            commands = []
-            for task in os.listdir("/proc/self/task"):
-                with open(f"/proc/self/task/{task}/children") as handle:
-                    for pid in handle.read().split():
-                        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline") as command:
-                            commands.append(command.read())  # (a child that ended meanwhile has none)
+            # A child's command line reads empty until its exec has laid out the new one, which may
+            # be after Popen returned (Popen returns once the exec closed its pipe): read again.
+            commands, deadline = child_commands(), time.monotonic() + 2
+            while "" in commands and time.monotonic() < deadline:
+                time.sleep(0.01)
+                commands = child_commands()
             hosting = any("ddpkit.launching.store_host" in command for command in commands)
             with open(os.path.join(os.environ["NOTES"], str(os.getpid())), "w") as note:
                 note.write("store host started" if hosting else "no store host yet")
