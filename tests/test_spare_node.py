@@ -7,6 +7,7 @@ with the parameters of the run without the fault. Real launchers and workers on 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ddpkit_messages
 from launchers import (
     PHASE_JOB,
     SECRET,
@@ -282,6 +284,56 @@ def test_a_silent_node_is_lost_for_the_others_unless_a_spare_claims_its_place_an
     spare.beat_through(connect("127.0.0.1", store2, 10))
     assert _silent_node_within(zero, 3.0) is None  # past the takeover's bound: the spare beats as node 1
     spare.leave(0.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_whose_claim_comes_after_the_others_took_the_node_for_lost_does_not_take_its_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spare node that claims a silent node's place after the others' wait for a claim (a spare
+    started late, or slow to look) won it before: node 0's launcher had taken node 1 for lost and
+    ended its workers without writing anything, the spare took the place, and both sides waited at
+    the restart meeting until its time out (60 s). Now the loss is a claim too: written first, the
+    spare's loses, it says so and waits on until the others left (node 1's launcher, which never
+    says it left, counts as gone once lost), and node 1's launcher, should it answer again, is not
+    told a spare replaced it."""
+    monkeypatch.setattr(heartbeats_module, "_SURVIVORS_WAIT_SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(nodes_module, "_CLAIM_SECONDS", 1.0)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    zero, one, spare, other_spare = _coordinations(store.port, 0, 1, -1, -1)
+    one.beat_through(connect("127.0.0.1", store.port, 10))
+    assert _silent_node_within(zero, 0.3) is None
+    one.heartbeats.stop()  # node 1's launcher killed
+    assert "node 1's launcher went silent" in str(_silent_node_within(zero, 5.0))
+    beat = str(zero.heartbeats.last_beat(1))
+
+    stopped = threading.Event()
+    taken: list[Any] = []
+
+    def wait() -> None:
+        with contextlib.suppress(GaveUpWaiting):
+            taken.append(wait_as_spare(spare, lambda: SimpleNamespace(process=SimpleNamespace(poll=lambda: None)), 2,
+                                       lambda: "the test ends" if stopped.is_set() else None))
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    with ddpkit_messages() as messages:
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not any("before this spare node claimed" in message for message in messages) \
+                and waiter.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        waited_on = waiter.is_alive()
+        zero.leave(0.0)  # node 0's launcher ends the job without node 1: the spare is not needed
+        waiter.join(timeout=5)
+        stopped.set()  # (had it waited on, the test ends it)
+        waiter.join(timeout=5)
+    said = [message for message in messages if "before this spare node claimed" in message]
+    assert taken == [None] and waited_on and len(said) == 1, (taken, messages)
+    assert said[0].startswith("ddpkit run: node 1's launcher went silent, and the other nodes took it for lost"), said
+    assert "no spare node claimed its place in time (node 0's launcher" in said[0], said
+    assert not other_spare.world.claim(1, beat, "spare B")  # the place is nobody's
+    assert not one.world.was_replaced(ask_store=True)
+    assert "node 1's launcher went silent" in str(zero.silent_node())  # once lost, always lost
 
 
 @pytest.mark.timeout(60)

@@ -1,7 +1,9 @@
 """Claims on a silent node's place (under in-place recovery): the first launcher to write its claim
 on a node's place, for the launcher that went silent there, decides what becomes of it. A spare
 node's launcher claims it to take the node over (the claim names the spare); a survivor's claims
-it to shrink the world without it, or, when the job may lose no more nodes, to end the job.
+it to shrink the world without it, or, when the job may lose no more nodes or no spare claimed it in
+time, to take it for lost. So a spare's claim written after the others took the node for lost
+loses, and the spare waits on, rather than taking a place the others no longer hold for it.
 
 A node that is alive but slow (a straggler, ``ddpkit run --stragglers replace``) is asked to step
 aside: node 0's launcher writes a request for the launcher there, and a waiting spare node claims
@@ -16,8 +18,8 @@ import enum
 from ddpkit.control_plane.launcher_records import LauncherRecords
 from ddpkit.store import keys
 
-__all__ = ["ClaimKind", "StepAsideRequests", "claim", "claim_kind", "claimant", "launcher_of", "shrink_claim",
-           "spent_claim", "step_aside_request"]
+__all__ = ["ClaimKind", "StepAsideRequests", "claim", "claim_kind", "claimant", "launcher_of", "lost_claim",
+           "shrink_claim", "spent_claim", "step_aside_request"]
 
 
 class ClaimKind(enum.Enum):
@@ -26,6 +28,7 @@ class ClaimKind(enum.Enum):
     SPARE = "a spare node takes its place"
     SHRINK = "the world shrank without it"
     SPENT = "no node loss left to recover from"
+    LOST = "no spare node claimed its place in time"
 
 
 def shrink_claim(who: str) -> str:
@@ -38,9 +41,14 @@ def spent_claim(who: str) -> str:
     return f"{ClaimKind.SPENT.value} ({who} found it lost)"
 
 
+def lost_claim(who: str) -> str:
+    """A survivor's claim that the node is lost: no spare node claimed its place while the others waited."""
+    return f"{ClaimKind.LOST.value} ({who} found it lost)"
+
+
 def claim_kind(text: str) -> ClaimKind:
     """The kind of the claim ``text`` (a spare's names the spare: anything else)."""
-    for kind in (ClaimKind.SHRINK, ClaimKind.SPENT):
+    for kind in (ClaimKind.SHRINK, ClaimKind.SPENT, ClaimKind.LOST):
         if text.startswith(kind.value):
             return kind
     return ClaimKind.SPARE

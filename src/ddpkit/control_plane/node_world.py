@@ -7,7 +7,7 @@ workers' group (``ddpkit.membership.generations``), numbered once for the whole 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from ddpkit.control_plane.heartbeats import Heartbeats
@@ -17,6 +17,7 @@ from ddpkit.control_plane.node_claims import (
     claim,
     claim_kind,
     claimant,
+    lost_claim,
     shrink_claim,
     spent_claim,
     step_aside_request,
@@ -102,9 +103,10 @@ class NodeWorld:
         """The nodes of the world whose launchers said they left the job."""
         return self._records.nodes_that_said(keys.LEFT, self.nodes(), keys.JOB_WIDE)
 
-    def job_over(self) -> bool:
-        """Whether every node's launcher left the job (a spare then has nothing to wait for)."""
-        return len(self.nodes_left()) >= len(self.nodes())
+    def job_over(self, lost: Collection[int] = ()) -> bool:
+        """Whether every node's launcher left the job or was taken for lost (``lost``: a claim on its
+        place found it lost, and the others end the job without it): a spare then has nothing to wait for."""
+        return set(self.nodes()) <= set(self.nodes_left()) | set(lost)
 
     # -- the budget of lost nodes and the generations -------------------------------------------
 
@@ -156,6 +158,19 @@ class NodeWorld:
             return True
         won = self.claimant(node, beat)
         return won is not None and claim_kind(won) is ClaimKind.SHRINK
+
+    def spare_claimed_first(self, node: int, beat: str) -> bool:
+        """Settle that the silent ``node`` (whose launcher's last beat was ``beat``) is lost, under
+        in-place recovery, once no spare claimed its place while the others waited: claim the place
+        for no one. False when that claim, or another survivor's, was written first; True when a
+        spare node's claim was (written since the others' last look: the caller waits for the spare's
+        beat as for any spare's claim, ``NodeCoordination._taken_over``). Without this claim a spare
+        claiming late won a place the others had given up: they ended or restarted their workers,
+        the spare took it, and both sides waited at the restart meeting until its time out."""
+        if self.claim(node, beat, lost_claim(self._heartbeats.who())):
+            return False
+        won = self.claimant(node, beat)
+        return won is not None and claim_kind(won) is ClaimKind.SPARE
 
     def shrink_without_straggler(self, node: int, beat: str, reason: str) -> bool:
         """Shrink the world without ``node``, alive but slow (asked to step aside for ``reason``, and no
@@ -268,9 +283,9 @@ class NodeWorld:
             return True
         if not (ask_store and self.survivors_go_on):
             return False
-        # A claim that found no node loss left replaces nothing: the others end the job instead.
+        # A claim that found the node lost (no node loss left, or no spare in time) replaces nothing.
         by = self.replaced_by()
-        return by is not None and claim_kind(by) is not ClaimKind.SPENT
+        return by is not None and claim_kind(by) in (ClaimKind.SPARE, ClaimKind.SHRINK)
 
     def check_not_replaced(self, ask_store: bool) -> None:
         """``NodeReplacedError`` when a spare node took this node's place: known from a beat that found

@@ -209,6 +209,9 @@ class NodeCoordination:
                 self.heartbeats.report_silent(node, beat)
             if self._taken_over(node, beat, now) or self.world.shrinks_without(node, beat):
                 continue
+            if self.survivors_go_on and self.world.spare_claimed_first(node, beat) and \
+                    now - self.heartbeats.seen_silent_since(node, now) < _TAKEOVER_SECONDS:
+                continue  # a spare's claim came first after all: its beat is waited for (``_taken_over``)
             spent = ""
             if not self.world.node_losses_left():
                 allowed = self.world.node_losses_allowed

@@ -299,7 +299,8 @@ class _LauncherRun:
                          "goes on without this spare)")
             return 128 + self.received[0] if self.received else 1
         if state.takeover is None:
-            _log.warning("ddpkit run: every node's launcher left the job: this spare node was not needed")
+            _log.warning("ddpkit run: every node's launcher left the job or was taken for lost: this spare node was not "
+                         "needed")
             return 0
         state.config = dataclasses.replace(state.config, node_rank=state.takeover.node_rank)
         state.restart_count = state.takeover.attempt

@@ -28,7 +28,8 @@ wins) makes it that node, its warm spares take the node's ranks and shares of th
 the group's next generation, and the survivors' workers form it at a step boundary they agree on
 (``NodeWorld.bring_back``, ``ddpkit.training.recovery``).
 
-When every node's launcher has left (the job finished or ended) the spare ends too: exit 0, and
+When every node's launcher has left (the job finished or ended), or was taken for lost before
+the spare could claim its place (the others then end the job without it), the spare ends too: exit 0, and
 its warm spares are stopped. torch-free, as the launcher is (the store's client comes from
 ``launching.store_client`` through ``NodeCoordination``).
 """
@@ -41,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddpkit.control_plane.job_look import LOOK_SECONDS
-from ddpkit.control_plane.node_claims import launcher_of
+from ddpkit.control_plane.node_claims import ClaimKind, claim_kind, launcher_of
 from ddpkit.control_plane.nodes import NodeCoordination
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
@@ -72,7 +73,7 @@ def wait_as_spare(nodes: NodeCoordination, start_spare: Callable[[], WorkerProce
                   give_up: GiveUp, spares_start_at_once: Callable[[], bool] = lambda: True) -> Takeover | None:
     """Wait, with ``count`` warm spares (``start_spare``), until a node of the world is lost, or was
     removed when the world shrank, and this spare's claim on its place wins (the place taken), or
-    every node's launcher left (None). ``GaveUpWaiting`` when ``give_up`` gives a reason.
+    every node's launcher left or was taken for lost (None). ``GaveUpWaiting`` when ``give_up`` gives a reason.
 
     The spares start once ``spares_start_at_once`` says that starting one does not wait (the node's
     template has done its imports: ``WorkerTemplate.forks_at_once``), and at the latest when a place
@@ -113,6 +114,8 @@ class _Spares:
 
 def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: GiveUp) -> Takeover | None:
     world = nodes.world
+    settled: set[tuple[int, str]] = set()  # the silences whose place another claim took first
+    lost: set[int] = set()  # the nodes the others took for lost first: they end the job without them
     while True:
         # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
         if (reason := give_up()) is not None:
@@ -120,7 +123,7 @@ def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: Give
         # The records are read only when the job's news changed (``JobLook.look``).
         fresh = nodes.looks.news_since("spare")
         if fresh:
-            if world.job_over():
+            if world.job_over(lost):
                 return None
             for node in world.removed():
                 if _training_ends(nodes):
@@ -141,7 +144,7 @@ def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: Give
                         request := nodes.step_asides.request(node, launcher_of(beat))) is not None:
                     candidates[node] = (beat, f"was asked to step aside ({request})")
         for node, (beat, what) in sorted(candidates.items()):
-            if world.said_left(node) or not world.node_losses_left():
+            if (node, beat) in settled or world.said_left(node) or not world.node_losses_left():
                 continue  # (with no node loss left, the others end the job: this spare leaves with it)
             if world.claim(node, beat, claimant):
                 world.spend_node_loss()
@@ -151,6 +154,13 @@ def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: Give
                              f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
                 why = f"node {node}'s launcher {what}; {claimant} took its place"
                 return Takeover(node, generation, attempt, spares.all(), why)
+            settled.add((node, beat))  # another claim was first: asking again would find the same
+            if claim_kind(by := world.claimant(node, beat) or "") in (ClaimKind.LOST, ClaimKind.SPENT):
+                lost.add(node)
+                _log.warning(f"ddpkit run: node {node}'s launcher {what}, and the other nodes took it for lost "
+                             f"before this spare node claimed its place ({by}); this spare node waits on")
+                if world.job_over(lost):  # (the others may have left before this look)
+                    return None
         spares.tend()
         time.sleep(_POLL_SECONDS)
 
