@@ -19,7 +19,7 @@ from ddpkit.control_plane.launcher_records import LauncherRecords
 from ddpkit.store import keys
 
 __all__ = ["ClaimKind", "StepAsideRequests", "claim", "claim_kind", "claimant", "launcher_of", "lost_claim",
-           "shrink_claim", "spent_claim", "step_aside_request"]
+           "shrink_claim", "spare_claimed_first", "spent_claim", "step_aside_request"]
 
 
 class ClaimKind(enum.Enum):
@@ -68,6 +68,20 @@ def claim(records: LauncherRecords, node: int, beat: str, text: str) -> bool:
 def claimant(records: LauncherRecords, node: int, beat: str) -> str | None:
     """Who claimed the place of ``node`` after its launcher went silent at ``beat``, if anyone."""
     return records.read(keys.takeover(node, launcher_of(beat)), keys.JOB_WIDE)
+
+
+def spare_claimed_first(records: LauncherRecords, node: int, beat: str, who: str) -> bool:
+    """Settle that the silent ``node`` (whose launcher's last beat was ``beat``) is lost, once no
+    spare node claimed its place while the others waited: claim the place for no one (``who``: this
+    launcher). False when that claim, or another survivor's, was written first; True when a spare
+    node's claim was (written since the others' last look: the caller waits for the spare's beat, as
+    for any spare's claim). Without this claim a spare claiming late won a place the others had
+    given up: they ended the job, the spare took the place, and waited at the restart meeting until
+    its time out."""
+    if claim(records, node, beat, lost_claim(who)):
+        return False
+    won = claimant(records, node, beat)
+    return won is not None and claim_kind(won) is ClaimKind.SPARE
 
 
 def step_aside_request(records: LauncherRecords, node: int, launcher: str) -> str | None:

@@ -17,7 +17,6 @@ from ddpkit.control_plane.node_claims import (
     claim,
     claim_kind,
     claimant,
-    lost_claim,
     shrink_claim,
     spent_claim,
     step_aside_request,
@@ -158,19 +157,6 @@ class NodeWorld:
             return True
         won = self.claimant(node, beat)
         return won is not None and claim_kind(won) is ClaimKind.SHRINK
-
-    def spare_claimed_first(self, node: int, beat: str) -> bool:
-        """Settle that the silent ``node`` (whose launcher's last beat was ``beat``) is lost, under
-        in-place recovery, once no spare claimed its place while the others waited: claim the place
-        for no one. False when that claim, or another survivor's, was written first; True when a
-        spare node's claim was (written since the others' last look: the caller waits for the spare's
-        beat as for any spare's claim, ``NodeCoordination._taken_over``). Without this claim a spare
-        claiming late won a place the others had given up: they ended or restarted their workers,
-        the spare took it, and both sides waited at the restart meeting until its time out."""
-        if self.claim(node, beat, lost_claim(self._heartbeats.who())):
-            return False
-        won = self.claimant(node, beat)
-        return won is not None and claim_kind(won) is ClaimKind.SPARE
 
     def shrink_without_straggler(self, node: int, beat: str, reason: str) -> bool:
         """Shrink the world without ``node``, alive but slow (asked to step aside for ``reason``, and no

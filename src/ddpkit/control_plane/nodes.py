@@ -85,7 +85,7 @@ from ddpkit.control_plane.launcher_records import (
     clear_worker_keys,
     may_wait_beyond_max,
 )
-from ddpkit.control_plane.node_claims import ClaimKind, StepAsideRequests, claim_kind
+from ddpkit.control_plane.node_claims import ClaimKind, StepAsideRequests, claim_kind, spare_claimed_first
 from ddpkit.control_plane.node_world import NodeReplacedError, NodeWorld, Shrinking
 from ddpkit.logs import get_logger
 from ddpkit.store import keys
@@ -209,7 +209,7 @@ class NodeCoordination:
                 self.heartbeats.report_silent(node, beat)
             if self._taken_over(node, beat, now) or self.world.shrinks_without(node, beat):
                 continue
-            if self.survivors_go_on and self.world.spare_claimed_first(node, beat) and \
+            if self.survivors_go_on and spare_claimed_first(self.records, node, beat, self.heartbeats.who()) and \
                     now - self.heartbeats.seen_silent_since(node, now) < _TAKEOVER_SECONDS:
                 continue  # a spare's claim came first after all: its beat is waited for (``_taken_over``)
             spent = ""
