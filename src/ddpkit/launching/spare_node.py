@@ -114,7 +114,9 @@ class _Spares:
 
 def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: GiveUp) -> Takeover | None:
     world = nodes.world
-    settled: set[tuple[int, str]] = set()  # the silences whose place another claim took first
+    # (node, its launcher's id) whose place another claim took first: a claim is on that launcher's
+    # place (``node_claims.claim``), so asking again, even at a later beat of a straggler, finds the same.
+    settled: set[tuple[int, str]] = set()
     lost: set[int] = set()  # the nodes the others took for lost first: they end the job without them
     while True:
         # Asked first: a spare stopped as the job ends was still stopped (128 + the signal).
@@ -144,7 +146,7 @@ def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: Give
                         request := nodes.step_asides.request(node, launcher_of(beat))) is not None:
                     candidates[node] = (beat, f"was asked to step aside ({request})")
         for node, (beat, what) in sorted(candidates.items()):
-            if (node, beat) in settled or world.said_left(node) or not world.node_losses_left():
+            if (node, launcher_of(beat)) in settled or world.said_left(node) or not world.node_losses_left():
                 continue  # (with no node loss left, the others end the job: this spare leaves with it)
             if world.claim(node, beat, claimant):
                 world.spend_node_loss()
@@ -154,7 +156,7 @@ def _wait(nodes: NodeCoordination, spares: _Spares, claimant: str, give_up: Give
                              f"its ranks in generation {generation} of the group (the other nodes' workers go on)")
                 why = f"node {node}'s launcher {what}; {claimant} took its place"
                 return Takeover(node, generation, attempt, spares.all(), why)
-            settled.add((node, beat))  # another claim was first: asking again would find the same
+            settled.add((node, launcher_of(beat)))
             if claim_kind(by := world.claimant(node, beat) or "") in (ClaimKind.LOST, ClaimKind.SPENT):
                 lost.add(node)
                 _log.warning(f"ddpkit run: node {node}'s launcher {what}, and the other nodes took it for lost "
